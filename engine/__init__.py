@@ -1,0 +1,31 @@
+"""pagestream's inference engine: paged KV cache, continuous batching, offline API."""
+
+from engine.config import EngineConfig
+from engine.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelLoadError,
+    PagestreamError,
+    UnsupportedModelError,
+)
+from engine.llm import LLM, RequestOutput
+from engine.llm_engine import EngineStats, LLMEngine, StepOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, Usage
+
+__all__ = [
+    "LLM",
+    "ConfigError",
+    "EngineConfig",
+    "EngineStats",
+    "FinishReason",
+    "InvalidRequestError",
+    "LLMEngine",
+    "ModelLoadError",
+    "PagestreamError",
+    "RequestOutput",
+    "SamplingParams",
+    "StepOutput",
+    "UnsupportedModelError",
+    "Usage",
+]

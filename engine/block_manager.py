@@ -1,0 +1,209 @@
+"""The page pool's bookkeeping: free list, reference counts, block tables, prefix cache.
+
+Pure accounting, no tensors: the KV cache tensors live in ``engine.kv_cache`` and are indexed
+by the block ids handed out here. A block is *owned* while its reference count is > 0. Blocks
+with count 0 sit in one LRU free queue; those that still hold a full, hashed block of tokens
+can be revived by a prefix-cache hit until they are handed out again (evicted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+
+from engine.sequence import Sequence
+
+ROOT_HASH = b"pagestream-prefix-root"
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: equal hashes mean equal prefixes, whole-prefix."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+class BlockManager:
+    """Hands out fixed-size KV pages to sequences and takes them back."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        tenant_page_quotas: Mapping[str, int] | None = None,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.tenant_page_quotas = dict(tenant_page_quotas or {})
+        self.ref_counts = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._block_of_hash: dict[bytes, int] = {}
+        # Front = least recently freed; cached blocks freed last are evicted last.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.tenant_pages: Counter[str] = Counter()
+        self.num_prefix_queries = 0  # blocks looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, found
+
+    # -- queries --------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of_hash)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        num_tokens = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def tenant_over_quota(self, tenant: str, num_new_blocks: int) -> bool:
+        quota = self.tenant_page_quotas.get(tenant)
+        return quota is not None and self.tenant_pages[tenant] + num_new_blocks > quota
+
+    # -- allocation -----------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks of ``seq``'s leading full blocks; returns tokens reused.
+
+        At least one token is left to compute, since the step must produce logits.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        for block_hash in seq.block_hashes[:max_blocks]:
+            self.num_prefix_queries += 1
+            block = self._block_of_hash.get(block_hash)
+            if block is None:
+                break
+            self.num_prefix_hits += 1
+            self._acquire(block)
+            seq.block_table.append(block)
+        self.tenant_pages[seq.tenant] += len(seq.block_table)
+        seq.num_registered_blocks = len(seq.block_table)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens, if pages allow."""
+        num_needed = self.num_blocks_needed(seq, num_new_tokens)
+        if num_needed > len(self._free):
+            return False
+        for _ in range(num_needed):
+            seq.block_table.append(self._pop_free())
+        self.tenant_pages[seq.tenant] += num_needed
+        return True
+
+    def allocate_blocks(self, tenant: str, num_blocks: int) -> list[int] | None:
+        """Fresh blocks not tied to token content (swap-in); None if the pool is short."""
+        if num_blocks > len(self._free):
+            return None
+        self.tenant_pages[tenant] += num_blocks
+        return [self._pop_free() for _ in range(num_blocks)]
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; its last blocks go to the back of the LRU queue."""
+        self.release_blocks(seq.tenant, seq.block_table)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def release_blocks(self, tenant: str, blocks: list[int]) -> None:
+        # Reverse order: a sequence's tail blocks are the least likely to be shared, so they
+        # should be evicted before its head blocks.
+        for block in reversed(blocks):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+        self.tenant_pages[tenant] -= len(blocks)
+        if self.tenant_pages[tenant] == 0:
+            del self.tenant_pages[tenant]
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publish ``seq``'s newly filled blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        self._extend_hashes(seq, num_full)
+        for index in range(seq.num_registered_blocks, num_full):
+            block_hash = seq.block_hashes[index]
+            block = seq.block_table[index]
+            # Two sequences may compute the same block at once; the first one is kept.
+            if block_hash not in self._block_of_hash and self._hash_of[block] is None:
+                self._block_of_hash[block_hash] = block
+                self._hash_of[block] = block_hash
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block in list(self._block_of_hash.items()):
+            if self.ref_counts[block] == 0:
+                del self._block_of_hash[block_hash]
+                self._hash_of[block] = None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        bs = self.block_size
+        for index in range(len(seq.block_hashes), num_blocks):
+            parent = seq.block_hashes[index - 1] if index else ROOT_HASH
+            seq.block_hashes.append(hash_block(parent, seq.token_ids(index * bs, (index + 1) * bs)))
+
+    def _acquire(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        evicted = self._hash_of[block]
+        if evicted is not None:
+            del self._block_of_hash[evicted]
+            self._hash_of[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        """Every page free or owned, counts equal to the owners: for tests and debugging."""
+        owners: Counter[int] = Counter()
+        for seq in seqs:
+            owners.update(seq.block_table)
+        for block in range(self.num_blocks):
+            count = self.ref_counts[block]
+            assert count >= 0, f"block {block} has a negative count"
+            assert count == owners[block], f"block {block}: count {count} != {owners[block]} owners"
+            assert (count == 0) == (block in self._free), f"block {block} neither free nor owned"
+        for block_hash, block in self._block_of_hash.items():
+            assert self._hash_of[block] == block_hash, f"block {block} cache entry is stale"
+
+
+class HostBlockPool:
+    """Free list of host-memory pages that hold swapped-out sequences."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        if num_blocks > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(num_blocks)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)

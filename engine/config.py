@@ -1,0 +1,248 @@
+"""Engine settings: one frozen, validated dataclass, and the CLI flags that fill it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from engine.errors import ConfigError
+
+PagedAttnMode = Literal["auto", "on", "off"]
+PreemptionMode = Literal["recompute", "swap"]
+DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
+CacheTypeName = Literal["auto", "fp8_e4m3"]
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MEMORY_FRACTION = 0.9
+# On the CPU the pool shares RAM with everything else: default to a fixed, modest budget.
+DEFAULT_CPU_POOL_MB = 1024
+CUDA_GRAPHS_ENV = "PAGESTREAM_CUDA_GRAPHS"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of the engine; invalid values and combinations fail at construction."""
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"  # auto = cuda when available, else cpu
+    dtype: DTypeName = "auto"
+    paged_attn: PagedAttnMode = "auto"
+    pa_memory_mb: int | None = None
+    pa_memory_fraction: float | None = None
+    pa_context_len: int | None = None
+    pa_block_size: int = 32
+    pa_cache_type: CacheTypeName = "auto"
+    max_seqs: int = 256
+    max_batched_tokens: int = 8192
+    prefill_chunk: int = 4096
+    max_model_len: int | None = None  # default: the model's own context length
+    prefix_caching: bool = True
+    preemption: PreemptionMode = "recompute"
+    swap_space_mb: int = 4096
+    cuda_graphs: bool | None = None  # None = on for CUDA unless PAGESTREAM_CUDA_GRAPHS=0
+    tenant_page_quotas: Mapping[str, int] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_budget()
+        self._check_sizes()
+
+    def _check_choices(self) -> None:
+        _choice("paged_attn", self.paged_attn, ("auto", "on", "off"))
+        _choice("preemption", self.preemption, ("recompute", "swap"))
+        _choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
+        _choice("pa_cache_type", self.pa_cache_type, ("auto", "fp8_e4m3"))
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ConfigError(f"device: {self.device!r} is not one of auto, cpu, cuda[:N]")
+
+    def _check_budget(self) -> None:
+        given = [
+            name
+            for name in ("pa_memory_mb", "pa_memory_fraction", "pa_context_len")
+            if getattr(self, name) is not None
+        ]
+        if len(given) > 1:
+            flags = " and ".join("--" + name.replace("_", "-") for name in given)
+            raise ConfigError(f"{flags} are mutually exclusive: give at most one KV pool budget")
+        if self.pa_memory_mb is not None and self.pa_memory_mb <= 0:
+            raise ConfigError("pa_memory_mb must be > 0")
+        if self.pa_memory_fraction is not None and not 0 < self.pa_memory_fraction <= 1:
+            raise ConfigError("pa_memory_fraction must be in (0, 1]")
+        if self.pa_context_len is not None and self.pa_context_len <= 0:
+            raise ConfigError("pa_context_len must be > 0")
+
+    def _check_sizes(self) -> None:
+        bs = self.pa_block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ConfigError(f"pa_block_size must be a power of two, got {bs}")
+        for name in ("max_seqs", "max_batched_tokens", "prefill_chunk", "swap_space_mb"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.max_batched_tokens < self.max_seqs:
+            raise ConfigError(
+                f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_seqs "
+                f"({self.max_seqs}): every running sequence needs one token per decode step"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len must be >= 2")
+        for tenant, quota in self.tenant_page_quotas.items():
+            if quota < 1:
+                raise ConfigError(f"tenant_page_quotas[{tenant!r}] must be >= 1 page")
+
+    # -- derived settings -------------------------------------------------------------------
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def use_paged_attention(self) -> bool:
+        return self.paged_attn != "off"
+
+    def use_cuda_graphs(self) -> bool:
+        if not self.resolved_device().startswith("cuda"):
+            return False
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
+
+
+# -- CLI flags -------------------------------------------------------------------------------
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def _quota(text: str) -> tuple[str, int]:
+    tenant, sep, pages = text.rpartition("=")
+    if not sep or not tenant or not pages.isdigit():
+        raise argparse.ArgumentTypeError(f"expected TENANT=PAGES, got {text!r}")
+    return tenant, int(pages)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add every engine flag (DESIGN.md's names) to ``parser``."""
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="HF dir or hub id, .gguf file, dummy:<shape>, or smollm2-135m (default)",
+    )
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="compute type (auto: bf16 on CUDA, fp32 on CPU)",
+    )
+    g.add_argument(
+        "--paged-attn",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="off = contiguous per-sequence KV cache (reference/baseline)",
+    )
+    budget = g.add_mutually_exclusive_group()
+    budget.add_argument("--pa-memory-mb", type=int, help="KV pool budget in MiB")
+    budget.add_argument(
+        "--pa-memory-fraction",
+        type=float,
+        help="KV pool budget as a fraction of free device memory (default 0.9 on CUDA)",
+    )
+    budget.add_argument(
+        "--pa-context-len", type=int, help="size the KV pool to hold this many tokens"
+    )
+    g.add_argument(
+        "--pa-block-size",
+        type=int,
+        default=32,
+        help="tokens per KV page, a power of two (default 32)",
+    )
+    g.add_argument(
+        "--pa-cache-type",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],
+        help="KV cache element type (auto = model dtype)",
+    )
+    g.add_argument(
+        "--max-seqs", type=int, default=256, help="running sequences at once (default 256)"
+    )
+    g.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=8192,
+        help="token budget per engine step (default 8192)",
+    )
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=4096,
+        help="largest prefill chunk of one sequence per step (default 4096)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest sequence (prompt + output); default: the model's context length",
+    )
+    g.add_argument(
+        "--prefix-caching",
+        type=_on_off,
+        default=True,
+        metavar="on/off",
+        help="reuse KV pages of shared prefixes (default on)",
+    )
+    g.add_argument(
+        "--preemption",
+        default="recompute",
+        choices=["recompute", "swap"],
+        help="what happens when pages run out (default recompute)",
+    )
+    g.add_argument(
+        "--swap-space-mb",
+        type=int,
+        default=4096,
+        help="host memory for swapped-out pages, MiB (default 4096)",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        type=_on_off,
+        default=None,
+        metavar="on/off",
+        help=f"decode CUDA graphs (default on for CUDA; env {CUDA_GRAPHS_ENV}=0 turns off)",
+    )
+    g.add_argument(
+        "--tenant-quota",
+        type=_quota,
+        action="append",
+        default=[],
+        metavar="TENANT=PAGES",
+        help="cap the KV pages one tenant's sequences may hold (repeatable)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the sampler's default generator (default 0)"
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """Build an ``EngineConfig`` from flags added by :func:`add_engine_args`."""
+    values: dict[str, Any] = {}
+    names = {f.name for f in fields(EngineConfig)}
+    for name in names - {"tenant_page_quotas"}:
+        if hasattr(args, name):
+            values[name] = getattr(args, name)
+    values["tenant_page_quotas"] = dict(getattr(args, "tenant_quota", []) or [])
+    values.update(overrides)
+    return EngineConfig(**values)

@@ -1,0 +1,151 @@
+"""``LLM``: offline batch generation over the same engine the worker drives."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, StepOutput
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, Usage
+
+Prompt = str | Seq[int]
+Conversation = list[dict[str, Any]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    time_to_first_token_s: float | None = None
+    latency_s: float | None = None
+
+
+class LLM:
+    """Generate text for many prompts at once with continuous batching.
+
+    >>> llm = LLM("smollm2-135m")
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
+    >>> out[0].text
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **settings: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **settings))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in input order. A prompt is text or a list of token ids."""
+        batch = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params, len(batch))
+        requests = [
+            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in batch
+        ]
+        return self._run(requests, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Seq[Conversation],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        is_single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if is_single else list(messages)
+        params = _broadcast(sampling_params, len(conversations))
+        requests = [{"messages": list(conversation)} for conversation in conversations]
+        return self._run(requests, params, use_tqdm)
+
+    def _run(
+        self, requests: list[dict[str, Any]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        outputs = self._add_all(requests, params)
+        by_id = {out.request_id: out for out in outputs}
+        start_s = time.perf_counter()
+        with tqdm(total=len(outputs), disable=not use_tqdm, desc="generate", unit="req") as bar:
+            num_tokens = 0
+            while self.engine.has_unfinished_requests():
+                for step_out in self.engine.step():
+                    num_tokens += len(step_out.new_token_ids)
+                    if _collect(by_id[step_out.request_id], step_out, start_s):
+                        bar.update(1)
+                elapsed_s = time.perf_counter() - start_s
+                bar.set_postfix_str(f"{num_tokens / max(elapsed_s, 1e-9):.1f} tok/s", refresh=False)
+        return outputs
+
+    def _add_all(
+        self, requests: list[dict[str, Any]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        # Encode and validate every request before any runs, so a bad one costs nothing.
+        encoded = []
+        for index, request in enumerate(requests):
+            try:
+                encoded.append(self.engine.encode_prompt(**request))
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(exc.field, f"request {index}: {exc.message}") from exc
+        outputs = []
+        for request, token_ids, sampling in zip(requests, encoded, params, strict=True):
+            request_id = self.engine.add_request(prompt_token_ids=token_ids, sampling=sampling)
+            outputs.append(RequestOutput(request_id, request.get("prompt"), token_ids))
+        return outputs
+
+
+def _collect(out: RequestOutput, step_out: StepOutput, start_s: float) -> bool:
+    """Fold one step's output into ``out``; True when the request has finished."""
+    if step_out.new_token_ids and out.time_to_first_token_s is None:
+        out.time_to_first_token_s = time.perf_counter() - start_s
+    out.token_ids += step_out.new_token_ids
+    out.logprobs += step_out.logprobs
+    out.text += step_out.text_delta
+    if step_out.finished:
+        out.finish_reason = step_out.finish_reason
+        out.stop_reason = step_out.stop_reason
+        out.usage = step_out.usage
+        out.latency_s = time.perf_counter() - start_s
+    return step_out.finished
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(x, int) for x in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _broadcast(
+    params: SamplingParams | Seq[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise InvalidRequestError(
+            "sampling_params", f"{len(params)} given for {count} prompts; give one or one each"
+        )
+    return list(params)

@@ -1,0 +1,376 @@
+"""``LLMEngine``: the step-level engine the worker drives (and ``LLM`` wraps offline).
+
+``add_request`` and ``abort`` may be called from any thread: they validate at once (raising
+``InvalidRequestError``) and queue the change; ``step`` applies queued changes, schedules,
+runs the model once and returns what every sequence that advanced produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.block_manager import BlockManager, HostBlockPool
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ConfigError, InvalidRequestError
+from engine.kv_cache import KVCache, KVCacheSpec, plan_pool
+from engine.loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner, SampledToken
+from engine.sampler import Sampler, TokenLogprobs, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus, Usage
+
+logger = logging.getLogger("pagestream.engine")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class StepOutput:
+    """What one sequence produced in one step (new tokens, or its end)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    logprobs: list[TokenLogprobs | None]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_pages_used: int
+    num_pages_free: int
+    prefix_hit_rate: float
+    num_preemptions: int
+
+
+@dataclass
+class _Inbox:
+    """Changes queued by other threads, applied at the start of the next step."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    added: list[Sequence] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    known_ids: set[str] = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.dtype = _resolve_dtype(config, self.device)
+        if config.pa_cache_type != "auto":
+            raise ConfigError(
+                f"--pa-cache-type {config.pa_cache_type} is not supported by the torch "
+                "attention backend; use auto"
+            )
+        backend = get_attention_backend(self.device)
+        self.loaded: LoadedModel = load_model(
+            config.model, self.dtype, self.device, backend, config.max_model_len, config.seed
+        )
+        self.max_model_len = _resolve_max_model_len(config, self.loaded)
+        self.tokenizer = self.loaded.tokenizer
+        self.eos_token_ids = self.loaded.eos_token_ids
+        self._build_cache()
+        self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
+        sampler = Sampler(self.loaded.arch.vocab_size)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, sampler, self.device)
+        self._inbox = _Inbox()
+        self._request_counter = itertools.count()
+        torch.manual_seed(config.seed)
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s pages=%d x %d tokens (%s) load=%.1fs",
+            config.model, self.device, self.dtype, self.kv_cache.num_blocks,
+            self.kv_cache.spec.block_size, self.pool_source, self.loaded.load_s,
+        )  # fmt: skip
+
+    def _build_cache(self) -> None:
+        paged = self.config.use_paged_attention()
+        # Paging off = one contiguous slot of max_model_len tokens per sequence: the same
+        # pool with a page as long as the context, reserved in full when a sequence starts.
+        block_size = self.config.pa_block_size if paged else self.max_model_len
+        spec = KVCacheSpec.for_model(self.loaded.arch, block_size, self.dtype)
+        plan = plan_pool(self.config, spec, self.device, self.max_model_len)
+        self.pool_source = plan.source
+        self.kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, self.device)
+        self.block_manager = BlockManager(
+            plan.num_blocks,
+            block_size,
+            enable_prefix_caching=paged and self.config.prefix_caching,
+            tenant_page_quotas=self.config.tenant_page_quotas,
+        )
+        self.host_pool = HostBlockPool(plan.num_host_blocks)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Seq[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+        timeout_s: float | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ``InvalidRequestError``."""
+        if request_id is None:
+            request_id = f"req-{next(self._request_counter)}"
+        sampling = sampling or SamplingParams()
+        token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
+        if timeout_s is not None and timeout_s <= 0:
+            raise InvalidRequestError("timeout_s", "must be > 0")
+        now_s = time.monotonic()
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            arrival_s=now_s,
+            priority=priority,
+            tenant=tenant,
+            deadline_s=None if timeout_s is None else now_s + timeout_s,
+            eos_token_ids=frozenset() if sampling.ignore_eos else self.eos_token_ids,
+            generator=None if sampling.seed is None else make_generator(sampling.seed),
+        )
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=sampling.skip_special_tokens,
+                stop=sampling.stop,
+                include_stop_str_in_output=sampling.include_stop_str_in_output,
+            )
+        with self._inbox.lock:
+            if request_id in self._inbox.known_ids:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+            self._inbox.known_ids.add(request_id)
+            self._inbox.added.append(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its pages are freed at the start of the next step."""
+        with self._inbox.lock:
+            self._inbox.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._inbox.lock:
+            pending = bool(self._inbox.added or self._inbox.aborted)
+        return pending or self.scheduler.num_unfinished > 0
+
+    def encode_prompt(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Seq[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids, checked against the vocabulary and the context length."""
+        token_ids = self._tokenize(prompt, prompt_token_ids, messages)
+        self._check_prompt(token_ids)
+        return token_ids
+
+    def _tokenize(
+        self,
+        prompt: str | None,
+        prompt_token_ids: Seq[int] | None,
+        messages: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("prompt", "give exactly one of prompt, token_ids, messages")
+        if prompt_token_ids is not None:
+            return list(prompt_token_ids)
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "prompt", f"model {self.config.model!r} has no tokenizer; send token_ids"
+            )
+        if messages is not None:
+            prompt = self.apply_chat_template(messages)
+            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        assert prompt is not None
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt", "must be a string")
+        return list(self.tokenizer(prompt).input_ids) if prompt else []
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "messages", f"model {self.config.model!r} has no chat template"
+            )
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
+        for message in messages:
+            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                raise InvalidRequestError("messages", "each message needs a role and a content")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return str(text)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt", "is empty")
+        vocab_size = self.loaded.arch.vocab_size
+        bad = next(
+            (t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None
+        )
+        if bad is not None:
+            raise InvalidRequestError(
+                "token_ids", f"{bad!r} is not a token id of this model (0..{vocab_size - 1})"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {len(token_ids)} tokens; the model context is {self.max_model_len} tokens, "
+                f"so a prompt may have at most {self.max_model_len - 1}",
+            )
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one engine step; outputs of every sequence that advanced or ended."""
+        outputs = self._apply_inbox()
+        batch = self.scheduler.schedule(time.monotonic())
+        outputs += [self._finished_output(seq) for seq in batch.finished]
+        sampled = self.runner.execute(batch)
+        self._advance(batch)
+        outputs += [self._append_token(token) for token in sampled]
+        return outputs
+
+    def _apply_inbox(self) -> list[StepOutput]:
+        with self._inbox.lock:
+            added, self._inbox.added = self._inbox.added, []
+            aborted, self._inbox.aborted = self._inbox.aborted, []
+        for seq in added:
+            self.scheduler.add(seq)
+        outputs = []
+        for request_id in aborted:
+            seq = self.scheduler.find(request_id)
+            if seq is not None:
+                self.scheduler.finish(seq, FinishReason.CANCELLED)
+                outputs.append(self._finished_output(seq))
+        return outputs
+
+    def _advance(self, batch: ScheduledBatch) -> None:
+        for entry in batch.scheduled:
+            entry.seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.register_full_blocks(entry.seq)
+
+    def _append_token(self, sampled: SampledToken) -> StepOutput:
+        seq, token_id = sampled.seq, sampled.token_id
+        seq.output_token_ids.append(token_id)
+        seq.output_logprobs.append(sampled.logprobs)
+        if seq.first_token_s is None:
+            seq.first_token_s = time.monotonic()
+        text_delta = ""
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.add_tokens([token_id])
+            text_delta = delta.text
+            if delta.stopped and seq.num_output_tokens >= seq.sampling.min_tokens:
+                seq.stop_reason = delta.stop_reason
+                self._finish(seq, FinishReason.STOP)
+        if not seq.is_finished:
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                text_delta += self._finish(seq, reason)
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            text_delta=text_delta,
+            logprobs=[sampled.logprobs],
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            usage=seq.usage() if seq.is_finished else None,
+        )
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.sampling
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return FinishReason.STOP
+            if token_id in seq.eos_token_ids:
+                return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> str:
+        """End ``seq`` now (pages freed); returns text that was held back, if any."""
+        self.scheduler.finish(seq, reason)
+        seq.finished_s = time.monotonic()
+        with self._inbox.lock:
+            self._inbox.known_ids.discard(seq.request_id)
+        if seq.detokenizer is None or isinstance(seq.stop_reason, str):
+            return ""  # a stop string ends the text where it matched
+        return seq.detokenizer.flush()
+
+    def _finished_output(self, seq: Sequence) -> StepOutput:
+        """Output for a sequence ended outside sampling (cancel, timeout)."""
+        seq.finished_s = time.monotonic()
+        with self._inbox.lock:
+            self._inbox.known_ids.discard(seq.request_id)
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            text_delta="",
+            logprobs=[],
+            finished=True,
+            finish_reason=seq.finish_reason,
+            usage=seq.usage(),
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            num_pages_used=bm.num_used_blocks,
+            num_pages_free=bm.num_free_blocks,
+            prefix_hit_rate=bm.prefix_hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self.scheduler.find(request_id)
+
+
+def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[config.dtype]
+
+
+def _resolve_max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
+    model_len = loaded.arch.max_position_embeddings
+    if config.max_model_len is None:
+        return model_len
+    if config.max_model_len > model_len:
+        raise ConfigError(
+            f"max_model_len {config.max_model_len} exceeds the model's context ({model_len})"
+        )
+    return config.max_model_len
+
+
+__all__ = ["EngineStats", "LLMEngine", "SequenceStatus", "StepOutput"]

@@ -1,0 +1,90 @@
+"""``dummy:<shape>``: random weights of named real model shapes, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.errors import ModelLoadError
+
+# HF config fields of each shape; architecture chooses the transformers config class.
+DUMMY_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+    ),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True,
+    ),
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+    ),
+    "llama3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+    ),
+    "mistral-7b": dict(
+        architectures=["MistralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        sliding_window=None,
+    ),
+}  # fmt: skip
+
+DUMMY_PREFIX = "dummy:"
+DUMMY_INIT_STD = 0.02
+
+
+def dummy_hf_config(shape: str) -> Any:
+    """A transformers config object for ``shape``."""
+    import transformers
+
+    if shape not in DUMMY_SHAPES:
+        raise ModelLoadError(
+            f"unknown dummy shape {shape!r}; known: {', '.join(sorted(DUMMY_SHAPES))}"
+        )
+    fields = dict(DUMMY_SHAPES[shape])
+    config_class = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[fields["architectures"][0]]
+    return config_class(**fields)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights 1, biases 0, everything else N(0, 0.02), reproducible from ``seed``."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                if param.device not in generators:
+                    generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+                param.normal_(0.0, DUMMY_INIT_STD, generator=generators[param.device])

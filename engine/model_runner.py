@@ -1,0 +1,144 @@
+"""Turns a scheduled batch into device tensors, runs the model and samples."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.scheduler import ScheduledBatch, ScheduledSeq
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S]: last token of each sequence that samples
+    sampling_entries: list[ScheduledSeq]
+
+
+class ModelRunner:
+    """The only place that builds device tensors from sequences."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.device = device
+        self.block_size = kv_cache.spec.block_size
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        # Swap-outs first: their pages may be handed to other sequences in this very step.
+        if batch.swap_out:
+            self.kv_cache.swap_out(*map(list, zip(*batch.swap_out, strict=True)))
+        if batch.swap_in:
+            self.kv_cache.swap_in(*map(list, zip(*batch.swap_in, strict=True)))
+        if batch.is_empty:
+            return []
+        inputs = self.prepare_inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+        if not inputs.sampling_entries:
+            return []  # only partial prefill chunks this step
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+        rows = [self._sampling_row(entry.seq) for entry in inputs.sampling_entries]
+        out = self.sampler.sample(logits, rows)
+        return [
+            SampledToken(entry.seq, token_id, logprobs)
+            for entry, token_id, logprobs in zip(
+                inputs.sampling_entries, out.token_ids, out.logprobs, strict=True
+            )
+        ]
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling_entries: list[ScheduledSeq] = []
+        for entry in batch.scheduled:
+            seq, start = entry.seq, entry.seq.num_computed_tokens
+            end = start + entry.num_new_tokens
+            token_ids += seq.token_ids(start, end)
+            positions += range(start, end)
+            slots += self._slots(seq.block_table, start, end)
+            query_start_loc.append(len(token_ids))
+            seq_lens.append(end)
+            if entry.samples:
+                logits_indices.append(len(token_ids) - 1)
+                sampling_entries.append(entry)
+        meta = self._metadata(batch, slots, seq_lens, query_start_loc)
+        return ModelInputs(
+            input_ids=self._tensor(token_ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            meta=meta,
+            logits_indices=self._tensor(logits_indices, torch.int64),
+            sampling_entries=sampling_entries,
+        )
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def _metadata(
+        self,
+        batch: ScheduledBatch,
+        slots: list[int],
+        seq_lens: list[int],
+        query_start_loc: list[int],
+    ) -> AttentionMetadata:
+        tables = [entry.seq.block_table for entry in batch.scheduled]
+        max_blocks = max(len(table) for table in tables)
+        padded = [table + [0] * (max_blocks - len(table)) for table in tables]
+        num_decodes = 0
+        while num_decodes < len(batch.scheduled) and (
+            batch.scheduled[num_decodes].num_new_tokens == 1
+        ):
+            num_decodes += 1
+        query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(padded, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=query_start_loc,
+            num_decodes=num_decodes,
+            max_seq_len=max(seq_lens),
+            max_query_len=max(query_lens),
+        )
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.sampling
+        suppressed: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            suppressed = (*seq.eos_token_ids, *params.stop_token_ids)
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=seq.generator,
+            suppressed_token_ids=suppressed,
+        )
+
+    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)

@@ -1,0 +1,112 @@
+"""``ModelArch``: the shape of a Llama-family decoder, read from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import UnsupportedModelError
+
+# HF architecture name -> (family, qkv bias always on, q/k norm)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "MistralForCausalLM": ("mistral", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+
+    @property
+    def num_q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelArch:
+        architecture = (getattr(config, "architectures", None) or ["?"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {architecture!r} is not supported; supported: "
+                + ", ".join(SUPPORTED_ARCHITECTURES)
+            )
+        family, qkv_bias_always, qk_norm = SUPPORTED_ARCHITECTURES[architecture]
+        num_heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=_rope_theta(config),
+            rope_scaling=_rope_scaling(config),
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias_always or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=qk_norm,
+            sliding_window=_sliding_window(config, family),
+        )
+
+
+def _rope_params(config: Any) -> dict[str, Any]:
+    # transformers >= 5 folds theta and scaling into `rope_parameters`; 4.x keeps them apart.
+    params = getattr(config, "rope_parameters", None)
+    return dict(params) if isinstance(params, dict) else {}
+
+
+def _rope_theta(config: Any) -> float:
+    theta = _rope_params(config).get("rope_theta", getattr(config, "rope_theta", None))
+    return float(theta if theta is not None else 10000.0)
+
+
+def _rope_scaling(config: Any) -> dict[str, Any] | None:
+    params = _rope_params(config) or dict(getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    return {**params, "rope_type": rope_type}
+
+
+def _sliding_window(config: Any, family: str) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if family == "mistral":
+        return int(window) if window else None
+    if window and getattr(config, "use_sliding_window", False):
+        raise UnsupportedModelError(
+            f"{family} with use_sliding_window=true is not supported (per-layer windows)"
+        )
+    return None

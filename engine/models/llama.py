@@ -1,0 +1,216 @@
+"""Native Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3.
+
+Tokens of all sequences of a step are packed into one ``[T]`` batch (no padding); attention
+finds each sequence's context through ``AttentionMetadata``. q/k/v and gate/up projections
+are fused into one matmul each; weights are loaded from HF names into the fused layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.errors import ModelLoadError
+from engine.models.arch import ModelArch
+from kernels.activation import silu_and_mul_ref
+from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, arch.o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.scale = arch.head_dim**-0.5
+        self.sliding_window = arch.sliding_window
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm pre-rope
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary_ref(q, positions, *rope)
+        k = rotary_ref(k, positions, *rope)
+        out = self.backend.forward(q, k, v, *kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_index, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """One class for the whole family; ``ModelArch`` switches biases, q/k norm, windows."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, index, backend) for index in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rope_cos = torch.empty(0)
+        self.rope_sin = torch.empty(0)
+
+    def init_rope(self, max_positions: int, device: torch.device) -> None:
+        """float32 cos/sin tables for positions ``[0, max_positions)`` (kept out of ``.to()``)."""
+        inv_freq = rope_inv_freq(self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
+        cos, sin = rope_cos_sin_cache(inv_freq, max_positions)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        rope = (self.rope_cos, self.rope_sin)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, rope, kv_cache, meta)
+        assert residual is not None
+        x, _ = self.norm.add_and_norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        return self.lm_head(hidden)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def tie_weights(self) -> None:
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused layout; every parameter must be covered."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = self._fused_target(hf_name)
+            if target is None:
+                continue
+            name, rows = target
+            if name not in params:
+                raise ModelLoadError(f"weight {hf_name!r} has no place in {self.arch.architecture}")
+            dest = params[name].data if rows is None else params[name].data[rows[0] : rows[1]]
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"weight {hf_name!r}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name if rows is None else f"{name}[{rows[0]}:{rows[1]}]")
+        self._check_all_loaded(loaded)
+
+    def _fused_target(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
+        """HF name -> (parameter name, row range inside a fused parameter or None)."""
+        if "rotary_emb" in hf_name:
+            return None
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return None
+        arch = self.arch
+        q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_size),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q_size, q_size + kv_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size, q_size + 2 * kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, arch.intermediate_size),
+            "mlp.up_proj": ("mlp.gate_up_proj", arch.intermediate_size, 2 * arch.intermediate_size),
+        }
+        for part, (whole, start, end) in fused.items():
+            if f".{part}." in name:
+                return name.replace(part, whole), (start, end)
+        return name, None
+
+    def _check_all_loaded(self, loaded: set[str]) -> None:
+        missing = []
+        for name, _ in self.named_parameters():
+            if name in loaded or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
+                continue
+            rows = sum(_row_count(key) for key in loaded if key.startswith(name + "["))
+            if rows != dict(self.named_parameters())[name].shape[0]:
+                missing.append(name)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} weights: {shown}")
+
+
+def _row_count(key: str) -> int:
+    start, end = key[key.index("[") + 1 : -1].split(":")
+    return int(end) - int(start)

@@ -1,0 +1,231 @@
+"""Continuous batching: which sequences run this step, and with how many tokens each.
+
+Each step spends a token budget (``max_batched_tokens``) on running decodes first, then on
+prefill chunks of partly prefilled sequences, then on resuming swapped sequences, then on
+admitting waiting ones, in priority order (lower ``priority`` first, then arrival). When
+pages run out the lowest-priority, newest running sequence is preempted: its pages are freed
+and it is requeued (``recompute``) or copied to host memory (``swap``). Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, HostBlockPool
+from engine.config import EngineConfig
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's last token, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) pages
+    finished: list[Sequence] = field(default_factory=list)  # timed out this step
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(entry.num_new_tokens for entry in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _order(seq: Sequence) -> tuple[int, float]:
+    return (seq.priority, seq.arrival_s)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, host_pool: HostBlockPool):
+        self.config = config
+        self.block_manager = block_manager
+        self.host_pool = host_pool
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queues ----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def all_sequences(self) -> list[Sequence]:
+        return self.waiting + self.running + self.swapped
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in self.all_sequences() if s.request_id == request_id), None)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take ``seq`` out of every queue and free its pages now."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.status is SequenceStatus.SWAPPED:
+            self.host_pool.free(seq.swapped_blocks)
+            seq.swapped_blocks = []
+        else:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self, now_s: float) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self._expire_deadlines(now_s, batch)
+        budget = self.config.max_batched_tokens
+        self.running.sort(key=_order)
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step to make room
+            budget -= self._schedule_running(seq, budget, batch)
+        if batch.num_preempted == 0:
+            budget -= self._resume_swapped(budget, batch)
+            self._admit_waiting(budget, batch)
+        # Decodes first: the attention backend batches the leading single-token queries.
+        batch.scheduled.sort(key=lambda entry: entry.num_new_tokens > 1)
+        return batch
+
+    def _expire_deadlines(self, now_s: float, batch: ScheduledBatch) -> None:
+        for seq in self.all_sequences():
+            if seq.deadline_s is not None and now_s >= seq.deadline_s:
+                self.finish(seq, FinishReason.TIMEOUT)
+                batch.finished.append(seq)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_uncomputed_tokens, self.config.prefill_chunk, budget)
+
+    def _schedule_running(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        num_new = self._chunk(seq, budget)
+        while not self._try_allocate(seq, num_new, allow_over_quota=True):
+            victim = self._pick_victim(seq, batch)
+            self._preempt(victim, batch)
+            if victim is seq:
+                return 0
+        batch.scheduled.append(ScheduledSeq(seq, num_new))
+        return num_new
+
+    def _try_allocate(self, seq: Sequence, num_new: int, allow_over_quota: bool) -> bool:
+        needed = self.block_manager.num_blocks_needed(seq, num_new)
+        over_quota = self.block_manager.tenant_over_quota(seq.tenant, needed)
+        if over_quota and not (allow_over_quota and self._is_tenants_only_running(seq)):
+            return False
+        return self.block_manager.allocate_slots(seq, num_new)
+
+    def _is_tenants_only_running(self, seq: Sequence) -> bool:
+        # A tenant's quota caps its concurrency, never a lone sequence's progress.
+        return all(other is seq or other.tenant != seq.tenant for other in self.running)
+
+    def _pick_victim(self, seq: Sequence, batch: ScheduledBatch) -> Sequence:
+        """Lowest priority, newest running sequence not yet scheduled this step (or ``seq``)."""
+        scheduled = {id(entry.seq) for entry in batch.scheduled}
+        needed = self.block_manager.num_blocks_needed(seq, 1)
+        quota_bound = self.block_manager.tenant_over_quota(seq.tenant, needed)
+        candidates = [
+            s
+            for s in self.running
+            if id(s) not in scheduled
+            and s is not seq
+            and (not quota_bound or s.tenant == seq.tenant)
+            and _order(s) >= _order(seq)
+        ]
+        return max(candidates, key=_order) if candidates else seq
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.num_preempted += 1
+        if self.config.preemption == "swap" and self._swap_out(seq, batch):
+            return
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def _swap_out(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        # Only computed pages carry KV worth keeping.
+        num_kept = -(-seq.num_computed_tokens // self.block_manager.block_size)
+        host_blocks = self.host_pool.allocate(num_kept)
+        if host_blocks is None:
+            return False  # host pool full: fall back to recompute
+        batch.swap_out.extend(zip(seq.block_table[:num_kept], host_blocks, strict=True))
+        self.block_manager.free(seq)
+        seq.swapped_blocks = host_blocks
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(seq)
+        return True
+
+    def _resume_swapped(self, budget: int, batch: ScheduledBatch) -> int:
+        used = 0
+        self.swapped.sort(key=_order)
+        for seq in list(self.swapped):
+            if budget - used == 0 or len(self.running) >= self.config.max_seqs:
+                break
+            blocks = self.block_manager.allocate_blocks(seq.tenant, len(seq.swapped_blocks))
+            if blocks is None:
+                break
+            seq.block_table = list(blocks)
+            num_new = self._chunk(seq, budget - used)
+            if not self._try_allocate(seq, num_new, allow_over_quota=True):
+                self.block_manager.free(seq)
+                break
+            batch.swap_in.extend(zip(seq.swapped_blocks, blocks, strict=True))
+            self.host_pool.free(seq.swapped_blocks)
+            seq.swapped_blocks = []
+            self._start_running(seq, self.swapped)
+            batch.scheduled.append(ScheduledSeq(seq, num_new))
+            used += num_new
+        return used
+
+    def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
+        for seq in sorted(self.waiting, key=_order):
+            if budget == 0 or len(self.running) >= self.config.max_seqs:
+                break
+            cached = self.block_manager.match_prefix(seq)
+            if seq.num_preemptions == 0 and not seq.output_token_ids:
+                seq.num_cached_tokens = cached
+            num_new = self._chunk(seq, budget)
+            needed = self.block_manager.num_blocks_needed(seq, num_new)
+            over_quota = self.block_manager.tenant_over_quota(seq.tenant, needed)
+            if over_quota and any(other.tenant == seq.tenant for other in self.running):
+                self._unadmit(seq)
+                continue  # other tenants may still fit
+            if not self.block_manager.allocate_slots(seq, num_new):
+                self._unadmit(seq)
+                break  # pool full: later arrivals must not overtake this one
+            self._start_running(seq, self.waiting)
+            batch.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _unadmit(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)  # give back prefix-cache hits; retried next step
+        seq.num_computed_tokens = 0
+
+    def _start_running(self, seq: Sequence, queue: list[Sequence]) -> None:
+        queue.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)

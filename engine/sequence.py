@@ -1,0 +1,116 @@
+"""``Sequence``: the one object that carries a request through every stage of the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.sampler import TokenLogprobs
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its pages live in host memory
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in flight: its tokens, its KV pages and where it stands.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the tokens from there to
+    the end still need a forward pass (the whole prompt at first, one token per decode step).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_s: float
+    priority: int = 0  # lower runs first (as in vLLM)
+    tenant: str = "default"
+    deadline_s: float | None = None  # monotonic clock
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    num_registered_blocks: int = 0  # leading blocks of block_table known to the prefix cache
+    swapped_blocks: list[int] = field(default_factory=list)  # host slots while SWAPPED
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    def token_id(self, index: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        if index < num_prompt:
+            return self.prompt_token_ids[index]
+        return self.output_token_ids[index - num_prompt]
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output, without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
