@@ -1,0 +1,332 @@
+"""Batched next-token sampling: suppression, penalties, temperature, top-k/top-p/min-p.
+
+One call handles a whole batch with tensor ops; the only Python loops are over rows (per-row
+settings, per-row seeded generators), never over vocabulary entries or tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probs under the raw model distribution for one sampled token."""
+
+    token_id: int
+    logprob: float  # log-prob of the sampled token
+    top: tuple[tuple[int, float], ...]  # top-n (token_id, logprob), best first; n = params.logprobs
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's view for one sampling step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None  # set when params.seed is set; persists across steps
+    suppressed_token_ids: Sequence[int] = ()  # e.g. EOS ids while len(output) < min_tokens
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator for one seeded sequence; it lives as long as the sequence."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Picks one token per row from a batch of logits.
+
+    Order of operations (vLLM's): raw logprobs, suppression, penalties, then greedy argmax or
+    temperature -> top-k -> top-p -> min-p -> exponential-race sampling.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """``logits``: [num_rows, >= vocab_size], any float dtype; padded columns are ignored."""
+        assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} rows"
+        logits = logits[:, : self.vocab_size]  # [num_rows, vocab]
+        if all(_is_plain_greedy(row) for row in rows):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+        # A float32 copy: we edit it in place and must not touch the caller's tensor.
+        logits = logits.to(torch.float32, copy=True)
+        raw_logprobs = _raw_logprobs(logits, rows)
+        logits = self.process_logits(logits, rows)
+        token_ids = self._pick_tokens(logits, rows)  # [num_rows]
+        logprobs = _gather_logprobs(raw_logprobs, token_ids, rows)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Suppression then penalties, in place on float32 ``logits`` [num_rows, vocab]."""
+        _suppress(logits, rows, self.vocab_size)
+        penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        if penalized:
+            index = torch.tensor(penalized, device=logits.device)
+            logits[index] = _penalize(logits[index], [rows[i] for i in penalized])
+        return logits
+
+    def _pick_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[num_rows] token ids: argmax for greedy rows, a random draw for the others."""
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if len(random_rows) == len(rows):
+            return _sample_random(logits, rows)
+        token_ids = logits.argmax(dim=-1)  # [num_rows]; random rows are overwritten below
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
+        return token_ids
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return (
+        params.is_greedy
+        and not params.has_penalties
+        and not row.suppressed_token_ids
+        and params.logprobs is None
+    )
+
+
+# -- logprobs
+
+
+def _rows_wanting_logprobs(rows: Sequence[SamplingRow]) -> list[int]:
+    return [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+
+
+def _raw_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
+    """log_softmax of the unprocessed logits [num_wanted, vocab] for rows asking for logprobs.
+
+    vLLM's default: logprobs describe the model, not the penalized/filtered distribution.
+    """
+    wanted = _rows_wanting_logprobs(rows)
+    if not wanted:
+        return None
+    return torch.log_softmax(logits[torch.tensor(wanted, device=logits.device)], dim=-1)
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    """Sampled-token and top-n logprobs for rows that ask; ``token_ids``: [num_rows]."""
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is None:
+        return out
+    wanted = _rows_wanting_logprobs(rows)
+    wanted_ids = token_ids[torch.tensor(wanted, device=token_ids.device)]  # [num_wanted]
+    sampled = raw_logprobs.gather(1, wanted_ids.unsqueeze(1)).squeeze(1)  # [num_wanted]
+    num_top = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [num_wanted, num_top], best first
+    # One host copy per tensor, then plain Python per row.
+    wanted_list, sampled_list = wanted_ids.tolist(), sampled.tolist()
+    top_value_rows, top_id_rows = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs or 0
+        top = tuple(zip(top_id_rows[j][:n], top_value_rows[j][:n], strict=True))
+        out[i] = TokenLogprobs(wanted_list[j], sampled_list[j], top)
+    return out
+
+
+# -- suppression and penalties
+
+
+def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow], vocab_size: int) -> None:
+    pairs = [
+        (i, token_id)
+        for i, row in enumerate(rows)
+        for token_id in row.suppressed_token_ids
+        if token_id < vocab_size  # ids past the vocab can never be sampled anyway
+    ]
+    if pairs:
+        row_index, token_index = torch.tensor(pairs, device=logits.device).unbind(dim=1)
+        logits[row_index, token_index] = float("-inf")
+
+
+def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    vocab_size, device = logits.shape[1], logits.device
+    output_counts = count_tokens([row.output_token_ids for row in rows], vocab_size, device)
+    return apply_penalties(
+        logits,
+        _prompt_mask(rows, vocab_size, device),
+        output_counts,
+        repetition=_column([row.params.repetition_penalty for row in rows], device),
+        presence=_column([row.params.presence_penalty for row in rows], device),
+        frequency=_column([row.params.frequency_penalty for row in rows], device),
+    )
+
+
+def _prompt_mask(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[num_rows, vocab] bool: token occurs in the prompt. Only repetition penalty needs it."""
+    if all(row.params.repetition_penalty == 1.0 for row in rows):
+        return torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    return count_tokens([row.prompt_token_ids for row in rows], vocab_size, device) > 0
+
+
+def count_tokens(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[num_rows, vocab_size] float32 count of each token id in each row's list."""
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    # Pad with an id one past the vocab; its counts land in a spare column that we drop.
+    padded = [list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.long, device=device).view(len(token_ids), max_len)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [num_rows, vocab]
+    prompt_mask: torch.Tensor,  # [num_rows, vocab] bool: token occurs in the prompt
+    output_counts: torch.Tensor,  # [num_rows, vocab] occurrences in the output
+    repetition: torch.Tensor,  # [num_rows, 1]; 1 = off
+    presence: torch.Tensor,  # [num_rows, 1]; 0 = off
+    frequency: torch.Tensor,  # [num_rows, 1]; 0 = off
+) -> torch.Tensor:
+    """Penalized logits [num_rows, vocab]; rows with neutral penalties come back bit-identical."""
+    output_mask = output_counts > 0
+    # Repetition (HF/CTRL): shrink toward zero for every token seen in prompt or output.
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(prompt_mask | output_mask, scaled, logits)
+    logits = logits - frequency * output_counts
+    return logits - presence * output_mask
+
+
+# -- random sampling
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[num_rows] token ids drawn after temperature and the top-k/top-p/min-p filters."""
+    device = logits.device
+    params = [row.params for row in rows]
+    logits = logits / _column([p.temperature for p in params], device)
+    # Decide from the Python settings which filters run: checking tensors would sync.
+    logits = apply_filters(
+        logits,
+        top_k=_per_row([p.top_k for p in params], off=0, device=device),
+        top_p=_per_row([p.top_p for p in params], off=1.0, device=device),
+        min_p=_per_row([p.min_p for p in params], off=0.0, device=device),
+    )
+    probs = torch.softmax(logits, dim=-1)
+    return exponential_race(probs, _draw_noise(rows, logits.shape[1], device))
+
+
+def apply_filters(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Top-k, then top-p, then min-p (vLLM's order); filtered-out logits become -inf.
+
+    ``logits``: [num_rows, vocab] float32, already divided by temperature. Each setting is a
+    [num_rows] tensor, or None when no row uses it. Per row, ``top_k == 0``, ``top_p == 1``
+    and ``min_p == 0`` are off: such a row comes back unchanged whatever its neighbours ask.
+    """
+    if top_k is not None or top_p is not None:
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    if min_p is not None:
+        logits = _apply_min_p(logits, min_p)
+    return logits
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """One descending sort serves both filters; masks are built in sorted order, then unsorted."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
+    if top_k is not None:
+        sorted_logits = _top_k_sorted(sorted_logits, top_k)
+    if top_p is not None:
+        sorted_logits = _top_p_sorted(sorted_logits, top_p)
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _top_k_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Drop everything below the k-th largest value, so ties at the k-th value all stay."""
+    vocab_size = sorted_logits.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)  # [num_rows]
+    kth_value = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [num_rows, 1]
+    return sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+
+
+def _top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Drop a token once the better tokens before it already reach top_p (renormalized).
+
+    The best token has 0 mass before it, so it always stays.
+    """
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # [num_rows, vocab]
+    mass_before = F.pad(cumulative[:, :-1], (1, 0))  # [num_rows, vocab]
+    # top_p == 1 is off outright: a float32 cumsum can reach 1 before the tail ends.
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose prob is at least ``min_p`` times the top token's prob."""
+    probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [num_rows, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / Exp(1) noise) draws index i with probability probs[i], with no sync.
+
+    ``probs`` and ``noise``: [num_rows, vocab]; returns [num_rows] token ids.
+    """
+    # Exp(1) noise of exactly 0 would turn a filtered-out 0 prob into 0/0 = nan, and argmax
+    # prefers nan; clamping keeps filtered tokens at 0.
+    noise = noise.clamp(min=torch.finfo(noise.dtype).tiny)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def _draw_noise(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[num_rows, vocab] Exp(1) noise: one batch draw, then seeded rows from their generators.
+
+    A seeded row's noise depends only on its generator, so the same seed gives the same
+    tokens whatever else is in the batch.
+    """
+    noise = torch.empty(len(rows), vocab_size, device=device).exponential_()
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    if seeded:
+        seeded_noise = torch.stack([_row_noise(rows[i], vocab_size) for i in seeded])
+        noise[torch.tensor(seeded, device=device)] = seeded_noise.to(device)
+    return noise
+
+
+def _row_noise(row: SamplingRow, vocab_size: int) -> torch.Tensor:
+    assert row.generator is not None
+    generator = row.generator
+    return torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+
+
+def _per_row(
+    values: list[int] | list[float], off: float, device: torch.device
+) -> torch.Tensor | None:
+    """Per-row settings as a [num_rows] tensor, or None when every row has the filter off."""
+    if all(value == off for value in values):
+        return None
+    return torch.tensor(values, device=device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """Per-row scalars as a [num_rows, 1] float32 column that broadcasts over the vocab."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
