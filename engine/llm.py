@@ -131,7 +131,7 @@ def _collect(out: RequestOutput, step_out: StepOutput, start_s: float) -> bool:
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(x, int) for x in items):
         return [items]  # one prompt given as token ids
     return items

@@ -258,8 +258,8 @@ class LLMEngine:
         with self._inbox.lock:
             added, self._inbox.added = self._inbox.added, []
             aborted, self._inbox.aborted = self._inbox.aborted, []
-        for seq in added:
-            self.scheduler.add(seq)
+        for new_seq in added:
+            self.scheduler.add(new_seq)
         outputs = []
         for request_id in aborted:
             seq = self.scheduler.find(request_id)
@@ -283,7 +283,7 @@ class LLMEngine:
         if seq.detokenizer is not None:
             delta = seq.detokenizer.add_tokens([token_id])
             text_delta = delta.text
-            if delta.stopped and seq.num_output_tokens >= seq.sampling.min_tokens:
+            if delta.stopped:
                 seq.stop_reason = delta.stop_reason
                 self._finish(seq, FinishReason.STOP)
         if not seq.is_finished:
@@ -321,7 +321,10 @@ class LLMEngine:
             self._inbox.known_ids.discard(seq.request_id)
         if seq.detokenizer is None or isinstance(seq.stop_reason, str):
             return ""  # a stop string ends the text where it matched
-        return seq.detokenizer.flush()
+        text = seq.detokenizer.flush()
+        if seq.detokenizer.stop_reason is not None:  # found in the last, just-completed char
+            seq.stop_reason, seq.finish_reason = seq.detokenizer.stop_reason, FinishReason.STOP
+        return text
 
     def _finished_output(self, seq: Sequence) -> StepOutput:
         """Output for a sequence ended outside sampling (cancel, timeout)."""

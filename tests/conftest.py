@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random Hugging Face models of each supported architecture."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# The bundled model's converted copy is cached per test session unless the user set a dir.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama31": (
+        "LlamaConfig",
+        dict(
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(sliding_window=24)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, num_attention_heads=4, num_key_value_heads=1)),
+}
+
+
+def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
+    import transformers
+
+    config_name, extra = TINY_ARCHS[kind]
+    config = getattr(transformers, config_name)(**{**TINY_COMMON, **extra})
+    model_class = getattr(transformers, config_name.replace("Config", "ForCausalLM"))
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    # Random init at std 0.02 gives near-uniform logits; widen it so greedy choices are
+    # clear-cut and a wrong attention mask or rope shows up as different tokens.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.25 if "embed" in name else 0.12)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {kind: build_tiny_model(kind, root / kind) for kind in TINY_ARCHS}
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference continuations from transformers' own generate (fp32, CPU, no EOS stop)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]

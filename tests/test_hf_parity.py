@@ -1,0 +1,82 @@
+"""Paging changes memory layout, never the math: greedy tokens equal transformers' generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import TINY_ARCHS, hf_greedy, random_prompts
+
+NUM_NEW_TOKENS = 24
+PROMPT_LENGTHS = [5, 37, 70, 16, 101]
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+
+# Settings under test: each must give the same tokens as the model run alone.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "block16": dict(pa_block_size=16),
+    "block32": dict(pa_block_size=32),
+    # A pool of 160 tokens for 5 sequences of up to ~125: sequences are preempted.
+    "preempt-recompute": dict(pa_block_size=16, pa_context_len=160, max_model_len=160),
+    "preempt-swap": dict(
+        pa_block_size=16, pa_context_len=160, max_model_len=160, preemption="swap"
+    ),
+    # Chunks shorter than the prompts, and a budget that splits steps unevenly.
+    "chunked-prefill": dict(pa_block_size=16, prefill_chunk=24, max_batched_tokens=40, max_seqs=8),
+    "paged-off": dict(paged_attn="off", max_model_len=160),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
+    prompts = random_prompts(PROMPT_LENGTHS, 320, seed=1)
+    return {kind: hf_greedy(tiny_model_dirs[kind], prompts, NUM_NEW_TOKENS) for kind in TINY_ARCHS}
+
+
+@pytest.mark.parametrize("kind", list(TINY_ARCHS))
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_matches_transformers(
+    kind: str,
+    setting: str,
+    tiny_model_dirs: dict[str, Path],
+    references: dict[str, list[list[int]]],
+) -> None:
+    llm = LLM(str(tiny_model_dirs[kind]), **SETTINGS[setting])
+    prompts = random_prompts(PROMPT_LENGTHS, 320, seed=1)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == references[kind]
+    assert all(out.finish_reason == "length" for out in outputs)
+    if setting.startswith("preempt"):
+        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run out"
+    engine = llm.engine
+    assert engine.block_manager.num_used_blocks == 0, "finished sequences left pages behind"
+
+
+def test_prefix_cache_hits_keep_outputs_exact(tiny_model_dirs: dict[str, Path]) -> None:
+    model_dir = tiny_model_dirs["qwen3"]
+    shared = random_prompts([70], 320, seed=7)[0]
+    tails = random_prompts([3, 9, 20], 320, seed=8)
+    prompts = [shared + tail for tail in tails]
+    expected = hf_greedy(model_dir, [shared, *prompts], NUM_NEW_TOKENS)
+
+    llm = LLM(str(model_dir), pa_block_size=16)
+    first = llm.generate([shared], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts, GREEDY, use_tqdm=False)
+
+    assert [out.token_ids for out in first + rest] == expected
+    # 70 shared tokens = 4 full pages of 16, reused by each of the three later prompts.
+    assert [out.usage.cached_prompt_tokens for out in rest if out.usage] == [64, 64, 64]
+    assert llm.engine.block_manager.num_prefix_hits >= 12
+    assert llm.engine.stats().prefix_hit_rate > 0
+
+
+def test_whole_prompt_cached_still_computes_last_token(tiny_model_dirs: dict[str, Path]) -> None:
+    model_dir = tiny_model_dirs["llama"]
+    prompt = random_prompts([64], 320, seed=9)[0]  # exactly 4 pages of 16
+    expected = hf_greedy(model_dir, [prompt], NUM_NEW_TOKENS)
+    llm = LLM(str(model_dir), pa_block_size=16)
+    again = [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2)]
+    assert [out.token_ids for out in again] == expected * 2
+    assert again[1].usage is not None and again[1].usage.cached_prompt_tokens == 48
