@@ -1,0 +1,270 @@
+"""The ``pagestream`` command line: generate (streamed and JSONL) and bench throughput."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.benchmark import ThroughputWorkload, make_random_prompts
+from tests.conftest import build_tiny_model
+from worker.cli import main
+
+# A 16 MiB KV pool instead of the CPU default of 1 GiB: plenty for these tiny models.
+SMALL_POOL = ["--pa-memory-mb", "16"]
+TRAINING_TEXT = [
+    "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
+    "Hello world, the answer is 42. Say hello to the world.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+DESIGN_ENGINE_FLAGS = [
+    "--paged-attn", "--pa-memory-mb", "--pa-memory-fraction", "--pa-context-len",
+    "--pa-block-size", "--pa-cache-type", "--max-seqs", "--max-batched-tokens",
+    "--prefill-chunk", "--prefix-caching", "--preemption", "--cuda-graphs", "--dtype",
+]  # fmt: skip
+BENCH_ARGS = [
+    "bench", "throughput", "--model", "dummy:tiny", "--num-prompts", "6",
+    "--input-len", "10-30", "--output-len", "5-12", "--max-model-len", "128", "--no-progress",
+    *SMALL_POOL,
+]  # fmt: skip
+DUMMY_TINY_VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama (vocab 320) with a byte-level BPE tokenizer and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path = build_tiny_model("llama", tmp_path_factory.mktemp("chat-model"))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2 as in the model's config
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXT, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.save_pretrained(path)
+    return str(path)
+
+
+class WriteRecorder:
+    """Stands in for stdout and keeps each write, to tell streamed output from one print."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def read_jsonl(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+# -- help ----------------------------------------------------------------------------------
+
+
+def test_generate_help_lists_every_engine_and_sampling_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_cli(["generate", "--help"], capsys)
+    assert code == 0
+    sampling = ["--max-tokens", "--temperature", "--top-p", "--stop", "--stop-token-id"]
+    missing = [flag for flag in [*DESIGN_ENGINE_FLAGS, *sampling] if flag not in out]
+    assert missing == []
+
+
+def test_top_level_help_does_not_import_torch() -> None:
+    script = (
+        "import sys; from worker.cli import main; main(['--help']); print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert "generate" in result.stdout and "bench" in result.stdout
+    assert result.stdout.strip().endswith("False")
+
+
+# -- generate: one prompt ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat"])
+def test_generate_streams_the_offline_text(
+    chat: bool,
+    chat_model: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    llm = LLM(chat_model, pa_memory_mb=16)
+    if chat:
+        expected = llm.chat([{"role": "user", "content": prompt}], greedy, use_tqdm=False)[0]
+    else:
+        expected = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    recorder = WriteRecorder()
+    monkeypatch.setattr(sys, "stdout", recorder)
+    args = ["generate", prompt, "--model", chat_model, "--max-tokens", "16", *SMALL_POOL]
+    code, _, err = run_cli([*args, "--chat"] if chat else args, capsys)
+    assert code == 0
+    assert "".join(recorder.writes) == expected.text + "\n"
+    assert len([w for w in recorder.writes if w]) > 2  # one write per token, not one at the end
+    assert f"{len(expected.token_ids)} tokens" in err
+    assert f"finish_reason={expected.finish_reason.value}" in err  # type: ignore[union-attr]
+
+
+# -- generate: a JSONL file ---------------------------------------------------------------
+
+
+def test_generate_file_keeps_order_overrides_and_reports_bad_lines(
+    chat_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [
+        json.dumps({"id": "short", "prompt": "Hello world", "max_tokens": 3}),
+        json.dumps({"id": "hot", "prompt": "Hello", "temperature": -1}),
+        "this is not json",
+        json.dumps({"id": "long", "prompt": "The quick brown fox", "max_tokens": 9}),
+        json.dumps({"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
+        json.dumps({"id": "chat", "messages": [{"role": "user", "content": "Say hello"}]}),
+        json.dumps({"id": "odd", "prompt": "x", "colour": "blue"}),
+        json.dumps({"prompt": "the lazy dog", "max_tokens": 2, "logprobs": 2}),
+    ]
+    source, target = tmp_path / "prompts.jsonl", tmp_path / "out" / "results.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    args = ["generate", "--input", str(source), "--output", str(target), "--model", chat_model]
+    code, out, err = run_cli([*args, "--max-tokens", "5", "--ignore-eos", *SMALL_POOL], capsys)
+    assert code == 0 and out == ""
+    results = read_jsonl(target.read_text())
+    assert [r["id"] for r in results] == ["short", "hot", 3, "long", "both", "chat", "odd", 8]
+    by_id = {r["id"]: r for r in results}
+    # per-line max_tokens overrides --max-tokens 5; the chat line keeps the flag's value
+    assert [len(by_id[i]["token_ids"]) for i in ("short", "long", "chat", 8)] == [3, 9, 5, 2]
+    assert by_id["long"]["usage"]["completion_tokens"] == 9
+    assert by_id["long"]["finish_reason"] == "length"
+    assert [len(entry["top"]) for entry in by_id[8]["logprobs"]] == [2, 2]
+    assert "logprobs" not in by_id["short"]
+    errors = {i: by_id[i]["error"]["field"] for i in ("hot", 3, "both", "odd")}
+    assert errors == {"hot": "temperature", 3: "line", "both": "prompt", "odd": "colour"}
+    assert "4 errors" in err
+
+
+def test_generate_file_matches_offline_generate_and_writes_stdout(
+    chat_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = ["Hello world", "The capital of France is", "Say hello to the"]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    args = ["generate", "--input", str(source), "--model", chat_model, "--max-tokens", "6"]
+    code, out, _ = run_cli([*args, "--no-progress", *SMALL_POOL], capsys)
+    assert code == 0
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    expected = LLM(chat_model, pa_memory_mb=16).generate(prompts, greedy, use_tqdm=False)
+    results = read_jsonl(out)
+    assert [r["token_ids"] for r in results] == [e.token_ids for e in expected]
+    assert [r["text"] for r in results] == [e.text for e in expected]
+
+
+# -- errors a user can cause -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "exit_code", "message"),
+    [
+        (["generate"], 2, "usage: pagestream generate"),
+        (["generate", "hi", "--temperature", "-1"], 2, "--temperature: must be >= 0"),
+        (["generate", "--input", "/no/such/prompts.jsonl"], 2, "/no/such/prompts.jsonl"),
+        (["generate", "hi", "--output", "out.jsonl"], 2, "--output needs --input"),
+        (["generate", "hi", "--model", "/no/such/model"], 1, "'/no/such/model' not found"),
+        (["generate", "hi", "--model", "dummy:tiny", *SMALL_POOL], 2, "has no tokenizer"),
+        (["bench", "throughput", "--input-len", "30-10"], 2, "--input-len"),
+        ([*BENCH_ARGS, "--input-len", "200"], 1, "exceeds the context of 128 tokens"),
+    ],
+    ids=[
+        "no-prompt", "bad-sampling", "no-input-file", "output-without-input", "unknown-model",
+        "text-to-dummy", "bad-range", "too-long-for-context",
+    ],
+)  # fmt: skip
+def test_user_errors_exit_with_one_clear_line(
+    args: list[str], exit_code: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(args, capsys)
+    assert code == exit_code
+    assert message in err
+    assert "Traceback" not in err and out == ""
+
+
+# -- bench throughput ----------------------------------------------------------------------
+
+
+def test_bench_throughput_writes_the_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(BENCH_ARGS, capsys)
+    assert code == 0
+    [path] = (tmp_path / "bench" / "results").glob("throughput-dummy-tiny-cpu-*.json")
+    record = json.loads(path.read_text())
+    workload = ThroughputWorkload(num_prompts=6, input_len=(10, 30), output_len=(5, 12))
+    prompts = make_random_prompts(workload, DUMMY_TINY_VOCAB)
+    results = record["results"]
+    assert record["kind"] == "throughput"
+    assert results["num_requests"] == 6
+    assert results["input_tokens"] == sum(len(p.token_ids) for p in prompts)
+    assert results["output_tokens"] == sum(p.output_len for p in prompts)
+    assert results["output_tok_s"] > 0 and results["total_tok_s"] > results["output_tok_s"]
+    assert 0 < results["mean_ttft_s"] <= results["elapsed_s"]
+    assert {"hostname", "python", "cpu_count", "torch", "triton"} <= record["machine"].keys()
+    settings = record["settings"]
+    assert settings["model"] == "dummy:tiny" and settings["pa_memory_mb"] == 16
+    assert settings["input_len"] == [10, 30] and settings["num_prompts"] == 6
+    assert f"{results['output_tokens']}" in out and "output tok/s" in out
+
+
+def test_bench_output_json_path_and_seed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    counts: list[tuple[int, int]] = []
+    for seed in ("0", "0", "1"):
+        path = tmp_path / f"run{len(counts)}" / "record.json"
+        code, _, _ = run_cli([*BENCH_ARGS, "--seed", seed, "--output-json", str(path)], capsys)
+        assert code == 0
+        results = json.loads(path.read_text())["results"]
+        counts.append((results["input_tokens"], results["output_tokens"]))
+    assert counts[0] == counts[1] != counts[2]
+
+
+def test_random_prompts_are_deterministic_and_in_range() -> None:
+    workload = ThroughputWorkload(num_prompts=20, input_len=(3, 9), output_len=(4, 4), seed=5)
+    prompts = make_random_prompts(workload, vocab_size=50)
+    assert prompts == make_random_prompts(workload, vocab_size=50)
+    other = ThroughputWorkload(num_prompts=20, input_len=(3, 9), output_len=(4, 4), seed=6)
+    assert prompts != make_random_prompts(other, vocab_size=50)
+    assert all(3 <= len(p.token_ids) <= 9 and p.output_len == 4 for p in prompts)
+    assert all(0 <= t < 50 for p in prompts for t in p.token_ids)
+    assert len({len(p.token_ids) for p in prompts}) > 1

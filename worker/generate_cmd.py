@@ -1,0 +1,358 @@
+"""``pagestream generate``: stream one prompt's text, or run a JSONL file of prompts.
+
+One prompt: its text goes to stdout as tokens arrive, a summary line to stderr. A file
+(``--input``): one JSON object per line with ``prompt`` or ``messages``, an optional ``id`` and
+any ``SamplingParams`` field overriding the sampling flags; one result per line comes out in
+input order, and a bad line becomes an error record while the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from engine import (
+    InvalidRequestError,
+    LLMEngine,
+    PagestreamError,
+    RequestOutput,
+    SamplingParams,
+    StepOutput,
+)
+from engine.config import add_engine_args, engine_config_from_args
+from worker.cli import EXIT_USAGE, CommandError
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 0.0  # greedy: the same prompt gives the same text every run
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+REQUEST_FIELDS = frozenset({"id", "prompt", "messages"})
+# SamplingParams fields the sampling flags set; a flag is "--" + the name with dashes ...
+SAMPLING_FLAG_FIELDS = (
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+)  # fmt: skip
+FLAG_OF_FIELD = {"stop_token_ids": "--stop-token-id"}  # ... except for these
+STDIO = "-"
+
+Request = dict[str, Any]  # keyword arguments of LLMEngine.encode_prompt
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``pagestream generate``: prompt or files, sampling, engine."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("prompt", nargs="?", help="the prompt; its text streams to stdout")
+    source.add_argument(
+        "--input",
+        metavar="JSONL",
+        help="one request per line: {prompt | messages, id?, <sampling field>?...}; - = stdin",
+    )
+    parser.add_argument(
+        "--output", metavar="JSONL", help="where --input's results go (default stdout)"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as one user message through the model's chat template",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar for --input")
+    add_sampling_args(parser)
+    add_engine_args(parser)
+
+
+def add_sampling_args(
+    parser: argparse.ArgumentParser, *, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> None:
+    """Sampling flags; unset ones keep the ``SamplingParams`` defaults."""
+    g = parser.add_argument_group(
+        "sampling",
+        "defaults for every request; fields of an --input line override them. "
+        "Sampling draws from the engine's --seed; a line's own seed gives it its own generator.",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=default_max_tokens,
+        help=f"most tokens to generate (default {default_max_tokens})",
+    )
+    g.add_argument("--min-tokens", type=int, help="generate at least this many tokens")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help="0 = greedy (the default: the same text every run)",
+    )
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, help="sample from the k likeliest tokens (0 = off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats")
+    g.add_argument("--presence-penalty", type=float, help="in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, help="in [-2, 2]")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        type=int,
+        action="append",
+        metavar="ID",
+        help="stop token id (repeatable)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        default=None,
+        help="keep generating past EOS until --max-tokens",
+    )
+    g.add_argument(
+        "--logprobs", type=int, metavar="N", help="top-N log-probs per token in --input results"
+    )
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags that were given (or have a default), validated as a whole."""
+    values = {name: getattr(args, name) for name in SAMPLING_FLAG_FIELDS}
+    defaults = {name: value for name, value in values.items() if value is not None}
+    with user_errors():
+        SamplingParams(**defaults)
+    return defaults
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Engine errors a user caused become ``CommandError``s: one line, no traceback."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        flag = FLAG_OF_FIELD.get(exc.field, "--" + exc.field.replace("_", "-"))
+        where = flag if exc.field in SAMPLING_FLAG_FIELDS else exc.field
+        raise CommandError(f"{where}: {exc.message}", EXIT_USAGE) from exc
+    except PagestreamError as exc:  # ConfigError, ModelLoadError
+        raise CommandError(str(exc)) from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream generate``; returns the exit code."""
+    if args.output and not args.input:
+        raise CommandError("--output needs --input (one prompt streams to stdout)", EXIT_USAGE)
+    defaults = sampling_defaults(args)
+    items = read_requests(args.input, defaults, chat=args.chat) if args.input else None
+    with user_errors():
+        engine = LLMEngine(engine_config_from_args(args))
+    if items is None:
+        request = _chat_request(args.prompt) if args.chat else {"prompt": args.prompt}
+        return stream_one(engine, request, SamplingParams(**defaults))
+    with _open_output(args.output) as out:
+        return run_file(engine, items, out, show_progress=not args.no_progress)
+
+
+def _chat_request(prompt: str) -> Request:
+    return {"messages": [{"role": "user", "content": prompt}]}
+
+
+# -- one prompt, streamed --------------------------------------------------------------------
+
+
+def stream_one(engine: LLMEngine, request: Request, sampling: SamplingParams) -> int:
+    """Print the text to stdout as it arrives; a summary line to stderr."""
+    with user_errors():
+        engine.add_request(**request, sampling=sampling)
+    start_s = time.perf_counter()
+    num_tokens, first_token_s, final = 0, 0.0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and not num_tokens:
+                first_token_s = time.perf_counter() - start_s
+            num_tokens += len(out.new_token_ids)
+            sys.stdout.write(out.text_delta)
+            sys.stdout.flush()
+            final = out if out.finished else final
+    sys.stdout.write("\n")
+    elapsed_s = time.perf_counter() - start_s
+    reason = final.finish_reason.value if final and final.finish_reason else "unknown"
+    print(
+        f"[{num_tokens} tokens in {elapsed_s:.2f} s, {num_tokens / elapsed_s:.1f} tok/s, "
+        f"first token {first_token_s:.2f} s, finish_reason={reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# -- a JSONL file -------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchItem:
+    """One input line: a request ready to run, or the error that rejected it."""
+
+    line_no: int
+    id: Any
+    request: Request | None = None
+    sampling: SamplingParams | None = None
+    error: InvalidRequestError | None = None
+
+
+def read_requests(source: str, defaults: dict[str, Any], *, chat: bool) -> list[BatchItem]:
+    """Parse every non-blank line of ``source`` (a path, or - for stdin)."""
+    try:
+        text = sys.stdin.read() if source == STDIO else Path(source).read_text()
+    except OSError as exc:
+        raise CommandError(f"--input {source}: {exc.strerror or exc}", EXIT_USAGE) from exc
+    lines = enumerate(text.splitlines(), start=1)
+    return [parse_line(no, line, defaults, chat=chat) for no, line in lines if line.strip()]
+
+
+def parse_line(line_no: int, line: str, defaults: dict[str, Any], *, chat: bool) -> BatchItem:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return BatchItem(line_no, line_no, error=InvalidRequestError("line", f"not JSON: {exc}"))
+    if not isinstance(obj, dict):
+        return BatchItem(line_no, line_no, error=InvalidRequestError("line", "not an object"))
+    item = BatchItem(line_no, obj.get("id", line_no))
+    try:
+        item.request = _request_of(obj, chat)
+        item.sampling = _sampling_of(obj, defaults)
+    except InvalidRequestError as exc:
+        item.error = exc
+    return item
+
+
+def _request_of(obj: dict[str, Any], chat: bool) -> Request:
+    unknown = sorted(obj.keys() - REQUEST_FIELDS - SAMPLING_FIELDS)
+    if unknown:
+        raise InvalidRequestError(
+            unknown[0], "unknown field; expected id, prompt or messages, or a sampling setting"
+        )
+    if ("prompt" in obj) == ("messages" in obj):
+        raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
+    if "messages" in obj:
+        return {"messages": obj["messages"]}
+    if not isinstance(obj["prompt"], str):
+        raise InvalidRequestError("prompt", "must be a string")
+    return _chat_request(obj["prompt"]) if chat else {"prompt": obj["prompt"]}
+
+
+def _sampling_of(obj: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    overrides = {name: value for name, value in obj.items() if name in SAMPLING_FIELDS}
+    try:
+        return SamplingParams(**{**defaults, **overrides})
+    except TypeError as exc:  # a value of the wrong JSON type, e.g. "stop": 5
+        raise InvalidRequestError("sampling", f"invalid value: {exc}") from exc
+
+
+class OrderedWriter:
+    """Writes JSON records in input order, each as soon as every earlier one is written."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._done: dict[int, dict[str, Any]] = {}
+        self._next_index = 0
+
+    def put(self, index: int, record: dict[str, Any]) -> None:
+        self._done[index] = record
+        while self._next_index in self._done:
+            record = self._done.pop(self._next_index)
+            self._out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self._next_index += 1
+        self._out.flush()
+
+
+def run_file(engine: LLMEngine, items: list[BatchItem], out: TextIO, *, show_progress: bool) -> int:
+    """Run every valid item at once; write one record per item, in order. Always exits 0."""
+    writer = OrderedWriter(out)
+    in_flight = _add_all(engine, items, writer)
+    start_s = time.perf_counter()
+    num_tokens = 0
+    with tqdm(
+        total=len(items), disable=not show_progress, desc="generate", unit="req", file=sys.stderr
+    ) as bar:
+        bar.update(len(items) - len(in_flight))  # rejected lines are done already
+        while engine.has_unfinished_requests():
+            for step_out in engine.step():
+                num_tokens += len(step_out.new_token_ids)
+                index, result = in_flight[step_out.request_id]
+                if _collect(result, step_out):
+                    writer.put(index, result_record(items[index], result))
+                    bar.update(1)
+            rate = num_tokens / (time.perf_counter() - start_s)
+            bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+    elapsed_s = time.perf_counter() - start_s
+    num_errors = len(items) - len(in_flight)
+    print(
+        f"{len(items)} requests, {num_errors} errors; {num_tokens} tokens in {elapsed_s:.2f} s "
+        f"({num_tokens / max(elapsed_s, 1e-9):.1f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _add_all(
+    engine: LLMEngine, items: list[BatchItem], writer: OrderedWriter
+) -> dict[str, tuple[int, RequestOutput]]:
+    """Queue every valid item; write the error record of every invalid one."""
+    in_flight: dict[str, tuple[int, RequestOutput]] = {}
+    for index, item in enumerate(items):
+        if item.error is None and item.request is not None:
+            try:
+                token_ids = engine.encode_prompt(**item.request)
+                request_id = engine.add_request(
+                    f"line-{item.line_no}", prompt_token_ids=token_ids, sampling=item.sampling
+                )
+                in_flight[request_id] = index, RequestOutput(request_id, None, token_ids)
+                continue
+            except InvalidRequestError as exc:
+                item.error = exc
+        writer.put(index, error_record(item))
+    return in_flight
+
+
+def _collect(result: RequestOutput, step_out: StepOutput) -> bool:
+    """Fold one step's output into ``result``; True when the request has finished."""
+    result.token_ids += step_out.new_token_ids
+    result.logprobs += step_out.logprobs
+    result.text += step_out.text_delta
+    result.finish_reason = step_out.finish_reason
+    result.usage = step_out.usage
+    return step_out.finished
+
+
+def result_record(item: BatchItem, result: RequestOutput) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": item.id,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason.value if result.finish_reason else None,
+        "usage": dataclasses.asdict(result.usage) if result.usage else None,
+    }
+    if item.sampling is not None and item.sampling.logprobs is not None:
+        record["logprobs"] = [
+            dataclasses.asdict(entry) if entry else None for entry in result.logprobs
+        ]
+    return record
+
+
+def error_record(item: BatchItem) -> dict[str, Any]:
+    assert item.error is not None
+    return {"id": item.id, "error": {"field": item.error.field, "message": item.error.message}}
+
+
+@contextmanager
+def _open_output(path: str | None) -> Iterator[TextIO]:
+    if path is None or path == STDIO:
+        yield sys.stdout
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with Path(path).open("w", encoding="utf-8") as out:
+            yield out
+    except OSError as exc:  # cannot create, or cannot write (disk full)
+        raise CommandError(f"--output {path}: {exc.strerror or exc}") from exc
