@@ -40,8 +40,12 @@ class SamplingParams:
         # Accept lists (JSON) and a bare string for stop; store tuples so params stay hashable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            _check(isinstance(value, (list, tuple)), name, "must be a list")
+            object.__setattr__(self, name, tuple(value))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "must be true or false")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
