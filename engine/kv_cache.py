@@ -98,7 +98,8 @@ def plan_pool(
         )
     num_host_blocks = 0
     if config.preemption == "swap":
-        num_host_blocks = config.swap_space_mb * MIB // spec.bytes_per_block
+        # Swapped pages came from the device pool: more host pages than that are never used.
+        num_host_blocks = min(config.swap_space_mb * MIB // spec.bytes_per_block, num_blocks)
     return PoolPlan(num_blocks, num_host_blocks, num_blocks * spec.bytes_per_block, source)
 
 

@@ -42,6 +42,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.spec.block_size
+        # Decode runs eagerly here; CUDA-graph replay comes with the GPU path.
+        self.uses_cuda_graphs = False
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
