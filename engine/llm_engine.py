@@ -136,8 +136,7 @@ class LLMEngine:
             request_id = f"req-{next(self._request_counter)}"
         sampling = sampling or SamplingParams()
         token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
-        if timeout_s is not None and timeout_s <= 0:
-            raise InvalidRequestError("timeout_s", "must be > 0")
+        _check_request_fields(priority, tenant, timeout_s)
         now_s = time.monotonic()
         seq = Sequence(
             request_id=request_id,
@@ -228,13 +227,12 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt", "is empty")
         vocab_size = self.loaded.arch.vocab_size
-        bad = next(
-            (t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None
-        )
-        if bad is not None:
-            raise InvalidRequestError(
-                "token_ids", f"{bad!r} is not a token id of this model (0..{vocab_size - 1})"
-            )
+        for index, token in enumerate(token_ids):
+            if not _is_int(token) or not 0 <= token < vocab_size:
+                raise InvalidRequestError(
+                    "token_ids",
+                    f"[{index}] = {token!r} is not a token id of this model (0..{vocab_size - 1})",
+                )
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -357,6 +355,23 @@ class LLMEngine:
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self.scheduler.find(request_id)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_request_fields(priority: object, tenant: object, timeout_s: object) -> None:
+    if not _is_int(priority):
+        raise InvalidRequestError("priority", "must be an integer (lower runs first)")
+    if not isinstance(tenant, str) or not tenant:
+        raise InvalidRequestError("tenant", "must be a non-empty string")
+    if timeout_s is None:
+        return
+    is_number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    # NaN fails the comparison too.
+    if not (is_number and 0 < float(timeout_s) < float("inf")):  # type: ignore[arg-type]
+        raise InvalidRequestError("timeout_s", "must be a number of seconds > 0")
 
 
 def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
