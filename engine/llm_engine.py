@@ -22,6 +22,7 @@ from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, InvalidRequestError
+from engine.inputs import PromptEncoder, check_request_fields
 from engine.kv_cache import KVCache, KVCacheSpec, plan_pool
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, SampledToken
@@ -86,6 +87,9 @@ class LLMEngine:
         )
         self.max_model_len = _resolve_max_model_len(config, self.loaded)
         self.tokenizer = self.loaded.tokenizer
+        self.prompt_encoder = PromptEncoder(
+            config.model, self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len
+        )
         self.eos_token_ids = self.loaded.eos_token_ids
         self._build_cache()
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
@@ -136,7 +140,7 @@ class LLMEngine:
             request_id = f"req-{next(self._request_counter)}"
         sampling = sampling or SamplingParams()
         token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
-        _check_request_fields(priority, tenant, timeout_s)
+        check_request_fields(priority, tenant, timeout_s)
         now_s = time.monotonic()
         seq = Sequence(
             request_id=request_id,
@@ -181,64 +185,7 @@ class LLMEngine:
         messages: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt's token ids, checked against the vocabulary and the context length."""
-        token_ids = self._tokenize(prompt, prompt_token_ids, messages)
-        self._check_prompt(token_ids)
-        return token_ids
-
-    def _tokenize(
-        self,
-        prompt: str | None,
-        prompt_token_ids: Seq[int] | None,
-        messages: list[dict[str, Any]] | None,
-    ) -> list[int]:
-        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
-        if sum(given) != 1:
-            raise InvalidRequestError("prompt", "give exactly one of prompt, token_ids, messages")
-        if prompt_token_ids is not None:
-            return list(prompt_token_ids)
-        if self.tokenizer is None:
-            raise InvalidRequestError(
-                "prompt", f"model {self.config.model!r} has no tokenizer; send token_ids"
-            )
-        if messages is not None:
-            prompt = self.apply_chat_template(messages)
-            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
-        assert prompt is not None
-        if not isinstance(prompt, str):
-            raise InvalidRequestError("prompt", "must be a string")
-        return list(self.tokenizer(prompt).input_ids) if prompt else []
-
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "messages", f"model {self.config.model!r} has no chat template"
-            )
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
-        for message in messages:
-            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
-                raise InvalidRequestError("messages", "each message needs a role and a content")
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return str(text)
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("prompt", "is empty")
-        vocab_size = self.loaded.arch.vocab_size
-        for index, token in enumerate(token_ids):
-            if not _is_int(token) or not 0 <= token < vocab_size:
-                raise InvalidRequestError(
-                    "token_ids",
-                    f"[{index}] = {token!r} is not a token id of this model (0..{vocab_size - 1})",
-                )
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"has {len(token_ids)} tokens; the model context is {self.max_model_len} tokens, "
-                f"so a prompt may have at most {self.max_model_len - 1}",
-            )
+        return self.prompt_encoder.encode(prompt, prompt_token_ids, messages)
 
     # -- stepping ------------------------------------------------------------------------------
 
@@ -355,23 +302,6 @@ class LLMEngine:
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self.scheduler.find(request_id)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_request_fields(priority: object, tenant: object, timeout_s: object) -> None:
-    if not _is_int(priority):
-        raise InvalidRequestError("priority", "must be an integer (lower runs first)")
-    if not isinstance(tenant, str) or not tenant:
-        raise InvalidRequestError("tenant", "must be a non-empty string")
-    if timeout_s is None:
-        return
-    is_number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-    # NaN fails the comparison too.
-    if not (is_number and 0 < float(timeout_s) < float("inf")):  # type: ignore[arg-type]
-        raise InvalidRequestError("timeout_s", "must be a number of seconds > 0")
 
 
 def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:

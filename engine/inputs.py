@@ -1,0 +1,102 @@
+"""Turns a request's prompt (text, chat messages or token ids) into checked token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+
+class PromptEncoder:
+    """Tokenizes and validates prompts against the model's vocabulary and context."""
+
+    def __init__(
+        self, model_name: str, tokenizer: Any | None, vocab_size: int, max_model_len: int
+    ) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def encode(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Seq[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids; raises ``InvalidRequestError`` naming the bad field."""
+        token_ids = self._tokenize(prompt, prompt_token_ids, messages)
+        self._check(token_ids)
+        return token_ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", f"model {self.model_name!r} has no chat template")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
+        for message in messages:
+            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                raise InvalidRequestError("messages", "each message needs a role and a content")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return str(text)
+
+    def _tokenize(
+        self,
+        prompt: str | None,
+        prompt_token_ids: Seq[int] | None,
+        messages: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("prompt", "give exactly one of prompt, token_ids, messages")
+        if prompt_token_ids is not None:
+            return list(prompt_token_ids)
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "prompt", f"model {self.model_name!r} has no tokenizer; send token_ids"
+            )
+        if messages is not None:
+            # The template already holds the special tokens (BOS included).
+            text = self.apply_chat_template(messages)
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt", "must be a string")
+        return list(self.tokenizer(prompt).input_ids) if prompt else []
+
+    def _check(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt", "is empty")
+        for index, token in enumerate(token_ids):
+            if not is_int(token) or not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    "token_ids",
+                    f"[{index}] = {token!r} is not a token id of this model "
+                    f"(0..{self.vocab_size - 1})",
+                )
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {len(token_ids)} tokens; the model context is {self.max_model_len} tokens, "
+                f"so a prompt may have at most {self.max_model_len - 1}",
+            )
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_request_fields(priority: object, tenant: object, timeout_s: object) -> None:
+    """Scheduling fields of a request: priority, tenant, timeout."""
+    if not is_int(priority):
+        raise InvalidRequestError("priority", "must be an integer (lower runs first)")
+    if not isinstance(tenant, str) or not tenant:
+        raise InvalidRequestError("tenant", "must be a non-empty string")
+    if timeout_s is None:
+        return
+    is_number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    # NaN fails the comparison too.
+    if not (is_number and 0 < float(timeout_s) < float("inf")):  # type: ignore[arg-type]
+        raise InvalidRequestError("timeout_s", "must be a number of seconds > 0")
