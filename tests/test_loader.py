@@ -1,0 +1,63 @@
+"""Model names resolve to the right source; hub ids go through huggingface_hub."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention.backend import TorchAttentionBackend
+from engine.errors import ModelLoadError
+from engine.loader import load_model, resolve_model_dir
+
+
+def test_hub_id_is_fetched_through_snapshot_download(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+
+    asked: list[str] = []
+
+    def fake_snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
+        asked.append(repo_id)
+        assert "*.safetensors" in allow_patterns and "*.json" in allow_patterns
+        return str(tiny_model_dirs["qwen2"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve_model_dir("Qwen/Qwen2-tiny") == tiny_model_dirs["qwen2"]
+    assert asked == ["Qwen/Qwen2-tiny"]
+
+
+def test_unreachable_hub_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="could not fetch 'no-such-org/no-such-model'"):
+        resolve_model_dir("no-such-org/no-such-model")
+
+
+def test_eos_ids_come_from_generation_config(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "with-gen-config"
+    shutil.copytree(tiny_model_dirs["llama"], model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    loaded = load_model(str(model_dir), torch.float32, torch.device("cpu"), TorchAttentionBackend())
+    assert loaded.eos_token_ids == {2, 7, 9}
+    assert loaded.tokenizer is None  # the tiny model has no tokenizer files
+
+
+def test_checkpoint_missing_a_weight_is_refused(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "partial"
+    shutil.copytree(tiny_model_dirs["llama"], model_dir)
+    weights_file = next(model_dir.glob("*.safetensors"))
+    weights = load_file(weights_file)
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.self_attn\.qkv_proj\.weight"):
+        load_model(str(model_dir), torch.float32, torch.device("cpu"), TorchAttentionBackend())
