@@ -1,0 +1,1 @@
+"""The pagestream service: the ``pagestream`` CLI, and the Redis worker around the engine."""
