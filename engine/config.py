@@ -20,6 +20,7 @@ DEFAULT_MEMORY_FRACTION = 0.9
 # On the CPU the pool shares RAM with everything else: default to a fixed, modest budget.
 DEFAULT_CPU_POOL_MB = 1024
 CUDA_GRAPHS_ENV = "PAGESTREAM_CUDA_GRAPHS"
+DEVICE_ENV = "PAGESTREAM_DEVICE"  # what device=auto means, e.g. cpu on a GPU host
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class EngineConfig:
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
+        from_env = os.environ.get(DEVICE_ENV)
+        if from_env:
+            return from_env
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,8 +9,20 @@ from typing import Any
 import pytest
 import torch
 
-# The bundled model's converted copy is cached per test session unless the user set a dir.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Parity with transformers is defined on the CPU in fp32: engines built with device=auto run
+# there even on a GPU host. GPU tests (marked `gpu`) ask for cuda explicitly.
+os.environ.setdefault("PAGESTREAM_DEVICE", "cpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 
 TINY_COMMON: dict[str, Any] = dict(
     hidden_size=64,

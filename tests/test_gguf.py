@@ -30,7 +30,7 @@ from engine.loader.gguf import bundled_gguf_path as find_bundled_gguf
 SECOND_LOAD_LIMIT_S = 1.0
 TINY_HIDDEN, TINY_HEADS, TINY_KV_HEADS, TINY_LAYERS, TINY_FFN = 32, 4, 2, 2, 64
 TINY_TOKENS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-TINY_TOKENS += ["Ġ", "ab", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_TOKENS += ["Ġ", "ab", "cd", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 )
@@ -138,7 +138,8 @@ def write_tiny_metadata(writer: gguf.GGUFWriter, arch: str) -> None:
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(TINY_TOKENS)
     writer.add_token_types([1] * (len(TINY_TOKENS) - 3) + [3, 3, 3])  # last 3 are control
-    writer.add_token_merges(["a b"])
+    # Two merges at least: transformers <= 5.17 reads a one-element array as a scalar.
+    writer.add_token_merges(["a b", "c d"])
     writer.add_bos_token_id(TINY_TOKENS.index("<|endoftext|>"))
     writer.add_eos_token_id(TINY_TOKENS.index("<|endoftext|>"))
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
