@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from engine.block_manager import BlockManager, HostBlockPool, hash_block
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -191,6 +191,15 @@ class PoolMachine(RuleBasedStateMachine):
                 if seq.num_output_tokens >= seq.sampling.max_tokens:
                     self.scheduler.finish(seq, FinishReason.LENGTH)
                     self.finished.add(seq.request_id)
+
+    @precondition(lambda self: bool(self.scheduler.running))
+    @rule(pick=st.integers(0, 1000))
+    def preempt(self, pick: int) -> None:
+        # What schedule() does when pages run out, forced on any running sequence. The swap
+        # copies it would order are not executed: this machine checks accounting only.
+        seq = self.scheduler.running[pick % len(self.scheduler.running)]
+        self.scheduler._preempt(seq, ScheduledBatch())
+        assert seq.status in (SequenceStatus.WAITING, SequenceStatus.SWAPPED)
 
     @precondition(lambda self: self.scheduler.num_unfinished > 0)
     @rule(pick=st.integers(0, 1000))
