@@ -147,12 +147,6 @@ class BlockManager:
                 self._hash_of[block] = block_hash
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block in list(self._block_of_hash.items()):
-            if self.ref_counts[block] == 0:
-                del self._block_of_hash[block_hash]
-                self._hash_of[block] = None
-
     # -- internals ------------------------------------------------------------------------
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:

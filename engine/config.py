@@ -109,13 +109,6 @@ class EngineConfig:
     def use_paged_attention(self) -> bool:
         return self.paged_attn != "off"
 
-    def use_cuda_graphs(self) -> bool:
-        if not self.resolved_device().startswith("cuda"):
-            return False
-        if self.cuda_graphs is not None:
-            return self.cuda_graphs
-        return os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
-
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:

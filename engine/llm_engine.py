@@ -222,8 +222,6 @@ class LLMEngine:
         seq, token_id = sampled.seq, sampled.token_id
         seq.output_token_ids.append(token_id)
         seq.output_logprobs.append(sampled.logprobs)
-        if seq.first_token_s is None:
-            seq.first_token_s = time.monotonic()
         text_delta = ""
         if seq.detokenizer is not None:
             delta = seq.detokenizer.add_tokens([token_id])
@@ -261,7 +259,6 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> str:
         """End ``seq`` now (pages freed); returns text that was held back, if any."""
         self.scheduler.finish(seq, reason)
-        seq.finished_s = time.monotonic()
         with self._inbox.lock:
             self._inbox.known_ids.discard(seq.request_id)
         if seq.detokenizer is None or isinstance(seq.stop_reason, str):
@@ -273,7 +270,6 @@ class LLMEngine:
 
     def _finished_output(self, seq: Sequence) -> StepOutput:
         """Output for a sequence ended outside sampling (cancel, timeout)."""
-        seq.finished_s = time.monotonic()
         with self._inbox.lock:
             self._inbox.known_ids.discard(seq.request_id)
         return StepOutput(

@@ -70,8 +70,6 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    first_token_s: float | None = None
-    finished_s: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
