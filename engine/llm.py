@@ -34,6 +34,20 @@ class RequestOutput:
     time_to_first_token_s: float | None = None
     latency_s: float | None = None
 
+    def add_step(self, step_out: StepOutput, elapsed_s: float) -> bool:
+        """Fold one step's output in (``elapsed_s`` since submission); True once finished."""
+        if step_out.new_token_ids and self.time_to_first_token_s is None:
+            self.time_to_first_token_s = elapsed_s
+        self.token_ids += step_out.new_token_ids
+        self.logprobs += step_out.logprobs
+        self.text += step_out.text_delta
+        if step_out.finished:
+            self.finish_reason = step_out.finish_reason
+            self.stop_reason = step_out.stop_reason
+            self.usage = step_out.usage
+            self.latency_s = elapsed_s
+        return step_out.finished
+
 
 class LLM:
     """Generate text for many prompts at once with continuous batching.
@@ -90,7 +104,8 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for step_out in self.engine.step():
                     num_tokens += len(step_out.new_token_ids)
-                    if _collect(by_id[step_out.request_id], step_out, start_s):
+                    out = by_id[step_out.request_id]
+                    if out.add_step(step_out, time.perf_counter() - start_s):
                         bar.update(1)
                 elapsed_s = time.perf_counter() - start_s
                 bar.set_postfix_str(f"{num_tokens / max(elapsed_s, 1e-9):.1f} tok/s", refresh=False)
@@ -111,21 +126,6 @@ class LLM:
             request_id = self.engine.add_request(prompt_token_ids=token_ids, sampling=sampling)
             outputs.append(RequestOutput(request_id, request.get("prompt"), token_ids))
         return outputs
-
-
-def _collect(out: RequestOutput, step_out: StepOutput, start_s: float) -> bool:
-    """Fold one step's output into ``out``; True when the request has finished."""
-    if step_out.new_token_ids and out.time_to_first_token_s is None:
-        out.time_to_first_token_s = time.perf_counter() - start_s
-    out.token_ids += step_out.new_token_ids
-    out.logprobs += step_out.logprobs
-    out.text += step_out.text_delta
-    if step_out.finished:
-        out.finish_reason = step_out.finish_reason
-        out.stop_reason = step_out.stop_reason
-        out.usage = step_out.usage
-        out.latency_s = time.perf_counter() - start_s
-    return step_out.finished
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

@@ -154,6 +154,7 @@ def test_generate_file_keeps_order_overrides_and_reports_bad_lines(
         json.dumps({"id": "chat", "messages": [{"role": "user", "content": "Say hello"}]}),
         json.dumps({"id": "odd", "prompt": "x", "colour": "blue"}),
         json.dumps({"prompt": "the lazy dog", "max_tokens": 2, "logprobs": 2}),
+        json.dumps({"id": "typed", "prompt": "x", "stop": 5, "ignore_eos": "no"}),
     ]
     source, target = tmp_path / "prompts.jsonl", tmp_path / "out" / "results.jsonl"
     source.write_text("\n".join(lines) + "\n")
@@ -161,7 +162,17 @@ def test_generate_file_keeps_order_overrides_and_reports_bad_lines(
     code, out, err = run_cli([*args, "--max-tokens", "5", "--ignore-eos", *SMALL_POOL], capsys)
     assert code == 0 and out == ""
     results = read_jsonl(target.read_text())
-    assert [r["id"] for r in results] == ["short", "hot", 3, "long", "both", "chat", "odd", 8]
+    assert [r["id"] for r in results] == [
+        "short",
+        "hot",
+        3,
+        "long",
+        "both",
+        "chat",
+        "odd",
+        8,
+        "typed",
+    ]
     by_id = {r["id"]: r for r in results}
     # per-line max_tokens overrides --max-tokens 5; the chat line keeps the flag's value
     assert [len(by_id[i]["token_ids"]) for i in ("short", "long", "chat", 8)] == [3, 9, 5, 2]
@@ -169,9 +180,15 @@ def test_generate_file_keeps_order_overrides_and_reports_bad_lines(
     assert by_id["long"]["finish_reason"] == "length"
     assert [len(entry["top"]) for entry in by_id[8]["logprobs"]] == [2, 2]
     assert "logprobs" not in by_id["short"]
-    errors = {i: by_id[i]["error"]["field"] for i in ("hot", 3, "both", "odd")}
-    assert errors == {"hot": "temperature", 3: "line", "both": "prompt", "odd": "colour"}
-    assert "4 errors" in err
+    errors = {i: by_id[i]["error"]["field"] for i in ("hot", 3, "both", "odd", "typed")}
+    assert errors == {
+        "hot": "temperature",
+        3: "line",
+        "both": "prompt",
+        "odd": "colour",
+        "typed": "stop",
+    }
+    assert "5 errors" in err
 
 
 def test_generate_file_matches_offline_generate_and_writes_stdout(

@@ -27,7 +27,6 @@ from engine import (
     PagestreamError,
     RequestOutput,
     SamplingParams,
-    StepOutput,
 )
 from engine.config import add_engine_args, engine_config_from_args
 from worker.cli import EXIT_USAGE, CommandError
@@ -243,10 +242,7 @@ def _request_of(obj: dict[str, Any], chat: bool) -> Request:
 
 def _sampling_of(obj: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
     overrides = {name: value for name, value in obj.items() if name in SAMPLING_FIELDS}
-    try:
-        return SamplingParams(**{**defaults, **overrides})
-    except TypeError as exc:  # a value of the wrong JSON type, e.g. "stop": 5
-        raise InvalidRequestError("sampling", f"invalid value: {exc}") from exc
+    return SamplingParams(**{**defaults, **overrides})
 
 
 class OrderedWriter:
@@ -280,7 +276,7 @@ def run_file(engine: LLMEngine, items: list[BatchItem], out: TextIO, *, show_pro
             for step_out in engine.step():
                 num_tokens += len(step_out.new_token_ids)
                 index, result = in_flight[step_out.request_id]
-                if _collect(result, step_out):
+                if result.add_step(step_out, time.perf_counter() - start_s):
                     writer.put(index, result_record(items[index], result))
                     bar.update(1)
             rate = num_tokens / (time.perf_counter() - start_s)
@@ -313,16 +309,6 @@ def _add_all(
                 item.error = exc
         writer.put(index, error_record(item))
     return in_flight
-
-
-def _collect(result: RequestOutput, step_out: StepOutput) -> bool:
-    """Fold one step's output into ``result``; True when the request has finished."""
-    result.token_ids += step_out.new_token_ids
-    result.logprobs += step_out.logprobs
-    result.text += step_out.text_delta
-    result.finish_reason = step_out.finish_reason
-    result.usage = step_out.usage
-    return step_out.finished
 
 
 def result_record(item: BatchItem, result: RequestOutput) -> dict[str, Any]:
