@@ -109,6 +109,12 @@ class EngineConfig:
     def use_paged_attention(self) -> bool:
         return self.paged_attn != "off"
 
+    def cuda_graphs_wanted(self) -> bool:
+        """On unless ``--cuda-graphs off`` or ``PAGESTREAM_CUDA_GRAPHS=0`` (CUDA only)."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower() not in ("0", "off", "false")
+
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
@@ -157,7 +163,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     budget.add_argument(
         "--pa-memory-fraction",
         type=float,
-        help="KV pool budget as a fraction of free device memory (default 0.9 on CUDA)",
+        help="share of the GPU's total memory the engine may use: weights, the profiled "
+        "activation peak and the KV pool together (default 0.9 on CUDA; on CPU, of available RAM)",
     )
     budget.add_argument(
         "--pa-context-len", type=int, help="size the KV pool to hold this many tokens"

@@ -18,15 +18,14 @@ from typing import Any
 import torch
 
 from engine.attention import get_attention_backend
-from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
-from engine.kv_cache import KVCache, KVCacheSpec, plan_pool
 from engine.loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, SampledToken
-from engine.sampler import Sampler, TokenLogprobs, make_generator
+from engine.model_runner import SampledToken
+from engine.runtime import build_runtime
+from engine.sampler import TokenLogprobs, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus, Usage
@@ -76,11 +75,6 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.dtype = _resolve_dtype(config, self.device)
-        if config.pa_cache_type != "auto":
-            raise ConfigError(
-                f"--pa-cache-type {config.pa_cache_type} is not supported by the torch "
-                "attention backend; use auto"
-            )
         backend = get_attention_backend(self.device)
         self.loaded: LoadedModel = load_model(
             config.model, self.dtype, self.device, backend, config.max_model_len, config.seed
@@ -91,35 +85,21 @@ class LLMEngine:
             config.model, self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len
         )
         self.eos_token_ids = self.loaded.eos_token_ids
-        self._build_cache()
+        runtime = build_runtime(
+            config, self.loaded, backend, self.dtype, self.max_model_len, self.device
+        )
+        self.kv_cache, self.block_manager = runtime.kv_cache, runtime.block_manager
+        self.host_pool, self.runner = runtime.host_pool, runtime.runner
+        self.pool_source = runtime.plan.source
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
-        sampler = Sampler(self.loaded.arch.vocab_size)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, sampler, self.device)
         self._inbox = _Inbox()
         self._request_counter = itertools.count()
         torch.manual_seed(config.seed)
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s pages=%d x %d tokens (%s) load=%.1fs",
-            config.model, self.device, self.dtype, self.kv_cache.num_blocks,
-            self.kv_cache.spec.block_size, self.pool_source, self.loaded.load_s,
+            "engine ready: model=%s device=%s dtype=%s backend=%s cuda_graphs=%s load=%.1fs",
+            config.model, self.device, self.dtype, backend.name, self.runner.uses_cuda_graphs,
+            self.loaded.load_s,
         )  # fmt: skip
-
-    def _build_cache(self) -> None:
-        paged = self.config.use_paged_attention()
-        # Paging off = one contiguous slot of max_model_len tokens per sequence: the same
-        # pool with a page as long as the context, reserved in full when a sequence starts.
-        block_size = self.config.pa_block_size if paged else self.max_model_len
-        spec = KVCacheSpec.for_model(self.loaded.arch, block_size, self.dtype)
-        plan = plan_pool(self.config, spec, self.device, self.max_model_len)
-        self.pool_source = plan.source
-        self.kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, self.device)
-        self.block_manager = BlockManager(
-            plan.num_blocks,
-            block_size,
-            enable_prefix_caching=paged and self.config.prefix_caching,
-            tenant_page_quotas=self.config.tenant_page_quotas,
-        )
-        self.host_pool = HostBlockPool(plan.num_host_blocks)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import Sequence
 
@@ -42,8 +44,21 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.spec.block_size
-        # Decode runs eagerly here; CUDA-graph replay comes with the GPU path.
-        self.uses_cuda_graphs = False
+        self.graphs: DecodeGraphs | None = None
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.graphs is not None
+
+    def capture_cuda_graphs(self, max_seqs: int, max_seq_len: int) -> float:
+        """Capture decode graphs for every batch-size bucket; returns the seconds it took."""
+        max_blocks = -(-max_seq_len // self.block_size)
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache.layers, max_seqs, max_blocks, max_seq_len, self.device
+        )
+        graphs.capture()
+        self.graphs = graphs
+        return graphs.capture_s
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
@@ -55,10 +70,9 @@ class ModelRunner:
         if batch.is_empty:
             return []
         inputs = self.prepare_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
-        if not inputs.sampling_entries:
+        logits = self._logits(inputs)
+        if logits is None:
             return []  # only partial prefill chunks this step
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
         rows = [self._sampling_row(entry.seq) for entry in inputs.sampling_entries]
         out = self.sampler.sample(logits, rows)
         return [
@@ -67,6 +81,20 @@ class ModelRunner:
                 inputs.sampling_entries, out.token_ids, out.logprobs, strict=True
             )
         ]
+
+    def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """[S, V] logits of the sampling rows: a graph replay for decode-only steps."""
+        meta = inputs.meta
+        decode_only = meta.max_query_len == 1
+        if decode_only and self.graphs is not None and self.graphs.bucket_for(meta.num_seqs):
+            logits = self.graphs.replay(inputs.input_ids, inputs.positions, meta)  # [B, V]
+            # one token per row, so a row's token index is its row (a 1-token chunk of a
+            # longer prompt does not sample)
+            return logits[inputs.logits_indices] if inputs.sampling_entries else None
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
+        if not inputs.sampling_entries:
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
         token_ids: list[int] = []
@@ -95,6 +123,48 @@ class ModelRunner:
             logits_indices=self._tensor(logits_indices, torch.int64),
             sampling_entries=sampling_entries,
         )
+
+    @torch.inference_mode()
+    def profile_step(self, num_tokens: int, seq_len: int, num_sampled: int) -> None:
+        """The largest step the scheduler can make, on dummy data: fresh prompts of
+        ``seq_len`` tokens filling ``num_tokens``, then ``num_sampled`` rows sampled with
+        top-k/top-p and penalties (the sampler's largest temporaries). Pages are taken in
+        order from this runner's cache, which must hold ``num_tokens`` tokens."""
+        lens = [min(seq_len, num_tokens - start) for start in range(0, num_tokens, seq_len)]
+        tables: list[list[int]] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        next_page = 0
+        for length in lens:
+            num_pages = -(-length // self.block_size)
+            table = list(range(next_page, next_page + num_pages))
+            next_page += num_pages
+            tables.append(table)
+            slots += self._slots(table, 0, length)
+            positions += range(length)
+            query_start_loc.append(query_start_loc[-1] + length)
+        width = max(len(table) for table in tables)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+            seq_lens=self._tensor(lens, torch.int32),
+            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            seq_lens_cpu=lens,
+            query_start_loc_cpu=query_start_loc,
+            num_decodes=0,
+            max_seq_len=max(lens),
+            max_query_len=max(lens),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(
+            input_ids, self._tensor(positions, torch.int64), self.kv_cache.layers, meta
+        )
+        rows_index = torch.arange(num_sampled, device=self.device) % num_tokens
+        logits = self.model.compute_logits(hidden[rows_index])
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1)
+        row = SamplingRow(params=params, prompt_token_ids=[0], output_token_ids=[], generator=None)
+        self.sampler.sample(logits, [row] * num_sampled)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

@@ -1,5 +1,17 @@
-"""Attention backends: one interface, a plain-torch implementation (CPU), Triton on CUDA."""
+"""Kernel backends: one interface, plain-torch references (CPU) and Triton kernels (CUDA)."""
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+from engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerCache,
+    LayerOps,
+    get_attention_backend,
+)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "LayerCache",
+    "LayerOps",
+    "get_attention_backend",
+]

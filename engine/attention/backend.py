@@ -1,16 +1,26 @@
-"""The attention-backend interface and the metadata the model runner hands to it."""
+"""Kernel backends: paged attention and the per-token ops of a decoder layer.
+
+Two families with one interface: ``torch`` (the plain-torch references in ``kernels/``: the
+CPU path, and the ground truth) and ``triton`` (the Triton kernels beside them: the default on
+CUDA). ``PAGESTREAM_ATTN_BACKEND=torch`` picks the references on a GPU too, for comparison.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from kernels.activation import silu_and_mul_ref
+from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.paged_attention import paged_attention_ref, write_kv_ref
+from kernels.rotary import rotary_ref
 
 ATTN_BACKEND_ENV = "PAGESTREAM_ATTN_BACKEND"
+BACKEND_CHOICES = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -19,10 +29,11 @@ class AttentionMetadata:
 
     Sequences are ordered decodes first (``num_decodes`` leading sequences with one new token
     each), then prefill chunks. Device tensors are built once per step by the model runner
-    and shared by every layer.
+    (or are the static buffers of a CUDA graph) and shared by every layer. The ``*_cpu``
+    lists are for the torch backend only: a graph replay leaves them stale.
     """
 
-    slot_mapping: torch.Tensor  # [T] int64: page * block_size + row of each new token
+    slot_mapping: torch.Tensor  # [T] int64: page * block_size + row; -1 = padding, not stored
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor  # [B] int32: context length after this step
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -37,18 +48,48 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's share of the page pool; scales only when pages are fp8."""
+
+    k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, Hkv] float32
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The per-token ops of a decoder layer, all from one kernel family."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (x, residual, weight, eps) -> (normed, x + residual)
+    fused_add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    # (q, k, positions, cos_cache, sin_cache) -> rotated (q, k)
+    rotary: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        tuple[torch.Tensor, torch.Tensor],
+    ]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
 class AttentionBackend(Protocol):
     """Writes the new K/V into the pool, then attends each new query over its context."""
 
     name: str
+    ops: LayerOps
+    # Whether a forward reads only device tensors of the metadata (no host lists, no syncs),
+    # so that it can be captured in a CUDA graph and replayed with new contents.
+    graph_safe: bool
 
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        v_cache: torch.Tensor,
+        cache: LayerCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
@@ -56,38 +97,109 @@ class AttentionBackend(Protocol):
         ...
 
 
+def _rotary_pair_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_ref(q, positions, cos, sin), rotary_ref(k, positions, cos, sin)
+
+
+TORCH_OPS = LayerOps(
+    rms_norm=rms_norm_ref,
+    fused_add_rms_norm=fused_add_rms_norm_ref,
+    rotary=_rotary_pair_ref,
+    silu_and_mul=silu_and_mul_ref,
+)
+
+
 class TorchAttentionBackend:
     """Plain-torch paged attention: the CPU path and the reference for the Triton kernels."""
 
     name = "torch"
+    ops = TORCH_OPS
+    graph_safe = False  # it sizes its gathers from the host-side lengths
 
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_ref(
+            k, v, cache.k, cache.v, meta.slot_mapping, k_scale=cache.k_scale, v_scale=cache.v_scale
+        )
         return paged_attention_ref(
             q,
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.block_tables,
             meta.seq_lens_cpu,
             meta.query_start_loc_cpu,
             scale,
             sliding_window,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+        )
+
+
+class TritonAttentionBackend:
+    """The Triton kernels of ``kernels/``: the default on CUDA."""
+
+    name = "triton"
+    graph_safe = True
+
+    def __init__(self) -> None:
+        # Imported here: a CPU-only install never needs triton at import time.
+        from kernels.activation_triton import silu_and_mul
+        from kernels.norm_triton import fused_add_rms_norm, rms_norm
+        from kernels.paged_attention_triton import paged_attention
+        from kernels.rotary_triton import rotary
+
+        from kernels.kv_write_triton import write_kv
+
+        self.ops = LayerOps(rms_norm, fused_add_rms_norm, rotary, silu_and_mul)
+        self._write_kv = write_kv
+        self._paged_attention = paged_attention
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        self._write_kv(
+            k, v, cache.k, cache.v, meta.slot_mapping, k_scale=cache.k_scale, v_scale=cache.v_scale
+        )
+        return self._paged_attention(
+            q,
+            cache.k,
+            cache.v,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale=scale,
+            max_query_len=meta.max_query_len,
+            num_decodes=meta.num_decodes,
+            sliding_window=sliding_window,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The backend for ``device``; ``PAGESTREAM_ATTN_BACKEND=torch`` forces the reference."""
+    """Triton on CUDA, torch elsewhere; ``PAGESTREAM_ATTN_BACKEND`` overrides the choice."""
     choice = os.environ.get(ATTN_BACKEND_ENV, "auto")
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"{ATTN_BACKEND_ENV}={choice!r}: expected auto or torch")
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(
+            f"{ATTN_BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKEND_CHOICES)}"
+        )
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        return TritonAttentionBackend()
     return TorchAttentionBackend()

@@ -12,27 +12,26 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, LayerCache, LayerOps
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
-from kernels.activation import silu_and_mul_ref
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_ref(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -48,8 +47,9 @@ class Attention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, arch.o_bias)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        ops = backend.ops
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
         self.scale = arch.head_dim**-0.5
         self.sliding_window = arch.sliding_window
         self.backend = backend
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T]
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -69,29 +69,30 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm pre-rope
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary_ref(q, positions, *rope)
-        k = rotary_ref(k, positions, *rope)
-        out = self.backend.forward(q, k, v, *kv_cache, meta, self.scale, self.sliding_window)
+        q, k = self.backend.ops.rotary(q, k, positions, *rope)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer_index: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        ops = backend.ops
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = Attention(arch, layer_index, backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = MLP(arch, ops)
 
     def forward(
         self,
@@ -99,7 +100,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -121,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(arch, index, backend) for index in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend.ops)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
@@ -136,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        kv_caches: list[LayerCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)

@@ -1,0 +1,149 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode-only step launches a few hundred small kernels whose launch cost, at small batch,
+exceeds their run time. Capturing the whole forward (embedding to logits) once per bucket and
+replaying it costs one launch. A step of ``n`` sequences replays the smallest bucket >= n; the
+padding rows write nothing (slot -1) and read one token of page 0, and their logits are
+dropped. Graphs read their inputs from static buffers that each replay refills.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, LayerCache
+from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 16  # above the small buckets, every multiple of this up to max_seqs
+
+
+def batch_size_buckets(max_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, 48, ... up to and including ``max_seqs``."""
+    buckets = [size for size in SMALL_BUCKETS if size < max_seqs]
+    buckets += range(BUCKET_STEP, max_seqs, BUCKET_STEP)
+    return sorted({*buckets, max_seqs})
+
+
+@dataclass
+class _StaticInputs:
+    """The buffers every captured graph reads; sized for the largest bucket."""
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    slot_mapping: torch.Tensor  # [N] int64
+    block_tables: torch.Tensor  # [N, max_blocks] int32
+    seq_lens: torch.Tensor  # [N] int32
+    query_start_loc: torch.Tensor  # [N + 1] int32: 0, 1, ..., N (one token per sequence)
+
+    @classmethod
+    def allocate(cls, size: int, max_blocks: int, device: torch.device) -> _StaticInputs:
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=zeros(size, dtype=torch.int64),
+            positions=zeros(size, dtype=torch.int64),
+            slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device),
+            block_tables=zeros(size, max_blocks, dtype=torch.int32),
+            seq_lens=torch.ones(size, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
+        )
+
+    def metadata(self, batch: int, max_seq_len: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens_cpu=[1] * batch,  # not read by graph-safe backends
+            query_start_loc_cpu=list(range(batch + 1)),
+            num_decodes=batch,
+            max_seq_len=max_seq_len,
+            max_query_len=1,
+        )
+
+
+class DecodeGraphs:
+    """Captures and replays the decode forward of ``model`` for each batch-size bucket."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_layers: list[LayerCache],
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.buckets = batch_size_buckets(max_seqs)
+        self.max_seq_len = max_seq_len
+        self.static = _StaticInputs.allocate(self.buckets[-1], max_blocks_per_seq, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # [bucket, V], written by each replay
+        self.capture_s = 0.0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first so that smaller ones reuse its memory pool."""
+        start_s = time.perf_counter()
+        pool = None
+        for bucket in reversed(self.buckets):
+            self._forward(bucket)  # compiles kernels and settles autotuning outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bucket] = self._forward(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start_s
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1fs",
+            len(self.buckets), self.buckets[0], self.buckets[-1], self.capture_s,
+        )  # fmt: skip
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        static = self.static
+        meta = static.metadata(bucket, self.max_seq_len)
+        hidden = self.model(
+            static.input_ids[:bucket], static.positions[:bucket], self.kv_layers, meta
+        )
+        return self.model.compute_logits(hidden)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        """The smallest captured batch size that holds ``num_seqs`` rows, if any."""
+        for bucket in self.buckets:
+            if bucket >= num_seqs:
+                return bucket
+        return None
+
+    def replay(
+        self,
+        input_ids: torch.Tensor,  # [n]
+        positions: torch.Tensor,  # [n]
+        meta: AttentionMetadata,  # of the n decode rows
+    ) -> torch.Tensor:  # [n, V] logits
+        num_seqs = input_ids.shape[0]
+        bucket = self.bucket_for(num_seqs)
+        assert bucket is not None, f"no graph holds {num_seqs} sequences"
+        static = self.static
+        static.input_ids[:num_seqs].copy_(input_ids)
+        static.positions[:num_seqs].copy_(positions)
+        static.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
+        static.seq_lens[:num_seqs].copy_(meta.seq_lens)
+        width = meta.block_tables.shape[1]
+        static.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        # padding rows: store nothing, attend over one token of whatever page they name
+        static.slot_mapping[num_seqs:bucket].fill_(-1)
+        static.seq_lens[num_seqs:bucket].fill_(1)
+        self.graphs[bucket].replay()
+        return self.logits[bucket][:num_seqs]

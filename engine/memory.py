@@ -1,0 +1,152 @@
+"""How big the KV page pool is: from a budget flag, or from what the GPU has left.
+
+On CUDA the engine first runs the largest step it can schedule (the full token budget of
+fresh prompts, then ``max_seqs`` rows through the sampler) on dummy data and records the
+activation peak. ``--pa-memory-fraction F`` then gives the pool what remains of ``F`` times
+the GPU's total memory after everything already allocated (weights, the CUDA context, other
+processes) and that peak. A budget that cannot hold one sequence of the model's context is
+an error at start, never an out-of-memory error later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import DEFAULT_CPU_POOL_MB, DEFAULT_MEMORY_FRACTION, EngineConfig
+from engine.errors import ConfigError
+from engine.kv_cache import KVCacheSpec
+
+logger = logging.getLogger(__name__)
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    num_blocks: int
+    num_host_blocks: int
+    budget_bytes: int
+    source: str  # which setting decided the size
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the device holds before the pool exists (CUDA only)."""
+
+    total_bytes: int
+    used_bytes: int  # by everything on the device: weights, context, other processes
+    weights_bytes: int
+    activation_peak_bytes: int  # above the steady state, during the largest step
+
+
+def measure_peak_bytes(device: torch.device, run: Callable[[], None]) -> int:
+    """Bytes ``run`` allocates at its peak above what was allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before_bytes = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before_bytes
+
+
+def read_device_memory(
+    device: torch.device, weights_bytes: int, activation_peak_bytes: int
+) -> MemoryProfile:
+    torch.cuda.empty_cache()  # cached blocks of freed tensors would count as used
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    return MemoryProfile(
+        total_bytes, total_bytes - free_bytes, weights_bytes, activation_peak_bytes
+    )
+
+
+def plan_pool(
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    device: torch.device,
+    max_model_len: int,
+    profile: MemoryProfile | None = None,
+) -> PoolPlan:
+    """Number of device pages (and host pages for swap) from the configured budget."""
+    budget_bytes, source = _budget_bytes(config, spec, device, profile)
+    num_blocks = max(budget_bytes, 0) // spec.bytes_per_block
+    # Never more than every sequence at full length could use.
+    blocks_per_seq = -(-max_model_len // spec.block_size)
+    num_blocks = min(num_blocks, config.max_seqs * blocks_per_seq)
+    if num_blocks < blocks_per_seq:
+        need_mb = blocks_per_seq * spec.bytes_per_block / MIB
+        raise ConfigError(
+            f"KV pool of {num_blocks} pages ({source}) cannot hold one sequence of "
+            f"{max_model_len} tokens ({blocks_per_seq} pages, {need_mb:.0f} MiB): raise the "
+            "budget (--pa-memory-mb / --pa-memory-fraction / --pa-context-len) or lower "
+            "--max-model-len"
+        )
+    if profile is not None:
+        _check_fits_device(num_blocks * spec.bytes_per_block, profile, source)
+    num_host_blocks = 0
+    if config.preemption == "swap":
+        # Swapped pages came from the device pool: more host pages than that are never used.
+        num_host_blocks = min(config.swap_space_mb * MIB // spec.bytes_per_block, num_blocks)
+    return PoolPlan(num_blocks, num_host_blocks, num_blocks * spec.bytes_per_block, source)
+
+
+def _check_fits_device(pool_bytes: int, profile: MemoryProfile, source: str) -> None:
+    free_bytes = profile.total_bytes - profile.used_bytes - profile.activation_peak_bytes
+    if pool_bytes > free_bytes:
+        raise ConfigError(
+            f"a KV pool of {pool_bytes / GIB:.2f} GiB ({source}) does not fit: the GPU has "
+            f"{free_bytes / GIB:.2f} GiB left after the weights and the activation peak "
+            f"({profile.activation_peak_bytes / GIB:.2f} GiB); lower the budget or "
+            "--max-batched-tokens"
+        )
+
+
+def _budget_bytes(
+    config: EngineConfig, spec: KVCacheSpec, device: torch.device, profile: MemoryProfile | None
+) -> tuple[int, str]:
+    if config.pa_memory_mb is not None:
+        return config.pa_memory_mb * MIB, f"--pa-memory-mb {config.pa_memory_mb}"
+    if config.pa_context_len is not None:
+        tokens = -(-config.pa_context_len // spec.block_size) * spec.block_size
+        return tokens * spec.bytes_per_token, f"--pa-context-len {config.pa_context_len}"
+    if profile is not None:
+        fraction = config.pa_memory_fraction or DEFAULT_MEMORY_FRACTION
+        allowed_bytes = int(profile.total_bytes * fraction)
+        budget = allowed_bytes - profile.used_bytes - profile.activation_peak_bytes
+        return budget, f"--pa-memory-fraction {fraction}"
+    if config.pa_memory_fraction is not None:
+        available = _host_available_bytes()
+        return int(available * config.pa_memory_fraction), (
+            f"--pa-memory-fraction {config.pa_memory_fraction} of available RAM"
+        )
+    return DEFAULT_CPU_POOL_MB * MIB, f"CPU default {DEFAULT_CPU_POOL_MB} MiB"
+
+
+def _host_available_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read MemAvailable from /proc/meminfo; give --pa-memory-mb")
+
+
+def log_plan(
+    plan: PoolPlan, spec: KVCacheSpec, profile: MemoryProfile | None, max_model_len: int
+) -> None:
+    """One line a person can size a deployment from."""
+    num_tokens = plan.num_blocks * spec.block_size
+    device_part = ""
+    if profile is not None:
+        device_part = (
+            f"weights {profile.weights_bytes / GIB:.2f} GiB, activation peak "
+            f"{profile.activation_peak_bytes / GIB:.2f} GiB, device {profile.total_bytes / GIB:.1f} GiB; "
+        )
+    logger.info(
+        "KV pool: %s%d pages x %d tokens = %d tokens (%.2f GiB, %s, %s): %d sequences of "
+        "%d tokens fit at once",
+        device_part, plan.num_blocks, spec.block_size, num_tokens, plan.budget_bytes / GIB,
+        spec.dtype, plan.source, num_tokens // max_model_len, max_model_len,
+    )  # fmt: skip

@@ -1,0 +1,117 @@
+"""Builds what runs the model once the weights are loaded: the page pool sized by the memory
+plan, the block manager over it, and the model runner with its decode CUDA graphs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.block_manager import BlockManager, HostBlockPool
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loader import LoadedModel
+from engine.memory import (
+    MemoryProfile,
+    PoolPlan,
+    log_plan,
+    measure_peak_bytes,
+    plan_pool,
+    read_device_memory,
+)
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+
+logger = logging.getLogger("pagestream.engine")
+
+CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    kv_cache: KVCache
+    block_manager: BlockManager
+    host_pool: HostBlockPool
+    runner: ModelRunner
+    plan: PoolPlan
+    profile: MemoryProfile | None
+
+
+def cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    return CACHE_DTYPES.get(config.pa_cache_type, model_dtype)
+
+
+def build_runtime(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device,
+) -> Runtime:
+    paged = config.use_paged_attention()
+    # Paging off = one contiguous slot of max_model_len tokens per sequence: the same pool
+    # with a page as long as the context, reserved in full when a sequence starts.
+    block_size = config.pa_block_size if paged else max_model_len
+    spec = KVCacheSpec.for_model(loaded.arch, block_size, cache_dtype(config, dtype))
+    sampler = Sampler(loaded.arch.vocab_size)
+    profile = None
+    if device.type == "cuda":
+        profile = _profile(config, loaded, spec, sampler, max_model_len, device)
+    plan = plan_pool(config, spec, device, max_model_len, profile)
+    log_plan(plan, spec, profile, max_model_len)
+    kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device)
+    block_manager = BlockManager(
+        plan.num_blocks,
+        block_size,
+        enable_prefix_caching=paged and config.prefix_caching,
+        tenant_page_quotas=config.tenant_page_quotas,
+    )
+    runner = ModelRunner(loaded.model, kv_cache, sampler, device)
+    if _graphs_enabled(config, backend, device):
+        runner.capture_cuda_graphs(config.max_seqs, max_model_len)
+    return Runtime(
+        kv_cache, block_manager, HostBlockPool(plan.num_host_blocks), runner, plan, profile
+    )
+
+
+def _profile(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    spec: KVCacheSpec,
+    sampler: Sampler,
+    max_model_len: int,
+    device: torch.device,
+) -> MemoryProfile:
+    peak_bytes = _largest_step_peak(config, loaded, spec, sampler, max_model_len, device)
+    # the scratch pool is gone now: what is used from here on stays used
+    return read_device_memory(device, loaded.weights_bytes, peak_bytes)
+
+
+def _largest_step_peak(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    spec: KVCacheSpec,
+    sampler: Sampler,
+    max_model_len: int,
+    device: torch.device,
+) -> int:
+    num_tokens = config.max_batched_tokens
+    seq_len = min(config.prefill_chunk, max_model_len, num_tokens)
+    num_seqs = -(-num_tokens // seq_len)
+    # A scratch pool just big enough for the dummy prompts, freed before the real one.
+    scratch = KVCache(spec, num_seqs * -(-seq_len // spec.block_size), 0, device)
+    runner = ModelRunner(loaded.model, scratch, sampler, device)
+    num_sampled = min(config.max_seqs, num_tokens)
+    return measure_peak_bytes(device, lambda: runner.profile_step(num_tokens, seq_len, num_sampled))
+
+
+def _graphs_enabled(config: EngineConfig, backend: AttentionBackend, device: torch.device) -> bool:
+    if device.type != "cuda" or not config.cuda_graphs_wanted():
+        return False
+    if not backend.graph_safe:
+        logger.info("CUDA graphs off: the %s attention backend is not graph-safe", backend.name)
+        return False
+    return True
