@@ -6,6 +6,11 @@ token ``t`` of it lives in page ``block_tables[b, t // block_size]`` at row
 ``t % block_size``. A batch packs the new tokens of every sequence into one ``[T, ...]``
 tensor; ``query_start_loc[b]:query_start_loc[b + 1]`` are sequence ``b``'s new tokens, which
 are its last ``query_len`` positions: causal among themselves, full over the cached context.
+
+fp8. A pool of dtype ``torch.float8_e4m3fn`` comes with float32 scales ``k_scale, v_scale:
+[num_blocks, block_size, num_kv_heads]``, one per (token, kv head): a vector ``x`` [head_dim]
+is stored as ``e4m3(x / s)`` with ``s = max(amax(|x|) / 448, 1e-12)`` and read back as
+``stored.float() * s``. A negative slot in a slot mapping means "write nothing" (padding).
 """
 
 from __future__ import annotations
@@ -13,18 +18,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_MIN_SCALE = 1e-12  # keeps an all-zero vector's scale off zero
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (e4m3fn values [..., D], float32 scales [...]), one scale per vector."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    return (x32 / scale[..., None]).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize_fp8``: ``stored.float() * scale`` cast to ``dtype``."""
+    return (stored.float() * scale[..., None]).to(dtype)
+
 
 def write_kv_ref(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64: block * BS + row
+    slot_mapping: torch.Tensor,  # [T] int64: block * BS + row; negative = skip the token
+    *,
+    k_scale: torch.Tensor | None = None,  # [NB, BS, Hkv] float32, with an fp8 pool
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store each new token's K and V at its slot of the pool."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store each new token's K and V at its slot of the pool (quantized if the pool is fp8)."""
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = cache.view(-1, *cache.shape[2:])  # [NB * BS, Hkv, D]
+        if cache.dtype == FP8_DTYPE:
+            if scale is None:
+                raise ValueError("an fp8 KV cache needs k_scale and v_scale tensors")
+            x, x_scale = quantize_fp8(x)
+            scale.view(-1, scale.shape[-1]).index_copy_(0, slot_mapping, x_scale)
+            rows, x = rows.view(torch.uint8), x.view(torch.uint8)  # no fp8 index_copy_ on CPU
+        rows.index_copy_(0, slot_mapping, x.to(rows.dtype))
 
 
 def paged_attention_ref(
@@ -36,8 +69,16 @@ def paged_attention_ref(
     query_start_loc: list[int],  # [B + 1]
     scale: float,
     sliding_window: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,  # [NB, BS, Hkv] float32, with an fp8 pool
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context; [T, Hq, D]."""
+    if k_cache.dtype == FP8_DTYPE:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an fp8 KV cache needs k_scale and v_scale tensors")
+        k_cache = _DequantizedPool(k_cache, k_scale, q.dtype)  # type: ignore[assignment]
+        v_cache = _DequantizedPool(v_cache, v_scale, q.dtype)  # type: ignore[assignment]
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)
     num_decodes = _leading_single_token_queries(query_start_loc)
@@ -131,3 +172,14 @@ def _decode_batch(
         enable_gqa=True,
     )
     return out[:, :, 0, :]
+
+
+class _DequantizedPool:
+    """An fp8 pool that dequantizes only the pages it is indexed with (as a tensor would be)."""
+
+    def __init__(self, stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.stored, self.scale, self.dtype = stored, scale, dtype
+        self.shape = stored.shape
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return dequantize_fp8(self.stored[index], self.scale[index], self.dtype)  # type: ignore[index]

@@ -1,0 +1,134 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""RMSNorm and fused residual-add + RMSNorm in Triton, matching ``kernels.norm``.
+
+One program normalizes one row. The math follows ``rms_norm_ref`` step by step, roundings
+included: the sum ``x + residual`` is rounded to the input dtype, the statistics are fp32,
+the normalized row is cast back to the input dtype, and only then multiplied by the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    eps,
+    stride_xt, stride_xh,  # x: [T, H, N] (H = 1 for a [T, N] input); last stride 1
+    stride_rt,  # residual: [T, N]
+    stride_ot, stride_oh,  # out: like x
+    NUM_HEADS: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    token = row // NUM_HEADS
+    head = row % NUM_HEADS
+    offs_n = tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    # 1. the row, summed with the residual (rounded to the input dtype, stored back)
+    x = tl.load(x_ptr + token * stride_xt + head * stride_xh + offs_n, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual_ptrs = residual_ptr + token * stride_rt + offs_n
+        residual = tl.load(residual_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(residual_ptrs, x, mask=mask)
+    # 2. fp32 statistics: x * rsqrt(mean(x^2) + eps), cast back to the input dtype
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, axis=0) / N
+    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+    # 3. times the weight, in the output (promoted) dtype
+    weight = tl.load(weight_ptr + offs_n, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    out_ptrs = out_ptr + token * stride_ot + head * stride_oh + offs_n
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; matches ``kernels.norm.rms_norm_ref``.
+
+    Shapes: ``x: [T, N]`` or ``[T, H, N]`` (per-head norms, e.g. Qwen3's q/k norm), last
+    stride 1, other strides free; ``weight: [N]`` contiguous. Returns a new contiguous tensor
+    of shape ``x.shape`` in ``promote_types(x.dtype, weight.dtype)``.
+    """
+    _check_norm_args(x, weight)
+    x3 = x if x.dim() == 3 else x[:, None, :]  # [T, H, N]
+    out = torch.empty(x3.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch(x3, None, weight, out, eps)
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x``, then RMSNorm of the sum; matches ``fused_add_rms_norm_ref``.
+
+    Shapes: ``x, residual: [T, N]``, same dtype, last stride 1; ``weight: [N]``. Works IN PLACE
+    on ``residual``: it is overwritten with the sum and returned as the new residual.
+    Returns ``(normed, residual)``.
+    """
+    _check_norm_args(x, weight)
+    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"x and residual must be [T, N] of one dtype, got {tuple(x.shape)} {x.dtype} and "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
+    if residual.stride(-1) != 1 or residual.device != x.device:
+        raise ValueError("residual must have last stride 1 and sit on x's device")
+    x3 = x[:, None, :]
+    out = torch.empty(x3.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch(x3, residual, weight, out, eps)
+    return out.view(x.shape), residual
+
+
+def _launch(
+    x: torch.Tensor,  # [T, H, N]
+    residual: torch.Tensor | None,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    out: torch.Tensor,  # [T, H, N]
+    eps: float,
+) -> None:
+    num_tokens, num_heads, size = x.shape
+    if num_tokens * num_heads == 0:
+        return
+    _rms_norm_kernel[(num_tokens * num_heads,)](
+        x, residual if residual is not None else x, weight, out,
+        eps,
+        x.stride(0), x.stride(1),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads,
+        N=size,
+        BLOCK_N=triton.next_power_of_2(size),
+        HAS_RESIDUAL=residual is not None,
+        num_warps=_num_warps(size),
+    )  # fmt: skip
+
+
+def _num_warps(size: int) -> int:
+    """About 256 elements per warp, 1 to 16 warps."""
+    return max(1, min(16, triton.next_power_of_2(size) // 256))
+
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() not in (2, 3) or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"x must be [T, N] or [T, H, N] in {SUPPORTED_DTYPES}, got {tuple(x.shape)} {x.dtype}"
+        )
+    if x.stride(-1) != 1:
+        raise ValueError(f"x's last dim must be contiguous (stride 1), got strides {x.stride()}")
+    if weight.shape != (x.shape[-1],) or not weight.is_contiguous():
+        raise ValueError(
+            f"weight must be a contiguous [{x.shape[-1]}] vector, got {tuple(weight.shape)}"
+        )
+    if weight.dtype not in SUPPORTED_DTYPES or weight.device != x.device:
+        raise ValueError(
+            f"weight must be a float tensor on {x.device}, got {weight.dtype} on {weight.device}"
+        )

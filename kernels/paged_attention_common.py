@@ -1,0 +1,123 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""Pieces shared by the decode and prefill paged-attention kernels: page gathers, checks."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_write_triton import check_scales
+from kernels.paged_attention import FP8_DTYPE
+
+LOG2_E = 1.4426950408889634  # the kernels use exp2: scores are scaled by log2(e)
+NEG_BIG = -1.0e30  # a finite "minus infinity": m_i - m_new never is (-inf) - (-inf)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def page_rows(table_ptr, offs_n, mask_n, BLOCK_SIZE: tl.constexpr):
+    """Token positions [BLOCK_N] -> (page [BLOCK_N] int64, row in page [BLOCK_N])."""
+    pages = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+    return pages, offs_n % BLOCK_SIZE
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr, pages, rows, offs_d, mask_n, kv_head,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """One kv head's rows of the gathered tokens: [BLOCK_N, BLOCK_D], zero where masked."""
+    ptrs = (
+        cache_ptr
+        + pages[:, None] * stride_cb
+        + rows[:, None] * stride_cs
+        + kv_head * stride_ch
+        + offs_d[None, :] * stride_cd
+    )
+    return tl.load(ptrs, mask=mask_n[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def load_kv_scale(
+    scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
+):  # fmt: skip
+    """The fp8 scales [BLOCK_N] of one kv head's gathered tokens."""
+    ptrs = scale_ptr + pages * stride_sb + rows * stride_ss + kv_head * stride_sh
+    return tl.load(ptrs, mask=mask_n, other=0.0)
+
+
+def dot_dtype(q: torch.Tensor) -> tl.dtype:
+    """The dot operands' dtype: q's, but fp32 under the interpreter (CPU tensors), whose
+    bf16 ``tl.dot`` multiplies the raw bits (Triton 3.9)."""
+    if q.device.type == "cpu":
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(q.dtype, tl.float32)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep full precision in tl.dot (tf32 would miss the reference by ~1e-3)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Raise ValueError naming the first argument of ``paged_attention`` that is wrong."""
+    _check_q_and_pool(q, k_cache, v_cache)
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    for name, tensor, shape in (
+        ("seq_lens", seq_lens, (num_seqs,)),
+        ("query_start_loc", query_start_loc, (num_seqs + 1,)),
+        ("block_tables", block_tables, (num_seqs, block_tables.shape[-1])),
+    ):
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.int32:
+            raise ValueError(
+                f"{name} must be {shape} int32 (B = len(seq_lens)), got "
+                f"{tuple(tensor.shape)} {tensor.dtype}"
+            )
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if k_cache.dtype == FP8_DTYPE:
+        check_scales(k_cache, k_scale, v_scale)
+
+
+def _check_q_and_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.dim() != 3 or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q must be [T, Hq, D] in {SUPPORTED_DTYPES}, got {tuple(q.shape)} {q.dtype}"
+        )
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache must be [NB, BS, Hkv, D] with equal shapes and strides, got "
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype not in (q.dtype, FP8_DTYPE) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the pool's dtype must be q's ({q.dtype}) or fp8, got {k_cache.dtype}")
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"q [T, Hq, D] = {tuple(q.shape)} does not fit a pool of Hkv={num_kv_heads}, "
+            f"D={head_dim}: D must match and Hq must be a multiple of Hkv"
+        )
+
+
+def check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must be like q {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+
+
+def pow2_at_least(n: int, minimum: int) -> int:
+    return max(triton.next_power_of_2(n), minimum)

@@ -1,0 +1,321 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""Paged attention in Triton, matching ``kernels.paged_attention.paged_attention_ref``.
+
+A batch is split in two phases, each one launch (two for split decode):
+- decode (the first ``num_decodes`` sequences, one new token each): flash-decoding. A program
+  owns one (sequence, kv head, split): the query heads of that kv head are packed as the rows
+  of one ``tl.dot`` (padded to 16), so each K/V tile is loaded once for the whole group. Tiles
+  of ``BLOCK_N`` tokens are gathered across pages. Split ``s`` of ``num_splits`` covers a
+  contiguous run of tiles computed in the kernel from the device ``seq_len``; partial outputs
+  and log-sum-exps go to a scratch buffer that ``_reduce_splits_kernel`` folds.
+- prefill (the other sequences, any query length): flash attention, GQA packed as well, in
+  ``kernels/paged_attention_prefill_triton.py``.
+The grids depend only on tensor shapes and host ints: the launch is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import FP8_DTYPE
+from kernels.paged_attention_common import (
+    LOG2_E,
+    NEG_BIG,
+    check_attention_args,
+    check_out,
+    dot_dtype,
+    dot_precision,
+    load_kv_scale,
+    load_kv_tile,
+    page_rows,
+    pow2_at_least,
+)
+from kernels.paged_attention_prefill_triton import launch_prefill
+
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the head group is padded to this
+MAX_KV_SPLITS = 64
+TARGET_WAVES = 2  # default split count: about this many programs per SM
+NOMINAL_CPU_SMS = 4  # the interpreter has no SMs; any small count exercises the split path
+DECODE_BLOCK_N = 64  # tokens per K/V tile
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # keys with pos > q_pos - window are kept (if HAS_WINDOW)
+    stride_qt, stride_qh, stride_qd,  # q, out: [T, Hq, D]
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd,  # k_cache, v_cache: [NB, BS, Hkv, D]
+    stride_sb, stride_ss, stride_sh,  # k_scale, v_scale: [NB, BS, Hkv]
+    stride_bt,  # block_tables: [B, max_blocks]
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per page
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # dot operand dtype
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # 1. this split's run of tiles, from the device seq_len (the query is at seq_len - 1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    first_tile = lo // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, first_tile + num_tiles)
+
+    # 2. the group's queries as the rows of one dot: [GROUP_PAD, BLOCK_D]
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    mask_q = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_ptrs = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=mask_q, other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_bt
+    for tile in range(tile_begin, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n < seq_len) & (offs_n >= lo)
+        # 3. gather K, V: [BLOCK_N, BLOCK_D] across pages
+        pages, rows = page_rows(table_ptr, offs_n, mask_n, BLOCK_SIZE)
+        k = load_kv_tile(
+            k_cache_ptr, pages, rows, offs_d, mask_n, kv_head,
+            stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM,
+        )  # fmt: skip
+        v = load_kv_tile(
+            v_cache_ptr, pages, rows, offs_d, mask_n, kv_head,
+            stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM,
+        )  # fmt: skip
+        # 4. scores [GROUP_PAD, BLOCK_N] in base 2; fp8 scales are per key, so per column
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        if IS_FP8:
+            k_scale = load_kv_scale(
+                k_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
+            )
+            s = s * k_scale[None, :]
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        # -- update m_i and l_i (online softmax, fp32)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # -- update the output accumulator
+        if IS_FP8:
+            v_scale = load_kv_scale(
+                v_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
+            )
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
+        m_i = m_new
+
+    # 5. normalized output: straight to `out`, or a partial plus its log-sum-exp
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    result = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        out_ptrs = (
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        )
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask_q)
+    else:
+        # part_out: [B, Hq, NUM_SPLITS, BLOCK_D]; part_lse: [B, Hq, NUM_SPLITS] (contiguous)
+        rows = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], result, mask=mask_q)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), NEG_BIG)
+        tl.store(part_lse_ptr + rows, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, BLOCK_D] float32
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] float32, base 2
+    out_ptr,
+    stride_ot, stride_oh, stride_od,  # out: [T, Hq, D]
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    # 1. weight of each split: 2^(lse_s - max lse); empty splits carry NEG_BIG, weight 0
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=mask_s, other=NEG_BIG)
+    weights = tl.exp2(lse - tl.max(lse, axis=0))
+    weights = tl.where(mask_s, weights, 0.0)
+    # 2. weighted mean of the partial outputs
+    parts = tl.load(
+        part_out_ptr + (row0 + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+        mask=mask_s[:, None],
+        other=0.0,
+    )
+    result = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    out_ptrs = out_ptr + seq * stride_ot + head * stride_oh + offs_d * stride_od
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    max_query_len: int,
+    num_decodes: int = 0,
+    sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a mixed batch over the page pool; matches ``paged_attention_ref``.
+
+    Shapes: ``q, out: [T, Hq, D]`` (the new tokens of every sequence, packed); ``k_cache,
+    v_cache: [NB, BS, Hkv, D]`` (any strides, equal for both, e.g. a layer's slice of a
+    ``[L, 2, NB, BS, Hkv, D]`` pool); ``block_tables: [B, max_blocks]``, ``seq_lens: [B]``
+    (context incl. the new tokens), ``query_start_loc: [B + 1]``, all int32 on q's device;
+    ``k_scale, v_scale: [NB, BS, Hkv]`` float32 when the pool is ``float8_e4m3fn``.
+    Host ints: ``max_query_len`` (1 = decode only), ``num_decodes`` (the leading sequences
+    with exactly one new token), ``num_kv_splits`` (decode split-KV; default from B, Hkv and
+    the SM count). Nothing syncs with the host; grids follow shapes and host ints only, so a
+    fixed-shape call can be captured in a CUDA graph (the split scratch is allocated inside).
+    """
+    check_attention_args(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale
+    )
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    if max_query_len == 1:
+        num_decodes = num_seqs  # a decode-only batch
+    if max_query_len < 1 or not 0 <= num_decodes <= num_seqs:
+        raise ValueError(
+            f"need max_query_len >= 1 and 0 <= num_decodes <= B={num_seqs}, got "
+            f"{max_query_len} and {num_decodes}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device)
+    if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
+    if out is None:
+        out = torch.empty_like(q)
+    check_out(out, q)
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    scales = (k_scale, v_scale) if is_fp8 else (None, None)
+    if num_decodes > 0:  # decode
+        _launch_decode(
+            q, k_cache, v_cache, *scales, block_tables, seq_lens, out,
+            scale=scale, num_decodes=num_decodes, sliding_window=sliding_window,
+            num_splits=num_kv_splits,
+        )  # fmt: skip
+    if num_decodes < num_seqs:  # prefill / mixed
+        launch_prefill(
+            q, k_cache, v_cache, *scales, block_tables, seq_lens, query_start_loc, out,
+            scale=scale, first_seq=num_decodes, max_query_len=max_query_len,
+            sliding_window=sliding_window,
+        )  # fmt: skip
+    return out
+
+
+def default_num_kv_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head) so the decode grid fills about TARGET_WAVES waves.
+
+    Depends on shapes and the device only, never on sequence lengths: a CUDA graph captured
+    for a batch size stays valid whatever the contexts grow to.
+    """
+    num_programs = max(num_seqs * num_kv_heads, 1)
+    wanted = triton.cdiv(TARGET_WAVES * _num_sms(device), num_programs)
+    return max(1, min(MAX_KV_SPLITS, wanted))
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return NOMINAL_CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_decode(
+    q: torch.Tensor,  # [T, Hq, D]; rows 0..num_decodes-1 are the decodes
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,  # [NB, BS, Hkv] float32 with an fp8 pool
+    v_scale: torch.Tensor | None,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    out: torch.Tensor,  # [T, Hq, D]
+    *,
+    scale: float,
+    num_decodes: int,
+    sliding_window: int | None,
+    num_splits: int,
+) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    block_d = pow2_at_least(head_dim, 16)
+    part_out = part_lse = out  # placeholders when the decode writes `out` directly
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_decodes, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            num_decodes, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
+    is_fp8 = k_scale is not None
+    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, k_scale if is_fp8 else k_cache, v_scale if is_fp8 else k_cache,
+        block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2_E, sliding_window or 0,
+        *q.stride(), *out.stride(), *k_cache.stride(),
+        *(k_scale.stride() if k_scale is not None else (0, 0, 0)), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        GROUP_PAD=pow2_at_least(num_heads // num_kv_heads, MIN_DOT_ROWS),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_SIZE=k_cache.shape[1],
+        NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None,
+        IS_FP8=is_fp8,
+        DOT_DTYPE=dot_dtype(q),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_decodes, num_heads)](
+            part_out, part_lse, out, *out.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )  # fmt: skip

@@ -1,0 +1,144 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""Rotary position embedding (neox, rotate-half) in Triton, matching ``rotary_ref``.
+
+One program rotates one token: all its query heads, then all its key heads, IN PLACE. The
+reference works in the input dtype (cos/sin cast to it, each product and the sum rounded);
+the kernel computes in fp32 and rounds at the same points, so bf16 results agree bit for bit
+up to the last-ulp effects of fused multiply-adds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x (fp32) rounded to DTYPE and back: where the reference's dtype arithmetic rounds."""
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # this token's [H, D]
+    cos_ptr,  # this position's cos/sin rows [D]
+    sin_ptr,
+    stride_xh,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    mask = (offs_h < NUM_HEADS)[:, None] & mask_d[None, :]
+    dtype = x_ptr.dtype.element_ty
+    # 1. cos/sin of each half, in the input dtype as the reference casts them
+    cos_lo = _rounded(tl.load(cos_ptr + offs_d, mask=mask_d), dtype)[None, :]
+    cos_hi = _rounded(tl.load(cos_ptr + HALF + offs_d, mask=mask_d), dtype)[None, :]
+    sin_lo = _rounded(tl.load(sin_ptr + offs_d, mask=mask_d), dtype)[None, :]
+    sin_hi = _rounded(tl.load(sin_ptr + HALF + offs_d, mask=mask_d), dtype)[None, :]
+    # 2. x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], rounding each product and sum
+    lo_ptrs = x_ptr + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(lo_ptrs, mask=mask).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
+    x2 = tl.load(lo_ptrs + HALF, mask=mask).to(tl.float32)
+    out1 = _rounded(x1 * cos_lo, dtype) + _rounded(-x2 * sin_lo, dtype)
+    out2 = _rounded(x2 * cos_hi, dtype) + _rounded(x1 * sin_hi, dtype)
+    tl.store(lo_ptrs, out1.to(dtype), mask=mask)
+    tl.store(lo_ptrs + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh,  # q: [T, Hq, D], last stride 1
+    stride_kt, stride_kh,  # k: [T, Hkv, D], last stride 1
+    stride_cp,  # cos, sin: [max_pos, D]
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,  # D // 2
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token)
+    cos_row = cos_ptr + position * stride_cp
+    sin_row = sin_ptr + position * stride_cp
+    _rotate_heads(
+        q_ptr + token * stride_qt, cos_row, sin_row, stride_qh,
+        NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr + token * stride_kt, cos_row, sin_row, stride_kh,
+        NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF,
+    )  # fmt: skip
+
+
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k IN PLACE; returns ``(q, k)``, equal to ``rotary_ref`` of each.
+
+    Shapes: ``q: [T, Hq, D]``, ``k: [T, Hkv, D]`` (same dtype; last stride 1, other strides
+    free, e.g. views into a fused qkv output); ``positions: [T]`` int32/int64;
+    ``cos_cache, sin_cache: [max_pos, D]`` float32 (``rope_cos_sin_cache``), last stride 1.
+    """
+    _check_rotary_args(q, k, positions, cos_cache, sin_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q, k
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, cos_cache, sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=k.shape[1],
+        HALF=head_dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+    )  # fmt: skip
+    return q, k
+
+
+def _check_rotary_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q and k must be [T, Hq, D] and [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:
+        raise ValueError(
+            f"q and k must share a dtype among {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}"
+        )
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or q.shape[2] % 2:
+        raise ValueError("q and k need an even head dim with last stride 1")
+    if positions.shape != (q.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"positions must be [T={q.shape[0]}] int, got {tuple(positions.shape)} {positions.dtype}"
+        )
+    for name, cache in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        if cache.dim() != 2 or cache.shape[1] != q.shape[2] or cache.dtype != torch.float32:
+            raise ValueError(
+                f"{name} must be [max_pos, D={q.shape[2]}] float32, got {tuple(cache.shape)} {cache.dtype}"
+            )
+    if cos_cache.stride() != sin_cache.stride() or cos_cache.stride(-1) != 1:
+        raise ValueError("cos_cache and sin_cache need equal strides and last stride 1")
+    devices = {t.device for t in (q, k, positions, cos_cache, sin_cache)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
