@@ -1,5 +1,45 @@
 """The bundled client library of pagestream: enqueue requests on Redis and read their tokens.
 
-It depends on the wire types only and never imports torch; the Redis client lands with the
-worker service.
+It depends on the wire types (``clients.protocol``), redis-py and msgspec only; it never
+imports torch. ``AsyncClient`` for asyncio code, ``Client`` for everything else.
 """
+
+from clients.aio import (
+    AsyncClient,
+    ClientError,
+    Completion,
+    RequestFailedError,
+    RequestTimeoutError,
+)
+from clients.protocol import (
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    FinishReason,
+    Request,
+    RestartEvent,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from clients.sync import Client
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "ClientError",
+    "Completion",
+    "DoneEvent",
+    "ErrorCode",
+    "ErrorEvent",
+    "Event",
+    "FinishReason",
+    "Request",
+    "RequestFailedError",
+    "RequestTimeoutError",
+    "RestartEvent",
+    "Timings",
+    "TokenEvent",
+    "Usage",
+]

@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Parity with transformers is defined on the CPU in fp32: engines built with device=auto run
 # there even on a GPU host. GPU tests (marked `gpu`) ask for cuda explicitly.
 os.environ.setdefault("PAGESTREAM_DEVICE", "cpu")
+pytest_plugins = ["tests.redis_server", "tests.service_fixtures"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

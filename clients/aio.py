@@ -1,0 +1,277 @@
+"""``AsyncClient``: enqueue requests on Redis and read their events as workers write them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from clients import protocol
+from clients.protocol import (
+    CancelNotice,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    FinishReason,
+    Keys,
+    Message,
+    Request,
+    RestartEvent,
+    Timings,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+READ_BLOCK_MS = 1000  # one XREAD BLOCK waits at most this long (then the timeout is checked)
+READ_COUNT = 256
+DEADLINE_GRACE_S = 5.0  # after a request's deadline, wait this long for its `timeout` event
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class ClientError(Exception):
+    """Base class of the errors the client raises."""
+
+
+class RequestFailedError(ClientError):
+    """The request ended with an ``error`` event (invalid request, dead-lettered, ...)."""
+
+    def __init__(self, request_id: str, event: ErrorEvent) -> None:
+        super().__init__(f"request {request_id} failed ({event.code.value}): {event.message}")
+        self.request_id = request_id
+        self.code = event.code
+        self.message = event.message
+        self.field = event.field
+
+
+class RequestTimeoutError(ClientError, TimeoutError):
+    """No terminal event arrived in time (no worker running, or the request is too slow)."""
+
+    def __init__(self, request_id: str, timeout_s: float) -> None:
+        super().__init__(f"request {request_id}: no result within {timeout_s:g} s")
+        self.request_id = request_id
+
+
+@dataclass
+class Completion:
+    """The whole answer to one request (``complete``)."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    num_restarts: int = 0  # attempts that died on a worker before this answer
+
+    def add(self, event: Event) -> None:
+        """Fold one event in; a ``restart`` forgets what the dead attempt produced."""
+        if isinstance(event, TokenEvent):
+            self.text += event.text
+            self.token_ids += event.token_ids
+            self.logprobs += event.logprobs or []
+        elif isinstance(event, RestartEvent):
+            self.text, self.token_ids, self.logprobs = "", [], []
+            self.num_restarts += 1
+        elif isinstance(event, DoneEvent):
+            self.finish_reason, self.usage, self.timings = (
+                event.finish_reason, event.usage, event.timings,
+            )  # fmt: skip
+
+
+class AsyncClient:
+    """Talks to pagestream workers through Redis (``redis://`` or ``rediss://``, with auth).
+
+    >>> async with AsyncClient("redis://localhost:6379/0") as client:
+    ...     async for event in client.stream(prompt="Hello", max_tokens=8, temperature=0):
+    ...         print(event)
+
+    ``timeout_s`` (here, or per call) bounds how long a call waits for the request's end; it
+    also becomes the request's deadline, after which a worker ends it as ``timeout``.
+    """
+
+    def __init__(
+        self,
+        redis_url: str = DEFAULT_REDIS_URL,
+        *,
+        prefix: str = protocol.DEFAULT_PREFIX,
+        timeout_s: float | None = None,
+        redis: aioredis.Redis | None = None,
+    ) -> None:
+        self.redis = redis or aioredis.Redis.from_url(redis_url)
+        self.keys = Keys(prefix)
+        self.timeout_s = timeout_s
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+        timeout_s: float | None = None,
+        traceparent: str | None = None,
+        **sampling: Any,
+    ) -> str:
+        """Enqueue a request (exactly one of ``prompt``/``messages``/``token_ids``); returns its id.
+
+        ``sampling``: any ``Request`` sampling field (``max_tokens``, ``temperature``, ...).
+        Submitting an id again is safe: the second entry is not run, and both callers read
+        the first one's events.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        now_ms = int(time.time() * 1000)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        request = Request(
+            id=request_id,
+            prompt=prompt,
+            messages=None if messages is None else [Message(**m) for m in messages],
+            token_ids=token_ids,
+            priority=priority,
+            tenant=tenant,
+            deadline_ms=None if timeout_s is None else now_ms + int(timeout_s * 1000),
+            traceparent=traceparent,
+            enqueued_at_ms=now_ms,
+            **sampling,
+        )
+        await self.redis.xadd(
+            self.keys.requests, {protocol.PAYLOAD_FIELD: protocol.encode(request)}
+        )
+        return request_id
+
+    async def events(
+        self, request_id: str, *, after: str = "0-0", timeout_s: float | None = None
+    ) -> AsyncIterator[Event]:
+        """Every event of a request after stream entry ``after`` (each has ``event_id``).
+
+        Ends after the terminal event (``done`` or ``error``, both yielded). Resume an
+        interrupted read with ``after=`` the last ``event_id`` seen. Survives Redis restarts.
+        """
+        timeout_s = self._wait_s(timeout_s)
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        out, last_id, delay_s = self.keys.out(request_id), after, BACKOFF_MIN_S
+        while True:
+            block_ms = READ_BLOCK_MS
+            if deadline_s is not None:
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0:
+                    raise RequestTimeoutError(request_id, timeout_s or 0.0)
+                block_ms = max(1, min(block_ms, int(remaining_s * 1000)))
+            try:
+                reply = await self.redis.xread({out: last_id}, count=READ_COUNT, block=block_ms)
+            except REDIS_ERRORS:
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, BACKOFF_MAX_S)
+                continue
+            delay_s = BACKOFF_MIN_S
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id.decode()
+                    payload = fields.get(protocol.PAYLOAD_FIELD.encode(), b"")
+                    event = protocol.decode_event(payload, last_id)
+                    yield event
+                    if isinstance(event, protocol.TERMINAL_EVENTS):
+                        return
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> AsyncIterator[TokenEvent | RestartEvent | DoneEvent]:
+        """Submit a request and yield its ``token`` events as they arrive, then ``done``.
+
+        A ``restart`` event means a worker died and the request runs again from the start:
+        drop the text received so far. An ``error`` event raises ``RequestFailedError``.
+        ``options``: ``submit``'s keyword arguments (sampling, priority, tenant, ...).
+        """
+        request_id = await self.submit(
+            prompt, messages=messages, token_ids=token_ids, request_id=request_id,
+            timeout_s=timeout_s, **options,
+        )  # fmt: skip
+        async for event in self.resume(request_id, timeout_s=timeout_s):
+            yield event
+
+    async def resume(
+        self, request_id: str, *, after: str = "0-0", timeout_s: float | None = None
+    ) -> AsyncIterator[TokenEvent | RestartEvent | DoneEvent]:
+        """``stream`` for a request already submitted, from the event after ``after``."""
+        async for event in self.events(request_id, after=after, timeout_s=timeout_s):
+            if isinstance(event, ErrorEvent):
+                raise RequestFailedError(request_id, event)
+            yield event
+
+    async def complete(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> Completion:
+        """Submit a request and wait for its whole answer (restarts are hidden).
+
+        Raises ``RequestFailedError``, or ``RequestTimeoutError`` (the request is then
+        cancelled).
+        """
+        request_id = await self.submit(
+            prompt, messages=messages, token_ids=token_ids, request_id=request_id,
+            timeout_s=timeout_s, **options,
+        )  # fmt: skip
+        return await self.result(request_id, timeout_s=timeout_s)
+
+    async def result(self, request_id: str, *, timeout_s: float | None = None) -> Completion:
+        """The whole answer of a request already submitted (see ``complete``)."""
+        completion = Completion(request_id)
+        try:
+            async for event in self.resume(request_id, timeout_s=timeout_s):
+                completion.add(event)
+        except RequestTimeoutError:
+            await self.cancel(request_id)
+            raise
+        return completion
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel a request, queued or running; its stream then ends with ``done``/``cancelled``."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.keys.cancel(request_id), 1, ex=protocol.CANCEL_TTL_S)
+        pipe.xadd(
+            self.keys.cancels,
+            {protocol.PAYLOAD_FIELD: protocol.encode(CancelNotice(id=request_id))},
+            maxlen=protocol.CANCELS_MAXLEN,
+            approximate=True,
+        )
+        await pipe.execute()
+
+    def _wait_s(self, timeout_s: float | None) -> float | None:
+        # The worker ends a request at its deadline (= timeout_s): allow for that event.
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return None if timeout_s is None else timeout_s + DEADLINE_GRACE_S

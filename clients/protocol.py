@@ -1,0 +1,298 @@
+"""The wire protocol between clients and workers: Redis keys, TTLs and msgpack payloads.
+
+Every payload is a ``msgspec.Struct`` encoded with msgpack into the single field
+``PAYLOAD_FIELD`` of a stream entry (or the value of a plain key), and carries ``v``, the schema
+version. Requests go to ``{p}:requests`` (consumer group ``{p}:workers``); the events of one
+request come back, in order, on ``{p}:out:{request_id}``: ``token`` ... then exactly one of
+``done`` or ``error``; a ``restart`` event says that a new attempt begins after a worker died.
+See ``docs/protocol.md``.
+
+This module imports msgspec only: workers and clients both use it, and clients never load torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "pagestream"
+PAYLOAD_FIELD = "msg"  # the one field of every stream entry written by pagestream
+
+OUT_STREAM_TTL_S = 3600  # {p}:out:{id} expires this long after its last event
+CANCEL_TTL_S = 3600  # {p}:cancel:{id} is remembered this long
+CLAIM_TTL_S = 24 * 3600  # {p}:claim:{id}: a duplicate id is refused for this long
+HEARTBEAT_TTL_S = 15  # {p}:worker:{name} vanishes this long after the worker's last beat
+CANCELS_MAXLEN = 10_000  # {p}:cancels keeps about this many recent notices
+DEAD_MAXLEN = 100_000  # {p}:dead keeps about this many entries
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Builds every Redis key of one deployment (all share ``prefix``)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def requests(self) -> str:
+        """The request stream every client ``XADD``s to."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def group(self) -> str:
+        """The consumer group of the workers on ``requests``."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def cancels(self) -> str:
+        """The stream of cancel notices that every worker tails."""
+        return f"{self.prefix}:cancels"
+
+    @property
+    def dead(self) -> str:
+        """Entries that could not be served (malformed, or delivered too often)."""
+        return f"{self.prefix}:dead"
+
+    def out(self, request_id: str) -> str:
+        """The event stream of one request."""
+        return f"{self.prefix}:out:{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        """Set when a request is cancelled; checked when a worker admits the request."""
+        return f"{self.prefix}:cancel:{request_id}"
+
+    def claim(self, request_id: str) -> str:
+        """Which stream entry owns a request id (so a duplicate id is not run twice)."""
+        return f"{self.prefix}:claim:{request_id}"
+
+    def worker(self, name: str) -> str:
+        """A worker's heartbeat (a ``WorkerStatus``, with a TTL)."""
+        return f"{self.prefix}:worker:{name}"
+
+    def worker_pattern(self) -> str:
+        """``SCAN`` pattern matching every worker's heartbeat key."""
+        return f"{self.prefix}:worker:*"
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """One chat message."""
+
+    role: str
+    content: str
+
+
+class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A generation request: exactly one of ``prompt``, ``messages``, ``token_ids``.
+
+    ``deadline_ms`` and ``enqueued_at_ms`` are wall-clock Unix times in milliseconds; the
+    sampling fields mean what they mean in the engine's ``SamplingParams``.
+    """
+
+    v: int = PROTOCOL_VERSION
+    id: str
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    token_ids: list[int] | None = None
+    # sampling
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    # scheduling and tracing
+    priority: int = 0
+    tenant: str = "default"
+    deadline_ms: int | None = None
+    traceparent: str | None = None
+    enqueued_at_ms: int | None = None
+
+
+SAMPLING_FIELDS = (
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "logprobs",
+)  # fmt: skip
+
+
+class CancelNotice(msgspec.Struct, kw_only=True):
+    """An entry of ``{p}:cancels``: stop ``id`` wherever it runs."""
+
+    v: int = PROTOCOL_VERSION
+    id: str
+
+
+# -- events --------------------------------------------------------------------------------------
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+
+
+class ErrorCode(str, enum.Enum):
+    INVALID_REQUEST = "invalid_request"  # a field is missing, mistyped, unknown or out of range
+    MALFORMED = "malformed"  # the entry could not be decoded at all
+    TOO_MANY_DELIVERIES = "too_many_deliveries"  # workers died on it max_deliveries times
+    INTERNAL = "internal_error"  # the engine failed; the request went to the dead stream
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Where a request's time went, in milliseconds (``None`` where not measured)."""
+
+    queue_ms: float | None = None  # enqueued -> admitted (wall clocks of client and worker)
+    time_to_first_token_ms: float | None = None  # admitted -> first token
+    total_ms: float = 0.0  # admitted -> finished
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class _Event(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=True):
+    v: int = PROTOCOL_VERSION
+    # The stream entry id the event was read from: set by the client, never sent.
+    event_id: str = ""
+
+
+class TokenEvent(_Event, tag="token"):
+    """New tokens: ``seq`` counts token events from 0 within one attempt."""
+
+    seq: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+
+
+class DoneEvent(_Event, tag="done"):
+    """The request ended normally (terminal)."""
+
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings = msgspec.field(default_factory=Timings)
+    stop_reason: str | int | None = None
+    worker: str = ""
+
+
+class ErrorEvent(_Event, tag="error"):
+    """The request failed (terminal); ``field`` names the offending request field, if any."""
+
+    code: ErrorCode
+    message: str
+    field: str | None = None
+
+
+class RestartEvent(_Event, tag="restart"):
+    """A new attempt begins: forget the tokens of earlier attempts."""
+
+    attempt: int  # 1 for the first retry
+    worker: str
+    reason: str = "lease expired"
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent | RestartEvent
+TERMINAL_EVENTS = (DoneEvent, ErrorEvent)
+
+
+# -- operators' records ----------------------------------------------------------------------------
+
+
+class DeadLetter(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An entry of ``{p}:dead``: a request entry no worker will serve, and why."""
+
+    v: int = PROTOCOL_VERSION
+    entry_id: str
+    request_id: str | None = None
+    code: ErrorCode
+    message: str
+    worker: str
+    times_delivered: int = 1
+    payload: bytes | None = None  # the entry's payload field, as it was
+
+
+class WorkerStatus(msgspec.Struct, kw_only=True):
+    """A worker's heartbeat, the value of ``{p}:worker:{name}``."""
+
+    v: int = PROTOCOL_VERSION
+    name: str
+    host: str
+    pid: int
+    model: str
+    started_at_ms: int
+    updated_at_ms: int
+    num_in_flight: int
+    max_in_flight: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_pages_free: int = 0
+
+
+# -- encoding --------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_event_decoder = msgspec.msgpack.Decoder(Event)
+_request_decoder = msgspec.msgpack.Decoder(Request)
+
+
+def encode(value: msgspec.Struct) -> bytes:
+    """Any protocol struct as msgpack bytes."""
+    return _encoder.encode(value)
+
+
+def decode_event(data: bytes, event_id: str = "") -> Event:
+    """An out-stream payload; raises ``msgspec.DecodeError`` when it is not an event."""
+    event = _event_decoder.decode(data)
+    event.event_id = event_id
+    return event
+
+
+def decode_request(data: bytes) -> Request:
+    """A request payload; raises ``msgspec.DecodeError`` (``ValidationError``) naming the field."""
+    return _request_decoder.decode(data)
+
+
+def peek_request_id(data: bytes) -> str | None:
+    """The ``id`` of a payload that may not be a valid request, when one can be read."""
+    try:
+        raw: Any = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    request_id = raw.get("id")
+    return request_id if is_valid_request_id(request_id) else None
+
+
+def is_valid_request_id(value: object) -> bool:
+    """Ids are non-empty printable strings of at most ``MAX_REQUEST_ID_CHARS`` characters."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_CHARS and value.isprintable()
+
+
+def decode_struct(data: bytes, struct_type: type[msgspec.Struct]) -> Any:
+    """Decode a payload as ``struct_type`` (heartbeats, cancel notices, dead letters)."""
+    return msgspec.msgpack.decode(data, type=struct_type)

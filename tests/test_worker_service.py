@@ -1,0 +1,150 @@
+"""The worker service against a real Redis: streaming, cancellation, duplicates, Redis restarts.
+
+Workers run in-process (a thread with its own loop) on the tiny llama with a word tokenizer;
+the clients are the bundled ``AsyncClient``/``Client``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from clients import AsyncClient, Client, DoneEvent, FinishReason, RestartEvent, TokenEvent, protocol
+from engine import LLM, SamplingParams
+from tests.redis_server import RedisServer
+from tests.service_fixtures import WORDS
+
+NUM_CONCURRENT = 50
+
+
+def random_prompts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(WORDS[4:]) for _ in range(rng.randint(3, 20))) for _ in range(count)
+    ]
+
+
+def out_events(server: RedisServer, request_id: str) -> list[protocol.Event]:
+    client = server.client()
+    rows = client.xrange(protocol.Keys().out(request_id))
+    client.close()
+    return [protocol.decode_event(fields[b"msg"]) for _, fields in rows]
+
+
+def test_50_concurrent_streams_match_offline_generate(
+    start_worker: Any, redis_server: RedisServer, text_model_dir: Path
+) -> None:
+    start_worker("w1")
+    prompts = random_prompts(NUM_CONCURRENT, seed=1)
+    max_tokens = [4 + i % 21 for i in range(NUM_CONCURRENT)]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens]
+    reference = LLM(str(text_model_dir), device="cpu").generate(prompts, params, use_tqdm=False)
+
+    async def one(client: AsyncClient, prompt: str, n: int) -> tuple[str, list[int], DoneEvent]:
+        text, token_ids, seqs, done = "", [], [], None
+        async for event in client.stream(prompt, max_tokens=n, temperature=0, timeout_s=120):
+            if isinstance(event, TokenEvent):
+                text, token_ids = text + event.text, token_ids + event.token_ids
+                seqs.append(event.seq)
+            assert not isinstance(event, RestartEvent)
+            done = event if isinstance(event, DoneEvent) else done
+        assert seqs == list(range(len(seqs))), "token events out of order"
+        assert done is not None
+        return text, token_ids, done
+
+    async def run_all() -> list[tuple[str, list[int], DoneEvent]]:
+        async with AsyncClient(redis_server.url) as client:
+            return await asyncio.gather(
+                *(one(client, p, n) for p, n in zip(prompts, max_tokens, strict=True))
+            )
+
+    results = asyncio.run(run_all())
+    for (text, token_ids, done), ref in zip(results, reference, strict=True):
+        assert token_ids == ref.token_ids
+        assert text == ref.text
+        assert done.finish_reason.value == ref.finish_reason.value
+        assert done.usage.completion_tokens == len(ref.token_ids)
+        assert done.worker == "w1" and done.timings.queue_ms is not None
+
+
+def test_cancel_mid_stream_ends_promptly_and_frees_pages(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    worker = start_worker("w1")
+    pages_free_before = worker.engine.stats().num_pages_free
+    with Client(redis_server.url) as client:
+        request_id = client.submit("w5 w6 w7", max_tokens=200, ignore_eos=True, temperature=0)
+        events = client.resume(request_id, timeout_s=60)
+        first = next(events)
+        assert isinstance(first, TokenEvent)
+        cancelled_at_s = time.monotonic()
+        client.cancel(request_id)
+        rest = list(events)
+    assert time.monotonic() - cancelled_at_s < 5.0
+    done = rest[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason is FinishReason.CANCELLED
+    assert done.usage.completion_tokens < 200
+    assert worker.engine.stats().num_pages_free == pages_free_before
+    assert worker.engine.stats().num_running == 0
+
+
+def test_cancel_before_admission_never_runs(redis_server: RedisServer, start_worker: Any) -> None:
+    with Client(redis_server.url) as client:
+        request_id = client.submit("w5 w6", max_tokens=50, request_id="early")
+        client.cancel(request_id)
+        start_worker("w1")
+        completion = client.result(request_id, timeout_s=30)
+    assert completion.finish_reason is FinishReason.CANCELLED and completion.token_ids == []
+
+
+def test_duplicate_request_id_runs_once(start_worker: Any, redis_server: RedisServer) -> None:
+    with Client(redis_server.url) as client:
+        for _ in range(3):
+            client.submit(
+                "w9 w10 w11", request_id="same", max_tokens=6, temperature=0, ignore_eos=True
+            )
+        start_worker("w1")
+        completion = client.result("same", timeout_s=30)
+        assert len(completion.token_ids) == 6
+        # The duplicates are acknowledged and dropped: the stream drains, nothing else is written.
+        r = redis_server.client()
+        deadline_s = time.monotonic() + 10
+        while r.xlen(protocol.Keys().requests) and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        assert r.xlen(protocol.Keys().requests) == 0
+    events = out_events(redis_server, "same")
+    assert sum(isinstance(e, protocol.TERMINAL_EVENTS) for e in events) == 1
+    assert sum(isinstance(e, TokenEvent) for e in events) == 6
+
+
+def test_deadline_ends_a_request_as_timeout(start_worker: Any, redis_server: RedisServer) -> None:
+    start_worker("w1")
+    with Client(redis_server.url) as client:
+        completion = client.complete("w5", max_tokens=250, ignore_eos=True, timeout_s=0.3)
+    assert completion.finish_reason is FinishReason.TIMEOUT
+
+
+def test_redis_restart_mid_run_every_request_completes(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    start_worker("w1")
+    prompts = random_prompts(8, seed=2)
+
+    async def run_all() -> list[Any]:
+        async with AsyncClient(redis_server.url) as client:
+            ids = [
+                await client.submit(p, max_tokens=120, ignore_eos=True, temperature=0)
+                for p in prompts
+            ]
+            results = [asyncio.create_task(client.result(i, timeout_s=120)) for i in ids]
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(redis_server.restart, 0.5)
+            return await asyncio.gather(*results)
+
+    completions = asyncio.run(run_all())
+    for completion in completions:
+        assert completion.finish_reason is FinishReason.LENGTH
+        assert len(completion.token_ids) == 120

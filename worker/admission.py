@@ -1,0 +1,140 @@
+"""From a stream entry to engine inputs: decode, check against the limits, tokenize.
+
+Every way an entry can be wrong ends in an exception that names the problem: ``MalformedEntry``
+when the entry is not a decodable request (with the request id when one can be read), and the
+engine's ``InvalidRequestError`` (its ``field`` names the culprit) when a decoded request asks
+for something this worker refuses.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import msgspec
+
+from clients import protocol
+from clients.protocol import ErrorCode, Request
+from engine import InvalidRequestError, LLMEngine, SamplingParams
+from worker.settings import RequestLimits
+
+_FIELD_IN_ERROR = re.compile(r"`\$\.([A-Za-z_]\w*)|field `([A-Za-z_]\w*)`")
+
+
+class MalformedEntry(Exception):
+    """A request entry that cannot be served as sent."""
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        request_id: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.field = field
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    """Keyword arguments of ``EngineThread.add_request`` for one admitted request."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int
+    tenant: str
+    timeout_s: float | None  # None = no deadline
+
+
+def decode_entry(fields: dict[bytes, bytes], limits: RequestLimits) -> Request:
+    """The ``Request`` in a stream entry's fields; raises ``MalformedEntry``."""
+    payload = fields.get(protocol.PAYLOAD_FIELD.encode())
+    if payload is None:
+        names = ", ".join(repr(name)[1:] for name in list(fields)[:5]) or "none"
+        raise MalformedEntry(
+            ErrorCode.MALFORMED,
+            f"entry has no {protocol.PAYLOAD_FIELD!r} field (fields: {names})",
+        )
+    if len(payload) > limits.max_entry_bytes:
+        raise MalformedEntry(
+            ErrorCode.MALFORMED,
+            f"payload is {len(payload)} bytes; this worker accepts at most "
+            f"{limits.max_entry_bytes}",
+            protocol.peek_request_id(payload[: limits.max_entry_bytes]),
+        )
+    return _decode_payload(payload)
+
+
+def _decode_payload(payload: bytes) -> Request:
+    try:
+        request = protocol.decode_request(payload)
+    except msgspec.ValidationError as exc:  # a msgpack map, but not a valid request
+        field = _field_of(str(exc))
+        raise MalformedEntry(
+            ErrorCode.INVALID_REQUEST,
+            f"{field}: {exc}" if field else str(exc),
+            protocol.peek_request_id(payload),
+            field,
+        ) from exc
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedEntry(
+            ErrorCode.MALFORMED, f"payload is not a msgpack request: {exc}"
+        ) from exc
+    if not protocol.is_valid_request_id(request.id):
+        raise MalformedEntry(
+            ErrorCode.INVALID_REQUEST,
+            f"id: must be 1..{protocol.MAX_REQUEST_ID_CHARS} printable characters",
+            field="id",
+        )
+    if request.v != protocol.PROTOCOL_VERSION:
+        raise MalformedEntry(
+            ErrorCode.INVALID_REQUEST,
+            f"v: schema version {request.v} is not supported (this worker speaks "
+            f"{protocol.PROTOCOL_VERSION})",
+            request.id,
+            "v",
+        )
+    return request
+
+
+def _field_of(message: str) -> str | None:
+    match = _FIELD_IN_ERROR.search(message)
+    return None if match is None else match.group(1) or match.group(2)
+
+
+def engine_inputs(
+    request: Request, engine: LLMEngine, limits: RequestLimits, now_ms: int
+) -> EngineInputs:
+    """Check ``request`` against ``limits`` and the model; raises ``InvalidRequestError``."""
+    if limits.max_output_tokens is not None and request.max_tokens > limits.max_output_tokens:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"{request.max_tokens} is above this worker's limit of {limits.max_output_tokens}",
+        )
+    sampling = SamplingParams(**{name: getattr(request, name) for name in protocol.SAMPLING_FIELDS})
+    messages = None
+    if request.messages is not None:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    token_ids = engine.encode_prompt(request.prompt, request.token_ids, messages)
+    if limits.max_prompt_tokens is not None and len(token_ids) > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            "prompt",
+            f"has {len(token_ids)} tokens; this worker accepts at most {limits.max_prompt_tokens}",
+        )
+    return EngineInputs(
+        prompt_token_ids=token_ids,
+        sampling=sampling,
+        priority=request.priority,
+        tenant=request.tenant,
+        timeout_s=_timeout_s(request.deadline_ms, now_ms),
+    )
+
+
+def _timeout_s(deadline_ms: int | None, now_ms: int) -> float | None:
+    # A deadline already past leaves a token of time: the engine then ends it as `timeout`.
+    if deadline_ms is None:
+        return None
+    return max(deadline_ms - now_ms, 1) / 1000.0

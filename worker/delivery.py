@@ -1,0 +1,189 @@
+"""At-least-once delivery over one Redis stream and consumer group.
+
+A worker reads entries with ``XREADGROUP``; each stays pending (in the group's PEL) under the
+worker's name until it is acknowledged with the request's terminal event. While it runs, the
+worker renews its lease (resets the entry's idle time); an entry idle longer than the lease
+belongs to a worker that died, and another worker takes it over with ``XAUTOCLAIM``.
+
+``{p}:claim:{id}`` maps a request id to the stream entry that owns it: only that entry's
+worker writes to ``{p}:out:{id}``, so a second entry with the same id is never run.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from clients import protocol
+from clients.protocol import DeadLetter, ErrorEvent, Keys
+
+# Renew only the entries still pending under this consumer; return the ids that are not (a
+# worker that took them over owns them now). Atomic, so a takeover cannot slip in between.
+RENEW_SCRIPT = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+
+# Errors that mean "Redis is unreachable right now": back off and retry, never give up.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class Ownership(str, enum.Enum):
+    NEW = "new"  # first time this request id is seen: run it
+    RETRY = "retry"  # this entry ran before (its worker died): run it again after `restart`
+    DUPLICATE = "duplicate"  # another entry owns this id: drop this one
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One request-stream entry as delivered to this worker."""
+
+    entry_id: str
+    fields: dict[bytes, bytes]
+    times_delivered: int = 1
+
+    @property
+    def payload(self) -> bytes | None:
+        return self.fields.get(protocol.PAYLOAD_FIELD.encode())
+
+
+class RequestStream:
+    """The request stream seen by one consumer (worker) of the group."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, consumer: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.consumer = consumer
+        self._renew = redis.register_script(RENEW_SCRIPT)
+
+    async def ensure_group(self) -> None:
+        """Create the stream and its group if missing (e.g. Redis restarted without data)."""
+        try:
+            await self.redis.xgroup_create(self.keys.requests, self.keys.group, "0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_new(self, count: int, block_ms: int) -> list[Entry]:
+        """Up to ``count`` entries never delivered before; waits up to ``block_ms``."""
+        reply = await self.redis.xreadgroup(
+            self.keys.group, self.consumer, {self.keys.requests: ">"}, count=count, block=block_ms
+        )
+        return [
+            Entry(text(entry_id), fields or {})
+            for _, entries in reply or []
+            for entry_id, fields in entries
+        ]
+
+    async def claim_expired(
+        self, count: int, min_idle_ms: int, cursor: str
+    ) -> tuple[str, list[Entry]]:
+        """Take over up to ``count`` entries idle for ``min_idle_ms``; returns (next cursor, entries)."""
+        reply = await self.redis.xautoclaim(
+            self.keys.requests, self.keys.group, self.consumer, min_idle_ms, cursor, count=count
+        )
+        next_cursor, claimed = text(reply[0]), reply[1]
+        # Entries deleted while pending come back as nil (Redis 6.2): nothing to run.
+        entries = [(text(i), f) for i, f in claimed if i is not None]
+        counts = await self._delivery_counts([entry_id for entry_id, _ in entries])
+        return next_cursor, [Entry(i, f or {}, counts.get(i, 1)) for i, f in entries]
+
+    async def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xpending_range(self.keys.requests, self.keys.group, entry_id, entry_id, 1)
+        replies = await pipe.execute() if entry_ids else []
+        return {
+            text(row["message_id"]): int(row["times_delivered"]) for rows in replies for row in rows
+        }
+
+    async def renew(self, entry_ids: list[str]) -> list[str]:
+        """Reset the idle time of ``entry_ids``; returns those this worker no longer owns."""
+        if not entry_ids:
+            return []
+        lost = await self._renew(
+            keys=[self.keys.requests], args=[self.keys.group, self.consumer, *entry_ids]
+        )
+        return [text(entry_id) for entry_id in lost]
+
+    async def hand_back(self, entries: list[Entry], idle_ms: int) -> None:
+        """Make ``entries`` claimable by other workers at once (idle time set to ``idle_ms``).
+
+        The retry count is kept as it was, so handing back is not counted as a failure.
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            pipe.execute_command(
+                "XCLAIM", self.keys.requests, self.keys.group, self.consumer, 0, entry.entry_id,
+                "IDLE", idle_ms, "RETRYCOUNT", max(entry.times_delivered - 1, 0), "JUSTID",
+            )  # fmt: skip
+        await pipe.execute()
+
+    async def own(self, request_id: str, entry_id: str) -> Ownership:
+        """Claim ``request_id`` for ``entry_id`` (``SET NX``), or say who owns it."""
+        key = self.keys.claim(request_id)
+        if await self.redis.set(key, entry_id, nx=True, ex=protocol.CLAIM_TTL_S):
+            return Ownership.NEW
+        owner = await self.redis.get(key)
+        if owner is not None and text(owner) == entry_id:
+            return Ownership.RETRY
+        return Ownership.DUPLICATE
+
+    async def has_terminal_event(self, request_id: str) -> bool:
+        """Whether the request's out stream already ends with ``done`` or ``error``."""
+        last = await self.redis.xrevrange(self.keys.out(request_id), count=1)
+        if not last:
+            return False
+        payload = last[0][1].get(protocol.PAYLOAD_FIELD.encode())
+        try:
+            event = protocol.decode_event(payload or b"")
+        except ValueError:  # msgspec.DecodeError is a ValueError
+            return False
+        return isinstance(event, protocol.TERMINAL_EVENTS)
+
+    def ack(self, pipe: Any, entry_id: str) -> None:
+        """Queue on ``pipe``: acknowledge the entry and delete it from the stream."""
+        pipe.xack(self.keys.requests, self.keys.group, entry_id)
+        pipe.xdel(self.keys.requests, entry_id)
+
+    def add_event(self, pipe: Any, request_id: str, event: protocol.Event) -> None:
+        """Queue on ``pipe``: append ``event`` to the request's out stream, refresh its TTL."""
+        out = self.keys.out(request_id)
+        pipe.xadd(out, {protocol.PAYLOAD_FIELD: protocol.encode(event)})
+        pipe.expire(out, protocol.OUT_STREAM_TTL_S)
+
+    async def dead_letter(
+        self, entry: Entry, letter: DeadLetter, error: ErrorEvent | None = None
+    ) -> None:
+        """Move ``entry`` to the dead stream (acknowledged), with an error event if given."""
+        pipe = self.redis.pipeline(transaction=True)
+        if error is not None and letter.request_id is not None:
+            self.add_event(pipe, letter.request_id, error)
+        pipe.xadd(
+            self.keys.dead,
+            {protocol.PAYLOAD_FIELD: protocol.encode(letter)},
+            maxlen=protocol.DEAD_MAXLEN,
+            approximate=True,
+        )
+        self.ack(pipe, entry.entry_id)
+        await pipe.execute()
+
+
+def text(value: bytes | str) -> str:
+    """A Redis reply (bytes) as str."""
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,93 @@
+"""Engine outputs as wire events, and the per-request state the service keeps to build them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from clients import protocol
+from clients.protocol import DoneEvent, Request, Timings, TokenEvent, TokenLogprob, Usage
+from engine import StepOutput
+from worker.delivery import Entry
+from worker.telemetry import RequestTrace
+
+
+@dataclass
+class InFlight:
+    """A request this worker owns, from admission to its terminal event."""
+
+    request: Request
+    entry: Entry
+    trace: RequestTrace
+    admitted_s: float  # monotonic
+    queue_ms: float | None  # enqueued (client's wall clock) -> read here
+    num_token_events: int = 0
+    num_tokens: int = 0
+    first_token_s: float | None = None
+    in_engine: bool = False
+    cancel_requested: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.id
+
+    def token_event(self, out: StepOutput) -> TokenEvent:
+        """The ``token`` event for one step's new tokens (counts them)."""
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+            self.trace.first_token()
+        event = TokenEvent(
+            seq=self.num_token_events,
+            text=out.text_delta,
+            token_ids=list(out.new_token_ids),
+            logprobs=_logprobs(out) if self.request.logprobs is not None else None,
+        )
+        self.num_token_events += 1
+        self.num_tokens += len(out.new_token_ids)
+        return event
+
+    def done_event(self, out: StepOutput, worker: str) -> DoneEvent:
+        """The terminal ``done`` event of a finished output."""
+        usage = out.usage
+        return DoneEvent(
+            finish_reason=protocol.FinishReason(
+                out.finish_reason.value if out.finish_reason else "stop"
+            ),
+            usage=Usage(
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else self.num_tokens,
+                cached_prompt_tokens=usage.cached_prompt_tokens if usage else 0,
+            ),
+            timings=self.timings(),
+            stop_reason=out.stop_reason,
+            worker=worker,
+        )
+
+    def timings(self) -> Timings:
+        now_s = time.monotonic()
+        ttft_ms = None
+        if self.first_token_s is not None:
+            ttft_ms = (self.first_token_s - self.admitted_s) * 1000
+        return Timings(
+            queue_ms=self.queue_ms,
+            time_to_first_token_ms=ttft_ms,
+            total_ms=(now_s - self.admitted_s) * 1000,
+        )
+
+
+def _logprobs(out: StepOutput) -> list[TokenLogprob | None]:
+    return [
+        None if entry is None else TokenLogprob(entry.token_id, entry.logprob, list(entry.top))
+        for entry in out.logprobs
+    ]
+
+
+def queue_ms(request: Request, now_ms: int) -> float | None:
+    """Time from the client's enqueue to now; None when the client sent no enqueue time."""
+    if request.enqueued_at_ms is None:
+        return None
+    return float(max(now_ms - request.enqueued_at_ms, 0))
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,233 @@
+"""One request's way through a worker: decode, own, admit, stream events, finish.
+
+Every write to ``{p}:out:{id}`` happens only after this worker's entry owns ``{p}:claim:{id}``,
+so neither a duplicate id nor a hostile entry can write into another request's stream. The
+terminal event and the ``XACK`` go out in one ``MULTI``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from clients import protocol
+from clients.protocol import DeadLetter, ErrorCode, ErrorEvent, Request, RestartEvent
+from engine import InvalidRequestError, StepOutput
+from worker.admission import MalformedEntry, decode_entry, engine_inputs
+from worker.delivery import REDIS_ERRORS, Entry, Ownership
+from worker.events import InFlight, queue_ms, wall_ms
+from worker.logs import get_logger
+
+if TYPE_CHECKING:
+    from worker.service import WorkerService
+
+log = get_logger(__name__)
+
+
+class RequestHandler:
+    """Serves the entries a ``WorkerService`` reads, and writes its engine's outputs."""
+
+    def __init__(self, service: WorkerService) -> None:
+        self.service = service
+        self.writes_idle = asyncio.Event()
+        self.writes_idle.set()
+
+    # -- intake ----------------------------------------------------------------------------------
+
+    async def serve(self, entry: Entry) -> None:
+        """Serve one delivered entry; nothing an entry holds can make this raise.
+
+        Redis errors propagate (the caller retries later; the entry stays pending and is
+        redelivered when its lease expires).
+        """
+        try:
+            await self._serve(entry)
+        except Exception as exc:
+            flight = next((f for f in self.service.in_flight.values() if f.entry is entry), None)
+            if flight is not None and not flight.in_engine:
+                self.service.drop(flight, error=type(exc).__name__)
+            if isinstance(exc, REDIS_ERRORS):
+                raise
+            log.exception("unexpected error serving an entry", entry_id=entry.entry_id)
+            await self._reject(entry, MalformedEntry(ErrorCode.INTERNAL, f"worker error: {exc!r}"))
+
+    async def _serve(self, entry: Entry) -> None:
+        service = self.service
+        try:
+            request = decode_entry(entry.fields, service.settings.limits)
+        except MalformedEntry as exc:
+            await self._reject(entry, exc)
+            return
+        if entry.times_delivered > service.settings.max_deliveries:
+            message = (
+                f"delivered {entry.times_delivered} times, more than max_deliveries "
+                f"({service.settings.max_deliveries}): workers died while running it"
+            )
+            await self._reject(
+                entry, MalformedEntry(ErrorCode.TOO_MANY_DELIVERIES, message, request.id)
+            )
+            return
+        ownership = await service.stream.own(request.id, entry.entry_id)
+        if ownership is Ownership.DUPLICATE:
+            log.warning("duplicate request id; not run", request_id=request.id)
+            await self._ack(entry)
+            return
+        if ownership is Ownership.RETRY:
+            if await service.stream.has_terminal_event(request.id):
+                await self._ack(entry)  # finished before its worker could acknowledge
+                return
+            await self._write_restart(request.id, entry)
+        await self._admit(request, entry)
+
+    async def _admit(self, request: Request, entry: Entry) -> None:
+        service = self.service
+        now_ms = wall_ms()
+        flight = InFlight(
+            request=request,
+            entry=entry,
+            trace=service.telemetry.start_request(
+                request.id,
+                traceparent=request.traceparent,
+                enqueued_at_s=None
+                if request.enqueued_at_ms is None
+                else request.enqueued_at_ms / 1000,
+                attributes=self._attributes(request),
+            ),
+            admitted_s=time.monotonic(),
+            queue_ms=queue_ms(request, now_ms),
+        )
+        # Registered before the cancel key is read: a notice arriving meanwhile finds it.
+        service.in_flight[request.id] = flight
+        if await service.redis.exists(service.keys.cancel(request.id)):
+            flight.cancel_requested = True
+        if flight.cancel_requested:
+            await self._finish_unstarted(flight)
+            return
+        engine = service.engine_thread.engine
+        try:
+            inputs = engine_inputs(request, engine, service.settings.limits, now_ms)
+            service.engine_thread.add_request(
+                request.id,
+                prompt_token_ids=inputs.prompt_token_ids,
+                sampling=inputs.sampling,
+                priority=inputs.priority,
+                tenant=inputs.tenant,
+                timeout_s=inputs.timeout_s,
+            )
+        except InvalidRequestError as exc:
+            await self._refuse(flight, exc)
+            return
+        flight.in_engine = True
+        flight.trace.admitted()
+
+    def _attributes(self, request: Request) -> dict[str, str | int | float]:
+        return {
+            "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
+            "gen_ai.request.model": self.service.engine_thread.engine.config.model,
+            "gen_ai.request.max_tokens": request.max_tokens,
+            "pagestream.tenant": request.tenant,
+            "pagestream.priority": request.priority,
+        }
+
+    # -- writes outside the engine -------------------------------------------------------------
+
+    async def _ack(self, entry: Entry) -> None:
+        pipe = self.service.redis.pipeline(transaction=True)
+        self.service.stream.ack(pipe, entry.entry_id)
+        await pipe.execute()
+
+    async def _write_restart(self, request_id: str, entry: Entry) -> None:
+        event = RestartEvent(
+            attempt=max(entry.times_delivered - 1, 1), worker=self.service.settings.name
+        )
+        log.info("restarting", request_id=request_id, attempt=event.attempt)
+        pipe = self.service.redis.pipeline(transaction=True)
+        self.service.stream.add_event(pipe, request_id, event)
+        await pipe.execute()
+
+    async def _reject(self, entry: Entry, exc: MalformedEntry) -> None:
+        """Dead-letter ``entry``; an error event too when its id is readable and not taken."""
+        service = self.service
+        request_id = exc.request_id
+        if request_id is not None:
+            ownership = await service.stream.own(request_id, entry.entry_id)
+            if ownership is Ownership.DUPLICATE:
+                request_id = None  # another entry's id: never write into its stream
+        log.warning(
+            "entry rejected", entry_id=entry.entry_id, code=exc.code.value, error=exc.message
+        )
+        letter = DeadLetter(
+            entry_id=entry.entry_id,
+            request_id=request_id,
+            code=exc.code,
+            message=exc.message,
+            worker=service.settings.name,
+            times_delivered=entry.times_delivered,
+            payload=entry.payload,
+        )
+        await service.stream.dead_letter(
+            entry, letter, ErrorEvent(code=exc.code, message=exc.message, field=exc.field)
+        )
+
+    async def _refuse(self, flight: InFlight, exc: InvalidRequestError) -> None:
+        malformed = MalformedEntry(
+            ErrorCode.INVALID_REQUEST, str(exc), flight.request_id, exc.field
+        )
+        await self._reject(flight.entry, malformed)
+        flight.trace.finish(
+            finish_reason="error", prompt_tokens=0, completion_tokens=0, error="invalid_request"
+        )
+        self.service.release(flight)
+
+    async def _finish_unstarted(self, flight: InFlight) -> None:
+        """A request cancelled before it reached the engine: ``done`` with ``cancelled``."""
+        out = StepOutput(flight.request_id, [], "", [], finished=True)
+        event = flight.done_event(out, self.service.settings.name)
+        event.finish_reason = protocol.FinishReason.CANCELLED
+        pipe = self.service.redis.pipeline(transaction=True)
+        self.service.stream.add_event(pipe, flight.request_id, event)
+        self.service.stream.ack(pipe, flight.entry.entry_id)
+        await pipe.execute()
+        flight.trace.finish(finish_reason="cancelled", prompt_tokens=0, completion_tokens=0)
+        self.service.release(flight)
+
+    # -- engine outputs --------------------------------------------------------------------------
+
+    async def write_outputs(self, outputs: list[StepOutput]) -> None:
+        """Write one or more steps' outputs in one ``MULTI`` pipeline (retried until Redis takes it)."""
+        service = self.service
+        events: list[tuple[str, protocol.Event]] = []
+        finished: list[tuple[InFlight, StepOutput]] = []
+        for out in outputs:
+            flight = service.owns(out)
+            if flight is None:
+                continue  # dropped (lease lost, handed back) or not ours
+            if out.new_token_ids or out.text_delta:
+                events.append((flight.request_id, flight.token_event(out)))
+            if out.finished:
+                events.append((flight.request_id, flight.done_event(out, service.settings.name)))
+                finished.append((flight, out))
+        if not events:
+            return
+
+        async def execute() -> None:
+            pipe = service.redis.pipeline(transaction=True)
+            for request_id, event in events:
+                service.stream.add_event(pipe, request_id, event)
+            for flight, _ in finished:
+                service.stream.ack(pipe, flight.entry.entry_id)
+            await pipe.execute()
+
+        self.writes_idle.clear()
+        try:
+            await service.retrying("write events", execute)
+        finally:
+            self.writes_idle.set()
+        for flight, out in finished:
+            flight.trace.finish(
+                finish_reason=out.finish_reason.value if out.finish_reason else "stop",
+                prompt_tokens=out.usage.prompt_tokens if out.usage else 0,
+                completion_tokens=flight.num_tokens,
+            )
+            service.release(flight)

@@ -1,0 +1,310 @@
+"""The worker service: Redis streams in, the engine in the middle, token streams out.
+
+One asyncio loop does all Redis I/O in a few tasks, each a loop that survives Redis errors
+(backing off, reconnecting): the reader (``XREADGROUP``, only as many entries as there are
+free slots), the claimer (``XAUTOCLAIM`` of entries whose lease expired), the renewer (leases
+of the entries in flight), the cancel tail (``{p}:cancels``), the heartbeat, and the writer
+(each engine step's outputs in one ``MULTI`` pipeline). The engine steps on its own thread
+(``EngineThread``). ``request_stop`` (SIGTERM) drains: stop reading, let in-flight requests
+finish for ``grace_s``, hand the rest back to other workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from clients import protocol
+from clients.protocol import CancelNotice, Keys, WorkerStatus
+from engine import StepOutput
+from worker.delivery import REDIS_ERRORS, RequestStream, text
+from worker.engine_thread import EngineThread, StepBatch
+from worker.events import InFlight, wall_ms
+from worker.logs import get_logger
+from worker.requests import RequestHandler
+from worker.settings import WorkerSettings
+from worker.telemetry import EngineGauges, Telemetry
+
+log = get_logger(__name__)
+
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+CANCEL_READ_COUNT = 100
+HAND_BACK_IDLE_FACTOR = 10  # handed-back entries look idle for 10 leases: claimable at once
+
+
+class WorkerService:
+    """One worker: serves ``{p}:requests`` with an engine thread until ``request_stop``."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine_thread: EngineThread,
+        *,
+        redis: aioredis.Redis | None = None,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine_thread = engine_thread
+        self.keys = Keys(settings.prefix)
+        self.redis = redis or aioredis.Redis.from_url(settings.redis_url)
+        self.telemetry = telemetry or Telemetry.from_env(worker_name=settings.name)
+        self.stream = RequestStream(self.redis, self.keys, settings.name)
+        self.in_flight: dict[str, InFlight] = {}
+        self.requests = RequestHandler(self)
+        self._batches: asyncio.Queue[StepBatch] = asyncio.Queue()
+        self._slots_changed = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._started_at_ms = wall_ms()
+        self._queue_depth = 0
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin draining (SIGTERM): stop reading, finish or hand back, then ``run`` returns."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until ``request_stop``; raises if the engine thread fails."""
+        if not self.engine_thread.is_running:
+            self.engine_thread.start()
+        self.engine_thread.add_listener(self._batches.put_nowait)
+        self.telemetry.observe_engine(self._gauges)
+        await self.retrying("create group", self.stream.ensure_group)
+        cancels_from = await self.retrying("read cancels", self._last_cancel_id)
+        intake = [self._spawn(self._read_once), self._spawn(self._claim_once)]
+        upkeep = [
+            self._spawn(self._write_once),
+            self._spawn(self._renew_once),
+            self._spawn(self._heartbeat_once),
+            asyncio.create_task(self._tail_cancels(cancels_from)),
+        ]
+        assert self.engine_thread.failed is not None
+        stop = asyncio.create_task(self._stop.wait())
+        waiters: list[asyncio.Future[Any]] = [stop, self.engine_thread.failed]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await self._drain(intake, upkeep)
+        finally:
+            stop.cancel()
+            await self.engine_thread.stop()
+            self.telemetry.shutdown()
+            await self.redis.aclose()
+        self.engine_thread.failed.result()  # re-raise an engine failure
+
+    async def _drain(
+        self, intake: list[asyncio.Task[None]], upkeep: list[asyncio.Task[None]]
+    ) -> None:
+        await _cancel(intake)
+        log.info("draining", num_in_flight=len(self.in_flight), grace_s=self.settings.grace_s)
+        deadline_s = time.monotonic() + self.settings.grace_s
+        while self.in_flight and self.engine_thread.is_running:
+            self._slots_changed.clear()
+            remaining_s = deadline_s - time.monotonic()
+            if remaining_s <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._slots_changed.wait(), remaining_s)
+        await self._hand_back_all()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._flush_writes(), self.settings.lease_s)
+        await _cancel(upkeep)
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.redis.delete(self.keys.worker(self.settings.name))
+        log.info("stopped", worker=self.settings.name)
+
+    async def _hand_back_all(self) -> None:
+        flights = list(self.in_flight.values())
+        for flight in flights:
+            self.drop(flight, error="handed_back")
+        if flights:
+            log.info("handing back", num_requests=len(flights))
+            idle_ms = int(self.settings.lease_s * 1000 * HAND_BACK_IDLE_FACTOR)
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self.stream.hand_back([f.entry for f in flights], idle_ms)
+
+    async def _flush_writes(self) -> None:
+        while not self._batches.empty():
+            await asyncio.sleep(0.01)
+        await self._writes_idle.wait()
+
+    # -- resilience ------------------------------------------------------------------------------
+
+    def _spawn(self, once: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        return asyncio.create_task(self._forever(once), name=once.__name__)
+
+    async def _forever(self, once: Callable[[], Awaitable[None]]) -> None:
+        """Run ``once`` again and again; Redis errors back off and retry, never stop the worker."""
+        while True:
+            await self.retrying(once.__name__, once)
+
+    async def retrying(self, what: str, operation: Callable[[], Awaitable[Any]]) -> Any:
+        """Await ``operation()`` until it succeeds, backing off on Redis errors."""
+        delay_s = BACKOFF_MIN_S
+        while True:
+            try:
+                return await operation()
+            except REDIS_ERRORS as exc:
+                log.warning("redis unavailable; retrying", during=what, error=str(exc))
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    log.exception("redis refused a command", during=what)
+                with contextlib.suppress(*REDIS_ERRORS, ResponseError):
+                    await self.stream.ensure_group()  # Redis came back without our group
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, BACKOFF_MAX_S)
+
+    # -- intake ----------------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return 0 if self._stop.is_set() else self.settings.max_in_flight - len(self.in_flight)
+
+    async def _read_once(self) -> None:
+        if self.free_slots() <= 0:
+            self._slots_changed.clear()
+            await self._slots_changed.wait()
+            return
+        entries = await self.stream.read_new(self.free_slots(), self.settings.read_block_ms)
+        for entry in entries:
+            await self.requests.serve(entry)
+
+    async def _claim_once(self) -> None:
+        cursor = "0-0"
+        while self.free_slots() > 0:
+            min_idle_ms = int(self.settings.lease_s * 1000)
+            cursor, entries = await self.stream.claim_expired(
+                self.free_slots(), min_idle_ms, cursor
+            )
+            mine = {flight.entry.entry_id for flight in self.in_flight.values()}
+            for entry in entries:
+                if entry.entry_id not in mine:
+                    log.info("taking over", entry_id=entry.entry_id, times=entry.times_delivered)
+                    await self.requests.serve(entry)
+            if cursor == "0-0":
+                break
+        await asyncio.sleep(self.settings.claim_interval_s)
+
+    async def _renew_once(self) -> None:
+        await asyncio.sleep(self.settings.renew_interval_s)
+        by_entry = {flight.entry.entry_id: flight for flight in self.in_flight.values()}
+        for entry_id in await self.stream.renew(list(by_entry)):
+            flight = by_entry[entry_id]
+            if self.in_flight.get(flight.request_id) is flight:
+                log.warning("lease lost; another worker runs it", request_id=flight.request_id)
+                self.drop(flight, error="lease_lost")
+
+    async def _last_cancel_id(self) -> str:
+        last = await self.redis.xrevrange(self.keys.cancels, count=1)
+        return text(last[0][0]) if last else "0-0"
+
+    async def _tail_cancels(self, last_id: str) -> None:
+        async def once() -> None:
+            nonlocal last_id
+            reply = await self.redis.xread(
+                {self.keys.cancels: last_id}, count=CANCEL_READ_COUNT, block=1000
+            )
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = text(entry_id)
+                    self._apply_cancel(fields.get(protocol.PAYLOAD_FIELD.encode(), b""))
+
+        await self._forever(once)
+
+    def _apply_cancel(self, payload: bytes) -> None:
+        try:
+            notice: CancelNotice = protocol.decode_struct(payload, CancelNotice)
+        except ValueError:
+            return
+        flight = self.in_flight.get(notice.id)
+        if flight is not None:
+            flight.cancel_requested = True
+            if flight.in_engine:
+                self.engine_thread.abort(notice.id)
+
+    # -- output ----------------------------------------------------------------------------------
+
+    @property
+    def _writes_idle(self) -> asyncio.Event:
+        return self.requests.writes_idle
+
+    async def _write_once(self) -> None:
+        batches = [await self._batches.get()]
+        while not self._batches.empty():  # Redis was slow: coalesce into one pipeline
+            batches.append(self._batches.get_nowait())
+        outputs = [out for batch in batches for out in batch.outputs]
+        await self.requests.write_outputs(outputs)
+
+    def drop(self, flight: InFlight, *, error: str) -> None:
+        """Forget a request without a terminal event (lease lost, handed back)."""
+        if self.in_flight.pop(flight.request_id, None) is None:
+            return
+        if flight.in_engine:
+            self.engine_thread.abort(flight.request_id)
+        flight.trace.finish(
+            finish_reason="cancelled", prompt_tokens=0, completion_tokens=flight.num_tokens,
+            error=error,
+        )  # fmt: skip
+        self._slots_changed.set()
+
+    def release(self, flight: InFlight) -> None:
+        """A request's terminal event is written: free its slot."""
+        if self.in_flight.get(flight.request_id) is flight:
+            del self.in_flight[flight.request_id]
+        self._slots_changed.set()
+
+    def owns(self, out: StepOutput) -> InFlight | None:
+        return self.in_flight.get(out.request_id)
+
+    # -- heartbeat -------------------------------------------------------------------------------
+
+    async def _heartbeat_once(self) -> None:
+        stats = self.engine_thread.stats
+        status = WorkerStatus(
+            name=self.settings.name,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            model=self.engine_thread.engine.config.model,
+            started_at_ms=self._started_at_ms,
+            updated_at_ms=wall_ms(),
+            num_in_flight=len(self.in_flight),
+            max_in_flight=self.settings.max_in_flight,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_pages_free=stats.num_pages_free,
+        )
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(
+            self.keys.worker(self.settings.name),
+            protocol.encode(status),
+            ex=protocol.HEARTBEAT_TTL_S,
+        )
+        pipe.xlen(self.keys.requests)
+        _, self._queue_depth = await pipe.execute()
+        await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def _gauges(self) -> EngineGauges:
+        stats = self.engine_thread.stats
+        return EngineGauges(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_pages_used=stats.num_pages_used,
+            num_pages_free=stats.num_pages_free,
+            prefix_hit_rate=stats.prefix_hit_rate,
+            num_preemptions=stats.num_preemptions,
+            queue_depth=self._queue_depth,
+            num_swapped=stats.num_swapped,
+        )
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

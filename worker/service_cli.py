@@ -1,0 +1,247 @@
+"""``pagestream worker``, ``submit``, ``cancel`` and ``health``: the service and its client verbs.
+
+Only ``worker`` loads the engine (and torch); the client verbs need Redis and msgspec only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from worker.cli import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
+from worker.cli_types import positive_int
+from worker.settings import (
+    DEFAULT_GRACE_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_DELIVERIES,
+    REDIS_URL_ENV,
+    default_redis_url,
+)
+
+CLIENT_SAMPLING_FLAGS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+)
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add the service's subcommands to the ``pagestream`` parser."""
+    verbs = (
+        ("worker", "serve requests from Redis with the engine", _configure_worker),
+        ("submit", "send one prompt to the workers and print its tokens as they arrive", _configure_submit),
+        ("cancel", "cancel a request by id", _configure_cancel),
+        ("health", "exit 0 when a worker's heartbeat is fresh (container health check)", _configure_health),
+    )  # fmt: skip
+    for name, help_text, configure in verbs:
+        subparsers.add_parser(name, help=help_text, description=help_text, configure=configure)
+
+
+def _add_redis_args(parser: argparse.ArgumentParser) -> None:
+    from clients.protocol import DEFAULT_PREFIX
+
+    parser.add_argument(
+        "--redis-url",
+        default=default_redis_url(),
+        help=f"redis:// or rediss:// URL, password included if any (env {REDIS_URL_ENV})",
+    )
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the deployment")
+
+
+# -- worker ------------------------------------------------------------------------------------
+
+
+def _configure_worker(parser: argparse.ArgumentParser) -> None:
+    from engine.config import add_engine_args
+
+    _add_redis_args(parser)
+    g = parser.add_argument_group("service")
+    g.add_argument("--name", help="consumer name in the group (default host-pid); unique")
+    g.add_argument(
+        "--max-deliveries",
+        type=positive_int,
+        default=DEFAULT_MAX_DELIVERIES,
+        help=f"deliveries before an entry goes to the dead stream (default {DEFAULT_MAX_DELIVERIES})",
+    )
+    g.add_argument(
+        "--lease-s",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help=f"an entry idle this long is taken over by another worker (default {DEFAULT_LEASE_S:g})",
+    )
+    g.add_argument(
+        "--max-in-flight", type=positive_int, help="requests held at once (default: --max-seqs)"
+    )
+    g.add_argument(
+        "--grace-s",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help=f"on SIGTERM, let in-flight requests finish this long (default {DEFAULT_GRACE_S:g})",
+    )
+    g.add_argument("--max-prompt-tokens", type=positive_int, help="refuse longer prompts")
+    g.add_argument("--max-output-tokens", type=positive_int, help="refuse a larger max_tokens")
+    g.add_argument(
+        "--max-entry-bytes",
+        type=positive_int,
+        default=4 * 1024 * 1024,
+        help="refuse larger request payloads (default 4 MiB)",
+    )
+    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    add_engine_args(parser)
+    parser.set_defaults(handler=run_worker, command_prog=parser.prog)  # fmt: skip
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream worker``: serve until SIGTERM/SIGINT, then drain and exit 0."""
+    from engine import LLMEngine, PagestreamError
+    from engine.config import engine_config_from_args
+    from worker.engine_thread import EngineThread
+    from worker.logs import configure_logging
+    from worker.service import WorkerService
+    from worker.settings import WorkerSettings
+
+    configure_logging(level=args.log_level)
+    try:
+        config = engine_config_from_args(args)
+        settings = WorkerSettings.from_args(args, max_seqs=config.max_seqs)
+        engine = LLMEngine(config)
+    except (PagestreamError, ValueError) as exc:
+        raise CommandError(
+            str(exc), EXIT_USAGE if isinstance(exc, ValueError) else EXIT_ERROR
+        ) from exc
+
+    async def serve() -> None:
+        service = WorkerService(settings, EngineThread(engine))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.request_stop)
+        await service.run()
+
+    asyncio.run(serve())
+    return 0
+
+
+# -- client verbs ----------------------------------------------------------------------------------
+
+
+def _configure_submit(parser: argparse.ArgumentParser) -> None:
+    _add_redis_args(parser)
+    parser.add_argument("prompt", help="the prompt; its text streams to stdout")
+    parser.add_argument("--chat", action="store_true", help="send it as one user message")
+    parser.add_argument("--id", help="request id (default: a random one)")
+    parser.add_argument("--timeout-s", type=float, help="give up (and cancel) after this long")
+    parser.add_argument("--priority", type=int, default=0, help="lower runs first (default 0)")
+    parser.add_argument("--tenant", default="default", help="tenant for quotas")
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=positive_int, default=256, help="default 256")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", default=None)
+    parser.set_defaults(handler=run_submit, command_prog=parser.prog)
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream submit``: print text as it arrives, a summary to stderr."""
+    from clients import Client, ClientError, DoneEvent, RestartEvent, TokenEvent
+
+    sampling = {n: getattr(args, n) for n in CLIENT_SAMPLING_FLAGS if getattr(args, n) is not None}
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": args.prompt}]}
+        if args.chat
+        else {"prompt": args.prompt}
+    )
+    start_s = time.perf_counter()
+    with Client(args.redis_url, prefix=args.prefix) as client:
+        try:
+            for event in client.stream(
+                **prompt, request_id=args.id, timeout_s=args.timeout_s, priority=args.priority,
+                tenant=args.tenant, **sampling,
+            ):  # fmt: skip
+                if isinstance(event, TokenEvent):
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif isinstance(event, RestartEvent):
+                    sys.stdout.write(f"\n[worker died; restarting on {event.worker}]\n")
+                elif isinstance(event, DoneEvent):
+                    sys.stdout.write("\n")
+                    print(
+                        f"[{event.usage.completion_tokens} tokens in {time.perf_counter() - start_s:.2f} s, "
+                        f"finish_reason={event.finish_reason.value}, worker={event.worker}]",
+                        file=sys.stderr,
+                    )
+        except ClientError as exc:
+            raise CommandError(str(exc)) from exc
+    return 0
+
+
+def _configure_cancel(parser: argparse.ArgumentParser) -> None:
+    _add_redis_args(parser)
+    parser.add_argument("request_id", help="the id of the request to cancel")
+    parser.set_defaults(handler=run_cancel, command_prog=parser.prog)
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream cancel``."""
+    from clients import Client
+
+    with Client(args.redis_url, prefix=args.prefix) as client:
+        client.cancel(args.request_id)
+    print(f"cancel sent for {args.request_id}", file=sys.stderr)
+    return 0
+
+
+# -- health --------------------------------------------------------------------------------------
+
+
+def _configure_health(parser: argparse.ArgumentParser) -> None:
+    from clients.protocol import HEARTBEAT_TTL_S
+
+    _add_redis_args(parser)
+    parser.add_argument("--name", help="the worker to check (default: any worker on this host)")
+    parser.add_argument("--max-age-s", type=float, default=HEARTBEAT_TTL_S,
+                        help=f"a heartbeat older than this is stale (default {HEARTBEAT_TTL_S})")  # fmt: skip
+    parser.set_defaults(handler=run_health, command_prog=parser.prog)
+
+
+def run_health(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream health``: 0 if the worker's heartbeat is fresh, else 1."""
+    import redis
+    from redis.exceptions import RedisError
+
+    from clients.protocol import Keys, WorkerStatus, decode_struct
+
+    keys = Keys(args.prefix)
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    try:
+        names = (
+            [keys.worker(args.name)] if args.name else list(client.scan_iter(keys.worker_pattern()))
+        )
+        values: list[Any] = [client.get(name) for name in names]
+    except RedisError as exc:
+        raise CommandError(f"redis unreachable: {exc}") from exc
+    finally:
+        client.close()
+    now_ms = time.time() * 1000
+    for value in values:
+        try:
+            status: WorkerStatus = decode_struct(value or b"", WorkerStatus)
+        except ValueError:
+            continue
+        mine = args.name is not None or status.host == socket.gethostname()
+        if mine and now_ms - status.updated_at_ms <= args.max_age_s * 1000:
+            print(f"ok: {status.name} ({status.num_in_flight} in flight)")
+            return 0
+    who = f"worker {args.name!r}" if args.name else f"a worker on {socket.gethostname()}"
+    raise CommandError(f"no fresh heartbeat from {who}")

@@ -1,0 +1,98 @@
+"""The worker service's settings: one frozen dataclass, filled from the CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass, field
+
+from clients.protocol import DEFAULT_PREFIX
+
+REDIS_URL_ENV = "PAGESTREAM_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+DEFAULT_LEASE_S = 30.0
+DEFAULT_MAX_DELIVERIES = 3
+DEFAULT_GRACE_S = 30.0
+
+
+def default_redis_url() -> str:
+    """``$PAGESTREAM_REDIS_URL``, or Redis on localhost."""
+    return os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
+
+
+def default_worker_name() -> str:
+    """``host-pid``: unique among the workers of one deployment."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one worker accepts; ``None`` = only the model's own limits apply."""
+
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None  # the largest ``max_tokens`` accepted
+    max_entry_bytes: int = 4 * 1024 * 1024  # larger payloads are refused undecoded
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How one worker talks to Redis and what it accepts.
+
+    ``lease_s``: an entry in flight is renewed every ``lease_s / 3``; one idle longer than
+    ``lease_s`` (its worker died) is taken over by another worker. ``max_in_flight`` caps the
+    requests this worker holds at once (backpressure: it reads no more than it can admit).
+    """
+
+    redis_url: str = DEFAULT_REDIS_URL
+    name: str = field(default_factory=default_worker_name)
+    prefix: str = DEFAULT_PREFIX
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES
+    lease_s: float = DEFAULT_LEASE_S
+    max_in_flight: int = 256
+    grace_s: float = DEFAULT_GRACE_S
+    read_block_ms: int = 1000
+    heartbeat_interval_s: float = 5.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.max_deliveries >= 1, "max_deliveries must be >= 1"),
+            (self.lease_s > 0, "lease_s must be > 0"),
+            (self.max_in_flight >= 1, "max_in_flight must be >= 1"),
+            (self.grace_s >= 0, "grace_s must be >= 0"),
+            (self.read_block_ms >= 1, "read_block_ms must be >= 1"),
+            (self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0"),
+            (bool(self.name) and ":" not in self.name, "name must be non-empty, without ':'"),
+            (bool(self.prefix), "prefix must be non-empty"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def renew_interval_s(self) -> float:
+        return self.lease_s / 3
+
+    @property
+    def claim_interval_s(self) -> float:
+        """How often to look for entries whose lease expired."""
+        return self.lease_s / 2
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, max_seqs: int) -> WorkerSettings:
+        """From the flags of ``pagestream worker``; ``max_in_flight`` defaults to ``max_seqs``."""
+        return cls(
+            redis_url=args.redis_url,
+            name=args.name or default_worker_name(),
+            prefix=args.prefix,
+            max_deliveries=args.max_deliveries,
+            lease_s=args.lease_s,
+            max_in_flight=args.max_in_flight or max_seqs,
+            grace_s=args.grace_s,
+            limits=RequestLimits(
+                max_prompt_tokens=args.max_prompt_tokens,
+                max_output_tokens=args.max_output_tokens,
+                max_entry_bytes=args.max_entry_bytes,
+            ),
+        )
