@@ -1,0 +1,108 @@
+"""PNG plots of benchmark records (matplotlib, optional: without it no plot is drawn)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+
+def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -> Path | None:
+    """Draw ``record`` to ``path``; None when matplotlib is missing (unless ``required``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if required:
+            raise ConfigError("plots need matplotlib: pip install matplotlib") from None
+        return None
+    draw = {"throughput": _throughput, "latency": _latency, "kernels": _kernels}.get(
+        record.get("kind", "")
+    )
+    if draw is None:
+        raise ConfigError(f"no plot for a record of kind {record.get('kind')!r}")
+    fig = draw(plt, record)
+    machine = record["machine"]
+    fig.suptitle(
+        f"{record['settings'].get('model', '')} on {machine['device_name']} "
+        f"(torch {machine['torch']}, triton {machine['triton']})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _throughput(plt: Any, record: dict[str, Any]) -> Any:
+    names = ["pagestream"]
+    rates = [record["results"]["output_tok_s"]]
+    for name, baseline in record.get("baselines", {}).items():
+        names.append(name.replace("_", " "))
+        rates.append(baseline["output_tok_s"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar(names, rates, color=["tab:blue"] + ["tab:gray"] * (len(names) - 1))
+    for bar, rate in zip(bars, rates, strict=True):
+        ratio = rates[0] / rate
+        label = f"{rate:,.0f}" + ("" if bar is bars[0] else f"\n(pagestream x{ratio:.1f})")
+        ax.annotate(
+            label, (bar.get_x() + bar.get_width() / 2, rate), ha="center", va="bottom", fontsize=8
+        )
+    settings = record["settings"]
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(
+        f"{settings['num_prompts']} prompts, input {settings['input_len']}, output {settings['output_len']}",
+        fontsize=9,
+    )
+    ax.set_ylim(0, max(rates) * 1.25)
+    return fig
+
+
+def _latency(plt: Any, record: dict[str, Any]) -> Any:
+    results = record["results"]
+    batches = [r["batch"] for r in results]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(batches, [r["mean_tpot_s"] * 1e3 for r in results], "o-", label="pagestream")
+    if all("limit_tpot_s" in r for r in results):
+        limit = [r["limit_tpot_s"] * 1e3 for r in results]
+        ax.plot(batches, limit, "k--", label="weights + KV streaming limit")
+    if all("hf_generate" in r for r in results):
+        hf = [r["hf_generate"]["tpot_s"] * 1e3 for r in results]
+        ax.plot(batches, hf, "s-", color="tab:gray", label="transformers generate")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("time per output token (ms)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _kernels(plt: Any, record: dict[str, Any]) -> Any:
+    by_block: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for point in record["results"]:
+        by_block[point["block_size"]].append(point)
+    fig, axes = plt.subplots(1, len(by_block), figsize=(4 * len(by_block), 3.5), squeeze=False)
+    for ax, (block_size, points) in zip(axes[0], sorted(by_block.items()), strict=True):
+        by_batch: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for point in points:
+            by_batch[point["batch"]].append(point)
+        for batch, series in sorted(by_batch.items()):
+            series.sort(key=lambda p: p["context"])
+            ax.plot(
+                [p["context"] for p in series],
+                [100 * p["fraction_of_copy"] for p in series],
+                "o-",
+                label=f"batch {batch}",
+            )
+        ax.axhline(75, color="k", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 105)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("% of copy bandwidth")
+        ax.set_title(f"block size {block_size}", fontsize=9)
+        ax.legend(fontsize=7)
+    return fig
