@@ -1,0 +1,255 @@
+"""The Triton paged attention against ``paged_attention_ref``: decode, mixed batches, fp8.
+
+CPU runs go through Triton's interpreter at small sizes (see test_triton_kernels.py for how
+TRITON_INTERPRET is set); ``gpu``-marked tests run real sizes and a CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.paged_attention import paged_attention_ref
+from tests.test_triton_kernels import CUDA, DEVICE, KERNELS
+
+paged_attention = KERNELS["paged_attention_triton"].paged_attention
+write_kv = KERNELS["kv_write_triton"].write_kv
+FP8 = torch.float8_e4m3fn
+POISON = 300.0  # finite in fp8 e4m3 too
+# Output tolerance per q dtype: bf16/fp16 outputs are rounded once by both sides, and the
+# reference rounds its probabilities to the dtype; the interpreter also truncates bf16 casts.
+TOLERANCE = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3, torch.float32: 2e-5}
+
+
+@dataclass
+class Batch:
+    """A mixed batch over a layer's slice of a [L=2, 2, NB, BS, Hkv, D] pool."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None  # [NB, BS, Hkv] with an fp8 pool
+    v_scale: torch.Tensor | None
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: list[int]
+    query_start_loc: list[int]
+
+    def run(self, window: int | None = None, **kwargs: object) -> torch.Tensor:
+        num_decodes = 0
+        while num_decodes < len(self.seq_lens) and self.query_len(num_decodes) == 1:
+            num_decodes += 1
+        return paged_attention(
+            self.q, self.k_cache, self.v_cache, self.block_tables,
+            torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE),
+            torch.tensor(self.query_start_loc, dtype=torch.int32, device=DEVICE),
+            scale=self.q.shape[-1] ** -0.5,
+            max_query_len=max(map(self.query_len, range(len(self.seq_lens)))),
+            num_decodes=num_decodes, sliding_window=window,
+            k_scale=self.k_scale, v_scale=self.v_scale, **kwargs,
+        )  # type: ignore[arg-type]  # fmt: skip
+
+    def reference(self, window: int | None = None) -> torch.Tensor:
+        return paged_attention_ref(
+            self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+            self.query_start_loc, self.q.shape[-1] ** -0.5, window,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
+
+    def query_len(self, b: int) -> int:
+        return self.query_start_loc[b + 1] - self.query_start_loc[b]
+
+
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+    cache_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> Batch:
+    """Random K/V written through the Triton write_kv into pages scattered over the pool."""
+    torch.manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
+    pages_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages_per_seq) + 3
+    cache_dtype = cache_dtype or dtype
+    shape = (2, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    # Rows no sequence owns hold a large finite poison (the reference multiplies masked
+    # values by zero, which NaN would survive): a kernel that reads them is far off.
+    pool = torch.full(shape, POISON, device=DEVICE).to(cache_dtype)
+    scales = torch.full(shape[:-1], POISON, device=DEVICE)
+    fp8 = cache_dtype == FP8
+    k_scale, v_scale = (scales[1, 0], scales[1, 1]) if fp8 else (None, None)
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in pages_per_seq]
+    for pages, seq_len in zip(tables, seq_lens, strict=True):
+        k, v = torch.randn(2, seq_len, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
+        slots = [pages[t // block_size] * block_size + t % block_size for t in range(seq_len)]
+        slot_mapping = torch.tensor(slots, device=DEVICE)
+        write_kv(k, v, pool[1, 0], pool[1, 1], slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    width = max(pages_per_seq)
+    block_tables = torch.tensor(
+        [t + [num_blocks - 1] * (width - len(t)) for t in tables],
+        dtype=torch.int32,
+        device=DEVICE,
+    )
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], num_heads, head_dim, device=DEVICE, dtype=dtype)
+    return Batch(q, pool[1, 0], pool[1, 1], k_scale, v_scale, block_tables, seq_lens, starts)
+
+
+def assert_matches_reference(batch: Batch, window: int | None = None, **kwargs: object) -> None:
+    out = batch.run(window, **kwargs)
+    expected = batch.reference(window)
+    tol = TOLERANCE[batch.q.dtype]
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+# Decodes first (one token each), then prefill chunks over a cached context, then a fresh prompt.
+MIXED_QUERY_LENS = [1, 1, 1, 7, 19, 3, 12]
+MIXED_CONTEXT_LENS = [9, 1, 70, 20, 45, 0, 0]
+
+CONFIGS = [  # (block_size, num_heads, num_kv_heads, dtype)
+    (16, 4, 4, torch.float32),
+    (32, 8, 4, torch.bfloat16),
+    (64, 8, 2, torch.float16),
+    (16, 6, 3, torch.bfloat16),
+    (32, 4, 1, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "dtype"), CONFIGS)
+@pytest.mark.parametrize("window", [None, 6])
+def test_mixed_batch_matches_reference(
+    block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, window: int | None
+) -> None:
+    batch = make_batch(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, dtype=dtype, seed=block_size + num_heads,
+    )  # fmt: skip
+    assert_matches_reference(batch, window)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("window", [None, 40])
+def test_decode_split_kv_matches_reference(num_kv_splits: int, window: int | None) -> None:
+    # Splits with no tiles (8 splits over 3 tiles) must drop out of the reduction.
+    batch = make_batch(
+        [1, 1, 1], [150, 3, 64], block_size=16, num_heads=8, num_kv_heads=2,
+        dtype=torch.float32, seed=num_kv_splits,
+    )  # fmt: skip
+    assert_matches_reference(batch, window, num_kv_splits=num_kv_splits)
+
+
+def test_decode_only_batch_needs_no_num_decodes() -> None:
+    batch = make_batch([1, 1], [40, 100], block_size=32, num_heads=4, num_kv_heads=2)
+    out = paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+        torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE),
+        torch.tensor(batch.query_start_loc, dtype=torch.int32, device=DEVICE),
+        scale=32**-0.5, max_query_len=1,  # num_decodes left at 0
+    )  # fmt: skip
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out, batch.reference(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_fp8_cache_matches_reference(dtype: torch.dtype, num_kv_splits: int) -> None:
+    batch = make_batch(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, block_size=16, num_heads=8, num_kv_heads=2,
+        dtype=dtype, cache_dtype=FP8, seed=7,
+    )  # fmt: skip
+    assert_matches_reference(batch, 10, num_kv_splits=num_kv_splits)
+    # fp8 is a real approximation: the output differs from the unquantized one
+    exact = make_batch(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, block_size=16, num_heads=8, num_kv_heads=2,
+        dtype=dtype, seed=7,
+    )  # fmt: skip
+    error = (batch.run(10) - exact.run(10)).float().norm() / exact.run(10).float().norm()
+    assert 1e-3 < error < 0.1
+
+
+def test_writes_into_out_and_every_row() -> None:
+    batch = make_batch([1, 5], [30, 10], block_size=16, num_heads=4, num_kv_heads=2)
+    out = torch.full_like(batch.q, float("nan"))
+    assert batch.run(out=out) is out
+    assert not out.isnan().any()
+
+
+def test_launcher_rejects_bad_arguments() -> None:
+    batch = make_batch([1, 3], [10, 5], block_size=16, num_heads=4, num_kv_heads=2)
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor(batch.query_start_loc, dtype=torch.int32, device=DEVICE)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables)
+    cases = [
+        ("seq_lens", dict(seq_lens=seq_lens.long())),
+        ("query_start_loc", dict(query_start_loc=starts[:-1])),
+        ("Hq must be a multiple", dict(q=batch.q[:, :3])),
+        ("pool's dtype", dict(q=batch.q.half())),
+        ("num_decodes", dict(num_decodes=5)),
+        ("num_kv_splits", dict(num_kv_splits=0)),
+        ("out", dict(out=batch.q.float())),
+    ]
+    for message, change in cases:
+        call: dict[str, object] = dict(
+            q=args[0], k_cache=args[1], v_cache=args[2], block_tables=args[3],
+            seq_lens=seq_lens, query_start_loc=starts, scale=1.0, max_query_len=3,
+        )  # fmt: skip
+        call.update(change)
+        with pytest.raises(ValueError, match=message):
+            paged_attention(**call)  # type: ignore[arg-type]
+
+
+# -- GPU: real sizes --------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [None, FP8])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_gpu_real_sizes_match_reference(block_size: int, cache_dtype: torch.dtype | None) -> None:
+    assert CUDA
+    query_lens = [1] * 24 + [300, 37, 1000]
+    context_lens = [torch.randint(1, 3000, ()).item() for _ in range(24)] + [1500, 4000, 0]
+    batch = make_batch(
+        query_lens, context_lens, block_size=block_size, num_heads=32, num_kv_heads=8,
+        head_dim=128, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+    )  # fmt: skip
+    for window in (None, 1024):
+        out, expected = batch.run(window).float(), batch.reference(window).float()
+        assert ((out - expected).norm() / expected.norm()).item() < 1e-2
+        torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_is_cuda_graph_capturable() -> None:
+    assert CUDA
+    batch = make_batch([1] * 8, [2000] * 8, block_size=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128)  # fmt: skip
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor(batch.query_start_loc, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(batch.q)
+
+    def step() -> None:
+        paged_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, seq_lens, starts,
+            scale=128**-0.5, max_query_len=1, num_kv_splits=4, out=out,
+        )  # fmt: skip
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seq_lens.sub_(500)  # shorter contexts, same graph: lengths are read on the device
+    batch.seq_lens = [n - 500 for n in batch.seq_lens]
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, batch.reference(), atol=3e-2, rtol=3e-2)
