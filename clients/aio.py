@@ -74,6 +74,7 @@ class Completion:
     usage: Usage | None = None
     timings: Timings | None = None
     num_restarts: int = 0  # attempts that died on a worker before this answer
+    worker: str = ""  # the worker that finished it
 
     def add(self, event: Event) -> None:
         """Fold one event in; a ``restart`` forgets what the dead attempt produced."""
@@ -88,6 +89,7 @@ class Completion:
             self.finish_reason, self.usage, self.timings = (
                 event.finish_reason, event.usage, event.timings,
             )  # fmt: skip
+            self.worker = event.worker
 
 
 class AsyncClient:

@@ -45,7 +45,8 @@ class Client:
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(events.aclose())  # type: ignore[attr-defined]
+            if not self._loop.is_closed():  # the client may be closed before the iterator
+                self._run(events.aclose())  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Close the Redis connections and stop the loop thread."""

@@ -108,7 +108,7 @@ def start_worker(text_model_dir: Path, redis_server: RedisServer) -> Iterator[An
 
 
 def spawn_worker(
-    model_dir: Path, server: RedisServer, name: str, *extra: str
+    model_dir: Path, server: RedisServer, name: str, log_dir: Path, *extra: str
 ) -> subprocess.Popen[bytes]:
     """``python -m worker worker ...`` as a child process (for SIGKILL and SIGTERM)."""
     args = [
@@ -116,4 +116,5 @@ def spawn_worker(
         "--model", str(model_dir), "--device", "cpu", "--lease-s", "1.5", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with (log_dir / f"{name}.log").open("wb") as log:
+        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)

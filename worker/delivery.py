@@ -128,9 +128,9 @@ class RequestStream:
         """
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
-            pipe.execute_command(
-                "XCLAIM", self.keys.requests, self.keys.group, self.consumer, 0, entry.entry_id,
-                "IDLE", idle_ms, "RETRYCOUNT", max(entry.times_delivered - 1, 0), "JUSTID",
+            pipe.xclaim(
+                self.keys.requests, self.keys.group, self.consumer, 0, [entry.entry_id],
+                idle=idle_ms, retrycount=max(entry.times_delivered - 1, 0), justid=True,
             )  # fmt: skip
         await pipe.execute()
 

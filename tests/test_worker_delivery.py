@@ -1,0 +1,201 @@
+"""Delivery guarantees: bad entries dead-lettered while the worker serves on, takeover of a dead
+worker's entries with ``restart``, ``max_deliveries``, and hand-back on shutdown."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clients import (
+    Client,
+    ErrorCode,
+    FinishReason,
+    RequestFailedError,
+    RestartEvent,
+    TokenEvent,
+    protocol,
+)
+from tests.redis_server import RedisServer
+from tests.service_fixtures import WORDS
+
+KEYS = protocol.Keys()
+GOOD = dict(max_tokens=6, temperature=0, ignore_eos=True)
+MAX_PROMPT_TOKENS = 8
+MAX_OUTPUT_TOKENS = 64
+
+
+def pack(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def good(request_id: str, **fields: Any) -> dict[str, Any]:
+    return {"id": request_id, "prompt": "w5 w6 w7", **fields}
+
+
+# name: (entry fields, request id (None: unreadable), words the error message must hold)
+BAD_ENTRIES: dict[str, tuple[dict[str, bytes], str | None, list[str]]] = {
+    "no payload field": ({"other": b"x"}, None, ["no 'msg' field"]),
+    "not msgpack": ({"msg": b"\xc1\xc1"}, None, ["not a msgpack request"]),
+    "not a map": ({"msg": pack([1, 2, 3])}, None, ["Expected `object`"]),
+    "no id": ({"msg": pack({"prompt": "w5"})}, None, ["id"]),
+    "wrong type": ({"msg": pack(good("r-type", max_tokens="ten"))}, "r-type", ["max_tokens", "int"]),
+    "unknown field": ({"msg": pack(good("r-unknown", colour="red"))}, "r-unknown", ["colour"]),
+    "prompt over the limit": (
+        {"msg": pack(good("r-long", prompt=" ".join(WORDS[4:24])))}, "r-long",
+        ["prompt", f"at most {MAX_PROMPT_TOKENS}"],
+    ),
+    "prompt over the context": (
+        {"msg": pack({"id": "r-ctx", "token_ids": [5] * 300})}, "r-ctx", ["prompt", "model context"],
+    ),
+    "max_tokens over the limit": (
+        {"msg": pack(good("r-max", max_tokens=1000))}, "r-max", ["max_tokens", str(MAX_OUTPUT_TOKENS)],
+    ),
+    "invalid temperature": ({"msg": pack(good("r-temp", temperature=-1))}, "r-temp", ["temperature", ">= 0"]),
+    "invalid top_p": ({"msg": pack(good("r-topp", top_p=0))}, "r-topp", ["top_p"]),
+    "two prompts": ({"msg": pack(good("r-two", token_ids=[5, 6]))}, "r-two", ["exactly one"]),
+    "token id past the vocabulary": (
+        {"msg": pack({"id": "r-vocab", "token_ids": [5, 10_000]})}, "r-vocab", ["token_ids", "10000"],
+    ),
+    "future schema": ({"msg": pack(good("r-v2", v=2))}, "r-v2", ["schema version 2"]),
+    "empty prompt": ({"msg": pack(good("r-empty", prompt=""))}, "r-empty", ["prompt", "empty"]),
+}  # fmt: skip
+
+
+def dead_letters(server: RedisServer) -> list[protocol.DeadLetter]:
+    r = server.client()
+    rows = r.xrange(KEYS.dead)
+    r.close()
+    return [protocol.decode_struct(f[b"msg"], protocol.DeadLetter) for _, f in rows]
+
+
+@pytest.fixture
+def strict_worker(start_worker: Any) -> Any:
+    return start_worker(
+        "w1",
+        limits=protocol_limits(),
+        engine=dict(max_model_len=256),
+    )
+
+
+def protocol_limits() -> Any:
+    from worker.settings import RequestLimits
+
+    return RequestLimits(max_prompt_tokens=MAX_PROMPT_TOKENS, max_output_tokens=MAX_OUTPUT_TOKENS)
+
+
+def test_every_kind_of_bad_entry_is_dead_lettered_and_the_worker_serves_on(
+    strict_worker: Any, redis_server: RedisServer
+) -> None:
+    r = redis_server.client()
+    with Client(redis_server.url) as client:
+        running = client.submit("w5 w6", request_id="running", max_tokens=40, ignore_eos=True)
+        for fields, _, _ in BAD_ENTRIES.values():
+            r.xadd(KEYS.requests, fields)
+        # Hostile: a bad entry reusing a running request's id must not touch its stream.
+        r.xadd(KEYS.requests, {"msg": pack(good("running", max_tokens="x"))})
+        for name, (_, request_id, words) in BAD_ENTRIES.items():
+            if request_id is None:
+                continue
+            with pytest.raises(RequestFailedError) as error:
+                client.result(request_id, timeout_s=30)
+            assert error.value.code is ErrorCode.INVALID_REQUEST, name
+            for word in words:
+                assert word in error.value.message, (name, error.value.message)
+        assert len(client.result(running, timeout_s=30).token_ids) == 40
+        after = client.complete("w8 w9", request_id="after", **GOOD)
+    assert len(after.token_ids) == 6
+    letters = dead_letters(redis_server)
+    assert len(letters) == len(BAD_ENTRIES) + 1
+    unreadable = [letter for letter in letters if letter.request_id is None]
+    assert len(unreadable) == sum(rid is None for _, rid, _ in BAD_ENTRIES.values()) + 1
+    assert all(letter.message and letter.worker == "w1" for letter in letters)
+    r.close()
+
+
+def test_random_bytes_never_stop_the_worker(start_worker: Any, redis_server: RedisServer) -> None:
+    start_worker("w1")
+    r = redis_server.client()
+    sent: list[bytes] = []
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.binary(max_size=200),
+        st.dictionaries(st.binary(max_size=8), st.binary(max_size=40), max_size=3),
+    )
+    def send(payload: bytes, extra: dict[bytes, bytes]) -> None:
+        r.xadd(KEYS.requests, {**extra, b"msg": payload})
+        sent.append(payload)
+
+    send()
+    with Client(redis_server.url) as client:
+        assert len(client.complete("w5 w6", **GOOD).token_ids) == 6
+    deadline_s = time.monotonic() + 20
+    while len(dead_letters(redis_server)) < len(sent) and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    assert sorted(letter.payload or b"" for letter in dead_letters(redis_server)) == sorted(sent)
+    r.close()
+
+
+def ghost_reads(server: RedisServer, request_id: str, *, times: int = 1) -> str:
+    """A worker that reads a request, writes a token, and dies (``times`` deliveries)."""
+    r = server.client()
+    r.xgroup_create(KEYS.requests, KEYS.group, "0", mkstream=True)
+    with Client(server.url) as client:
+        client.submit("w5 w6 w7", request_id=request_id, **GOOD)
+    entry_id = r.xreadgroup(KEYS.group, "ghost", {KEYS.requests: ">"})[0][1][0][0].decode()
+    for _ in range(times - 1):
+        r.xclaim(KEYS.requests, KEYS.group, "ghost", 0, [entry_id])
+    r.set(KEYS.claim(request_id), entry_id)
+    partial = protocol.TokenEvent(seq=0, text="w99", token_ids=[99])
+    r.xadd(KEYS.out(request_id), {"msg": protocol.encode(partial)})
+    r.close()
+    return entry_id
+
+
+def test_a_dead_workers_entry_is_taken_over_with_restart(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    ghost_reads(redis_server, "orphan")
+    start_worker("w1")
+    with Client(redis_server.url) as client:
+        events = list(client.resume("orphan", timeout_s=30))
+        reference = client.complete("w5 w6 w7", **GOOD)
+    restarts = [e for e in events if isinstance(e, RestartEvent)]
+    assert len(restarts) == 1 and restarts[0].worker == "w1" and restarts[0].attempt == 1
+    after = events[events.index(restarts[0]) + 1 :]
+    assert [
+        t for e in after if isinstance(e, TokenEvent) for t in e.token_ids
+    ] == reference.token_ids
+    with Client(redis_server.url) as client:
+        completion = client.result("orphan", timeout_s=5)
+    assert completion.num_restarts == 1 and completion.token_ids == reference.token_ids
+
+
+def test_too_many_deliveries_goes_to_the_dead_stream(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    ghost_reads(redis_server, "cursed", times=3)
+    start_worker("w1", max_deliveries=3)
+    with Client(redis_server.url) as client, pytest.raises(RequestFailedError) as error:
+        client.result("cursed", timeout_s=30)
+    assert error.value.code is ErrorCode.TOO_MANY_DELIVERIES
+    (letter,) = dead_letters(redis_server)
+    assert letter.request_id == "cursed" and letter.times_delivered == 4
+
+
+def test_shutdown_hands_back_unfinished_work(start_worker: Any, redis_server: RedisServer) -> None:
+    first = start_worker("w1", grace_s=0.0)
+    with Client(redis_server.url) as client:
+        request_id = client.submit("w5", max_tokens=250, ignore_eos=True, temperature=0)
+        events = client.resume(request_id, timeout_s=60)
+        assert isinstance(next(events), TokenEvent)
+        first.stop()
+        start_worker("w2")
+        completion = client.result(request_id, timeout_s=60)
+    assert completion.finish_reason is FinishReason.LENGTH and len(completion.token_ids) == 250
+    assert completion.num_restarts == 1

@@ -1,0 +1,137 @@
+"""Workers as real processes: two share a stream, one is SIGKILLed mid-run, one is SIGTERMed.
+
+One test walks the whole life of a two-worker deployment, since each worker process takes a
+few seconds to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from clients import AsyncClient, Completion, FinishReason, protocol
+from engine import LLM, SamplingParams
+from tests.redis_server import RedisServer
+from tests.service_fixtures import WORDS, spawn_worker
+from worker.cli import main
+
+KEYS = protocol.Keys()
+START_TIMEOUT_S = 120.0
+LONG_TOKENS = 150
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def healthy(server: RedisServer, name: str, max_age_s: float = 5.0) -> bool:
+    args = ["health", "--redis-url", server.url, "--name", name, "--max-age-s", str(max_age_s)]
+    return main(args) == 0
+
+
+def prompts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(WORDS[4:]) for _ in range(rng.randint(3, 12))) for _ in range(count)
+    ]
+
+
+async def complete_all(server: RedisServer, texts: list[str], max_tokens: int) -> list[Completion]:
+    async with AsyncClient(server.url) as client:
+        return await asyncio.gather(
+            *(client.complete(t, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout_s=120)
+              for t in texts)
+        )  # fmt: skip
+
+
+def pending_of(server: RedisServer, consumer: str) -> int:
+    r = server.client()
+    try:
+        return len(
+            r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 100, consumername=consumer)
+        )
+    finally:
+        r.close()
+
+
+def terminal_counts(server: RedisServer, request_ids: list[str]) -> list[int]:
+    r = server.client()
+    counts = []
+    for request_id in request_ids:
+        events = [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(KEYS.out(request_id))]
+        counts.append(sum(isinstance(e, protocol.TERMINAL_EVENTS) for e in events))
+    r.close()
+    return counts
+
+
+def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
+    redis_server: RedisServer, text_model_dir: Path, tmp_path: Path
+) -> None:
+    extra = ("--max-in-flight", "4")
+    a = spawn_worker(text_model_dir, redis_server, "A", tmp_path, *extra)
+    b = spawn_worker(text_model_dir, redis_server, "B", tmp_path, *extra)
+    try:
+        wait_until(
+            lambda: healthy(redis_server, "A") and healthy(redis_server, "B"),
+            START_TIMEOUT_S,
+            "workers",
+        )
+        assert not healthy(redis_server, "nobody")
+
+        # both serve
+        short = asyncio.run(complete_all(redis_server, prompts(16, seed=3), 8))
+        assert {c.finish_reason for c in short} == {FinishReason.LENGTH}
+        assert {c.worker for c in short} == {"A", "B"}
+
+        # SIGKILL A with requests in flight: B finishes every one, each exactly once
+        texts = prompts(8, seed=4)
+        params = SamplingParams(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)
+        reference = LLM(str(text_model_dir), device="cpu").generate(texts, params, use_tqdm=False)
+        results: list[Completion] = []
+
+        async def kill_a_mid_run() -> None:
+            task = asyncio.create_task(complete_all(redis_server, texts, LONG_TOKENS))
+            await asyncio.to_thread(
+                wait_until, lambda: pending_of(redis_server, "A") > 0, 30, "A busy"
+            )
+            await asyncio.sleep(0.2)
+            a.send_signal(signal.SIGKILL)
+            results.extend(await task)
+
+        asyncio.run(kill_a_mid_run())
+        assert a.wait(10) == -signal.SIGKILL
+        for completion, ref in zip(results, reference, strict=True):
+            assert completion.token_ids == ref.token_ids and completion.text == ref.text
+        assert any(c.num_restarts for c in results), "A held none of the requests"
+        assert terminal_counts(redis_server, [c.request_id for c in results]) == [1] * len(results)
+        wait_until(
+            lambda: not healthy(redis_server, "A", max_age_s=1.0), 10, "A's heartbeat to age"
+        )
+
+        # SIGTERM B mid-run: it finishes its in-flight work and exits 0
+        async def term_b_mid_run() -> list[Completion]:
+            task = asyncio.create_task(complete_all(redis_server, prompts(4, seed=5), 100))
+            await asyncio.to_thread(
+                wait_until, lambda: pending_of(redis_server, "B") > 0, 30, "B busy"
+            )
+            b.send_signal(signal.SIGTERM)
+            return await task
+
+        drained = asyncio.run(term_b_mid_run())
+        assert b.wait(60) == 0
+        assert [len(c.token_ids) for c in drained] == [100] * 4
+        assert not any(c.num_restarts for c in drained)
+        assert not healthy(redis_server, "B")
+    finally:
+        for process in (a, b):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert not (tmp_path / "B.log").read_text().count("Traceback")
