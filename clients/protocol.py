@@ -88,7 +88,7 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     content: str
 
 
-class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A generation request: exactly one of ``prompt``, ``messages``, ``token_ids``.
 
     ``deadline_ms`` and ``enqueued_at_ms`` are wall-clock Unix times in milliseconds; the
@@ -174,9 +174,9 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
 
 
-class _Event(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=True):
+class _Event(msgspec.Struct, kw_only=True, tag_field="type"):
     v: int = PROTOCOL_VERSION
-    # The stream entry id the event was read from: set by the client, never sent.
+    # The stream entry id the event was read from: set by the client (empty on the wire).
     event_id: str = ""
 
 
@@ -222,7 +222,7 @@ TERMINAL_EVENTS = (DoneEvent, ErrorEvent)
 # -- operators' records ----------------------------------------------------------------------------
 
 
-class DeadLetter(msgspec.Struct, kw_only=True, omit_defaults=True):
+class DeadLetter(msgspec.Struct, kw_only=True):
     """An entry of ``{p}:dead``: a request entry no worker will serve, and why."""
 
     v: int = PROTOCOL_VERSION

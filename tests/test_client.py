@@ -1,0 +1,83 @@
+"""The client library: wire types, URLs, no torch, and the ``submit``/``cancel`` verbs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+import pytest
+
+from clients import AsyncClient, DoneEvent, FinishReason, TokenEvent, Usage, protocol
+from tests.redis_server import RedisServer
+from worker.cli import main
+
+
+def test_clients_never_import_torch() -> None:
+    code = "import sys, clients, clients.protocol; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_request_and_events_round_trip_with_a_version() -> None:
+    request = protocol.Request(id="r1", prompt="hi", max_tokens=3, stop=["x"], enqueued_at_ms=5)
+    assert protocol.decode_request(protocol.encode(request)) == request
+    assert msgspec.msgpack.decode(protocol.encode(request))["v"] == protocol.PROTOCOL_VERSION
+    done = DoneEvent(
+        finish_reason=FinishReason.STOP, usage=Usage(prompt_tokens=2, completion_tokens=1)
+    )
+    token = TokenEvent(seq=0, text="a", token_ids=[7])
+    for event in (done, token):
+        raw = msgspec.msgpack.decode(protocol.encode(event))
+        assert raw["v"] == 1 and raw["event_id"] == ""
+        assert protocol.decode_event(protocol.encode(event), "1-0") == msgspec.structs.replace(
+            event, event_id="1-0"
+        )
+
+
+def test_request_errors_name_the_field() -> None:
+    with pytest.raises(msgspec.ValidationError, match="colour"):
+        protocol.decode_request(msgspec.msgpack.encode({"id": "r", "colour": 1}))
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.max_tokens"):
+        protocol.decode_request(msgspec.msgpack.encode({"id": "r", "max_tokens": "ten"}))
+    assert protocol.peek_request_id(msgspec.msgpack.encode({"id": "r9", "bad": 1})) == "r9"
+    assert protocol.peek_request_id(b"\xc1") is None
+
+
+def test_keys_share_the_prefix() -> None:
+    keys = protocol.Keys("ps")
+    assert (keys.requests, keys.group, keys.cancels, keys.dead) == (
+        "ps:requests", "ps:workers", "ps:cancels", "ps:dead",
+    )  # fmt: skip
+    assert (keys.out("a"), keys.cancel("a"), keys.worker("w")) == (
+        "ps:out:a",
+        "ps:cancel:a",
+        "ps:worker:w",
+    )
+
+
+def test_tls_and_password_urls_are_understood() -> None:
+    client = AsyncClient("rediss://:s3cret@redis.example:6380/2")
+    kwargs = client.redis.connection_pool.connection_kwargs
+    assert kwargs["password"] == "s3cret" and kwargs["port"] == 6380 and kwargs["db"] == 2
+    assert "SSL" in client.redis.connection_pool.connection_class.__name__
+
+
+def test_submit_prints_tokens_and_cancel_verb(
+    start_worker: Any, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start_worker("w1")
+    url = ["--redis-url", redis_server.url]
+    assert (
+        main(["submit", "w5 w6 w7", *url, "--max-tokens", "5", "--ignore-eos", "--id", "cli"]) == 0
+    )
+    captured = capsys.readouterr()
+    assert "finish_reason=length" in captured.err and "worker=w1" in captured.err
+    r = redis_server.client()
+    texts = [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(protocol.Keys().out("cli"))]
+    r.close()
+    assert (
+        captured.out.strip() == "".join(e.text for e in texts if isinstance(e, TokenEvent)).strip()
+    )
+    assert main(["cancel", "cli-2", *url]) == 0
+    assert "cancel sent" in capsys.readouterr().err
