@@ -13,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Parity with transformers is defined on the CPU in fp32: engines built with device=auto run
 # there even on a GPU host. GPU tests (marked `gpu`) ask for cuda explicitly.
 os.environ.setdefault("PAGESTREAM_DEVICE", "cpu")
+# Without a GPU the Triton kernels run on the CPU through Triton's interpreter. @triton.jit
+# reads this when a kernel module is imported, which is after conftest.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest_plugins = ["tests.redis_server", "tests.service_fixtures"]
 
 

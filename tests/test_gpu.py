@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.attention.backend import ATTN_BACKEND_ENV
+from engine.config import CUDA_GRAPHS_ENV
+from engine.errors import ConfigError
+from engine.memory import MIB
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -35,3 +40,70 @@ def test_cuda_bf16_dummy_model_runs_and_frees_every_page() -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [32, 32, 32]
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def _dummy_tokens(
+    monkeypatch: pytest.MonkeyPatch, backend: str, **settings: object
+) -> list[list[int]]:
+    monkeypatch.setenv(ATTN_BACKEND_ENV, backend)
+    llm = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=2048, pa_memory_mb=2048, **settings)
+    prompts = random_prompts([100, 300, 700, 5, 64, 1500], 151936, seed=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def test_triton_backend_equals_torch_backend_on_a_dummy_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # fp32 compute: bf16 rounding differences between two correct kernels could flip a
+    # near-tie argmax of a random model; in fp32 they cannot.
+    triton = _dummy_tokens(monkeypatch, "triton", dtype="float32", cuda_graphs=False)
+    torch_ref = _dummy_tokens(monkeypatch, "torch", dtype="float32")
+    assert triton == torch_ref
+
+
+def test_cuda_graphs_on_and_off_give_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    graphs = _dummy_tokens(monkeypatch, "triton", cuda_graphs=True, max_seqs=16)
+    eager = _dummy_tokens(monkeypatch, "triton", cuda_graphs=False, max_seqs=16)
+    assert graphs == eager
+
+
+def test_graphs_are_captured_and_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ATTN_BACKEND_ENV, "triton")
+    llm = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=1024, pa_memory_mb=512, max_seqs=24)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4, 8, 16, 24]
+    replays = 0
+    original = graphs.replay
+
+    def counting_replay(*args: object) -> object:
+        nonlocal replays
+        replays += 1
+        return original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(graphs, "replay", counting_replay)
+    llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert replays == 7  # every step after the prefill
+
+
+def test_cuda_graphs_env_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
+    llm = LLM("dummy:tiny", device="cuda", pa_memory_mb=64)
+    assert not llm.engine.runner.uses_cuda_graphs
+
+
+def test_fraction_plan_leaves_room_for_the_profiled_peak() -> None:
+    llm = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=4096, pa_memory_fraction=0.5)
+    engine = llm.engine
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    assert total_bytes - free_bytes <= 0.5 * total_bytes + 256 * MIB  # within the fraction
+    prompts = random_prompts([4000] * 2, 151936, seed=6)  # a full-budget step fits
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [4, 4]
+    assert engine.kv_cache.num_blocks > 0
+
+
+def test_memory_budget_over_the_device_is_an_error_at_start() -> None:
+    with pytest.raises(ConfigError, match="does not fit"):
+        LLM("dummy:qwen3-0.6b", device="cuda", pa_memory_mb=10_000_000, max_seqs=100_000,
+            max_batched_tokens=100_000)  # fmt: skip
