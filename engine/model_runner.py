@@ -131,15 +131,32 @@ class ModelRunner:
         top-k/top-p and penalties (the sampler's largest temporaries). Pages are taken in
         order from this runner's cache, which must hold ``num_tokens`` tokens."""
         lens = [min(seq_len, num_tokens - start) for start in range(0, num_tokens, seq_len)]
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self._forward_fresh(input_ids, lens)
+        rows_index = torch.arange(num_sampled, device=self.device) % num_tokens
+        logits = self.model.compute_logits(hidden[rows_index])
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1)
+        row = SamplingRow(params=params, prompt_token_ids=[0], output_token_ids=[], generator=None)
+        self.sampler.sample(logits, [row] * num_sampled)
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """[L, V] float32 logits after every prefix of ``token_ids``, from one prefill that
+        writes (and, with fp8 pages, quantizes) its K/V into pages 0.. of the pool first.
+        For measuring a cache format's effect; the engine must be idle."""
+        input_ids = self._tensor(token_ids, torch.int64)
+        hidden = self._forward_fresh(input_ids, [len(token_ids)])
+        return self.model.compute_logits(hidden).float()
+
+    def _forward_fresh(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """The model over fresh prompts of ``lens`` tokens, placed in pages 0, 1, ..."""
         tables: list[list[int]] = []
         slots: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
-        next_page = 0
         for length in lens:
-            num_pages = -(-length // self.block_size)
-            table = list(range(next_page, next_page + num_pages))
-            next_page += num_pages
+            first = sum(len(table) for table in tables)
+            table = list(range(first, first + -(-length // self.block_size)))
             tables.append(table)
             slots += self._slots(table, 0, length)
             positions += range(length)
@@ -156,15 +173,8 @@ class ModelRunner:
             max_seq_len=max(lens),
             max_query_len=max(lens),
         )
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(
-            input_ids, self._tensor(positions, torch.int64), self.kv_cache.layers, meta
-        )
-        rows_index = torch.arange(num_sampled, device=self.device) % num_tokens
-        logits = self.model.compute_logits(hidden[rows_index])
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1)
-        row = SamplingRow(params=params, prompt_token_ids=[0], output_token_ids=[], generator=None)
-        self.sampler.sample(logits, [row] * num_sampled)
+        positions_t = self._tensor(positions, torch.int64)
+        return self.model(input_ids, positions_t, self.kv_cache.layers, meta)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

@@ -48,6 +48,13 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         configure=_configure_bench_kernels,
     )
     kinds.add_parser(
+        "kv-quality",
+        help="quality of an fp8 KV cache against the model-dtype cache (greedy and logits)",
+        description="Greedy agreement and teacher-forced logit error of --pa-cache-type "
+        "fp8_e4m3 against the default cache, on the same weights and prompts.",
+        configure=_configure_bench_kv_quality,
+    )
+    kinds.add_parser(
         "plot",
         help="draw the PNG plot of a benchmark JSON record",
         description="Draw a PNG beside each given benchmark record (needs matplotlib).",
@@ -232,9 +239,9 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
     import torch
-    from kernels.benchmark import bench_paged_attention, measure_copy_bandwidth
 
     from engine.benchmark import machine_info
+    from kernels.benchmark import bench_paged_attention, measure_copy_bandwidth
 
     if not torch.cuda.is_available():
         raise CommandError("the kernel benchmark needs a CUDA device")
@@ -260,6 +267,42 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
             f"batch {point['batch']:4d} context {point['context']:6d} block {point['block_size']:3d}: "
             f"{point['time_us']:9.1f} us  {point['fraction_of_copy']:6.1%} of copy bandwidth"
         )
+    _save(record, args.output_json)
+    return 0
+
+
+# -- kv-quality ------------------------------------------------------------------------------
+
+
+def _configure_bench_kv_quality(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="default smollm2-135m")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
+    )
+    parser.add_argument("--num-prompts", type=positive_int, default=8, help="default 8")
+    parser.add_argument(
+        "--input-len", type=positive_int, default=128, help="random prompts only (default 128)"
+    )
+    parser.add_argument("--output-len", type=positive_int, default=64, help="default 64")
+    parser.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    parser.set_defaults(handler=_run_bench_kv_quality, command_prog=parser.prog)
+
+
+def _run_bench_kv_quality(args: argparse.Namespace) -> int:
+    from engine import PagestreamError
+    from engine.kv_quality import measure_kv_quality
+
+    try:
+        record = measure_kv_quality(
+            args.model, num_prompts=args.num_prompts, input_len=args.input_len,
+            output_len=args.output_len, device=args.device, dtype=args.dtype,
+            max_model_len=2048 if args.model.startswith("dummy:") else None,
+        )  # fmt: skip
+    except PagestreamError as exc:
+        raise CommandError(str(exc)) from exc
+    for name, value in record["results"].items():
+        print(f"{name:32s} {value:.4g}")
     _save(record, args.output_json)
     return 0
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
+# with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
+#   bench/gpu_suite.sh [benchmarks|fp8|peers|tests]...   (default: all)
+set -uo pipefail
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+PS=(python -m worker)
+log() { echo "== $(date +%T) $*" >&2; }
+
+benchmarks() {
+    log kernels
+    "${PS[@]}" bench kernels --output-json "$OUT/kernels-h200.json"
+    log throughput qwen3-0.6b
+    "${PS[@]}" bench throughput --model dummy:qwen3-0.6b --no-progress \
+        --output-json "$OUT/throughput-qwen3-0.6b.json"
+    log throughput llama3-8b
+    "${PS[@]}" bench throughput --model dummy:llama3-8b --no-progress \
+        --output-json "$OUT/throughput-llama3-8b.json"
+    log latency llama3-8b
+    "${PS[@]}" bench latency --model dummy:llama3-8b --batch-sizes 1,8,32,64 --no-progress \
+        --max-model-len 4096 --output-json "$OUT/latency-llama3-8b.json"
+}
+
+fp8() {
+    log fp8 cache: quality against bf16, and throughput
+    "${PS[@]}" bench kv-quality --model dummy:qwen3-0.6b --output-json "$OUT/kv-quality-qwen3-0.6b.json"
+    "${PS[@]}" bench throughput --model dummy:qwen3-0.6b --no-progress --pa-cache-type fp8_e4m3 \
+        --output-json "$OUT/throughput-qwen3-0.6b-fp8.json"
+}
+
+peers() {  # transformers in the same process: minutes each
+    log throughput qwen3-0.6b against hf and paged-off
+    "${PS[@]}" bench throughput --model dummy:qwen3-0.6b --no-progress --compare hf,paged-off \
+        --output-json "$OUT/throughput-qwen3-0.6b-vs-hf.json"
+}
+
+tests() {
+    log gpu tests
+    python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
+        tests/test_triton_paged_attention.py
+}
+
+for part in "${@:-benchmarks fp8 peers tests}"; do
+    for step in $part; do "$step"; done
+done
