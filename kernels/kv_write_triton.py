@@ -16,6 +16,8 @@ import triton.language as tl
 from kernels.paged_attention import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+E4M3_MAX = tl.constexpr(FP8_MAX)  # globals a kernel reads must be constexpr
+E4M3_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 
 
 @triton.jit
@@ -55,7 +57,7 @@ def _store_token(
     if IS_FP8:
         # -- one scale per kv head: amax over D / 448, kept off zero
         x32 = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x32), axis=1) / FP8_MAX, FP8_MIN_SCALE)  # [BLOCK_H]
+        scale = tl.maximum(tl.max(tl.abs(x32), axis=1) / E4M3_MAX, E4M3_MIN_SCALE)  # [BLOCK_H]
         stored = _round_to_e4m3_grid(x32 / scale[:, None])
         tl.store(cache_ptrs, stored.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + offs_h * stride_sh, scale, mask=mask_h)

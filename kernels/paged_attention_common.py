@@ -12,7 +12,8 @@ from kernels.kv_write_triton import check_scales
 from kernels.paged_attention import FP8_DTYPE
 
 LOG2_E = 1.4426950408889634  # the kernels use exp2: scores are scaled by log2(e)
-NEG_BIG = -1.0e30  # a finite "minus infinity": m_i - m_new never is (-inf) - (-inf)
+E4M3_MAX = tl.constexpr(448.0)  # v scales are folded into p as v_scale * 448 (= the amax)
+NEG_BIG = tl.constexpr(-1.0e30)  # a finite "minus infinity": no (-inf) - (-inf)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -49,11 +50,19 @@ def load_kv_scale(
     return tl.load(ptrs, mask=mask_n, other=0.0)
 
 
-def dot_dtype(q: torch.Tensor) -> tl.dtype:
-    """The dot operands' dtype: q's, but fp32 under the interpreter (CPU tensors), whose
-    bf16 ``tl.dot`` multiplies the raw bits (Triton 3.9)."""
+def dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> tl.dtype:
+    """The dot operands' dtype: q's, with two exceptions.
+
+    - CPU tensors (the interpreter): fp32, since the interpreter's bf16 ``tl.dot`` multiplies
+      raw bits (Triton 3.9).
+    - fp8 pools: fp16, which e4m3 converts to in one instruction per pair (bf16 takes a long
+      software sequence on Hopper, and made the fp8 decode slower than bf16). q is cast to
+      fp16 too: |q| must stay under 65504.
+    """
     if q.device.type == "cpu":
         return tl.float32
+    if cache.dtype == FP8_DTYPE:
+        return tl.float16
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(q.dtype, tl.float32)
 
 

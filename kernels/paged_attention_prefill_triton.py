@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_attention_common import (
+    E4M3_MAX,
     LOG2_E,
     NEG_BIG,
     dot_dtype,
@@ -88,6 +89,8 @@ def _prefill_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE, HAS_WINDOW, IS_FP8, DOT_DTYPE, DOT_PRECISION,
         )  # fmt: skip
         # 5. normalize and store
+        if IS_FP8:
+            acc = acc / E4M3_MAX  # undo the fold of v scales into p
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_rows = (q_start + tokens) * stride_ot + heads * stride_oh
         o_ptrs = out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -141,7 +144,7 @@ def _attend_tiles(
             v_scale = load_kv_scale(
                 v_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
             )
-            p = p * v_scale[None, :]
+            p = p * (v_scale * E4M3_MAX)[None, :]  # O(1): no fp16 underflow
         pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -189,7 +192,7 @@ def launch_prefill(
         BLOCK_SIZE=k_cache.shape[1],
         HAS_WINDOW=sliding_window is not None,
         IS_FP8=is_fp8,
-        DOT_DTYPE=dot_dtype(q),
+        DOT_DTYPE=dot_dtype(q, k_cache),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=PREFILL_NUM_WARPS,
         num_stages=PREFILL_NUM_STAGES,

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.paged_attention import FP8_DTYPE
 from kernels.paged_attention_common import (
+    E4M3_MAX,
     LOG2_E,
     NEG_BIG,
     check_attention_args,
@@ -39,9 +40,9 @@ from kernels.paged_attention_prefill_triton import launch_prefill
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the head group is padded to this
 MAX_KV_SPLITS = 64
-TARGET_WAVES = 2  # default split count: about this many programs per SM
+TARGET_PROGRAMS_PER_SM = 4  # default split count: enough programs to hide gather latency
 NOMINAL_CPU_SMS = 4  # the interpreter has no SMs; any small count exercises the split path
-DECODE_BLOCK_N = 64  # tokens per K/V tile
+DECODE_TILE_BYTES = 16384  # bytes of one K (or V) tile: 64 tokens of bf16 D=128, 128 of fp8
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 
@@ -126,7 +127,7 @@ def _decode_kernel(
             v_scale = load_kv_scale(
                 v_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
             )
-            p = p * v_scale[None, :]
+            p = p * (v_scale * E4M3_MAX)[None, :]  # O(1): no fp16 underflow
         acc = acc * alpha[:, None] + tl.dot(
             p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
         )
@@ -134,6 +135,8 @@ def _decode_kernel(
 
     # 5. normalized output: straight to `out`, or a partial plus its log-sum-exp
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if IS_FP8:
+        acc = acc / E4M3_MAX  # undo the fold of v scales into p
     result = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
         out_ptrs = (
@@ -247,13 +250,15 @@ def paged_attention(
 
 
 def default_num_kv_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per (sequence, kv head) so the decode grid fills about TARGET_WAVES waves.
+    """Splits per (sequence, kv head): about TARGET_PROGRAMS_PER_SM programs per SM.
 
     Depends on shapes and the device only, never on sequence lengths: a CUDA graph captured
     for a batch size stays valid whatever the contexts grow to.
     """
     num_programs = max(num_seqs * num_kv_heads, 1)
-    wanted = triton.cdiv(TARGET_WAVES * _num_sms(device), num_programs)
+    if num_programs >= 2 * _num_sms(device):
+        return 1  # already two waves: splitting only adds the reduction
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * _num_sms(device), num_programs)
     return max(1, min(MAX_KV_SPLITS, wanted))
 
 
@@ -262,6 +267,11 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return NOMINAL_CPU_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode_block_n(block_d: int, element_size: int) -> int:
+    """Tokens per tile: DECODE_TILE_BYTES of one head's K (fp8 pools get twice the tokens)."""
+    return max(16, min(128, DECODE_TILE_BYTES // (block_d * element_size)))
 
 
 def _launch_decode(
@@ -301,12 +311,12 @@ def _launch_decode(
         GROUP_PAD=pow2_at_least(num_heads // num_kv_heads, MIN_DOT_ROWS),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_N=_decode_block_n(block_d, k_cache.element_size()),
         BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
         IS_FP8=is_fp8,
-        DOT_DTYPE=dot_dtype(q),
+        DOT_DTYPE=dot_dtype(q, k_cache),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,

@@ -83,7 +83,7 @@ def make_batch(
     # Rows no sequence owns hold a large finite poison (the reference multiplies masked
     # values by zero, which NaN would survive): a kernel that reads them is far off.
     pool = torch.full(shape, POISON, device=DEVICE).to(cache_dtype)
-    scales = torch.full(shape[:-1], POISON, device=DEVICE)
+    scales = torch.ones(shape[:-1], device=DEVICE)  # poison x poison overwhelms the GPU SDPA
     fp8 = cache_dtype == FP8
     k_scale, v_scale = (scales[1, 0], scales[1, 1]) if fp8 else (None, None)
     free = torch.randperm(num_blocks).tolist()
