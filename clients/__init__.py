@@ -11,6 +11,7 @@ from clients.aio import (
     RequestFailedError,
     RequestTimeoutError,
 )
+from clients.batch import BatchResult, BatchState, BatchStatus
 from clients.protocol import (
     DoneEvent,
     ErrorCode,
@@ -27,6 +28,9 @@ from clients.sync import Client
 
 __all__ = [
     "AsyncClient",
+    "BatchResult",
+    "BatchState",
+    "BatchStatus",
     "Client",
     "ClientError",
     "Completion",

@@ -14,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
+from clients.batch import BatchClient, BatchResult, BatchStatus
 from clients.protocol import (
     CancelNotice,
     DoneEvent,
@@ -114,6 +115,7 @@ class AsyncClient:
         self.redis = redis or aioredis.Redis.from_url(redis_url)
         self.keys = Keys(prefix)
         self.timeout_s = timeout_s
+        self.batches = BatchClient(self.redis, prefix)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -277,3 +279,43 @@ class AsyncClient:
         # The worker ends a request at its deadline (= timeout_s): allow for that event.
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         return None if timeout_s is None else timeout_s + DEADLINE_GRACE_S
+
+    # -- batch jobs (see clients.batch and docs/batch.md) -----------------------------------------
+
+    async def submit_batch(
+        self,
+        prompts: list[str] | None = None,
+        *,
+        lines: list[str] | None = None,
+        input_path: str | None = None,
+        output_path: str | None = None,
+        job_id: str | None = None,
+        chat: bool = False,
+        **sampling: Any,
+    ) -> str:
+        """Enqueue a batch job over ``prompts``, JSONL ``lines``, or a JSONL file on the worker.
+
+        ``sampling``: defaults for every line (a line's own fields win); greedy, 256 tokens
+        unless set. ``output_path``: the worker also writes the records there (JSONL, in input
+        order). Returns the job id; ``batch_status``/``batch_result``/``abort_batch`` take it.
+        """
+        return await self.batches.submit(
+            prompts, lines=lines, input_path=input_path, output_path=output_path, job_id=job_id,
+            chat=chat, **sampling,
+        )  # fmt: skip
+
+    async def batch_status(self, job_id: str) -> BatchStatus:
+        """A batch job's state and ``done``/``total``/``failed`` counters, readable while it runs."""
+        return await self.batches.status(job_id)
+
+    async def batch_result(
+        self, job_id: str, *, wait: bool = True, timeout_s: float | None = None
+    ) -> BatchResult:
+        """A batch job's records in input order, after it ends (``wait=False``: as they are now)."""
+        return await self.batches.result(job_id, wait=wait, timeout_s=timeout_s)
+
+    async def abort_batch(
+        self, job_id: str, *, wait: bool = True, timeout_s: float | None = 60.0
+    ) -> BatchStatus:
+        """Abort a batch job; its finished lines keep their records. Returns its status."""
+        return await self.batches.abort(job_id, wait=wait, timeout_s=timeout_s)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from clients.aio import DEFAULT_REDIS_URL, AsyncClient, Completion
+from clients.batch import BatchResult, BatchStatus
 from clients.protocol import DEFAULT_PREFIX, DoneEvent, RestartEvent, TokenEvent
 
 T = TypeVar("T")
@@ -90,3 +91,23 @@ class Client:
     def cancel(self, request_id: str) -> None:
         """See ``AsyncClient.cancel``."""
         self._run(self._client.cancel(request_id))
+
+    def submit_batch(self, prompts: list[str] | None = None, **options: Any) -> str:
+        """See ``AsyncClient.submit_batch``."""
+        return self._run(self._client.submit_batch(prompts, **options))
+
+    def batch_status(self, job_id: str) -> BatchStatus:
+        """See ``AsyncClient.batch_status``."""
+        return self._run(self._client.batch_status(job_id))
+
+    def batch_result(
+        self, job_id: str, *, wait: bool = True, timeout_s: float | None = None
+    ) -> BatchResult:
+        """See ``AsyncClient.batch_result``."""
+        return self._run(self._client.batch_result(job_id, wait=wait, timeout_s=timeout_s))
+
+    def abort_batch(
+        self, job_id: str, *, wait: bool = True, timeout_s: float | None = 60.0
+    ) -> BatchStatus:
+        """See ``AsyncClient.abort_batch``."""
+        return self._run(self._client.abort_batch(job_id, wait=wait, timeout_s=timeout_s))

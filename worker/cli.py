@@ -109,9 +109,9 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
 
 def _registrars() -> tuple[Callable[[Subparsers], None], ...]:
     # Each module registers its own subcommands; none of them imports torch at this point.
-    from worker import bench_cli, service_cli
+    from worker import batch_cli, bench_cli, service_cli
 
-    return (_register_generate, bench_cli.register, service_cli.register)
+    return (_register_generate, bench_cli.register, service_cli.register, batch_cli.register)
 
 
 REGISTRARS = _registrars()

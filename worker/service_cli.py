@@ -62,6 +62,7 @@ def _add_redis_args(parser: argparse.ArgumentParser) -> None:
 
 def _configure_worker(parser: argparse.ArgumentParser) -> None:
     from engine.config import add_engine_args
+    from worker.batch import add_batch_args
 
     _add_redis_args(parser)
     g = parser.add_argument_group("service")
@@ -96,6 +97,7 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
         help="refuse larger request payloads (default 4 MiB)",
     )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    add_batch_args(parser)
     add_engine_args(parser)
     parser.set_defaults(handler=run_worker, command_prog=parser.prog)  # fmt: skip
 
@@ -104,6 +106,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """Handler of ``pagestream worker``: serve until SIGTERM/SIGINT, then drain and exit 0."""
     from engine import LLMEngine, PagestreamError
     from engine.config import engine_config_from_args
+    from worker.batch import BatchRunner, BatchSettings, serve_with_batches
     from worker.engine_thread import EngineThread
     from worker.logs import configure_logging
     from worker.service import WorkerService
@@ -120,11 +123,20 @@ def run_worker(args: argparse.Namespace) -> int:
         ) from exc
 
     async def serve() -> None:
-        service = WorkerService(settings, EngineThread(engine))
+        engine_thread = EngineThread(engine)
+        service = WorkerService(settings, engine_thread)
+        batch_settings = BatchSettings.from_args(args, settings)
+        batches = BatchRunner(batch_settings, engine_thread) if batch_settings.max_jobs else None
+
+        def request_stop() -> None:
+            service.request_stop()
+            if batches is not None:
+                batches.request_stop()  # running batch jobs go back on the queue
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, service.request_stop)
-        await service.run()
+            loop.add_signal_handler(sig, request_stop)
+        await serve_with_batches(service, batches)
 
     asyncio.run(serve())
     return 0

@@ -1,0 +1,185 @@
+"""``pagestream batch submit|status|result|abort``: batch jobs from the command line.
+
+Client verbs: they need Redis, msgspec and arq only (never torch). See ``docs/batch.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from worker.cli import EXIT_USAGE, CommandError, LazyParser, Subparsers
+from worker.cli_types import positive_int
+from worker.settings import REDIS_URL_ENV, default_redis_url
+
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add ``batch`` and its verbs to the ``pagestream`` parser."""
+    help_text = "batch jobs on the workers (arq): submit, status, result, abort"
+    subparsers.add_parser("batch", help=help_text, description=help_text, configure=_configure)
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    verbs = parser.add_subparsers(
+        title="verbs", dest="verb", metavar="VERB", parser_class=LazyParser
+    )
+    verbs.required = True
+    for name, help_text, configure in (
+        ("submit", "enqueue a JSONL file or prompts; prints the job id", _configure_submit),
+        ("status", "state and done/total/failed of a job", _configure_status),
+        ("result", "wait for a job and write its records as JSONL", _configure_result),
+        ("abort", "abort a queued or running job", _configure_abort),
+    ):
+        verbs.add_parser(name, help=help_text, description=help_text, configure=configure)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    from clients.protocol import DEFAULT_PREFIX
+
+    parser.add_argument("--redis-url", default=default_redis_url(),
+                        help=f"redis:// or rediss:// URL (env {REDIS_URL_ENV})")  # fmt: skip
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the deployment")
+
+
+def _add_job_id(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    parser.add_argument("job_id", help="the id printed by `pagestream batch submit`")
+
+
+# -- submit --------------------------------------------------------------------------------------
+
+
+def _configure_submit(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", metavar="JSONL",
+                        help="a local JSONL file (- = stdin), one request per line, sent inline")  # fmt: skip
+    source.add_argument("--input-on-worker", metavar="PATH",
+                        help="a JSONL file the worker reads from its own filesystem")  # fmt: skip
+    source.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
+    parser.add_argument("--output-on-worker", metavar="PATH",
+                        help="the worker also writes the records there (JSONL, input order)")  # fmt: skip
+    parser.add_argument("--id", help="job id (default: a random one); resubmitting it is a no-op")
+    parser.add_argument("--chat", action="store_true", help="send prompts as one user message")
+    g = parser.add_argument_group("sampling", "defaults; fields of a line override them")
+    g.add_argument("--max-tokens", type=positive_int, help="default 256")
+    g.add_argument("--temperature", type=float, help="default 0 (greedy)")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", default=None)
+    parser.set_defaults(handler=run_submit, command_prog=parser.prog)
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream batch submit``: prints the job id."""
+    from clients import Client
+
+    sampling = {n: getattr(args, n) for n in SAMPLING_FLAGS if getattr(args, n) is not None}
+    with Client(args.redis_url, prefix=args.prefix) as client:
+        job_id = client.submit_batch(
+            args.prompt, lines=_read_lines(args.input), input_path=args.input_on_worker,
+            output_path=args.output_on_worker, job_id=args.id, chat=args.chat, **sampling,
+        )  # fmt: skip
+    print(job_id)
+    return 0
+
+
+def _read_lines(source: str | None) -> list[str] | None:
+    if source is None:
+        return None
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CommandError(f"--input {source}: {exc.strerror or exc}", EXIT_USAGE) from exc
+    return [line for line in text.splitlines() if line.strip()]
+
+
+# -- status, result, abort -----------------------------------------------------------------------
+
+
+def _configure_status(parser: argparse.ArgumentParser) -> None:
+    _add_job_id(parser)
+    parser.add_argument("--json", action="store_true", help="the whole status as JSON")
+    parser.set_defaults(handler=run_status, command_prog=parser.prog)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream batch status``."""
+    status = _call(args, lambda client: client.batch_status(args.job_id))
+    _print_status(status, as_json=args.json)
+    return 0
+
+
+def _configure_result(parser: argparse.ArgumentParser) -> None:
+    _add_job_id(parser)
+    parser.add_argument("--output", metavar="JSONL", help="write the records here (default stdout)")
+    parser.add_argument("--no-wait", action="store_true", help="the records stored so far")
+    parser.add_argument("--timeout-s", type=float, help="give up waiting after this long")
+    parser.set_defaults(handler=run_result, command_prog=parser.prog)
+
+
+def run_result(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream batch result``: records as JSONL, the status line to stderr."""
+    result = _call(
+        args,
+        lambda client: client.batch_result(
+            args.job_id, wait=not args.no_wait, timeout_s=args.timeout_s
+        ),
+    )
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    _print_status(result.status, as_json=False, out=sys.stderr)
+    return 0
+
+
+def _configure_abort(parser: argparse.ArgumentParser) -> None:
+    _add_job_id(parser)
+    parser.add_argument("--no-wait", action="store_true", help="do not wait for the job to stop")
+    parser.set_defaults(handler=run_abort, command_prog=parser.prog)
+
+
+def run_abort(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream batch abort``."""
+    status = _call(args, lambda client: client.abort_batch(args.job_id, wait=not args.no_wait))
+    _print_status(status, as_json=False)
+    return 0
+
+
+def _call(args: argparse.Namespace, operation: Any) -> Any:
+    from redis.exceptions import RedisError
+
+    from clients import Client
+    from clients.batch import BatchNotFoundError, BatchTimeoutError
+
+    with Client(args.redis_url, prefix=args.prefix) as client:
+        try:
+            return operation(client)
+        except (BatchNotFoundError, BatchTimeoutError) as exc:
+            raise CommandError(str(exc)) from exc
+        except RedisError as exc:
+            raise CommandError(f"redis unreachable: {exc}") from exc
+
+
+def _print_status(status: Any, *, as_json: bool, out: Any = None) -> None:
+    import msgspec
+
+    out = out or sys.stdout
+    if as_json:
+        print(msgspec.json.encode(status).decode(), file=out)
+        return
+    extra = f", error: {status.error}" if status.error else ""
+    print(
+        f"{status.job_id}: {status.state.value}, {status.done}/{status.total} done, "
+        f"{status.failed} failed, attempt {status.attempt}{extra}",
+        file=out,
+    )
