@@ -55,13 +55,13 @@ def dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> tl.dtype:
 
     - CPU tensors (the interpreter): fp32, since the interpreter's bf16 ``tl.dot`` multiplies
       raw bits (Triton 3.9).
-    - fp8 pools: fp16, which e4m3 converts to in one instruction per pair (bf16 takes a long
+    - fp8 pools with a 16-bit q: fp16, which e4m3 converts to in one instruction per pair (bf16 takes a long
       software sequence on Hopper, and made the fp8 decode slower than bf16). q is cast to
       fp16 too: |q| must stay under 65504.
     """
     if q.device.type == "cpu":
         return tl.float32
-    if cache.dtype == FP8_DTYPE:
+    if cache.dtype == FP8_DTYPE and q.dtype != torch.float32:
         return tl.float16
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(q.dtype, tl.float32)
 
