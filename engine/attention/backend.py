@@ -154,11 +154,10 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         # Imported here: a CPU-only install never needs triton at import time.
         from kernels.activation_triton import silu_and_mul
+        from kernels.kv_write_triton import write_kv
         from kernels.norm_triton import fused_add_rms_norm, rms_norm
         from kernels.paged_attention_triton import paged_attention
         from kernels.rotary_triton import rotary
-
-        from kernels.kv_write_triton import write_kv
 
         self.ops = LayerOps(rms_norm, fused_add_rms_norm, rotary, silu_and_mul)
         self._write_kv = write_kv
