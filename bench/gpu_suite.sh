@@ -10,7 +10,8 @@ log() { echo "== $(date +%T) $*" >&2; }
 
 benchmarks() {
     log kernels
-    "${PS[@]}" bench kernels --output-json "$OUT/kernels-h200.json"
+    "${PS[@]}" bench kernels --batch-sizes 1,8,64 --context-lens 1024,4096,16384,32768 \
+        --output-json "$OUT/kernels-h200.json"
     log throughput qwen3-0.6b
     "${PS[@]}" bench throughput --model dummy:qwen3-0.6b --no-progress \
         --output-json "$OUT/throughput-qwen3-0.6b.json"

@@ -107,3 +107,26 @@ def test_memory_budget_over_the_device_is_an_error_at_start() -> None:
     with pytest.raises(ConfigError, match="does not fit"):
         LLM("dummy:qwen3-0.6b", device="cuda", pa_memory_mb=10_000_000, max_seqs=100_000,
             max_batched_tokens=100_000)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_kv_splits", [None, 32])
+def test_split_decode_at_a_128k_context_matches_the_reference(num_kv_splits: int | None) -> None:
+    from kernels.paged_attention import paged_attention_ref
+    from kernels.paged_attention_triton import paged_attention
+
+    context, block_size = 131072, 32
+    gen = torch.Generator("cuda").manual_seed(0)
+    shape = (context // block_size, block_size, 8, 128)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    table = torch.randperm(shape[0], device="cuda", generator=gen).to(torch.int32)[None, :]
+    seq_lens = torch.tensor([context], device="cuda", dtype=torch.int32)
+    starts = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
+    out = paged_attention(
+        q, k_cache, v_cache, table, seq_lens, starts, scale=128**-0.5, max_query_len=1,
+        num_kv_splits=num_kv_splits,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(q, k_cache, v_cache, table, [context], [0, 1], 128**-0.5)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
