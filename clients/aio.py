@@ -225,10 +225,21 @@ class AsyncClient:
     async def resume(
         self, request_id: str, *, after: str = "0-0", timeout_s: float | None = None
     ) -> AsyncIterator[TokenEvent | RestartEvent | DoneEvent]:
-        """``stream`` for a request already submitted, from the event after ``after``."""
+        """``stream`` for a request already submitted, from the event after ``after``.
+
+        A token event written twice (a worker's write retried across a Redis failure) is
+        dropped by its ``seq``.
+        """
+        next_seq = 0
         async for event in self.events(request_id, after=after, timeout_s=timeout_s):
             if isinstance(event, ErrorEvent):
                 raise RequestFailedError(request_id, event)
+            if isinstance(event, RestartEvent):
+                next_seq = 0
+            elif isinstance(event, TokenEvent):
+                if event.seq < next_seq:
+                    continue
+                next_seq = event.seq + 1
             yield event
 
     async def complete(

@@ -119,9 +119,9 @@ def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
         async def term_b_mid_run() -> list[Completion]:
             task = asyncio.create_task(complete_all(redis_server, prompts(4, seed=5), 100))
             await asyncio.to_thread(
-                wait_until, lambda: pending_of(redis_server, "B") > 0, 30, "B busy"
+                wait_until, lambda: pending_of(redis_server, "B") == 4, 30, "B busy"
             )
-            b.send_signal(signal.SIGTERM)
+            b.send_signal(signal.SIGTERM)  # all 4 are B's: no worker is left to take any
             return await task
 
         drained = asyncio.run(term_b_mid_run())

@@ -43,14 +43,21 @@ class RequestHandler:
         """
         try:
             await self._serve(entry)
+        except asyncio.CancelledError:
+            self._forget_unstarted(entry, "cancelled")
+            raise
         except Exception as exc:
-            flight = next((f for f in self.service.in_flight.values() if f.entry is entry), None)
-            if flight is not None and not flight.in_engine:
-                self.service.drop(flight, error=type(exc).__name__)
+            self._forget_unstarted(entry, type(exc).__name__)
             if isinstance(exc, REDIS_ERRORS):
                 raise
             log.exception("unexpected error serving an entry", entry_id=entry.entry_id)
             await self._reject(entry, MalformedEntry(ErrorCode.INTERNAL, f"worker error: {exc!r}"))
+
+    def _forget_unstarted(self, entry: Entry, error: str) -> None:
+        # Admission stopped half-way: the entry stays pending and is redelivered later.
+        flight = next((f for f in self.service.in_flight.values() if f.entry is entry), None)
+        if flight is not None and not flight.in_engine:
+            self.service.drop(flight, error=error)
 
     async def _serve(self, entry: Entry) -> None:
         service = self.service

@@ -71,6 +71,7 @@ class WorkerService:
     def request_stop(self) -> None:
         """Begin draining (SIGTERM): stop reading, finish or hand back, then ``run`` returns."""
         self._stop.set()
+        self._slots_changed.set()  # wake a reader waiting for a free slot
 
     async def run(self) -> None:
         """Serve until ``request_stop``; raises if the engine thread fails."""
@@ -80,7 +81,10 @@ class WorkerService:
         self.telemetry.observe_engine(self._gauges)
         await self.retrying("create group", self.stream.ensure_group)
         cancels_from = await self.retrying("read cancels", self._last_cancel_id)
-        intake = [self._spawn(self._read_once), self._spawn(self._claim_once)]
+        intake = [
+            self._spawn(self._read_once, intake=True),
+            self._spawn(self._claim_once, intake=True),
+        ]
         upkeep = [
             self._spawn(self._write_once),
             self._spawn(self._renew_once),
@@ -103,7 +107,10 @@ class WorkerService:
     async def _drain(
         self, intake: list[asyncio.Task[None]], upkeep: list[asyncio.Task[None]]
     ) -> None:
-        await _cancel(intake)
+        # Intake ends on its own (at most one blocking read later): cancelling it could cut
+        # an entry's admission in half.
+        _, late = await asyncio.wait(intake, timeout=self.settings.read_block_ms / 1000 + 5)
+        await _cancel(list(late))
         log.info("draining", num_in_flight=len(self.in_flight), grace_s=self.settings.grace_s)
         deadline_s = time.monotonic() + self.settings.grace_s
         while self.in_flight and self.engine_thread.is_running:
@@ -138,12 +145,14 @@ class WorkerService:
 
     # -- resilience ------------------------------------------------------------------------------
 
-    def _spawn(self, once: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
-        return asyncio.create_task(self._forever(once), name=once.__name__)
+    def _spawn(
+        self, once: Callable[[], Awaitable[None]], *, intake: bool = False
+    ) -> asyncio.Task[None]:
+        return asyncio.create_task(self._forever(once, intake=intake), name=once.__name__)
 
-    async def _forever(self, once: Callable[[], Awaitable[None]]) -> None:
-        """Run ``once`` again and again; Redis errors back off and retry, never stop the worker."""
-        while True:
+    async def _forever(self, once: Callable[[], Awaitable[None]], *, intake: bool = False) -> None:
+        """Run ``once`` again and again (intake: until stopping); Redis errors back off and retry."""
+        while not (intake and self._stop.is_set()):
             await self.retrying(once.__name__, once)
 
     async def retrying(self, what: str, operation: Callable[[], Awaitable[Any]]) -> Any:
@@ -170,7 +179,8 @@ class WorkerService:
     async def _read_once(self) -> None:
         if self.free_slots() <= 0:
             self._slots_changed.clear()
-            await self._slots_changed.wait()
+            if not self._stop.is_set():
+                await self._slots_changed.wait()
             return
         entries = await self.stream.read_new(self.free_slots(), self.settings.read_block_ms)
         for entry in entries:
@@ -190,7 +200,8 @@ class WorkerService:
                     await self.requests.serve(entry)
             if cursor == "0-0":
                 break
-        await asyncio.sleep(self.settings.claim_interval_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), self.settings.claim_interval_s)
 
     async def _renew_once(self) -> None:
         await asyncio.sleep(self.settings.renew_interval_s)
