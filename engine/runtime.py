@@ -11,6 +11,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import LoadedModel
 from engine.memory import (
@@ -105,7 +106,15 @@ def _largest_step_peak(
     scratch = KVCache(spec, num_seqs * -(-seq_len // spec.block_size), 0, device)
     runner = ModelRunner(loaded.model, scratch, sampler, device)
     num_sampled = min(config.max_seqs, num_tokens)
-    return measure_peak_bytes(device, lambda: runner.profile_step(num_tokens, seq_len, num_sampled))
+    try:
+        return measure_peak_bytes(
+            device, lambda: runner.profile_step(num_tokens, seq_len, num_sampled)
+        )
+    except torch.OutOfMemoryError as exc:
+        raise ConfigError(
+            f"the largest step ({num_tokens} tokens, {num_sampled} sampled rows) does not fit "
+            "on the GPU beside the weights: lower --max-batched-tokens or --max-seqs"
+        ) from exc
 
 
 def _graphs_enabled(config: EngineConfig, backend: AttentionBackend, device: torch.device) -> bool:
