@@ -23,6 +23,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
 from engine.loader import LoadedModel, load_model
+from engine.memory import prefer_expandable_segments
 from engine.model_runner import SampledToken
 from engine.runtime import build_runtime
 from engine.sampler import TokenLogprobs, make_generator
@@ -74,6 +75,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda":
+            prefer_expandable_segments()
         self.dtype = _resolve_dtype(config, self.device)
         backend = get_attention_backend(self.device)
         self.loaded: LoadedModel = load_model(

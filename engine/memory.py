@@ -11,6 +11,7 @@ an error at start, never an out-of-memory error later.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,26 @@ from engine.kv_cache import KVCacheSpec
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
 GIB = 1 << 30
+
+
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def prefer_expandable_segments() -> None:
+    """Ask torch's CUDA allocator for expandable segments unless the user configured it.
+
+    The pool leaves the allocator a thin margin (the profiled peak); with fixed segments,
+    each step's differently sized temporaries made it free and re-map memory (cudaFree syncs
+    the device): 7.9 ms vs 6.1 ms per qwen3-0.6b decode step at 256 sequences on an H200.
+    Must run before the first CUDA allocation; afterwards it changes nothing.
+    """
+    if ALLOC_CONF_ENV in os.environ:
+        return
+    if torch.cuda.is_initialized():
+        logger.info("CUDA already initialised: leaving %s unset", ALLOC_CONF_ENV)
+        return
+    os.environ[ALLOC_CONF_ENV] = EXPANDABLE_SEGMENTS
 
 
 @dataclass(frozen=True)
