@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -213,10 +214,24 @@ def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "driver": _nvidia_driver() if device.type == "cuda" else None,
+        "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "transformers": _version_of("transformers"),
         "triton": _version_of("triton"),
     }
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver version from nvidia-smi, when it is on the PATH."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
 def _cpu_name() -> str:
