@@ -149,3 +149,23 @@ def test_redis_restart_mid_run_every_request_completes(
     for completion in completions:
         assert completion.finish_reason is FinishReason.LENGTH
         assert len(completion.token_ids) == 120
+
+
+def test_out_streams_expire_after_the_request(start_worker: Any, redis_server: RedisServer) -> None:
+    start_worker("w1")
+    with Client(redis_server.url) as client:
+        client.complete("w9 w10", request_id="ttl", max_tokens=8, ignore_eos=True, timeout_s=30)
+    ttl_s = redis_server.client().ttl(protocol.Keys().out("ttl"))
+    # set on the first event and refreshed by the terminal one: a full TTL from the end
+    assert protocol.OUT_STREAM_TTL_S - 60 < ttl_s <= protocol.OUT_STREAM_TTL_S
+
+
+def test_a_live_stream_refreshes_its_ttl_once_per_half_ttl() -> None:
+    from worker.events import TTL_REFRESH_S, InFlight
+
+    flight = InFlight.__new__(InFlight)
+    flight.ttl_refreshed_s = None
+    assert flight.ttl_due(100.0)  # the first event sets it
+    assert not flight.ttl_due(100.0 + TTL_REFRESH_S - 1)
+    assert flight.ttl_due(100.0 + TTL_REFRESH_S)
+    assert not flight.ttl_due(100.0 + TTL_REFRESH_S + 1)

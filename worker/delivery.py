@@ -161,11 +161,14 @@ class RequestStream:
         pipe.xack(self.keys.requests, self.keys.group, entry_id)
         pipe.xdel(self.keys.requests, entry_id)
 
-    def add_event(self, pipe: Any, request_id: str, event: protocol.Event) -> None:
-        """Queue on ``pipe``: append ``event`` to the request's out stream, refresh its TTL."""
+    def add_event(
+        self, pipe: Any, request_id: str, event: protocol.Event, *, refresh_ttl: bool = True
+    ) -> None:
+        """Queue on ``pipe``: append ``event`` to the request's out stream (and refresh its TTL)."""
         out = self.keys.out(request_id)
         pipe.xadd(out, {protocol.PAYLOAD_FIELD: protocol.encode(event)})
-        pipe.expire(out, protocol.OUT_STREAM_TTL_S)
+        if refresh_ttl:
+            pipe.expire(out, protocol.OUT_STREAM_TTL_S)
 
     async def dead_letter(
         self, entry: Entry, letter: DeadLetter, error: ErrorEvent | None = None

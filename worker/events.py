@@ -11,6 +11,9 @@ from engine import StepOutput
 from worker.delivery import Entry
 from worker.telemetry import RequestTrace
 
+# A live out stream's TTL is refreshed at least this often (and on its terminal event).
+TTL_REFRESH_S = protocol.OUT_STREAM_TTL_S / 2
+
 
 @dataclass
 class InFlight:
@@ -26,10 +29,22 @@ class InFlight:
     first_token_s: float | None = None
     in_engine: bool = False
     cancel_requested: bool = False
+    ttl_refreshed_s: float | None = None  # monotonic time the out stream's TTL was last set
 
     @property
     def request_id(self) -> str:
         return self.request.id
+
+    def ttl_due(self, now_s: float) -> bool:
+        """Whether this write should refresh the out stream's TTL (then marks it refreshed).
+
+        Once per half TTL is enough to keep a live stream from expiring, and it spares
+        Redis an EXPIRE per token event (half the commands of a decode step's pipeline).
+        """
+        due = self.ttl_refreshed_s is None or now_s - self.ttl_refreshed_s >= TTL_REFRESH_S
+        if due:
+            self.ttl_refreshed_s = now_s
+        return due
 
     def token_event(self, out: StepOutput) -> TokenEvent:
         """The ``token`` event for one step's new tokens (counts them)."""

@@ -204,24 +204,27 @@ class RequestHandler:
     async def write_outputs(self, outputs: list[StepOutput]) -> None:
         """Write one or more steps' outputs in one ``MULTI`` pipeline (retried until Redis takes it)."""
         service = self.service
-        events: list[tuple[str, protocol.Event]] = []
+        events: list[tuple[str, protocol.Event, bool]] = []  # (id, event, refresh its TTL)
         finished: list[tuple[InFlight, StepOutput]] = []
+        now_s = time.monotonic()
         for out in outputs:
             flight = service.owns(out)
             if flight is None:
                 continue  # dropped (lease lost, handed back) or not ours
             if out.new_token_ids or out.text_delta:
-                events.append((flight.request_id, flight.token_event(out)))
+                event = flight.token_event(out)
+                events.append((flight.request_id, event, flight.ttl_due(now_s)))
             if out.finished:
-                events.append((flight.request_id, flight.done_event(out, service.settings.name)))
+                done = flight.done_event(out, service.settings.name)
+                events.append((flight.request_id, done, True))  # kept a full TTL after the end
                 finished.append((flight, out))
         if not events:
             return
 
         async def execute() -> None:
             pipe = service.redis.pipeline(transaction=True)
-            for request_id, event in events:
-                service.stream.add_event(pipe, request_id, event)
+            for request_id, event, refresh_ttl in events:
+                service.stream.add_event(pipe, request_id, event, refresh_ttl=refresh_ttl)
             for flight, _ in finished:
                 service.stream.ack(pipe, flight.entry.entry_id)
             await pipe.execute()
