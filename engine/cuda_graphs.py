@@ -88,7 +88,12 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         self.static = _StaticInputs.allocate(self.buckets[-1], max_blocks_per_seq, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # [bucket, V], written by each replay
+        # One logits buffer for every graph (each writes its leading rows), so that the graphs
+        # share one pool of intermediates and keep no per-bucket outputs alive.
+        weight = model.lm_head.weight
+        self.logits = torch.empty(
+            self.buckets[-1], weight.shape[0], dtype=weight.dtype, device=device
+        )
         self.capture_s = 0.0
 
     @torch.inference_mode()
@@ -101,7 +106,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bucket] = self._forward(bucket)
+                self._forward(bucket, out=self.logits[:bucket])
             pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
@@ -111,13 +116,13 @@ class DecodeGraphs:
             len(self.buckets), self.buckets[0], self.buckets[-1], self.capture_s,
         )  # fmt: skip
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def _forward(self, bucket: int, out: torch.Tensor | None = None) -> torch.Tensor:
         static = self.static
         meta = static.metadata(bucket, self.max_seq_len)
         hidden = self.model(
             static.input_ids[:bucket], static.positions[:bucket], self.kv_layers, meta
         )
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out=out)
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest captured batch size that holds ``num_seqs`` rows, if any."""
@@ -146,4 +151,4 @@ class DecodeGraphs:
         static.slot_mapping[num_seqs:bucket].fill_(-1)
         static.seq_lens[num_seqs:bucket].fill_(1)
         self.graphs[bucket].replay()
-        return self.logits[bucket][:num_seqs]
+        return self.logits[:num_seqs]

@@ -78,20 +78,25 @@ class KVCache:
         scales = self.scales[index]
         return LayerCache(self.pages[index, 0], self.pages[index, 1], scales[0], scales[1])
 
+    # Swaps run when memory is short: one layer at a time, so the device copy of the pages
+    # in flight is a layer's share, not every layer's at once.
+
     def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         src = torch.tensor(device_blocks, device=self.pages.device)
         dst = torch.tensor(host_blocks)
-        self.host_pages[:, :, dst] = self.pages[:, :, src].to("cpu")
-        if self.scales is not None and self.host_scales is not None:
-            self.host_scales[:, :, dst] = self.scales[:, :, src].to("cpu")
+        for layer in range(self.spec.num_layers):
+            self.host_pages[layer, :, dst] = self.pages[layer, :, src].to("cpu")
+            if self.scales is not None and self.host_scales is not None:
+                self.host_scales[layer, :, dst] = self.scales[layer, :, src].to("cpu")
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         src = torch.tensor(host_blocks)
         dst = torch.tensor(device_blocks, device=self.pages.device)
-        data = self.host_pages[:, :, src].to(self.pages.device, non_blocking=True)
-        self.pages[:, :, dst] = data
-        if self.scales is not None and self.host_scales is not None:
-            self.scales[:, :, dst] = self.host_scales[:, :, src].to(self.pages.device)
+        device = self.pages.device
+        for layer in range(self.spec.num_layers):
+            self.pages[layer, :, dst] = self.host_pages[layer, :, src].to(device)
+            if self.scales is not None and self.host_scales is not None:
+                self.scales[layer, :, dst] = self.host_scales[layer, :, src].to(device)
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

@@ -62,6 +62,12 @@ class MemoryProfile:
     used_bytes: int  # by everything on the device: weights, context, other processes
     weights_bytes: int
     activation_peak_bytes: int  # above the steady state, during the largest step
+    # CUDA graphs keep a private pool (a decode step at --max-seqs) that eager steps cannot use
+    graph_reserve_bytes: int = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.activation_peak_bytes + self.graph_reserve_bytes
 
 
 def measure_peak_bytes(device: torch.device, run: Callable[[], None]) -> int:
@@ -75,12 +81,13 @@ def measure_peak_bytes(device: torch.device, run: Callable[[], None]) -> int:
 
 
 def read_device_memory(
-    device: torch.device, weights_bytes: int, activation_peak_bytes: int
+    device: torch.device, weights_bytes: int, activation_peak_bytes: int, graph_reserve_bytes: int
 ) -> MemoryProfile:
     torch.cuda.empty_cache()  # cached blocks of freed tensors would count as used
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    used_bytes = total_bytes - free_bytes
     return MemoryProfile(
-        total_bytes, total_bytes - free_bytes, weights_bytes, activation_peak_bytes
+        total_bytes, used_bytes, weights_bytes, activation_peak_bytes, graph_reserve_bytes
     )
 
 
@@ -115,12 +122,13 @@ def plan_pool(
 
 
 def _check_fits_device(pool_bytes: int, profile: MemoryProfile, source: str) -> None:
-    free_bytes = profile.total_bytes - profile.used_bytes - profile.activation_peak_bytes
+    free_bytes = profile.total_bytes - profile.used_bytes - profile.reserved_bytes
     if pool_bytes > free_bytes:
         raise ConfigError(
             f"a KV pool of {pool_bytes / GIB:.2f} GiB ({source}) does not fit: the GPU has "
-            f"{free_bytes / GIB:.2f} GiB left after the weights and the activation peak "
-            f"({profile.activation_peak_bytes / GIB:.2f} GiB); lower the budget or "
+            f"{free_bytes / GIB:.2f} GiB left after the weights, the activation peak "
+            f"({profile.activation_peak_bytes / GIB:.2f} GiB) and the CUDA graphs "
+            f"({profile.graph_reserve_bytes / GIB:.2f} GiB); lower the budget or "
             "--max-batched-tokens"
         )
 
@@ -136,7 +144,7 @@ def _budget_bytes(
     if profile is not None:
         fraction = config.pa_memory_fraction or DEFAULT_MEMORY_FRACTION
         allowed_bytes = int(profile.total_bytes * fraction)
-        budget = allowed_bytes - profile.used_bytes - profile.activation_peak_bytes
+        budget = allowed_bytes - profile.used_bytes - profile.reserved_bytes
         return budget, f"--pa-memory-fraction {fraction}"
     if config.pa_memory_fraction is not None:
         available = _host_available_bytes()
@@ -163,7 +171,8 @@ def log_plan(
     if profile is not None:
         device_part = (
             f"weights {profile.weights_bytes / GIB:.2f} GiB, activation peak "
-            f"{profile.activation_peak_bytes / GIB:.2f} GiB, device {profile.total_bytes / GIB:.1f} GiB; "
+            f"{profile.activation_peak_bytes / GIB:.2f} GiB, CUDA graphs "
+            f"{profile.graph_reserve_bytes / GIB:.2f} GiB, device {profile.total_bytes / GIB:.1f} GiB; "
         )
     logger.info(
         "KV pool: %s%d pages x %d tokens = %d tokens (%.2f GiB, %s, %s): %d sequences of "

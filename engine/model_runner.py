@@ -140,10 +140,17 @@ class ModelRunner:
         self.sampler.sample(logits, [row] * num_sampled)
 
     @torch.inference_mode()
+    def profile_decode(self, num_seqs: int) -> None:
+        """A decode step of ``num_seqs`` one-token sequences (what a captured graph holds)."""
+        input_ids = torch.zeros(num_seqs, dtype=torch.int64, device=self.device)
+        self.model.compute_logits(self._forward_fresh(input_ids, [1] * num_seqs))
+
+    @torch.inference_mode()
     def teacher_forced_logits(self, token_ids: list[int]) -> torch.Tensor:
         """[L, V] float32 logits after every prefix of ``token_ids``, from one prefill that
         writes (and, with fp8 pages, quantizes) its K/V into pages 0.. of the pool first.
-        For measuring a cache format's effect; the engine must be idle."""
+        For measuring a cache format's effect on an idle engine that is then thrown away:
+        the block manager is not told, so its prefix cache may still name those pages."""
         input_ids = self._tensor(token_ids, torch.int64)
         hidden = self._forward_fresh(input_ids, [len(token_ids)])
         return self.model.compute_logits(hidden).float()

@@ -3,6 +3,7 @@ plan, the block manager over it, and the model runner with its decode CUDA graph
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -58,9 +59,10 @@ def build_runtime(
     block_size = config.pa_block_size if paged else max_model_len
     spec = KVCacheSpec.for_model(loaded.arch, block_size, cache_dtype(config, dtype))
     sampler = Sampler(loaded.arch.vocab_size)
+    use_graphs = _graphs_enabled(config, backend, device)
     profile = None
     if device.type == "cuda":
-        profile = _profile(config, loaded, spec, sampler, max_model_len, device)
+        profile = _profile(config, loaded, spec, sampler, max_model_len, device, use_graphs)
     plan = plan_pool(config, spec, device, max_model_len, profile)
     log_plan(plan, spec, profile, max_model_len)
     kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device)
@@ -71,7 +73,7 @@ def build_runtime(
         tenant_page_quotas=config.tenant_page_quotas,
     )
     runner = ModelRunner(loaded.model, kv_cache, sampler, device)
-    if _graphs_enabled(config, backend, device):
+    if use_graphs:
         runner.capture_cuda_graphs(config.max_seqs, max_model_len)
     return Runtime(
         kv_cache, block_manager, HostBlockPool(plan.num_host_blocks), runner, plan, profile
@@ -85,36 +87,47 @@ def _profile(
     sampler: Sampler,
     max_model_len: int,
     device: torch.device,
+    use_graphs: bool,
 ) -> MemoryProfile:
-    peak_bytes = _largest_step_peak(config, loaded, spec, sampler, max_model_len, device)
+    peaks = _measure_peaks(config, loaded, spec, sampler, max_model_len, device, use_graphs)
     # the scratch pool is gone now: what is used from here on stays used
-    return read_device_memory(device, loaded.weights_bytes, peak_bytes)
+    return read_device_memory(device, loaded.weights_bytes, *peaks)
 
 
-def _largest_step_peak(
+def _measure_peaks(
     config: EngineConfig,
     loaded: LoadedModel,
     spec: KVCacheSpec,
     sampler: Sampler,
     max_model_len: int,
     device: torch.device,
-) -> int:
+    use_graphs: bool,
+) -> tuple[int, int]:
+    """Bytes above steady state of the largest step, and of the largest graphed decode."""
     num_tokens = config.max_batched_tokens
     seq_len = min(config.prefill_chunk, max_model_len, num_tokens)
-    num_seqs = -(-num_tokens // seq_len)
-    # A scratch pool just big enough for the dummy prompts, freed before the real one.
-    scratch = KVCache(spec, num_seqs * -(-seq_len // spec.block_size), 0, device)
-    runner = ModelRunner(loaded.model, scratch, sampler, device)
     num_sampled = min(config.max_seqs, num_tokens)
+    # A scratch pool just big enough for the dummy prompts, freed before the real one. Its
+    # pages are --pa-block-size long even with paging off: no temporary depends on page size.
+    scratch_spec = dataclasses.replace(spec, block_size=min(config.pa_block_size, seq_len))
+    num_pages = -(-num_tokens // seq_len) * -(-seq_len // scratch_spec.block_size)
+    num_pages = max(num_pages, config.max_seqs)  # the decode profile gives each row a page
     try:
-        return measure_peak_bytes(
+        runner = ModelRunner(
+            loaded.model, KVCache(scratch_spec, num_pages, 0, device), sampler, device
+        )
+        peak_bytes = measure_peak_bytes(
             device, lambda: runner.profile_step(num_tokens, seq_len, num_sampled)
         )
+        graph_bytes = 0
+        if use_graphs:  # the largest captured decode step, held in the graphs' own pool
+            graph_bytes = measure_peak_bytes(device, lambda: runner.profile_decode(config.max_seqs))
     except torch.OutOfMemoryError as exc:
         raise ConfigError(
             f"the largest step ({num_tokens} tokens, {num_sampled} sampled rows) does not fit "
             "on the GPU beside the weights: lower --max-batched-tokens or --max-seqs"
         ) from exc
+    return peak_bytes, graph_bytes
 
 
 def _graphs_enabled(config: EngineConfig, backend: AttentionBackend, device: torch.device) -> bool:

@@ -61,3 +61,17 @@ def test_checkpoint_missing_a_weight_is_refused(
     save_file(weights, weights_file, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"layers\.1\.self_attn\.qkv_proj\.weight"):
         load_model(str(model_dir), torch.float32, torch.device("cpu"), TorchAttentionBackend())
+
+
+def test_logits_into_a_callers_buffer_equal_the_plain_ones(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    # the CUDA graphs write every bucket's logits into one static buffer this way
+    model = load_model(
+        str(tiny_model_dirs["qwen2"]), torch.float32, torch.device("cpu"), TorchAttentionBackend()
+    ).model
+    hidden = torch.randn(5, model.arch.hidden_size)
+    buffer = torch.full((8, model.arch.vocab_size), float("nan"))
+    out = model.compute_logits(hidden, out=buffer[:5])
+    assert out.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[:5], model.compute_logits(hidden))

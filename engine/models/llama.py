@@ -149,8 +149,13 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
-        return self.lm_head(hidden)
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        if out is None:
+            return self.lm_head(hidden)
+        # into a caller's buffer (a CUDA graph's one static logits tensor); lm_head has no bias
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)
 
     # -- weights ------------------------------------------------------------------------------
 
