@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -168,10 +169,9 @@ class ModelRunner:
             slots += self._slots(table, 0, length)
             positions += range(length)
             query_start_loc.append(query_start_loc[-1] + length)
-        width = max(len(table) for table in tables)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+            block_tables=self._block_tables(tables),
             seq_lens=self._tensor(lens, torch.int32),
             query_start_loc=self._tensor(query_start_loc, torch.int32),
             seq_lens_cpu=lens,
@@ -195,8 +195,6 @@ class ModelRunner:
         query_start_loc: list[int],
     ) -> AttentionMetadata:
         tables = [entry.seq.block_table for entry in batch.scheduled]
-        max_blocks = max(len(table) for table in tables)
-        padded = [table + [0] * (max_blocks - len(table)) for table in tables]
         num_decodes = 0
         while num_decodes < len(batch.scheduled) and (
             batch.scheduled[num_decodes].num_new_tokens == 1
@@ -205,7 +203,7 @@ class ModelRunner:
         query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
         return AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(padded, torch.int32),
+            block_tables=self._block_tables(tables),
             seq_lens=self._tensor(seq_lens, torch.int32),
             query_start_loc=self._tensor(query_start_loc, torch.int32),
             seq_lens_cpu=seq_lens,
@@ -227,6 +225,17 @@ class ModelRunner:
             generator=seq.generator,
             suppressed_token_ids=suppressed,
         )
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """[B, max_blocks] int32, rows padded with page 0 (never read past a row's length)."""
+        # Row copies into numpy: a quarter of the time of padding 256 Python lists.
+        padded = np.zeros((len(tables), max(len(table) for table in tables)), dtype=np.int32)
+        for row, table in enumerate(tables):
+            padded[row, : len(table)] = table
+        host = torch.from_numpy(padded)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
