@@ -1,0 +1,83 @@
+"""The other bench verbs on the CPU: latency, the paged-off baseline, kernels' refusal, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import BENCH_ARGS, SMALL_POOL, run_cli
+
+
+def test_latency_record_has_every_batch_size_and_no_limit_on_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "latency.json"
+    args = [
+        "bench", "latency", "--model", "dummy:tiny", "--batch-sizes", "1,3", "--input-len", "12",
+        "--output-len", "6", "--no-progress", "--output-json", str(path), *SMALL_POOL,
+    ]  # fmt: skip
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0
+    record = json.loads(path.read_text())
+    assert record["kind"] == "latency" and record["copy_bytes_per_s"] is None  # no GPU to copy on
+    results = record["results"]
+    assert [r["batch"] for r in results] == [1, 3]
+    for r in results:
+        assert r["mean_ttft_s"] > 0 and 0 < r["mean_tpot_s"] <= r["p90_tpot_s"]
+        assert r["output_tok_s"] > 0 and "fraction_of_limit" not in r
+        assert r["decode_step_bytes"] > record["weights_bytes"]  # weights plus the KV read
+    assert "TPOT ms" in out
+
+
+def test_batch_sizes_above_max_seqs_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "latency", "--model", "dummy:tiny", "--batch-sizes", "8", "--max-seqs", "4"]
+    code, _, err = run_cli([*args, *SMALL_POOL], capsys)
+    assert code == 1 and "--max-seqs 4" in err
+
+
+def test_throughput_against_paged_off_in_the_same_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "record.json"
+    code, out, _ = run_cli(
+        [*BENCH_ARGS, "--compare", "paged-off", "--output-json", str(path)], capsys
+    )
+    assert code == 0
+    record = json.loads(path.read_text())
+    baseline = record["baselines"]["paged_off"]
+    assert baseline["settings"] == {"paged_attn": "off", "max_model_len": 128}
+    # the same prompts, so the same tokens; the ratio is of the two rates
+    assert baseline["output_tokens"] == record["results"]["output_tokens"]
+    assert baseline["ratio"] == pytest.approx(
+        record["results"]["output_tok_s"] / baseline["output_tok_s"]
+    )
+    assert "paged_off:" in out
+
+
+def test_unknown_baseline_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli([*BENCH_ARGS, "--compare", "vllm"], capsys)
+    assert code == 2 and "--compare" in err and "paged-off, hf" in err
+
+
+def test_kernel_bench_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(["bench", "kernels"], capsys)
+    assert code == 1 and "needs a CUDA device" in err
+
+
+def test_plot_draws_a_png_from_a_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "record.json"
+    assert run_cli([*BENCH_ARGS, "--output-json", str(path)], capsys)[0] == 0
+    path.with_suffix(".png").unlink()
+    code, _, _ = run_cli(["bench", "plot", str(path)], capsys)
+    assert code == 0
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_an_unreadable_record_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bad.json").write_text("{not json")
+    code, _, err = run_cli(["bench", "plot", str(tmp_path / "bad.json")], capsys)
+    assert code == 1 and "cannot read benchmark record" in err
