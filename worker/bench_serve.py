@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     """Handler of ``pagestream bench serve``."""
     from engine import PagestreamError
     from engine.benchmark import ThroughputWorkload
-    from worker.bench_cli import _save
+    from worker.bench_cli import save
 
     if args.redis_url is None:
         args.spawn_worker = True  # embedded Redis has no workers of its own
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         results = asyncio.run(_serve(redis_url, args, prompts))
     record = _record(args, workload, results, offline)
     print(format_serve(record))
-    _save(record, args.output_json)
+    save(record, args.output_json)
     return 0
 
 

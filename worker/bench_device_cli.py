@@ -1,0 +1,199 @@
+"""``pagestream bench latency | kernels | kv-quality | plot``: what runs the device and the
+records; ``worker/bench_cli.py`` registers them beside ``throughput`` and ``serve``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from worker.bench_cli import int_list, save
+from worker.cli import CommandError
+from worker.cli_types import positive_int
+
+# -- latency ---------------------------------------------------------------------------------
+
+
+def configure_latency(parser: argparse.ArgumentParser) -> None:
+    from engine.config import add_engine_args
+
+    w = parser.add_argument_group("workload")
+    w.add_argument(
+        "--batch-sizes",
+        type=int_list,
+        default=(1, 8, 32, 64),
+        metavar="N,N,...",
+        help="batch sizes to run (default 1,8,32,64)",
+    )
+    w.add_argument("--input-len", type=positive_int, default=128, help="default 128")
+    w.add_argument("--output-len", type=positive_int, default=128, help="default 128")
+    w.add_argument(
+        "--compare",
+        choices=["hf"],
+        help="hf: also time transformers' generate (static batch, sdpa) at each batch size",
+    )
+    w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(parser)
+    parser.set_defaults(handler=_run_bench_latency, command_prog=parser.prog)
+
+
+def _run_bench_latency(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine import LLMEngine, PagestreamError
+    from engine.benchmark_latency import LatencyWorkload, add_hf_peer, run_latency
+    from engine.config import engine_config_from_args
+
+    try:
+        workload = LatencyWorkload(args.batch_sizes, args.input_len, args.output_len, args.seed)
+        engine = LLMEngine(engine_config_from_args(args))
+        copy_bw = _copy_bandwidth(engine.device) if engine.device.type == "cuda" else None
+        record = run_latency(
+            engine, workload, copy_bytes_per_s=copy_bw, use_tqdm=not args.no_progress
+        )
+        del engine  # one model in memory at a time
+        if args.compare == "hf":
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            add_hf_peer(record, args.model, workload)
+    except PagestreamError as exc:
+        raise CommandError(str(exc)) from exc
+    print(_latency_table(record["results"]))
+    save(record, args.output_json)
+    return 0
+
+
+def _copy_bandwidth(device: Any) -> float:
+    from kernels.benchmark import measure_copy_bandwidth
+
+    return measure_copy_bandwidth(device)
+
+
+def _latency_table(results: list[dict[str, Any]]) -> str:
+    lines = ["batch  TTFT ms  TPOT ms  tok/s  limit ms  of limit"]
+    for r in results:
+        limit = (
+            f"{r['limit_tpot_s'] * 1e3:8.2f}  {r['fraction_of_limit']:7.0%}"
+            if "limit_tpot_s" in r
+            else ""
+        )
+        lines.append(
+            f"{r['batch']:5d}  {r['mean_ttft_s'] * 1e3:7.1f}  {r['mean_tpot_s'] * 1e3:7.2f}  "
+            f"{r['output_tok_s']:5.0f}  {limit}"
+        )
+    return "\n".join(lines)
+
+
+# -- kernels ---------------------------------------------------------------------------------
+
+
+def configure_kernels(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", type=int_list, default=(1, 8, 64, 256), metavar="N,...")
+    parser.add_argument(
+        "--context-lens", type=int_list, default=(512, 1024, 4096, 16384), metavar="N,..."
+    )
+    parser.add_argument("--block-sizes", type=int_list, default=(16, 32, 64), metavar="N,...")
+    parser.add_argument("--num-q-heads", type=positive_int, default=32)
+    parser.add_argument("--num-kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--cache-type", choices=["auto", "fp8_e4m3"], default="auto")
+    parser.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    parser.set_defaults(handler=_run_bench_kernels, command_prog=parser.prog)
+
+
+def _run_bench_kernels(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
+    import torch
+
+    from engine.benchmark import machine_info
+    from kernels.benchmark import bench_paged_attention, measure_copy_bandwidth
+
+    if not torch.cuda.is_available():
+        raise CommandError("the kernel benchmark needs a CUDA device")
+    device = torch.device("cuda")
+    cache_dtype = torch.float8_e4m3fn if args.cache_type == "fp8_e4m3" else None
+    points = bench_paged_attention(
+        args.batch_sizes, args.context_lens, args.block_sizes, num_q_heads=args.num_q_heads,
+        num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, cache_dtype=cache_dtype,
+    )  # fmt: skip
+    record = {
+        "kind": "kernels",
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(device),
+        "settings": {
+            **{k: v for k, v in vars(args).items() if k not in ("handler",)},
+            "model": "paged-attention",
+        },
+        "copy_bytes_per_s": measure_copy_bandwidth(device),
+        "results": points,
+    }
+    for point in points:
+        print(
+            f"batch {point['batch']:4d} context {point['context']:6d} block {point['block_size']:3d}: "
+            f"{point['time_us']:9.1f} us  {point['fraction_of_copy']:6.1%} of copy bandwidth"
+        )
+    save(record, args.output_json)
+    return 0
+
+
+# -- kv-quality ------------------------------------------------------------------------------
+
+
+def configure_kv_quality(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="default smollm2-135m")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
+    )
+    parser.add_argument("--num-prompts", type=positive_int, default=8, help="default 8")
+    parser.add_argument(
+        "--input-len", type=positive_int, default=128, help="random prompts only (default 128)"
+    )
+    parser.add_argument("--output-len", type=positive_int, default=64, help="default 64")
+    parser.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    parser.set_defaults(handler=_run_bench_kv_quality, command_prog=parser.prog)
+
+
+def _run_bench_kv_quality(args: argparse.Namespace) -> int:
+    from engine import PagestreamError
+    from engine.kv_quality import measure_kv_quality
+
+    try:
+        record = measure_kv_quality(
+            args.model, num_prompts=args.num_prompts, input_len=args.input_len,
+            output_len=args.output_len, device=args.device, dtype=args.dtype,
+            max_model_len=2048 if args.model.startswith("dummy:") else None,
+        )  # fmt: skip
+    except PagestreamError as exc:
+        raise CommandError(str(exc)) from exc
+    for name, value in record["results"].items():
+        print(f"{name:32s} {value:.4g}")
+    save(record, args.output_json)
+    return 0
+
+
+# -- plot ------------------------------------------------------------------------------------
+
+
+def configure_plot(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("records", nargs="+", metavar="RECORD.json")
+    parser.set_defaults(handler=_run_bench_plot, command_prog=parser.prog)
+
+
+def _run_bench_plot(args: argparse.Namespace) -> int:
+    import json
+
+    from engine.bench_plots import plot_record
+
+    for name in args.records:
+        path = Path(name)
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"cannot read benchmark record {name}: {exc}") from exc
+        png = plot_record(record, path.with_suffix(".png"), required=True)
+        print(f"wrote {png}", file=sys.stderr)
+    return 0
