@@ -1,5 +1,6 @@
-"""``pagestream bench latency | kernels | kv-quality | plot``: what runs the device and the
-records; ``worker/bench_cli.py`` registers them beside ``throughput`` and ``serve``."""
+"""``pagestream bench latency | kernels | kv-quality | plot``: latency against the hardware
+limit, kernel bandwidth, fp8 KV quality, and plots of any record. ``worker/bench_cli.py``
+registers them beside ``throughput`` and ``serve``."""
 
 from __future__ import annotations
 
