@@ -89,6 +89,8 @@ class ModelRunner:
         decode_only = meta.max_query_len == 1
         if decode_only and self.graphs is not None and self.graphs.bucket_for(meta.num_seqs):
             logits = self.graphs.replay(inputs.input_ids, inputs.positions, meta)  # [B, V]
+            if len(inputs.sampling_entries) == meta.num_seqs:
+                return logits  # the graph's buffer: sampled before the next replay writes it
             # one token per row, so a row's token index is its row (a 1-token chunk of a
             # longer prompt does not sample)
             return logits[inputs.logits_indices] if inputs.sampling_entries else None
@@ -116,7 +118,8 @@ class ModelRunner:
             if entry.samples:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_entries.append(entry)
-        meta = self._metadata(batch, slots, seq_lens, query_start_loc)
+        tables = [entry.seq.block_table for entry in batch.scheduled]
+        meta = self._metadata(tables, slots, seq_lens, query_start_loc)
         return ModelInputs(
             input_ids=self._tensor(token_ids, torch.int64),
             positions=self._tensor(positions, torch.int64),
@@ -169,17 +172,7 @@ class ModelRunner:
             slots += self._slots(table, 0, length)
             positions += range(length)
             query_start_loc.append(query_start_loc[-1] + length)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._block_tables(tables),
-            seq_lens=self._tensor(lens, torch.int32),
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
-            seq_lens_cpu=lens,
-            query_start_loc_cpu=query_start_loc,
-            num_decodes=0,
-            max_seq_len=max(lens),
-            max_query_len=max(lens),
-        )
+        meta = self._metadata(tables, slots, lens, query_start_loc)
         positions_t = self._tensor(positions, torch.int64)
         return self.model(input_ids, positions_t, self.kv_cache.layers, meta)
 
@@ -189,18 +182,15 @@ class ModelRunner:
 
     def _metadata(
         self,
-        batch: ScheduledBatch,
+        tables: list[list[int]],
         slots: list[int],
         seq_lens: list[int],
         query_start_loc: list[int],
     ) -> AttentionMetadata:
-        tables = [entry.seq.block_table for entry in batch.scheduled]
-        num_decodes = 0
-        while num_decodes < len(batch.scheduled) and (
-            batch.scheduled[num_decodes].num_new_tokens == 1
-        ):
-            num_decodes += 1
         query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
+        num_decodes = 0  # the leading sequences with one new token each
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
         return AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=self._block_tables(tables),

@@ -62,7 +62,9 @@ def build_runtime(
     use_graphs = _graphs_enabled(config, backend, device)
     profile = None
     if device.type == "cuda":
-        profile = _profile(config, loaded, spec, sampler, max_model_len, device, use_graphs)
+        peaks = _measure_peaks(config, loaded, spec, sampler, max_model_len, device, use_graphs)
+        # read after the scratch pool is gone: what is used from here on stays used
+        profile = read_device_memory(device, loaded.weights_bytes, *peaks)
     plan = plan_pool(config, spec, device, max_model_len, profile)
     log_plan(plan, spec, profile, max_model_len)
     kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device)
@@ -78,20 +80,6 @@ def build_runtime(
     return Runtime(
         kv_cache, block_manager, HostBlockPool(plan.num_host_blocks), runner, plan, profile
     )
-
-
-def _profile(
-    config: EngineConfig,
-    loaded: LoadedModel,
-    spec: KVCacheSpec,
-    sampler: Sampler,
-    max_model_len: int,
-    device: torch.device,
-    use_graphs: bool,
-) -> MemoryProfile:
-    peaks = _measure_peaks(config, loaded, spec, sampler, max_model_len, device, use_graphs)
-    # the scratch pool is gone now: what is used from here on stays used
-    return read_device_memory(device, loaded.weights_bytes, *peaks)
 
 
 def _measure_peaks(

@@ -74,9 +74,12 @@ def _write_kv_kernel(
     k_scale_ptr,
     v_scale_ptr,
     slot_mapping_ptr,
-    stride_xt,  # k and v: [T, Hkv, D]
-    stride_xh,
-    stride_xd,
+    stride_kt,  # k: [T, Hkv, D]
+    stride_kh,
+    stride_kd,
+    stride_vt,  # v: [T, Hkv, D] (its own strides: k may be normed per head, v a view)
+    stride_vh,
+    stride_vd,
     stride_cb,  # k_cache and v_cache: [NB, BS, Hkv, D]
     stride_cs,
     stride_ch,
@@ -104,16 +107,15 @@ def _write_kv_kernel(
         # 2. K then V: [Hkv, D] each, quantized per head when the pool is fp8
         cache_offset = page * stride_cb + row * stride_cs
         scale_offset = page * stride_sb + row * stride_ss
-        x_offset = token * stride_xt
         _store_token(
-            k_ptr + x_offset, k_cache_ptr + cache_offset, k_scale_ptr + scale_offset,
+            k_ptr + token * stride_kt, k_cache_ptr + cache_offset, k_scale_ptr + scale_offset,
             offs_h, offs_d, mask_h, mask_d,
-            stride_xh, stride_xd, stride_ch, stride_cd, stride_sh, IS_FP8,
+            stride_kh, stride_kd, stride_ch, stride_cd, stride_sh, IS_FP8,
         )  # fmt: skip
         _store_token(
-            v_ptr + x_offset, v_cache_ptr + cache_offset, v_scale_ptr + scale_offset,
+            v_ptr + token * stride_vt, v_cache_ptr + cache_offset, v_scale_ptr + scale_offset,
             offs_h, offs_d, mask_h, mask_d,
-            stride_xh, stride_xd, stride_ch, stride_cd, stride_sh, IS_FP8,
+            stride_vh, stride_vd, stride_ch, stride_cd, stride_sh, IS_FP8,
         )  # fmt: skip
 
 
@@ -129,7 +131,7 @@ def write_kv(
 ) -> None:
     """Store new K and V rows in the pool; matches ``kernels.paged_attention.write_kv_ref``.
 
-    Shapes: ``k, v: [T, Hkv, D]`` (any strides, same for both); ``k_cache, v_cache: [NB, BS,
+    Shapes: ``k, v: [T, Hkv, D]`` (any strides, each its own); ``k_cache, v_cache: [NB, BS,
     Hkv, D]`` (any strides, e.g. a layer's slice of a bigger pool, same for both);
     ``slot_mapping: [T]`` int64, ``page * BS + row``, negative = skip. With an fp8 pool
     (``torch.float8_e4m3fn``) ``k_scale, v_scale: [NB, BS, Hkv]`` float32 receive the scales.
@@ -148,7 +150,7 @@ def write_kv(
     scale_strides = k_scale.stride() if is_fp8 else (0, 0, 0)
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
-        *k.stride(), *k_cache.stride(), *scale_strides,
+        *k.stride(), *v.stride(), *k_cache.stride(), *scale_strides,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
@@ -165,10 +167,9 @@ def _check_write_args(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    if k.dim() != 3 or k.shape != v.shape or k.stride() != v.stride():
+    if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
-            f"k and v must be [T, Hkv, D] with equal shapes and strides, got "
-            f"{tuple(k.shape)} / {tuple(v.shape)}, strides {k.stride()} / {v.stride()}"
+            f"k and v must be [T, Hkv, D] of equal shapes, got {tuple(k.shape)} / {tuple(v.shape)}"
         )
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(

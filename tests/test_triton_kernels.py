@@ -171,8 +171,10 @@ def test_write_kv_matches_reference_and_skips_negative_slots(fp8: bool, dtype: t
     num_tokens, heads, dim, block_size = 9, 2, 24, 4
     cache_dtype = torch.float8_e4m3fn if fp8 else dtype
     qkv = torch.randn(num_tokens, 3 * heads * dim, device=DEVICE, dtype=dtype)
-    k = qkv[:, heads * dim : 2 * heads * dim].view(num_tokens, heads, dim)
+    # k compact (as after Qwen3's per-head norm), v a strided view of the fused projection
+    k = qkv[:, heads * dim : 2 * heads * dim].reshape(num_tokens, heads, dim).contiguous()
     v = qkv[:, 2 * heads * dim :].view(num_tokens, heads, dim)
+    assert k.stride() != v.stride()
     k[0, 0, 5] = 300.0  # a large outlier: the rest of that vector lands in e4m3 subnormals
     slots = torch.tensor([3, 17, -1, 0, 9, -5, 12, 19, 8], device=DEVICE)
     pool, scales, (kc, vc, ks, vs) = _pool(cache_dtype, 5, block_size, heads, dim)

@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from worker.cli import EXIT_USAGE, CommandError, LazyParser, Subparsers
-from worker.cli_types import positive_int
+from worker.cli_types import add_client_sampling_args, client_sampling
 from worker.settings import REDIS_URL_ENV, default_redis_url
-
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
 
 def register(subparsers: Subparsers) -> None:
@@ -66,14 +64,7 @@ def _configure_submit(parser: argparse.ArgumentParser) -> None:
                         help="the worker also writes the records there (JSONL, input order)")  # fmt: skip
     parser.add_argument("--id", help="job id (default: a random one); resubmitting it is a no-op")
     parser.add_argument("--chat", action="store_true", help="send prompts as one user message")
-    g = parser.add_argument_group("sampling", "defaults; fields of a line override them")
-    g.add_argument("--max-tokens", type=positive_int, help="default 256")
-    g.add_argument("--temperature", type=float, help="default 0 (greedy)")
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", default=None)
+    add_client_sampling_args(parser, "defaults; fields of a line override them")
     parser.set_defaults(handler=run_submit, command_prog=parser.prog)
 
 
@@ -81,7 +72,7 @@ def run_submit(args: argparse.Namespace) -> int:
     """Handler of ``pagestream batch submit``: prints the job id."""
     from clients import Client
 
-    sampling = {n: getattr(args, n) for n in SAMPLING_FLAGS if getattr(args, n) is not None}
+    sampling = client_sampling(args)
     with Client(args.redis_url, prefix=args.prefix) as client:
         job_id = client.submit_batch(
             args.prompt, lines=_read_lines(args.input), input_path=args.input_on_worker,

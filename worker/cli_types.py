@@ -1,8 +1,20 @@
-"""Argument types shared by the subcommands' parsers."""
+"""Argument types and flag groups shared by the subcommands' parsers (no torch import)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+# The sampling flags of the client-side verbs (submit, batch submit): a request's fields.
+CLIENT_SAMPLING_FLAGS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+)
 
 
 def positive_int(text: str) -> int:
@@ -19,3 +31,29 @@ def int_range(text: str) -> tuple[int, int]:
     if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
         raise argparse.ArgumentTypeError(f"expected MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
     return int(low), int(high)
+
+
+def add_client_sampling_args(
+    parser: argparse.ArgumentParser,
+    description: str | None = None,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+) -> None:
+    """``CLIENT_SAMPLING_FLAGS`` as flags; unset ones are left to the request's defaults."""
+    g = parser.add_argument_group("sampling", description)
+    g.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="default 256")
+    g.add_argument(
+        "--temperature", type=float, default=temperature, help="0 = greedy (the default)"
+    )
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", default=None)
+
+
+def client_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The client sampling flags that were given (or have a default)."""
+    values = {name: getattr(args, name) for name in CLIENT_SAMPLING_FLAGS}
+    return {name: value for name, value in values.items() if value is not None}

@@ -14,23 +14,13 @@ import time
 from typing import Any
 
 from worker.cli import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
-from worker.cli_types import positive_int
+from worker.cli_types import add_client_sampling_args, client_sampling, positive_int
 from worker.settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     REDIS_URL_ENV,
     default_redis_url,
-)
-
-CLIENT_SAMPLING_FLAGS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "ignore_eos",
 )
 
 
@@ -153,14 +143,7 @@ def _configure_submit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, help="give up (and cancel) after this long")
     parser.add_argument("--priority", type=int, default=0, help="lower runs first (default 0)")
     parser.add_argument("--tenant", default="default", help="tenant for quotas")
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=positive_int, default=256, help="default 256")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", default=None)
+    add_client_sampling_args(parser, max_tokens=256, temperature=0.0)
     parser.set_defaults(handler=run_submit, command_prog=parser.prog)
 
 
@@ -168,7 +151,7 @@ def run_submit(args: argparse.Namespace) -> int:
     """Handler of ``pagestream submit``: print text as it arrives, a summary to stderr."""
     from clients import Client, ClientError, DoneEvent, RestartEvent, TokenEvent
 
-    sampling = {n: getattr(args, n) for n in CLIENT_SAMPLING_FLAGS if getattr(args, n) is not None}
+    sampling = client_sampling(args)
     prompt: dict[str, Any] = (
         {"messages": [{"role": "user", "content": args.prompt}]}
         if args.chat

@@ -173,8 +173,6 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        if k.stride() != v.stride():  # k normed per head (Qwen3) is compact, v still a view
-            k, v = k.contiguous(), v.contiguous()
         self._write_kv(
             k, v, cache.k, cache.v, meta.slot_mapping, k_scale=cache.k_scale, v_scale=cache.v_scale
         )
