@@ -10,15 +10,13 @@ the baseline's) to the record under ``baselines``.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from typing import Any
-
-import torch
 
 from engine.benchmark import ThroughputWorkload, make_random_prompts, run_throughput
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
+from engine.memory import release_device_memory
 from engine.peers import load_hf_model, run_hf_generate_batch
 
 BASELINES = ("paged-off", "hf")
@@ -39,7 +37,7 @@ def run_with_baselines(
     record = run_throughput(engine, workload, use_tqdm=use_tqdm)
     vocab_size, dtype, device = engine.loaded.arch.vocab_size, engine.dtype, engine.device
     del engine
-    _free_device_memory()
+    release_device_memory()
     ours = record["results"]["output_tok_s"]
     record["baselines"] = {}
     if "paged-off" in baselines:
@@ -51,7 +49,7 @@ def run_with_baselines(
         hf_model = load_hf_model(config.model, dtype, device)
         peer = run_hf_generate_batch(hf_model, [p.token_ids for p in prompts], max_new_tokens)
         del hf_model
-        _free_device_memory()
+        release_device_memory()
         record["baselines"]["hf_generate_batch"] = {
             **peer.as_record(),
             "ratio": ours / peer.output_tok_s,
@@ -70,14 +68,7 @@ def _paged_off(
     engine = LLMEngine(off_config)
     record = run_throughput(engine, workload, use_tqdm=use_tqdm)
     del engine
-    _free_device_memory()
+    release_device_memory()
     results: dict[str, Any] = record["results"]
     results["settings"] = {"paged_attn": "off", "max_model_len": off_config.max_model_len}
     return results
-
-
-def _free_device_memory() -> None:
-    """Give the memory of a model the caller just dropped back, before the next one loads."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -9,7 +9,6 @@ measured in the same run; ``fraction_of_limit`` is that floor over the measured 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from tqdm.auto import tqdm
 from engine.benchmark import machine_info
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
+from engine.memory import release_device_memory
 from engine.peers import load_hf_model, run_hf_generate
 from engine.sampling_params import SamplingParams
 
@@ -140,6 +140,4 @@ def add_hf_peer(record: dict[str, Any], model: str, workload: LatencyWorkload) -
             "speedup": peer.elapsed_s / workload.output_len / result["mean_tpot_s"],
         }
     del hf_model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()

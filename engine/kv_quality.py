@@ -11,7 +11,6 @@ Two measures, both on the same prompts:
 
 from __future__ import annotations
 
-import gc
 import statistics
 from datetime import datetime, timezone
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from engine.benchmark import machine_info
 from engine.llm import LLM
+from engine.memory import release_device_memory
 from engine.sampling_params import SamplingParams
 
 # Natural prompts for models with a tokenizer: quality is judged on text, not random ids.
@@ -55,12 +55,12 @@ def measure_kv_quality(
     ref_logits = [reference.engine.runner.teacher_forced_logits(s).cpu() for s in sequences]
     device, dtype = str(reference.engine.device), str(reference.engine.dtype)
     del reference
-    _free()
+    release_device_memory()
     candidate = LLM(model, pa_cache_type=cache_type, **settings)
     outputs = [o.token_ids for o in candidate.generate(prompts, greedy, use_tqdm=False)]
     logits = [candidate.engine.runner.teacher_forced_logits(s).cpu() for s in sequences]
     del candidate
-    _free()
+    release_device_memory()
     return {
         "kind": "kv_quality",
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -121,9 +121,3 @@ def _logit_error(
         "teacher_forced_top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
         "num_positions": int(ref.shape[0]),
     }
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

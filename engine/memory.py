@@ -10,6 +10,7 @@ an error at start, never an out-of-memory error later.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -28,6 +29,18 @@ GIB = 1 << 30
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def release_device_memory() -> None:
+    """Hand the cached memory of models the caller just dropped back to the device.
+
+    Benchmarks load one model after another (the engine, then a peer; the offline engine,
+    then a worker process); without this, the next one's memory plan sees the previous
+    one's blocks as used.
+    """
+    gc.collect()  # engines hold reference cycles (graphs, runner, scheduler)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def prefer_expandable_segments() -> None:

@@ -25,7 +25,8 @@ def test_latency_record_has_every_batch_size_and_no_limit_on_cpu(
     results = record["results"]
     assert [r["batch"] for r in results] == [1, 3]
     for r in results:
-        assert r["mean_ttft_s"] > 0 and 0 < r["mean_tpot_s"] <= r["p90_tpot_s"]
+        # a mean may exceed the p90 (one slow step does it), so only their signs are checked
+        assert r["mean_ttft_s"] > 0 and r["mean_tpot_s"] > 0 and r["p90_tpot_s"] > 0
         assert r["output_tok_s"] > 0 and "fraction_of_limit" not in r
         assert r["decode_step_bytes"] > record["weights_bytes"]  # weights plus the KV read
     assert "TPOT ms" in out

@@ -41,11 +41,10 @@ def configure_latency(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench_latency(args: argparse.Namespace) -> int:
-    import torch
-
     from engine import LLMEngine, PagestreamError
     from engine.benchmark_latency import LatencyWorkload, add_hf_peer, run_latency
     from engine.config import engine_config_from_args
+    from engine.memory import release_device_memory
 
     try:
         workload = LatencyWorkload(args.batch_sizes, args.input_len, args.output_len, args.seed)
@@ -56,8 +55,7 @@ def _run_bench_latency(args: argparse.Namespace) -> int:
         )
         del engine  # one model in memory at a time
         if args.compare == "hf":
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_device_memory()
             add_hf_peer(record, args.model, workload)
     except PagestreamError as exc:
         raise CommandError(str(exc)) from exc

@@ -90,6 +90,7 @@ def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | 
     from engine import LLMEngine
     from engine.benchmark import make_random_prompts, run_throughput
     from engine.config import engine_config_from_args
+    from engine.memory import release_device_memory
 
     if args.no_offline:
         if args.vocab_size is None:
@@ -104,6 +105,7 @@ def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | 
     results["step_s"] = results["elapsed_s"] / max(results["num_steps"], 1)
     results["settings"] = record["settings"]
     del engine  # one engine in memory at a time: the worker loads its own
+    release_device_memory()
     return results, prompts
 
 
