@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
 from clients.batch import BatchClient, BatchResult, BatchStatus
@@ -30,14 +28,10 @@ from clients.protocol import (
     TokenLogprob,
     Usage,
 )
+from clients.reader import StreamReader
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
-READ_BLOCK_MS = 1000  # one XREAD BLOCK waits at most this long (then the timeout is checked)
-READ_COUNT = 256
 DEADLINE_GRACE_S = 5.0  # after a request's deadline, wait this long for its `timeout` event
-BACKOFF_MIN_S = 0.05
-BACKOFF_MAX_S = 2.0
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class ClientError(Exception):
@@ -116,8 +110,10 @@ class AsyncClient:
         self.keys = Keys(prefix)
         self.timeout_s = timeout_s
         self.batches = BatchClient(self.redis, prefix)
+        self._reader = StreamReader(self.redis, self.keys)
 
     async def close(self) -> None:
+        await self._reader.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -175,29 +171,26 @@ class AsyncClient:
         """
         timeout_s = self._wait_s(timeout_s)
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        out, last_id, delay_s = self.keys.out(request_id), after, BACKOFF_MIN_S
-        while True:
-            block_ms = READ_BLOCK_MS
-            if deadline_s is not None:
-                remaining_s = deadline_s - time.monotonic()
-                if remaining_s <= 0:
-                    raise RequestTimeoutError(request_id, timeout_s or 0.0)
-                block_ms = max(1, min(block_ms, int(remaining_s * 1000)))
-            try:
-                reply = await self.redis.xread({out: last_id}, count=READ_COUNT, block=block_ms)
-            except REDIS_ERRORS:
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, BACKOFF_MAX_S)
-                continue
-            delay_s = BACKOFF_MIN_S
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id.decode()
-                    payload = fields.get(protocol.PAYLOAD_FIELD.encode(), b"")
-                    event = protocol.decode_event(payload, last_id)
-                    yield event
-                    if isinstance(event, protocol.TERMINAL_EVENTS):
-                        return
+        subscription = await self._reader.subscribe(self.keys.out(request_id), after)
+        try:
+            while True:
+                if deadline_s is None:
+                    item = await subscription.queue.get()
+                else:
+                    remaining_s = deadline_s - time.monotonic()
+                    try:
+                        item = await asyncio.wait_for(subscription.queue.get(), remaining_s)
+                    except asyncio.TimeoutError:
+                        raise RequestTimeoutError(request_id, timeout_s or 0.0) from None
+                if isinstance(item, BaseException):
+                    raise item
+                entry_id, payload = item
+                event = protocol.decode_event(payload, entry_id)
+                yield event
+                if isinstance(event, protocol.TERMINAL_EVENTS):
+                    return
+        finally:
+            self._reader.unsubscribe(subscription)
 
     async def stream(
         self,

@@ -61,6 +61,10 @@ class Keys:
         """The event stream of one request."""
         return f"{self.prefix}:out:{request_id}"
 
+    def client_wake(self, client_id: str) -> str:
+        """A client's own stream, appended to end its blocked read of the out streams."""
+        return f"{self.prefix}:client:{client_id}:wake"
+
     def cancel(self, request_id: str) -> str:
         """Set when a request is cancelled; checked when a worker admits the request."""
         return f"{self.prefix}:cancel:{request_id}"

@@ -1,0 +1,161 @@
+"""One blocking ``XREAD`` for every out stream a client is reading.
+
+A client with many requests in flight (an application server, ``pagestream bench serve``)
+would otherwise hold one connection per request, each blocked in its own ``XREAD`` and woken
+once per engine step: 256 streams at 100 steps per second is 25,600 round trips a second,
+more than one Python process can make. ``StreamReader`` reads all of them in one call on one
+connection: each step's events arrive in a single reply, and each subscriber gets its
+entries through a queue.
+
+A subscriber added while the call is blocked must not wait for it to time out: the reader
+also reads a small *wake* stream of its own, and ``subscribe`` appends to it, which ends the
+blocked call so that the next one includes the new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from clients import protocol
+from clients.protocol import Keys
+
+READ_BLOCK_MS = 1000  # one XREAD waits at most this long (then the subscriber set is rebuilt)
+READ_COUNT = 256  # entries per stream per call
+WAKE_TTL_S = 3600  # the wake stream outlives a client that exits without closing by this much
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+Entry = tuple[str, bytes]  # (entry id, payload)
+
+
+def stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a tuple that orders like Redis orders ids."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One reader of one out stream: entries after ``last_id`` arrive on ``queue``."""
+
+    key: str
+    last_id: str
+    queue: asyncio.Queue[Entry | BaseException] = field(default_factory=asyncio.Queue)
+
+
+class StreamReader:
+    """Reads every subscribed stream with one ``XREAD BLOCK`` (started on demand).
+
+    Connection errors are retried with backoff (a restarting Redis is waited for); an error
+    reply is handed to the subscribers it concerns, whose queue then yields it.
+    """
+
+    def __init__(self, redis: Any, keys: Keys) -> None:
+        self._redis = redis
+        self._wake_key = keys.client_wake(uuid.uuid4().hex)
+        self._wake_last_id = "0-0"
+        self._wake_pending = False
+        self._subscriptions: dict[str, list[Subscription]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def subscribe(self, key: str, after: str) -> Subscription:
+        """Start delivering ``key``'s entries after ``after``; ``unsubscribe`` when done."""
+        subscription = Subscription(key, after)
+        self._subscriptions.setdefault(key, []).append(subscription)
+        if self._task is None:  # the first read will include it
+            self._task = asyncio.create_task(self._run(), name="pagestream-stream-reader")
+        elif not self._wake_pending:
+            self._wake_pending = True  # one wake covers every subscriber added until the read
+            with contextlib.suppress(*REDIS_ERRORS):  # the reader is retrying anyway
+                await self._wake()
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        """Stop delivering to ``subscription`` (the reader stops when none is left)."""
+        subscriptions = self._subscriptions.get(subscription.key, [])
+        if subscription in subscriptions:
+            subscriptions.remove(subscription)
+        if not subscriptions:
+            self._subscriptions.pop(subscription.key, None)
+
+    async def close(self) -> None:
+        """Stop reading and delete the wake stream."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self._redis.delete(self._wake_key)
+
+    async def _wake(self) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xadd(self._wake_key, {"w": 1}, maxlen=1, approximate=False)
+        pipe.expire(self._wake_key, WAKE_TTL_S)
+        await pipe.execute()
+
+    async def _run(self) -> None:
+        delay_s = BACKOFF_MIN_S
+        while self._subscriptions:
+            # Each stream is read from the oldest position any of its subscribers needs.
+            streams = {self._wake_key: self._wake_last_id}
+            for key, subscriptions in self._subscriptions.items():
+                streams[key] = min((s.last_id for s in subscriptions), key=stream_id)
+            self._wake_pending = False
+            try:
+                reply = await self._redis.xread(streams, count=READ_COUNT, block=READ_BLOCK_MS)
+            except REDIS_ERRORS:
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, BACKOFF_MAX_S)
+                continue
+            except ResponseError as exc:  # no retry fixes it: fail whom it concerns
+                await self._fail(exc, list(streams)[1:])
+                continue
+            delay_s = BACKOFF_MIN_S
+            for raw_key, entries in reply or []:
+                self._deliver(_text(raw_key), entries)
+        self._task = None
+
+    async def _fail(self, exc: ResponseError, keys: list[str]) -> None:
+        """Hand ``exc`` to the subscribers of keys that are not streams (a key reused for
+        something else fails its own readers only), or to everyone when none is the cause
+        (NOPERM, ...)."""
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.type(key)
+            types = [_text(t) for t in await pipe.execute()]
+            culprits = [k for k, t in zip(keys, types, strict=True) if t not in ("stream", "none")]
+        except (*REDIS_ERRORS, ResponseError):
+            culprits = []
+        for key in culprits or keys:
+            for subscription in self._subscriptions.pop(key, []):
+                subscription.queue.put_nowait(exc)
+
+    def _deliver(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        if key == self._wake_key:
+            self._wake_last_id = _text(entries[-1][0])
+            return
+        payload_field = protocol.PAYLOAD_FIELD.encode()
+        decoded = [
+            (_text(entry_id), fields.get(payload_field, b"")) for entry_id, fields in entries
+        ]
+        for subscription in self._subscriptions.get(key, []):
+            after = stream_id(subscription.last_id)
+            for entry_id, payload in decoded:
+                if stream_id(entry_id) > after:
+                    subscription.queue.put_nowait((entry_id, payload))
+                    subscription.last_id = entry_id
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

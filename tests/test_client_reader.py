@@ -1,0 +1,111 @@
+"""The client's multiplexed reader: many out streams, one blocked ``XREAD``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.exceptions import ResponseError
+
+from clients import AsyncClient, ErrorCode, ErrorEvent, TokenEvent, protocol, reader
+from tests.redis_server import RedisServer
+
+
+def _token(seq: int) -> dict[str, bytes]:
+    event = TokenEvent(seq=seq, text=f"t{seq}", token_ids=[seq])
+    return {protocol.PAYLOAD_FIELD: protocol.encode(event)}
+
+
+def _end() -> dict[str, bytes]:
+    event = ErrorEvent(code=ErrorCode.INTERNAL, message="end of test stream")
+    return {protocol.PAYLOAD_FIELD: protocol.encode(event)}
+
+
+async def _read_all(client: AsyncClient, request_id: str, after: str = "0-0") -> list[int]:
+    seqs = []
+    async for event in client.events(request_id, after=after, timeout_s=30):
+        if isinstance(event, TokenEvent):
+            seqs.append(event.seq)
+    return seqs
+
+
+def test_fifty_streams_share_one_blocked_read(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            keys = client.keys
+            readers = [asyncio.create_task(_read_all(client, f"r{i}")) for i in range(50)]
+            await asyncio.sleep(0.3)  # every reader subscribed and blocked
+            info = await client.redis.info("clients")
+            assert info["blocked_clients"] == 1  # one XREAD, not fifty
+            for seq in range(5):
+                pipe = client.redis.pipeline(transaction=False)
+                for i in range(50):
+                    pipe.xadd(keys.out(f"r{i}"), _token(seq))
+                await pipe.execute()
+            for i in range(50):
+                await client.redis.xadd(keys.out(f"r{i}"), _end())
+            assert await asyncio.gather(*readers) == [list(range(5))] * 50
+            wake_keys = [k async for k in client.redis.scan_iter(keys.client_wake("*"))]
+            assert len(wake_keys) == 1
+        check = redis_server.client()
+        assert list(check.scan_iter(keys.client_wake("*"))) == []  # close() deleted it
+        check.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_subscribed_during_a_blocked_read_is_read_at_once(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without the wake, the second stream would wait out the first one's block (an hour).
+    monkeypatch.setattr(reader, "READ_BLOCK_MS", 3_600_000)
+
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            first = asyncio.create_task(_read_all(client, "first"))
+            await asyncio.sleep(0.2)
+            second = asyncio.create_task(_read_all(client, "second"))
+            await asyncio.sleep(0.2)
+            await client.redis.xadd(client.keys.out("second"), _token(0))
+            await client.redis.xadd(client.keys.out("second"), _end())
+            assert await asyncio.wait_for(second, 10) == [0]
+            await client.redis.xadd(client.keys.out("first"), _end())
+            assert await asyncio.wait_for(first, 10) == []
+
+    asyncio.run(scenario())
+
+
+def test_two_readers_of_one_stream_from_different_positions(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            out = client.keys.out("shared")
+            ids = [await client.redis.xadd(out, _token(seq)) for seq in range(3)]
+            whole = asyncio.create_task(_read_all(client, "shared"))
+            tail = asyncio.create_task(_read_all(client, "shared", after=ids[1].decode()))
+            await asyncio.sleep(0.2)
+            await client.redis.xadd(out, _token(3))
+            await client.redis.xadd(out, _end())
+            assert await whole == [0, 1, 2, 3]
+            assert await tail == [2, 3]
+
+    asyncio.run(scenario())
+
+
+def test_a_key_of_the_wrong_type_fails_only_its_own_reader(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            await client.redis.set(client.keys.out("not-a-stream"), "x")
+            good = asyncio.create_task(_read_all(client, "good"))
+            await asyncio.sleep(0.2)
+            with pytest.raises(ResponseError, match="WRONGTYPE"):
+                await _read_all(client, "not-a-stream")
+            await client.redis.xadd(client.keys.out("good"), _token(0))
+            await client.redis.xadd(client.keys.out("good"), _end())
+            assert await asyncio.wait_for(good, 10) == [0]
+
+    asyncio.run(scenario())
+
+
+def test_stream_ids_order_like_redis() -> None:
+    ids = ["10-2", "9-5", "10-10", "0-0", "10-0"]
+    assert sorted(ids, key=reader.stream_id) == ["0-0", "9-5", "10-0", "10-2", "10-10"]
