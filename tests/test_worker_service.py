@@ -169,3 +169,28 @@ def test_a_live_stream_refreshes_its_ttl_once_per_half_ttl() -> None:
     assert not flight.ttl_due(100.0 + TTL_REFRESH_S - 1)
     assert flight.ttl_due(100.0 + TTL_REFRESH_S)
     assert not flight.ttl_due(100.0 + TTL_REFRESH_S + 1)
+
+
+def test_a_refused_event_write_spares_the_other_requests(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    keys = protocol.Keys()
+    r = redis_server.client()
+    r.set(keys.out("squatted"), "not a stream")  # every event write for this id is refused
+
+    async def run_both() -> Any:
+        async with AsyncClient(redis_server.url) as client:
+            await client.submit("w3 w4", request_id="squatted", max_tokens=6, ignore_eos=True)
+            return await client.complete(
+                "w5 w6", request_id="fine", max_tokens=6, ignore_eos=True, timeout_s=60
+            )
+
+    start_worker("w1")
+    completion = asyncio.run(run_both())
+    assert completion.finish_reason is FinishReason.LENGTH and len(completion.token_ids) == 6
+    deadline_s = time.monotonic() + 30
+    while r.xlen(keys.requests) and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    assert r.xlen(keys.requests) == 0  # both entries acknowledged and deleted, none retried
+    assert r.get(keys.out("squatted")) == b"not a stream"
+    r.close()

@@ -38,6 +38,31 @@ end
 return lost
 """
 
+# One engine step's events in one call: append each to its request's out stream (refreshing
+# the TTL where asked), then acknowledge and delete the finished requests' entries. Atomic
+# like MULTI, and one command to encode where a pipeline has hundreds (the event loop shares
+# the GIL with the engine thread). A write Redis refuses (an out key that is not a stream) is
+# reported, not retried, and does not stop the others.
+# KEYS: the request stream, then each event's out stream. ARGV: group, TTL s, n events, n
+# payloads, n TTL flags ('1' = refresh), then the entry ids to acknowledge.
+PUBLISH_SCRIPT = """
+local n = tonumber(ARGV[3])
+local failed = {}
+for i = 1, n do
+  local key = KEYS[i + 1]
+  local reply = redis.pcall('XADD', key, '*', 'msg', ARGV[3 + i])
+  if type(reply) == 'table' and reply.err then
+    table.insert(failed, key .. ': ' .. reply.err)
+  elseif ARGV[3 + n + i] == '1' then
+    redis.call('EXPIRE', key, ARGV[2])
+  end
+end
+for j = 4 + 2 * n, #ARGV do
+  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[j])
+  redis.pcall('XDEL', KEYS[1], ARGV[j])
+end
+return failed
+"""
 
 # Errors that mean "Redis is unreachable right now": back off and retry, never give up.
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -70,6 +95,7 @@ class RequestStream:
         self.keys = keys
         self.consumer = consumer
         self._renew = redis.register_script(RENEW_SCRIPT)
+        self._publish = redis.register_script(PUBLISH_SCRIPT)
 
     async def ensure_group(self) -> None:
         """Create the stream and its group if missing (e.g. Redis restarted without data)."""
@@ -169,6 +195,18 @@ class RequestStream:
         pipe.xadd(out, {protocol.PAYLOAD_FIELD: protocol.encode(event)})
         if refresh_ttl:
             pipe.expire(out, protocol.OUT_STREAM_TTL_S)
+
+    async def publish(self, events: list[tuple[str, bytes, bool]], acks: list[str]) -> list[str]:
+        """Write ``(request id, encoded event, refresh TTL)`` events and acknowledge ``acks``
+        in one atomic call; returns the writes Redis refused, as messages."""
+        assert protocol.PAYLOAD_FIELD == "msg"  # the script's field name
+        keys = [self.keys.requests, *(self.keys.out(request_id) for request_id, _, _ in events)]
+        args: list[Any] = [self.keys.group, protocol.OUT_STREAM_TTL_S, len(events)]
+        args += [payload for _, payload, _ in events]
+        args += ["1" if refresh else "0" for _, _, refresh in events]
+        args += acks
+        failed = await self._publish(keys=keys, args=args)
+        return [text(message) for message in failed]
 
     async def dead_letter(
         self, entry: Entry, letter: DeadLetter, error: ErrorEvent | None = None

@@ -3,7 +3,7 @@
 ``LLMEngine.add_request`` and ``abort`` are thread-safe (an inbox), so the loop adds and
 cancels requests directly; only ``step`` runs on the engine thread. Every step's outputs go
 back to the loop in one ``call_soon_threadsafe`` call, as a ``StepBatch``, to each listener in
-turn: the Redis service writes a batch in one pipeline. In-process callers (batch jobs) use
+turn: the Redis service writes a batch in one call. In-process callers (batch jobs) use
 :meth:`EngineThread.generate`, an async iterator over one request's outputs.
 """
 

@@ -2,7 +2,7 @@
 
 Every write to ``{p}:out:{id}`` happens only after this worker's entry owns ``{p}:claim:{id}``,
 so neither a duplicate id nor a hostile entry can write into another request's stream. The
-terminal event and the ``XACK`` go out in one ``MULTI``.
+terminal event and the ``XACK`` go out in one atomic script call.
 """
 
 from __future__ import annotations
@@ -202,9 +202,9 @@ class RequestHandler:
     # -- engine outputs --------------------------------------------------------------------------
 
     async def write_outputs(self, outputs: list[StepOutput]) -> None:
-        """Write one or more steps' outputs in one ``MULTI`` pipeline (retried until Redis takes it)."""
+        """Write one or more steps' outputs in one atomic call (retried until Redis takes it)."""
         service = self.service
-        events: list[tuple[str, protocol.Event, bool]] = []  # (id, event, refresh its TTL)
+        events: list[tuple[str, bytes, bool]] = []  # (id, encoded event, refresh its TTL)
         finished: list[tuple[InFlight, StepOutput]] = []
         now_s = time.monotonic()
         for out in outputs:
@@ -212,22 +212,19 @@ class RequestHandler:
             if flight is None:
                 continue  # dropped (lease lost, handed back) or not ours
             if out.new_token_ids or out.text_delta:
-                event = flight.token_event(out)
+                event = protocol.encode(flight.token_event(out))
                 events.append((flight.request_id, event, flight.ttl_due(now_s)))
             if out.finished:
-                done = flight.done_event(out, service.settings.name)
+                done = protocol.encode(flight.done_event(out, service.settings.name))
                 events.append((flight.request_id, done, True))  # kept a full TTL after the end
                 finished.append((flight, out))
         if not events:
             return
+        acks = [flight.entry.entry_id for flight, _ in finished]
 
         async def execute() -> None:
-            pipe = service.redis.pipeline(transaction=True)
-            for request_id, event, refresh_ttl in events:
-                service.stream.add_event(pipe, request_id, event, refresh_ttl=refresh_ttl)
-            for flight, _ in finished:
-                service.stream.ack(pipe, flight.entry.entry_id)
-            await pipe.execute()
+            for failure in await service.stream.publish(events, acks):
+                log.error("redis refused an event", error=failure)
 
         self.writes_idle.clear()
         try:

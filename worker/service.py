@@ -4,7 +4,7 @@ One asyncio loop does all Redis I/O in a few tasks, each a loop that survives Re
 (backing off, reconnecting): the reader (``XREADGROUP``, only as many entries as there are
 free slots), the claimer (``XAUTOCLAIM`` of entries whose lease expired), the renewer (leases
 of the entries in flight), the cancel tail (``{p}:cancels``), the heartbeat, and the writer
-(each engine step's outputs in one ``MULTI`` pipeline). The engine steps on its own thread
+(each engine step's outputs in one atomic script call). The engine steps on its own thread
 (``EngineThread``). ``request_stop`` (SIGTERM) drains: stop reading, let in-flight requests
 finish for ``grace_s``, hand the rest back to other workers.
 """
@@ -248,7 +248,7 @@ class WorkerService:
 
     async def _write_once(self) -> None:
         batches = [await self._batches.get()]
-        while not self._batches.empty():  # Redis was slow: coalesce into one pipeline
+        while not self._batches.empty():  # Redis was slow: coalesce into one call
             batches.append(self._batches.get_nowait())
         outputs = [out for batch in batches for out in batch.outputs]
         await self.requests.write_outputs(outputs)
