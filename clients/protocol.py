@@ -254,6 +254,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
     num_pages_free: int = 0
+    num_steps: int = 0  # engine steps since the worker started
+    step_time_s: float = 0.0  # time spent in those steps, summed
 
 
 # -- encoding --------------------------------------------------------------------------------------

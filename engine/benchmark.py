@@ -106,6 +106,18 @@ def _check_fits(engine: LLMEngine, workload: ThroughputWorkload) -> None:
         )
 
 
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99 and the mean of ``values`` (all None when there are none)."""
+    names = [f"p{p}" for p in PERCENTILES] + ["mean"]
+    if not values:
+        return dict.fromkeys(names)
+    points = [*np.percentile(np.asarray(values), PERCENTILES), np.mean(values)]
+    return {name: float(point) for name, point in zip(names, points, strict=True)}
+
+
 @dataclass
 class _Tally:
     """What the step loop counted over one run."""
@@ -114,6 +126,16 @@ class _Tally:
     num_cached_prompt_tokens: int = 0
     num_steps: int = 0
     ttft_s: dict[str, float] = field(default_factory=dict)
+    last_s: dict[str, float] = field(default_factory=dict)  # request -> its last token's time
+    num_tokens: dict[str, int] = field(default_factory=dict)
+
+    def tpot_s(self) -> list[float]:
+        """Each request's time per output token after its first (as a streaming client sees it)."""
+        return [
+            (self.last_s[rid] - first_s) / (self.num_tokens[rid] - 1)
+            for rid, first_s in self.ttft_s.items()
+            if self.num_tokens[rid] > 1
+        ]
 
 
 def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> dict[str, Any]:
@@ -136,6 +158,7 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
         "output_tok_s": tally.num_output_tokens / elapsed_s,
         "total_tok_s": (num_input_tokens + tally.num_output_tokens) / elapsed_s,
         "mean_ttft_s": sum(tally.ttft_s.values()) / max(len(tally.ttft_s), 1),
+        "tpot_s": percentiles(tally.tpot_s()),
         "num_preemptions": engine.stats().num_preemptions - preemptions_before,
         # Of this run's prompt tokens (the engine's own rate counts its whole life).
         "prefix_hit_rate": tally.num_cached_prompt_tokens / num_input_tokens,
@@ -174,6 +197,9 @@ def _step_until_done(
                 tally.num_output_tokens += len(out.new_token_ids)
                 if out.new_token_ids:
                     tally.ttft_s.setdefault(out.request_id, now_s - start_s)
+                    tally.last_s[out.request_id] = now_s - start_s
+                    count = tally.num_tokens.get(out.request_id, 0)
+                    tally.num_tokens[out.request_id] = count + len(out.new_token_ids)
                 if out.usage is not None:
                     tally.num_cached_prompt_tokens += out.usage.cached_prompt_tokens
                 bar.update(int(out.finished))

@@ -59,6 +59,8 @@ class EngineStats:
     num_pages_free: int
     prefix_hit_rate: float
     num_preemptions: int
+    num_steps: int = 0
+    step_time_s: float = 0.0  # wall time spent inside step(), summed
 
 
 @dataclass
@@ -96,6 +98,8 @@ class LLMEngine:
         self.pool_source = runtime.plan.source
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
         self._inbox = _Inbox()
+        self._num_steps = 0
+        self._step_time_s = 0.0
         self._request_counter = itertools.count()
         torch.manual_seed(config.seed)
         logger.info(
@@ -174,12 +178,15 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Run one engine step; outputs of every sequence that advanced or ended."""
+        start_s = time.perf_counter()
         outputs = self._apply_inbox()
         batch = self.scheduler.schedule(time.monotonic())
         outputs += [self._finished_output(seq) for seq in batch.finished]
         sampled = self.runner.execute(batch)
         self._advance(batch)
         outputs += [self._append_token(token) for token in sampled]
+        self._num_steps += 1
+        self._step_time_s += time.perf_counter() - start_s
         return outputs
 
     def _apply_inbox(self) -> list[StepOutput]:
@@ -277,6 +284,8 @@ class LLMEngine:
             num_pages_free=bm.num_free_blocks,
             prefix_hit_rate=bm.prefix_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps,
+            step_time_s=self._step_time_s,
         )
 
     def sequence(self, request_id: str) -> Sequence | None:

@@ -35,6 +35,12 @@ def test_bench_serve_writes_a_valid_record_and_plot(tmp_path: Path) -> None:
         assert set(cells) == {"p50", "p90", "p99", "mean"}
         assert 0 < cells["p50"] <= cells["p90"] <= cells["p99"]
     assert results["ratio_to_offline"] > 0
+    assert offline["tpot_s"]["p50"] > 0 and results["added_tpot_p50_ms"] is not None
+    # The worker's own step counters, read from its heartbeats around the timed run: every
+    # output token but the first of each request needs a step of its own.
+    workers = results["workers"]
+    assert workers["num_steps"] >= max(results["output_tokens"] // NUM_PROMPTS, 1)
+    assert workers["step_s"] > 0 and 0 < workers["busy_fraction"] <= 1
     assert set(results["targets"]) >= {"ratio_met", "added_tpot_met"}
     assert out.with_suffix(".png").stat().st_size > 0
 

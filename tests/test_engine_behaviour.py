@@ -484,6 +484,8 @@ def test_stats_track_queues_and_pages(llama_dir: Path) -> None:
     done = engine.stats()
     assert (done.num_running, done.num_waiting, done.num_pages_used) == (0, 0, 0)
     assert done.num_pages_free == total and done.num_preemptions == 0
+    assert idle.num_steps == 0 and idle.step_time_s == 0.0
+    assert done.num_steps == driver.num_steps and done.step_time_s > 0
 
 
 def test_duplicate_in_flight_request_id_is_refused_until_it_finishes(llama_dir: Path) -> None:

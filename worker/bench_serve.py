@@ -23,12 +23,9 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-import numpy as np
-
 from worker.cli import EXIT_USAGE, CommandError
 from worker.cli_types import int_range, positive_int
 
-PERCENTILES = (50, 90, 99)
 WORKER_START_TIMEOUT_S = 300.0
 REDIS_START_TIMEOUT_S = 10.0
 NUM_WARMUP_REQUESTS = 2
@@ -233,10 +230,37 @@ async def _serve(redis_url: str, args: argparse.Namespace, prompts: list[Any]) -
         await asyncio.gather(*(_one(client, warmup) for _ in range(NUM_WARMUP_REQUESTS)))
         for _ in range(args.warmup_runs):
             await _stream_all(client, prompts, args.concurrency)
+        before = await _engine_counters(client, time.time())
         start_s = time.perf_counter()
         timings = await _stream_all(client, prompts, args.concurrency)
         elapsed_s = time.perf_counter() - start_s
-    return summarize(timings, elapsed_s)
+        after = await _engine_counters(client, time.time())
+    results = summarize(timings, elapsed_s)
+    if before is not None and after is not None:
+        num_steps, step_time_s = after[0] - before[0], after[1] - before[1]
+        results["workers"] = {
+            "num_steps": num_steps,
+            "step_s": step_time_s / max(num_steps, 1),
+            "busy_fraction": step_time_s / elapsed_s,  # summed over workers: may exceed 1
+        }
+    return results
+
+
+async def _engine_counters(client: Any, since_s: float) -> tuple[int, float] | None:
+    """Engine steps and time in them, summed over the workers, from heartbeats written after
+    ``since_s`` (the workers are idle between runs, so the sums are exact); None if no worker
+    beats in time."""
+    from clients.protocol import HEARTBEAT_TTL_S, WorkerStatus, decode_struct
+
+    deadline_s = time.monotonic() + HEARTBEAT_TTL_S
+    while time.monotonic() < deadline_s:
+        values = [await client.redis.get(key)
+                  async for key in client.redis.scan_iter(client.keys.worker_pattern())]  # fmt: skip
+        statuses = [decode_struct(v, WorkerStatus) for v in values if v]
+        if statuses and all(s.updated_at_ms >= since_s * 1000 for s in statuses):
+            return sum(s.num_steps for s in statuses), sum(s.step_time_s for s in statuses)
+        await asyncio.sleep(0.2)
+    return None
 
 
 async def _stream_all(client: Any, prompts: list[Any], concurrency: int) -> list[StreamTiming]:
@@ -269,6 +293,8 @@ async def _one(client: Any, prompt: Any) -> StreamTiming:
 
 def summarize(timings: list[StreamTiming], elapsed_s: float) -> dict[str, Any]:
     """Throughput and TTFT/TPOT percentiles of a run."""
+    from engine.benchmark import percentiles
+
     num_tokens = sum(t.num_tokens for t in timings)
     tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
     return {
@@ -276,17 +302,9 @@ def summarize(timings: list[StreamTiming], elapsed_s: float) -> dict[str, Any]:
         "num_requests": len(timings),
         "output_tokens": num_tokens,
         "output_tok_s": num_tokens / elapsed_s,
-        "ttft_s": _percentiles([t.ttft_s for t in timings]),
-        "tpot_s": _percentiles(tpots),
+        "ttft_s": percentiles([t.ttft_s for t in timings]),
+        "tpot_s": percentiles(tpots),
     }
-
-
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    names = [f"p{p}" for p in PERCENTILES] + ["mean"]
-    if not values:
-        return dict.fromkeys(names)
-    points = [*np.percentile(np.asarray(values), PERCENTILES), np.mean(values)]
-    return {name: float(point) for name, point in zip(names, points, strict=True)}
 
 
 # -- the record ----------------------------------------------------------------------------------
@@ -299,8 +317,12 @@ def _record(
 
     if offline is not None:
         results["ratio_to_offline"] = results["output_tok_s"] / offline["output_tok_s"]
-        tpot_p50_s = results["tpot_s"]["p50"]
-        added_ms = None if tpot_p50_s is None else (tpot_p50_s - offline["step_s"]) * 1e3
+        # Per-request time per token, measured the same way on both sides (first to last
+        # token, over the tokens after the first): what the worker adds to a stream.
+        tpot_p50_s, offline_p50_s = results["tpot_s"]["p50"], offline["tpot_s"]["p50"]
+        added_ms = None
+        if tpot_p50_s is not None and offline_p50_s is not None:
+            added_ms = (tpot_p50_s - offline_p50_s) * 1e3
         results["added_tpot_p50_ms"] = added_ms
         results["targets"] = {
             "ratio_at_least": TARGET_RATIO, "added_tpot_p50_ms_below": TARGET_ADDED_TPOT_MS,
@@ -332,9 +354,16 @@ def format_serve(record: dict[str, Any]) -> str:
             f"{key} {value * 1e3:.2f} ms" for key, value in r[name].items() if value is not None
         )
         lines.append(f"{name[:-2].upper()}: {cells}")
-    if record["offline"] is not None:
+    if "workers" in r:
+        w = r["workers"]
+        lines.append(f"workers: {w['num_steps']} engine steps of {w['step_s'] * 1e3:.2f} ms, "
+                     f"busy {w['busy_fraction']:.0%} of the run")  # fmt: skip
+    offline = record["offline"]
+    if offline is not None:
+        added_ms = r["added_tpot_p50_ms"]
         lines.append(
-            f"offline engine: {record['offline']['output_tok_s']:.1f} tok/s, "
-            f"ratio {r['ratio_to_offline']:.2f}; added TPOT p50 {r['added_tpot_p50_ms']:.2f} ms"
+            f"offline engine: {offline['output_tok_s']:.1f} tok/s, {offline['num_steps']} steps "
+            f"of {offline['step_s'] * 1e3:.2f} ms; ratio {r['ratio_to_offline']:.2f}, "
+            f"added TPOT p50 {'n/a' if added_ms is None else f'{added_ms:.2f} ms'}"
         )
     return "\n".join(lines)

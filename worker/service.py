@@ -290,6 +290,8 @@ class WorkerService:
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             num_pages_free=stats.num_pages_free,
+            num_steps=stats.num_steps,
+            step_time_s=stats.step_time_s,
         )
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(
