@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,13 +177,18 @@ class LLMEngine:
 
     # -- stepping ------------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
-        """Run one engine step; outputs of every sequence that advanced or ended."""
+    def step(self, while_gpu_busy: Callable[[], None] | None = None) -> list[StepOutput]:
+        """Run one engine step; outputs of every sequence that advanced or ended.
+
+        ``while_gpu_busy`` runs once the step's forward is launched, before the host waits for
+        it: a caller on another thread can hand off the previous step's outputs there, so that
+        their processing overlaps the GPU's work instead of this thread's (they share the GIL).
+        """
         start_s = time.perf_counter()
         outputs = self._apply_inbox()
         batch = self.scheduler.schedule(time.monotonic())
         outputs += [self._finished_output(seq) for seq in batch.finished]
-        sampled = self.runner.execute(batch)
+        sampled = self.runner.execute(batch, while_gpu_busy)
         self._advance(batch)
         outputs += [self._append_token(token) for token in sampled]
         self._num_steps += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +63,11 @@ class ModelRunner:
         return graphs.capture_s
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+    def execute(
+        self, batch: ScheduledBatch, while_gpu_busy: Callable[[], None] | None = None
+    ) -> list[SampledToken]:
+        """Run the batch's forward and sample; ``while_gpu_busy`` is called once the forward is
+        launched, before the host waits for its result (not called when nothing runs)."""
         # Swap-outs first: their pages may be handed to other sequences in this very step.
         if batch.swap_out:
             self.kv_cache.swap_out(*map(list, zip(*batch.swap_out, strict=True)))
@@ -72,6 +77,8 @@ class ModelRunner:
             return []
         inputs = self.prepare_inputs(batch)
         logits = self._logits(inputs)
+        if while_gpu_busy is not None:
+            while_gpu_busy()
         if logits is None:
             return []  # only partial prefill chunks this step
         rows = [self._sampling_row(entry.seq) for entry in inputs.sampling_entries]

@@ -488,6 +488,30 @@ def test_stats_track_queues_and_pages(llama_dir: Path) -> None:
     assert done.num_steps == driver.num_steps and done.step_time_s > 0
 
 
+def test_while_gpu_busy_runs_once_per_forward_before_its_tokens_exist(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, prefill_chunk=16, max_batched_tokens=16, max_seqs=4)
+    prompt = random_prompts([40], VOCAB_SIZE, seed=24)[0]  # three prefill chunks, then decode
+    engine.add_request("r", prompt_token_ids=prompt, sampling=greedy(4))
+    seen: list[tuple[int, int]] = []  # (computed tokens, output tokens) when called
+
+    def while_gpu_busy() -> None:
+        seq = engine.sequence("r")
+        assert seq is not None
+        seen.append((seq.num_computed_tokens, seq.num_output_tokens))
+
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        engine.step(while_gpu_busy=while_gpu_busy)
+        num_steps += 1
+        assert len(seen) == num_steps  # every one of these steps ran a forward
+    # called before the step's bookkeeping: no chunk or token of that step is visible yet
+    assert seen == [(0, 0), (16, 0), (32, 0), (40, 1), (41, 2), (42, 3)]
+    engine.add_request("gone", prompt_token_ids=prompt, sampling=greedy(4))
+    engine.abort("gone")
+    engine.step(while_gpu_busy=while_gpu_busy)  # only the abort: nothing runs, no call
+    assert len(seen) == num_steps
+
+
 def test_duplicate_in_flight_request_id_is_refused_until_it_finishes(llama_dir: Path) -> None:
     prompts = random_prompts([10, 14], VOCAB_SIZE, seed=23)
     expected = hf_greedy(llama_dir, prompts, 6)

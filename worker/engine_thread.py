@@ -160,20 +160,36 @@ class EngineThread:
     # -- the thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        assert self._loop is not None
+        """Step while there is work. A step's outputs go to the loop while the *next* step's
+        forward runs on the GPU: the loop's work on them (events, Redis writes) then takes
+        the GIL while this thread waits for the GPU, not while it prepares the next step
+        (the GPU would wait). That costs each token one step's host time in latency, never
+        a gap between tokens; an idle engine hands its last outputs over at once."""
+        loop = self._loop
+        assert loop is not None
+        pending: list[StepBatch] = []
+
+        def hand_over() -> None:
+            if pending:
+                loop.call_soon_threadsafe(self._deliver, pending.pop())
+
         try:
             while not self._stopping.is_set():
                 if not self.engine.has_unfinished_requests():
+                    hand_over()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                batch = StepBatch(self.engine.step(), self.engine.stats())
-                self._loop.call_soon_threadsafe(self._deliver, batch)
+                outputs = self.engine.step(while_gpu_busy=hand_over)
+                hand_over()  # the step ran no forward (only swaps or finished requests)
+                pending.append(StepBatch(outputs, self.engine.stats()))
         except BaseException as exc:
             logger.exception("engine step failed; the engine thread stops")
-            self._loop.call_soon_threadsafe(self._fail, exc)
+            hand_over()
+            loop.call_soon_threadsafe(self._fail, exc)
         else:
-            self._loop.call_soon_threadsafe(self._set_stopped)
+            hand_over()
+            loop.call_soon_threadsafe(self._set_stopped)
 
     def _deliver(self, batch: StepBatch) -> None:
         self.stats = batch.stats
