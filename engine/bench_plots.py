@@ -111,28 +111,37 @@ def _kernels(plt: Any, record: dict[str, Any]) -> Any:
 
 
 def _serve(plt: Any, record: dict[str, Any]) -> Any:
-    """Throughput through Redis beside the offline engine's; TTFT and TPOT percentiles."""
+    """Throughput through Redis beside the offline engine's; per-request time per output
+    token on both sides (what the worker adds); time to first token through Redis."""
     results, offline = record["results"], record.get("offline")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (rate, tpot, ttft) = plt.subplots(1, 3, figsize=(12, 3.5))
     names, rates = ["through Redis"], [results["output_tok_s"]]
     if offline is not None:
         names.append("offline engine")
         rates.append(offline["output_tok_s"])
-    left.bar(names, rates, color=["tab:blue", "tab:gray"][: len(names)])
-    left.set_ylabel("output tokens / s")
+    rate.bar(names, rates, color=["tab:blue", "tab:gray"][: len(names)])
+    rate.set_ylabel("output tokens / s")
     ratio = results.get("ratio_to_offline")
-    left.set_title(
+    rate.set_title(
         f"concurrency {record['settings']['concurrency']}"
         + ("" if ratio is None else f", ratio {ratio:.2f}"),
         fontsize=9,
     )
-    labels = [key for key in results["ttft_s"] if key.startswith("p")]
-    for offset, name in ((-0.2, "ttft_s"), (0.2, "tpot_s")):
-        values = [(results[name][key] or 0) * 1e3 for key in labels]
-        xs = [i + offset for i in range(len(labels))]
-        right.bar(xs, values, width=0.4, label=name[:-2].upper())
-    right.set_xticks(range(len(labels)), labels)
-    right.set_yscale("log")
-    right.set_ylabel("ms")
-    right.legend(fontsize=8)
+    labels = [key for key in results["tpot_s"] if key.startswith("p")]
+    sides = [("through Redis", results["tpot_s"], "tab:blue")]
+    if offline is not None and "tpot_s" in offline:  # records before per-request TPOT lack it
+        sides.append(("offline engine", offline["tpot_s"], "tab:gray"))
+    width = 0.8 / len(sides)
+    for index, (name, cells, color) in enumerate(sides):
+        xs = [i + (index - (len(sides) - 1) / 2) * width for i in range(len(labels))]
+        tpot.bar(xs, [(cells[key] or 0) * 1e3 for key in labels], width, label=name, color=color)
+    tpot.set_xticks(range(len(labels)), labels)
+    tpot.set_ylabel("ms")
+    added = results.get("added_tpot_p50_ms")
+    tpot.set_title("time per output token" + ("" if added is None else f" (+{added:.2f} ms p50)"),
+                   fontsize=9)  # fmt: skip
+    tpot.legend(fontsize=8)
+    ttft.bar(labels, [(results["ttft_s"][key] or 0) * 1e3 for key in labels], color="tab:blue")
+    ttft.set_ylabel("ms")
+    ttft.set_title("time to first token, through Redis", fontsize=9)
     return fig
