@@ -100,6 +100,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens, if pages allow."""
         num_needed = self.num_blocks_needed(seq, num_new_tokens)
+        if num_needed == 0:
+            return True  # the common decode step: the last page has room
         if num_needed > len(self._free):
             return False
         for _ in range(num_needed):
@@ -134,9 +136,9 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish ``seq``'s newly filled blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+            return  # caching off, or no block filled since the last call
         self._extend_hashes(seq, num_full)
         for index in range(seq.num_registered_blocks, num_full):
             block_hash = seq.block_hashes[index]

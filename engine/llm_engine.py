@@ -37,7 +37,7 @@ logger = logging.getLogger("pagestream.engine")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     """What one sequence produced in one step (new tokens, or its end)."""
 
@@ -229,26 +229,24 @@ class LLMEngine:
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 text_delta += self._finish(seq, reason)
+        finished = seq.is_finished
         return StepOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token_id],
-            text_delta=text_delta,
-            logprobs=[sampled.logprobs],
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            usage=seq.usage() if seq.is_finished else None,
-        )
+            seq.request_id, [token_id], text_delta, [sampled.logprobs], finished,
+            seq.finish_reason, seq.stop_reason, seq.usage() if finished else None,
+        )  # fmt: skip
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling
-        if seq.num_output_tokens >= params.min_tokens:
+        num_output = len(seq.output_token_ids)  # once per token per sequence: no properties
+        if num_output >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 seq.stop_reason = token_id
                 return FinishReason.STOP
             if token_id in seq.eos_token_ids:
                 return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens:
+            return FinishReason.LENGTH
+        if num_output + len(seq.prompt_token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -81,8 +81,11 @@ class ModelRunner:
             while_gpu_busy()
         if logits is None:
             return []  # only partial prefill chunks this step
-        rows = [self._sampling_row(entry.seq) for entry in inputs.sampling_entries]
-        out = self.sampler.sample(logits, rows)
+        entries = inputs.sampling_entries
+        if all(_plain_greedy(entry.seq) for entry in entries):
+            out = self.sampler.greedy(logits)  # the rows would only say "argmax"
+        else:
+            out = self.sampler.sample(logits, [self._sampling_row(e.seq) for e in entries])
         return [
             SampledToken(entry.seq, token_id, logprobs)
             for entry, token_id, logprobs in zip(
@@ -114,12 +117,18 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling_entries: list[ScheduledSeq] = []
+        bs = self.block_size
         for entry in batch.scheduled:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
-            token_ids += seq.token_ids(start, end)
-            positions += range(start, end)
-            slots += self._slots(seq.block_table, start, end)
+            if end - start == 1:  # a decode step (most rows): no lists to build
+                token_ids.append(seq.token_id(start))
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                token_ids += seq.token_ids(start, end)
+                positions += range(start, end)
+                slots += self._slots(seq.block_table, start, end)
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
             if entry.samples:
@@ -237,3 +246,8 @@ class ModelRunner:
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token is the argmax of its logits (see ``_sampling_row``)."""
+    return seq.sampling.is_plain_greedy and seq.num_output_tokens >= seq.sampling.min_tokens

@@ -63,7 +63,7 @@ class Sampler:
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} rows"
         logits = logits[:, : self.vocab_size]  # [num_rows, vocab]
         if all(_is_plain_greedy(row) for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return self.greedy(logits)
         # A float32 copy: we edit it in place and must not touch the caller's tensor.
         logits = logits.to(torch.float32, copy=True)
         raw_logprobs = _raw_logprobs(logits, rows)
@@ -71,6 +71,11 @@ class Sampler:
         token_ids = self._pick_tokens(logits, rows)  # [num_rows]
         logprobs = _gather_logprobs(raw_logprobs, token_ids, rows)
         return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
+        """Argmax of every row of ``logits`` [num_rows, >= vocab_size], no logprobs."""
+        token_ids = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        return SamplerOutput(token_ids, [None] * len(token_ids))
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Suppression then penalties, in place on float32 ``logits`` [num_rows, vocab]."""
@@ -94,13 +99,7 @@ class Sampler:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    params = row.params
-    return (
-        params.is_greedy
-        and not params.has_penalties
-        and not row.suppressed_token_ids
-        and params.logprobs is None
-    )
+    return row.params.is_plain_greedy and not row.suppressed_token_ids
 
 
 # -- logprobs

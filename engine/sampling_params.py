@@ -94,6 +94,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Argmax of the raw logits is the whole story (once ``min_tokens`` is reached)."""
+        return self.is_greedy and not self.has_penalties and self.logprobs is None
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -94,8 +94,10 @@ class Scheduler:
         self._expire_deadlines(now_s, batch)
         budget = self.config.max_batched_tokens
         self.running.sort(key=_order)
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -129,6 +131,8 @@ class Scheduler:
         return num_new
 
     def _try_allocate(self, seq: Sequence, num_new: int, allow_over_quota: bool) -> bool:
+        if not self.block_manager.tenant_page_quotas:  # no quotas: only the pool can say no
+            return self.block_manager.allocate_slots(seq, num_new)
         needed = self.block_manager.num_blocks_needed(seq, num_new)
         over_quota = self.block_manager.tenant_over_quota(seq.tenant, needed)
         if over_quota and not (allow_over_quota and self._is_tenants_only_running(seq)):
