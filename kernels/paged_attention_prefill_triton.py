@@ -33,7 +33,8 @@ PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 
 
-@triton.jit
+# Ints that change from step to step are not specialized (see _decode_kernel).
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,

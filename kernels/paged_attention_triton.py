@@ -47,7 +47,9 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 
 
-@triton.jit
+# Ints that change from step to step are not specialized (Triton would compile a variant for
+# each value that is 1 or a multiple of 16, at the first step that meets it).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -250,7 +252,7 @@ def paged_attention(
 
 
 def default_num_kv_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per (sequence, kv head): about TARGET_PROGRAMS_PER_SM programs per SM.
+    """Splits per (sequence, kv head): up to TARGET_PROGRAMS_PER_SM programs per SM.
 
     Depends on shapes and the device only, never on sequence lengths: a CUDA graph captured
     for a batch size stays valid whatever the contexts grow to.
@@ -259,7 +261,9 @@ def default_num_kv_splits(num_seqs: int, num_kv_heads: int, device: torch.device
     if num_programs >= 2 * _num_sms(device):
         return 1  # already two waves: splitting only adds the reduction
     wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * _num_sms(device), num_programs)
-    return max(1, min(MAX_KV_SPLITS, wanted))
+    # A power of two: NUM_SPLITS is compiled in, and a mixed step's decode count is anything
+    # from 1 up: seven variants to compile instead of one per count.
+    return min(MAX_KV_SPLITS, 1 << (wanted.bit_length() - 1))
 
 
 @functools.lru_cache(maxsize=8)

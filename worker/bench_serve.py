@@ -28,7 +28,6 @@ from worker.cli_types import int_range, positive_int
 
 WORKER_START_TIMEOUT_S = 300.0
 REDIS_START_TIMEOUT_S = 10.0
-NUM_WARMUP_REQUESTS = 2
 TARGET_RATIO = 0.9  # of offline throughput, at 256 streams
 TARGET_ADDED_TPOT_MS = 2.0  # p50 time per output token above the offline engine's step time
 
@@ -224,10 +223,10 @@ class StreamTiming:
 
 async def _serve(redis_url: str, args: argparse.Namespace, prompts: list[Any]) -> dict[str, Any]:
     from clients import AsyncClient
+    from engine.benchmark import warmup_prompts
 
     async with AsyncClient(redis_url, prefix=args.prefix, timeout_s=args.timeout_s) as client:
-        warmup = min(prompts, key=lambda p: len(p.token_ids) + p.output_len)
-        await asyncio.gather(*(_one(client, warmup) for _ in range(NUM_WARMUP_REQUESTS)))
+        await asyncio.gather(*(_one(client, prompt) for prompt in warmup_prompts(prompts)))
         for _ in range(args.warmup_runs):
             await _stream_all(client, prompts, args.concurrency)
         before = await _engine_counters(client, time.time())
