@@ -210,9 +210,12 @@ class LLMEngine:
         return outputs
 
     def _advance(self, batch: ScheduledBatch) -> None:
+        bm = self.block_manager
         for entry in batch.scheduled:
-            entry.seq.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.register_full_blocks(entry.seq)
+            seq = entry.seq
+            seq.num_computed_tokens += entry.num_new_tokens
+            if seq.num_computed_tokens // bm.block_size > seq.num_registered_blocks:
+                bm.register_full_blocks(seq)  # a block filled: publish it for prefix sharing
 
     def _append_token(self, sampled: SampledToken) -> StepOutput:
         seq, token_id = sampled.seq, sampled.token_id

@@ -82,7 +82,7 @@ class ModelRunner:
         if logits is None:
             return []  # only partial prefill chunks this step
         entries = inputs.sampling_entries
-        if all(_plain_greedy(entry.seq) for entry in entries):
+        if all([_plain_greedy(entry.seq) for entry in entries]):  # a list: cheaper than a genexpr
             out = self.sampler.greedy(logits)  # the rows would only say "argmax"
         else:
             out = self.sampler.sample(logits, [self._sampling_row(e.seq) for e in entries])
@@ -203,10 +203,13 @@ class ModelRunner:
         seq_lens: list[int],
         query_start_loc: list[int],
     ) -> AttentionMetadata:
-        query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
         num_decodes = 0  # the leading sequences with one new token each
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        while num_decodes < len(seq_lens) and query_start_loc[num_decodes + 1] == num_decodes + 1:
             num_decodes += 1
+        if num_decodes == len(seq_lens):
+            max_query_len = 1
+        else:
+            max_query_len = max(b - a for a, b in itertools.pairwise(query_start_loc))
         return AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=self._block_tables(tables),
@@ -216,7 +219,7 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
             num_decodes=num_decodes,
             max_seq_len=max(seq_lens),
-            max_query_len=max(query_lens),
+            max_query_len=max_query_len,
         )
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
@@ -250,4 +253,5 @@ class ModelRunner:
 
 def _plain_greedy(seq: Sequence) -> bool:
     """Whether ``seq``'s next token is the argmax of its logits (see ``_sampling_row``)."""
-    return seq.sampling.is_plain_greedy and seq.num_output_tokens >= seq.sampling.min_tokens
+    params = seq.sampling
+    return params.is_plain_greedy and len(seq.output_token_ids) >= params.min_tokens

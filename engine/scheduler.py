@@ -98,11 +98,19 @@ class Scheduler:
         prefills: list[Sequence] = []
         for seq in self.running:
             (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
+        # The common decode step needs no page (the last one has room) and no quota check.
+        fast = not self.block_manager.tenant_page_quotas
+        page = self.block_manager.block_size
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step to make room
+            room = seq.num_computed_tokens < len(seq.block_table) * page
+            if fast and room and seq.num_uncomputed_tokens == 1:
+                batch.scheduled.append(ScheduledSeq(seq, 1))
+                budget -= 1
+                continue
             budget -= self._schedule_running(seq, budget, batch)
         if batch.num_preempted == 0:
             budget -= self._resume_swapped(budget, batch)
