@@ -9,8 +9,9 @@ import argparse
 import json
 from pathlib import Path
 
-from worker.bench_serve import StreamTiming, engine_flags, summarize
+from worker.bench_serve import StreamTiming, summarize
 from worker.cli import main as cli_main
+from worker.local_stack import engine_flags
 
 NUM_PROMPTS = 12
 

