@@ -234,9 +234,15 @@ class LLMEngine:
                 text_delta += self._finish(seq, reason)
         finished = seq.is_finished
         return StepOutput(
-            seq.request_id, [token_id], text_delta, [sampled.logprobs], finished,
-            seq.finish_reason, seq.stop_reason, seq.usage() if finished else None,
-        )  # fmt: skip
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            text_delta=text_delta,
+            logprobs=[sampled.logprobs],
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            usage=seq.usage() if finished else None,
+        )
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling
