@@ -74,6 +74,15 @@ class Ownership(str, enum.Enum):
     DUPLICATE = "duplicate"  # another entry owns this id: drop this one
 
 
+@dataclass(frozen=True, slots=True)
+class OutEvent:
+    """One encoded event for a request's out stream, as ``publish`` writes it."""
+
+    request_id: str
+    payload: bytes
+    refresh_ttl: bool  # set the stream's TTL again with this write
+
+
 @dataclass(frozen=True)
 class Entry:
     """One request-stream entry as delivered to this worker."""
@@ -196,14 +205,14 @@ class RequestStream:
         if refresh_ttl:
             pipe.expire(out, protocol.OUT_STREAM_TTL_S)
 
-    async def publish(self, events: list[tuple[str, bytes, bool]], acks: list[str]) -> list[str]:
-        """Write ``(request id, encoded event, refresh TTL)`` events and acknowledge ``acks``
-        in one atomic call; returns the writes Redis refused, as messages."""
+    async def publish(self, events: list[OutEvent], acks: list[str]) -> list[str]:
+        """Write ``events`` and acknowledge the entries ``acks`` in one atomic call; returns
+        the writes Redis refused, as messages."""
         assert protocol.PAYLOAD_FIELD == "msg"  # the script's field name
-        keys = [self.keys.requests, *(self.keys.out(request_id) for request_id, _, _ in events)]
+        keys = [self.keys.requests, *(self.keys.out(event.request_id) for event in events)]
         args: list[Any] = [self.keys.group, protocol.OUT_STREAM_TTL_S, len(events)]
-        args += [payload for _, payload, _ in events]
-        args += ["1" if refresh else "0" for _, _, refresh in events]
+        args += [event.payload for event in events]
+        args += ["1" if event.refresh_ttl else "0" for event in events]
         args += acks
         failed = await self._publish(keys=keys, args=args)
         return [text(message) for message in failed]

@@ -15,7 +15,7 @@ from clients import protocol
 from clients.protocol import DeadLetter, ErrorCode, ErrorEvent, Request, RestartEvent
 from engine import InvalidRequestError, StepOutput
 from worker.admission import MalformedEntry, decode_entry, engine_inputs
-from worker.delivery import REDIS_ERRORS, Entry, Ownership
+from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership
 from worker.events import InFlight, queue_ms, wall_ms
 from worker.logs import get_logger
 
@@ -204,7 +204,7 @@ class RequestHandler:
     async def write_outputs(self, outputs: list[StepOutput]) -> None:
         """Write one or more steps' outputs in one atomic call (retried until Redis takes it)."""
         service = self.service
-        events: list[tuple[str, bytes, bool]] = []  # (id, encoded event, refresh its TTL)
+        events: list[OutEvent] = []
         finished: list[tuple[InFlight, StepOutput]] = []
         now_s = time.monotonic()
         for out in outputs:
@@ -213,10 +213,10 @@ class RequestHandler:
                 continue  # dropped (lease lost, handed back) or not ours
             if out.new_token_ids or out.text_delta:
                 event = protocol.encode(flight.token_event(out))
-                events.append((flight.request_id, event, flight.ttl_due(now_s)))
+                events.append(OutEvent(flight.request_id, event, flight.ttl_due(now_s)))
             if out.finished:
                 done = protocol.encode(flight.done_event(out, service.settings.name))
-                events.append((flight.request_id, done, True))  # kept a full TTL after the end
+                events.append(OutEvent(flight.request_id, done, True))  # a full TTL after the end
                 finished.append((flight, out))
         if not events:
             return
