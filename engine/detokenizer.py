@@ -73,6 +73,8 @@ class _StopStrings:
         Ranking by end (not start) makes the result the same however the text was split into
         steps: a stream sees a match as soon as its last character arrives.
         """
+        if not self._stops:
+            return None  # the common request: no stop strings
         matches = [_StopMatch(s, text.find(s)) for s in self._stops if s in text]
         return min(matches, key=lambda m: (m.end, m.start), default=None)
 
@@ -109,6 +111,9 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # A fast tokenizer's own Rust decode: what tokenizer.decode calls for it, without the
+        # Python argument handling around it (two decodes per token per sequence add up).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stops = _StopStrings(stop, include_stop_str_in_output)
         # The window: token ids from the prefix offset on. The text of window[:read_offset]
         # (prefix_text) is already produced, or is prompt context.
@@ -198,6 +203,10 @@ class IncrementalDetokenizer:
         return context
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._backend is not None:
+            return str(
+                self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+            )
         # No cleanup of spaces before punctuation: it looks across window edges, so a stream
         # would differ from a whole decode (transformers 5 skips it for BPE anyway).
         text = self._tokenizer.decode(

@@ -126,6 +126,26 @@ def test_deltas_concatenate_to_full_decode(tokenizer: PreTrainedTokenizerBase, t
     assert detokenizer.output_text == text
 
 
+class DecodeOnly:
+    """A tokenizer seen only through ``decode``, as a tokenizer without a Rust backend is."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("text", SAMPLE_TEXTS[:3])
+def test_tokenizers_without_a_rust_backend_stream_the_same_text(
+    tokenizer: PreTrainedTokenizerBase, text: str
+) -> None:
+    prompt_ids = encode(tokenizer, "Say something: ")
+    output_ids = encode(tokenizer, text)
+    fast = IncrementalDetokenizer(tokenizer, prompt_ids)
+    generic = IncrementalDetokenizer(DecodeOnly(tokenizer), prompt_ids)  # type: ignore[arg-type]
+    fast_deltas, generic_deltas = stream(fast, output_ids), stream(generic, output_ids)
+    assert [d.text for d in fast_deltas] == [d.text for d in generic_deltas]
+    assert joined(generic_deltas) + generic.flush() == text
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     prompt_ids=st.lists(ANY_SMOLLM2_ID, max_size=8),
