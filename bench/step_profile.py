@@ -51,6 +51,7 @@ def main() -> None:
     runner.prepare_inputs = timed(totals, "prepare_inputs", runner.prepare_inputs)  # type: ignore[method-assign]
     runner._logits = timed(totals, "forward", runner._logits)  # type: ignore[method-assign]
     runner.sampler.sample = timed(totals, "sample", runner.sampler.sample)  # type: ignore[method-assign]
+    runner.sampler.greedy = timed(totals, "sample", runner.sampler.greedy)  # type: ignore[method-assign]
     workload = ThroughputWorkload(num_prompts=args.num_prompts)
     prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
     for index, prompt in enumerate(prompts):
