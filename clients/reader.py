@@ -104,6 +104,18 @@ class StreamReader:
         await pipe.execute()
 
     async def _run(self) -> None:
+        try:
+            await self._read_while_subscribed()
+        except Exception as exc:  # unexpected: every reader gets it rather than waiting forever
+            for subscriptions in self._subscriptions.values():
+                for subscription in subscriptions:
+                    subscription.queue.put_nowait(exc)
+            self._subscriptions.clear()
+        finally:
+            if self._task is asyncio.current_task():
+                self._task = None  # the next subscriber starts a new reader
+
+    async def _read_while_subscribed(self) -> None:
         delay_s = BACKOFF_MIN_S
         while self._subscriptions:
             # Each stream is read from the oldest position any of its subscribers needs.
@@ -123,7 +135,6 @@ class StreamReader:
             delay_s = BACKOFF_MIN_S
             for raw_key, entries in reply or []:
                 self._deliver(_text(raw_key), entries)
-        self._task = None
 
     async def _fail(self, exc: ResponseError, keys: list[str]) -> None:
         """Hand ``exc`` to the subscribers of keys that are not streams (a key reused for

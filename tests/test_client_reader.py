@@ -117,3 +117,27 @@ def test_a_key_of_the_wrong_type_fails_only_its_own_reader(redis_server: RedisSe
 def test_stream_ids_order_like_redis() -> None:
     ids = ["10-2", "9-5", "10-10", "0-0", "10-0"]
     assert sorted(ids, key=reader.stream_id) == ["0-0", "9-5", "10-0", "10-2", "10-10"]
+
+
+def test_an_unexpected_read_error_reaches_its_readers_and_the_next_read_recovers(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            real_xread, num_calls = client.redis.xread, 0
+
+            async def fails_once(*args: object, **kwargs: object) -> object:
+                nonlocal num_calls
+                num_calls += 1
+                if num_calls == 1:
+                    raise RuntimeError("a bug in the read")
+                return await real_xread(*args, **kwargs)
+
+            monkeypatch.setattr(client.redis, "xread", fails_once)
+            with pytest.raises(RuntimeError, match="a bug in the read"):
+                await asyncio.wait_for(_read_all(client, "first"), 10)
+            await client.redis.xadd(client.keys.out("second"), _token(0))
+            await client.redis.xadd(client.keys.out("second"), _end())
+            assert await asyncio.wait_for(_read_all(client, "second"), 10) == [0]
+
+    asyncio.run(scenario())
