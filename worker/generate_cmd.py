@@ -9,13 +9,11 @@ input order, and a bad line becomes an error record while the others still run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,11 +28,17 @@ from engine import (
 )
 from engine.config import add_engine_args, engine_config_from_args
 from worker.cli import EXIT_USAGE, CommandError
+from worker.jsonl_lines import (
+    BatchItem,
+    Request,
+    chat_request,
+    error_record,
+    parse_line,
+    result_record,
+)
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 0.0  # greedy: the same prompt gives the same text every run
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-REQUEST_FIELDS = frozenset({"id", "prompt", "messages"})
 # SamplingParams fields the sampling flags set; a flag is "--" + the name with dashes ...
 SAMPLING_FLAG_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -42,8 +46,6 @@ SAMPLING_FLAG_FIELDS = (
 )  # fmt: skip
 FLAG_OF_FIELD = {"stop_token_ids": "--stop-token-id"}  # ... except for these
 STDIO = "-"
-
-Request = dict[str, Any]  # keyword arguments of LLMEngine.encode_prompt
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,14 +149,10 @@ def run(args: argparse.Namespace) -> int:
     with user_errors():
         engine = LLMEngine(engine_config_from_args(args))
     if items is None:
-        request = _chat_request(args.prompt) if args.chat else {"prompt": args.prompt}
+        request = chat_request(args.prompt) if args.chat else {"prompt": args.prompt}
         return stream_one(engine, request, SamplingParams(**defaults))
     with _open_output(args.output) as out:
         return run_file(engine, items, out, show_progress=not args.no_progress)
-
-
-def _chat_request(prompt: str) -> Request:
-    return {"messages": [{"role": "user", "content": prompt}]}
 
 
 # -- one prompt, streamed --------------------------------------------------------------------
@@ -188,17 +186,6 @@ def stream_one(engine: LLMEngine, request: Request, sampling: SamplingParams) ->
 # -- a JSONL file -------------------------------------------------------------------------------
 
 
-@dataclass
-class BatchItem:
-    """One input line: a request ready to run, or the error that rejected it."""
-
-    line_no: int
-    id: Any
-    request: Request | None = None
-    sampling: SamplingParams | None = None
-    error: InvalidRequestError | None = None
-
-
 def read_requests(source: str, defaults: dict[str, Any], *, chat: bool) -> list[BatchItem]:
     """Parse every non-blank line of ``source`` (a path, or - for stdin)."""
     try:
@@ -207,42 +194,6 @@ def read_requests(source: str, defaults: dict[str, Any], *, chat: bool) -> list[
         raise CommandError(f"--input {source}: {exc.strerror or exc}", EXIT_USAGE) from exc
     lines = enumerate(text.splitlines(), start=1)
     return [parse_line(no, line, defaults, chat=chat) for no, line in lines if line.strip()]
-
-
-def parse_line(line_no: int, line: str, defaults: dict[str, Any], *, chat: bool) -> BatchItem:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return BatchItem(line_no, line_no, error=InvalidRequestError("line", f"not JSON: {exc}"))
-    if not isinstance(obj, dict):
-        return BatchItem(line_no, line_no, error=InvalidRequestError("line", "not an object"))
-    item = BatchItem(line_no, obj.get("id", line_no))
-    try:
-        item.request = _request_of(obj, chat)
-        item.sampling = _sampling_of(obj, defaults)
-    except InvalidRequestError as exc:
-        item.error = exc
-    return item
-
-
-def _request_of(obj: dict[str, Any], chat: bool) -> Request:
-    unknown = sorted(obj.keys() - REQUEST_FIELDS - SAMPLING_FIELDS)
-    if unknown:
-        raise InvalidRequestError(
-            unknown[0], "unknown field; expected id, prompt or messages, or a sampling setting"
-        )
-    if ("prompt" in obj) == ("messages" in obj):
-        raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
-    if "messages" in obj:
-        return {"messages": obj["messages"]}
-    if not isinstance(obj["prompt"], str):
-        raise InvalidRequestError("prompt", "must be a string")
-    return _chat_request(obj["prompt"]) if chat else {"prompt": obj["prompt"]}
-
-
-def _sampling_of(obj: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
-    overrides = {name: value for name, value in obj.items() if name in SAMPLING_FIELDS}
-    return SamplingParams(**{**defaults, **overrides})
 
 
 class OrderedWriter:
@@ -309,26 +260,6 @@ def _add_all(
                 item.error = exc
         writer.put(index, error_record(item))
     return in_flight
-
-
-def result_record(item: BatchItem, result: RequestOutput) -> dict[str, Any]:
-    record: dict[str, Any] = {
-        "id": item.id,
-        "text": result.text,
-        "token_ids": result.token_ids,
-        "finish_reason": result.finish_reason.value if result.finish_reason else None,
-        "usage": dataclasses.asdict(result.usage) if result.usage else None,
-    }
-    if item.sampling is not None and item.sampling.logprobs is not None:
-        record["logprobs"] = [
-            dataclasses.asdict(entry) if entry else None for entry in result.logprobs
-        ]
-    return record
-
-
-def error_record(item: BatchItem) -> dict[str, Any]:
-    assert item.error is not None
-    return {"id": item.id, "error": {"field": item.error.field, "message": item.error.message}}
 
 
 @contextmanager

@@ -1,0 +1,93 @@
+"""One line of a JSONL request file, and the record that answers it.
+
+``pagestream generate --input`` and batch jobs (``worker/batch.py``) read the same format: a
+JSON object with ``prompt`` or ``messages``, an optional ``id``, and any ``SamplingParams``
+field overriding the defaults. A line that cannot be run becomes an error record that names
+the field; the others still run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine import InvalidRequestError, RequestOutput, SamplingParams
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+REQUEST_FIELDS = frozenset({"id", "prompt", "messages"})
+
+Request = dict[str, Any]  # keyword arguments of LLMEngine.encode_prompt
+
+
+@dataclass
+class BatchItem:
+    """One input line: a request ready to run, or the error that rejected it."""
+
+    line_no: int
+    id: Any
+    request: Request | None = None
+    sampling: SamplingParams | None = None
+    error: InvalidRequestError | None = None
+
+
+def chat_request(prompt: str) -> Request:
+    """A plain prompt as one user message (the model's chat template applies)."""
+    return {"messages": [{"role": "user", "content": prompt}]}
+
+
+def parse_line(line_no: int, line: str, defaults: dict[str, Any], *, chat: bool) -> BatchItem:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return BatchItem(line_no, line_no, error=InvalidRequestError("line", f"not JSON: {exc}"))
+    if not isinstance(obj, dict):
+        return BatchItem(line_no, line_no, error=InvalidRequestError("line", "not an object"))
+    item = BatchItem(line_no, obj.get("id", line_no))
+    try:
+        item.request = _request_of(obj, chat)
+        item.sampling = _sampling_of(obj, defaults)
+    except InvalidRequestError as exc:
+        item.error = exc
+    return item
+
+
+def _request_of(obj: dict[str, Any], chat: bool) -> Request:
+    unknown = sorted(obj.keys() - REQUEST_FIELDS - SAMPLING_FIELDS)
+    if unknown:
+        raise InvalidRequestError(
+            unknown[0], "unknown field; expected id, prompt or messages, or a sampling setting"
+        )
+    if ("prompt" in obj) == ("messages" in obj):
+        raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
+    if "messages" in obj:
+        return {"messages": obj["messages"]}
+    if not isinstance(obj["prompt"], str):
+        raise InvalidRequestError("prompt", "must be a string")
+    return chat_request(obj["prompt"]) if chat else {"prompt": obj["prompt"]}
+
+
+def _sampling_of(obj: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    overrides = {name: value for name, value in obj.items() if name in SAMPLING_FIELDS}
+    return SamplingParams(**{**defaults, **overrides})
+
+
+def result_record(item: BatchItem, result: RequestOutput) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": item.id,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason.value if result.finish_reason else None,
+        "usage": dataclasses.asdict(result.usage) if result.usage else None,
+    }
+    if item.sampling is not None and item.sampling.logprobs is not None:
+        record["logprobs"] = [
+            dataclasses.asdict(entry) if entry else None for entry in result.logprobs
+        ]
+    return record
+
+
+def error_record(item: BatchItem) -> dict[str, Any]:
+    assert item.error is not None
+    return {"id": item.id, "error": {"field": item.error.field, "message": item.error.message}}
