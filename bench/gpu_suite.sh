@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|peers|tests]...   (default: all)
+#   bench/gpu_suite.sh [benchmarks|fp8|peers|serve|tests]...   (default: all)
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -36,12 +36,19 @@ peers() {  # transformers in the same process: minutes each
         --output-json "$OUT/throughput-qwen3-0.6b-vs-hf.json"
 }
 
+serve() {  # the service: 256 streams through an embedded Redis and a worker subprocess
+    log serve qwen3-0.6b
+    "${PS[@]}" bench serve --spawn-worker --model dummy:qwen3-0.6b --concurrency 256 \
+        --num-prompts 512 --input-len 100-1024 --output-len 100-1024 --warmup-runs 1 \
+        --output-json "$OUT/serve-qwen3-0.6b-256.json"
+}
+
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
         tests/test_triton_paged_attention.py
 }
 
-for part in "${@:-benchmarks fp8 peers tests}"; do
+for part in "${@:-benchmarks fp8 peers serve tests}"; do
     for step in $part; do "$step"; done
 done
