@@ -39,7 +39,7 @@ class InFlight:
         """Whether this write should refresh the out stream's TTL (then marks it refreshed).
 
         Once per half TTL is enough to keep a live stream from expiring, and it spares
-        Redis an EXPIRE per token event (half the commands of a decode step's pipeline).
+        Redis an EXPIRE per token event (half the commands of a decode step's write).
         """
         due = self.ttl_refreshed_s is None or now_s - self.ttl_refreshed_s >= TTL_REFRESH_S
         if due:
