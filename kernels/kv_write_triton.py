@@ -171,11 +171,7 @@ def _check_write_args(
         raise ValueError(
             f"k and v must be [T, Hkv, D] of equal shapes, got {tuple(k.shape)} / {tuple(v.shape)}"
         )
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError(
-            f"k_cache and v_cache must be [NB, BS, Hkv, D] with equal shapes and strides, got "
-            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
-        )
+    check_pool(k_cache, v_cache)
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(
             f"the pool's [Hkv, D] {tuple(k_cache.shape[2:])} differs from k's {tuple(k.shape[1:])}"
@@ -192,6 +188,15 @@ def _check_write_args(
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The page pool's two halves: [NB, BS, Hkv, D] each, equal shapes and strides."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache must be [NB, BS, Hkv, D] with equal shapes and strides, got "
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
 
 
 def check_scales(

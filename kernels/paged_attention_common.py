@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write_triton import check_scales
+from kernels.kv_write_triton import check_pool, check_scales
 from kernels.paged_attention import FP8_DTYPE
 
 LOG2_E = 1.4426950408889634  # the kernels use exp2: scores are scaled by log2(e)
@@ -106,11 +106,7 @@ def _check_q_and_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError(
             f"q must be [T, Hq, D] in {SUPPORTED_DTYPES}, got {tuple(q.shape)} {q.dtype}"
         )
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError(
-            f"k_cache and v_cache must be [NB, BS, Hkv, D] with equal shapes and strides, got "
-            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
-        )
+    check_pool(k_cache, v_cache)
     if k_cache.dtype not in (q.dtype, FP8_DTYPE) or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"the pool's dtype must be q's ({q.dtype}) or fp8, got {k_cache.dtype}")
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine import EngineStats, LLMEngine, SamplingParams, StepOutput
+from engine import EngineStats, LLMEngine, StepOutput
 
 logger = logging.getLogger("pagestream.worker.engine")
 
@@ -83,31 +83,12 @@ class EngineThread:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-        timeout_s: float | None = None,
-    ) -> None:
-        """Validate and queue a request; raises ``InvalidRequestError`` or ``EngineStoppedError``."""
+    def add_request(self, request_id: str, **request: Any) -> None:
+        """Validate and queue a request (``request``: ``LLMEngine.add_request``'s keyword
+        arguments); raises ``InvalidRequestError`` or ``EngineStoppedError``."""
         if not self.is_running:
             raise EngineStoppedError("the engine thread is not running")
-        self.engine.add_request(
-            request_id,
-            prompt,
-            prompt_token_ids=prompt_token_ids,
-            messages=messages,
-            sampling=sampling,
-            priority=priority,
-            tenant=tenant,
-            timeout_s=timeout_s,
-        )
+        self.engine.add_request(request_id, **request)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -115,19 +96,9 @@ class EngineThread:
         self.engine.abort(request_id)
         self._wake.set()
 
-    async def generate(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[StepOutput]:
-        """Run one request; yields its step outputs, the last one with ``finished`` set.
+    async def generate(self, request_id: str, **request: Any) -> AsyncIterator[StepOutput]:
+        """Run one request (``request`` as for ``add_request``); yields its step outputs, the
+        last one with ``finished`` set.
 
         Raises ``InvalidRequestError`` before the first output if the request is refused.
         Leaving the loop early (``break``, task cancelled) aborts the request.
@@ -136,16 +107,7 @@ class EngineThread:
         self._streams[request_id] = queue
         finished = False
         try:
-            self.add_request(
-                request_id,
-                prompt=prompt,
-                prompt_token_ids=prompt_token_ids,
-                messages=messages,
-                sampling=sampling,
-                priority=priority,
-                tenant=tenant,
-                timeout_s=timeout_s,
-            )
+            self.add_request(request_id, **request)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
