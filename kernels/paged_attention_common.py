@@ -50,6 +50,54 @@ def load_kv_scale(
     return tl.load(ptrs, mask=mask_n, other=0.0)
 
 
+@triton.jit
+def attend_tile(
+    q, acc, m_i, l_i, offs_n, mask_n, visible,
+    table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One key tile of the online softmax, for the decode and the prefill kernel alike.
+
+    ``q``: [M, BLOCK_D] dot rows; ``offs_n``: the tile's [BLOCK_N] positions, ``mask_n``
+    which of them exist; ``visible``: [M or 1, BLOCK_N] which scores count (causality,
+    windows). Returns the updated (acc [M, BLOCK_D], m_i [M], l_i [M]), base 2, with fp8 v
+    scales folded into p (the caller divides acc by E4M3_MAX at the end).
+    """
+    # -- gather K, V: [BLOCK_N, BLOCK_D] across pages
+    pages, rows = page_rows(table_ptr, offs_n, mask_n, BLOCK_SIZE)
+    k = load_kv_tile(
+        k_cache_ptr, pages, rows, offs_d, mask_n, kv_head,
+        stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM,
+    )  # fmt: skip
+    v = load_kv_tile(
+        v_cache_ptr, pages, rows, offs_d, mask_n, kv_head,
+        stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM,
+    )  # fmt: skip
+    # -- scores [M, BLOCK_N] in base 2; fp8 scales are per key, so per column
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    if IS_FP8:
+        k_scale = load_kv_scale(
+            k_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
+        )
+        s = s * k_scale[None, :]
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    # -- update m_i and l_i (fp32)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # -- update the output accumulator
+    if IS_FP8:
+        v_scale = load_kv_scale(
+            v_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
+        )
+        p = p * (v_scale * E4M3_MAX)[None, :]  # O(1): no fp16 underflow
+    pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
 def dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> tl.dtype:
     """The dot operands' dtype: q's, with two exceptions.
 

@@ -19,11 +19,9 @@ from kernels.paged_attention_common import (
     E4M3_MAX,
     LOG2_E,
     NEG_BIG,
+    attend_tile,
     dot_dtype,
     dot_precision,
-    load_kv_scale,
-    load_kv_tile,
-    page_rows,
     pow2_at_least,
 )
 
@@ -114,41 +112,16 @@ def _attend_tiles(
     for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        pages, rows = page_rows(table_ptr, offs_n, mask_n, BLOCK_SIZE)
-        k = load_kv_tile(
-            k_cache_ptr, pages, rows, offs_d, mask_n, kv_head,
-            stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM,
-        )  # fmt: skip
-        v = load_kv_tile(
-            v_cache_ptr, pages, rows, offs_d, mask_n, kv_head,
-            stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM,
-        )  # fmt: skip
-        # -- scores [BLOCK_M, BLOCK_N] in base 2, causal (and windowed) per row
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        if IS_FP8:
-            k_scale = load_kv_scale(
-                k_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
-            )
-            s = s * k_scale[None, :]
-        s = s * qk_scale
+        # -- causal (and windowed) per row
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         if HAS_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        # -- update m_i and l_i
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # -- update the output accumulator
-        if IS_FP8:
-            v_scale = load_kv_scale(
-                v_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
-            )
-            p = p * (v_scale * E4M3_MAX)[None, :]  # O(1): no fp16 underflow
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = attend_tile(
+            q, acc, m_i, l_i, offs_n, mask_n, visible,
+            table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
+            qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
+            stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
     return acc, l_i
 
 

@@ -27,13 +27,11 @@ from kernels.paged_attention_common import (
     E4M3_MAX,
     LOG2_E,
     NEG_BIG,
+    attend_tile,
     check_attention_args,
     check_out,
     dot_dtype,
     dot_precision,
-    load_kv_scale,
-    load_kv_tile,
-    page_rows,
     pow2_at_least,
 )
 from kernels.paged_attention_prefill_triton import launch_prefill
@@ -101,39 +99,13 @@ def _decode_kernel(
     for tile in range(tile_begin, tile_end):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = (offs_n < seq_len) & (offs_n >= lo)
-        # 3. gather K, V: [BLOCK_N, BLOCK_D] across pages
-        pages, rows = page_rows(table_ptr, offs_n, mask_n, BLOCK_SIZE)
-        k = load_kv_tile(
-            k_cache_ptr, pages, rows, offs_d, mask_n, kv_head,
-            stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM,
+        # 3.-4. gather the tile's K, V and fold it into the online softmax
+        acc, m_i, l_i = attend_tile(
+            q, acc, m_i, l_i, offs_n, mask_n, mask_n[None, :],
+            table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
+            qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
+            stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
         )  # fmt: skip
-        v = load_kv_tile(
-            v_cache_ptr, pages, rows, offs_d, mask_n, kv_head,
-            stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM,
-        )  # fmt: skip
-        # 4. scores [GROUP_PAD, BLOCK_N] in base 2; fp8 scales are per key, so per column
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        if IS_FP8:
-            k_scale = load_kv_scale(
-                k_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
-            )
-            s = s * k_scale[None, :]
-        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-        # -- update m_i and l_i (online softmax, fp32)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # -- update the output accumulator
-        if IS_FP8:
-            v_scale = load_kv_scale(
-                v_scale_ptr, pages, rows, mask_n, kv_head, stride_sb, stride_ss, stride_sh
-            )
-            p = p * (v_scale * E4M3_MAX)[None, :]  # O(1): no fp16 underflow
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
-        )
-        m_i = m_new
 
     # 5. normalized output: straight to `out`, or a partial plus its log-sum-exp
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
