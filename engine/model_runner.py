@@ -31,7 +31,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S]: last token of each sequence that samples
+    # [S]: last token of each sequence that samples; None when every token samples (decode)
+    logits_indices: torch.Tensor | None
     sampling_entries: list[ScheduledSeq]
 
 
@@ -99,7 +100,7 @@ class ModelRunner:
         decode_only = meta.max_query_len == 1
         if decode_only and self.graphs is not None and self.graphs.bucket_for(meta.num_seqs):
             logits = self.graphs.replay(inputs.input_ids, inputs.positions, meta)  # [B, V]
-            if len(inputs.sampling_entries) == meta.num_seqs:
+            if inputs.logits_indices is None:
                 return logits  # the graph's buffer: sampled before the next replay writes it
             # one token per row, so a row's token index is its row (a 1-token chunk of a
             # longer prompt does not sample)
@@ -107,7 +108,9 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
         if not inputs.sampling_entries:
             return None
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.logits_indices is not None:
+            hidden = hidden[inputs.logits_indices]
+        return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
         token_ids: list[int] = []
@@ -140,7 +143,11 @@ class ModelRunner:
             input_ids=self._tensor(token_ids, torch.int64),
             positions=self._tensor(positions, torch.int64),
             meta=meta,
-            logits_indices=self._tensor(logits_indices, torch.int64),
+            logits_indices=(
+                None
+                if len(logits_indices) == len(token_ids)
+                else self._tensor(logits_indices, torch.int64)
+            ),
             sampling_entries=sampling_entries,
         )
 
