@@ -125,9 +125,13 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 def _on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-    return text == "on"
+    """``on``/``off``; ``1/0``, ``true/false`` and ``yes/no`` too (for environment variables)."""
+    word = text.strip().lower()
+    if word in ("on", "1", "true", "yes"):
+        return True
+    if word in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
 def _quota(text: str) -> tuple[str, int]:
@@ -225,7 +229,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_on_off,
         default=None,
         metavar="on/off",
-        help=f"decode CUDA graphs (default on for CUDA; env {CUDA_GRAPHS_ENV}=0 turns off)",
+        help="decode CUDA graphs (default on for CUDA)",
     )
     g.add_argument(
         "--tenant-quota",

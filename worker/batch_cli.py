@@ -13,7 +13,7 @@ from typing import Any
 
 from worker.cli import EXIT_USAGE, CommandError, LazyParser, Subparsers
 from worker.cli_types import add_client_sampling_args, client_sampling
-from worker.settings import REDIS_URL_ENV, default_redis_url
+from worker.settings import DEFAULT_REDIS_URL
 
 
 def register(subparsers: Subparsers) -> None:
@@ -39,8 +39,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _add_common(parser: argparse.ArgumentParser) -> None:
     from clients.protocol import DEFAULT_PREFIX
 
-    parser.add_argument("--redis-url", default=default_redis_url(),
-                        help=f"redis:// or rediss:// URL (env {REDIS_URL_ENV})")  # fmt: skip
+    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL,
+                        help=f"redis:// or rediss:// URL (default {DEFAULT_REDIS_URL})")  # fmt: skip
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the deployment")
 
 

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from worker.env_flags import apply_env_defaults, resolve_exclusive
+
 PROG = "pagestream"
 EXIT_ERROR = 1  # the command failed: model not loadable, bad engine setting, ...
 EXIT_USAGE = 2  # bad arguments (argparse's own code for usage errors)
@@ -34,23 +36,28 @@ class LazyParser(argparse.ArgumentParser):
     """An argument parser that adds its flags (``configure``) the first time it is used.
 
     The top-level help lists subcommands by name and help only, so it stays cheap; a
-    subcommand's flags (which may need the engine's modules) are added when it parses.
+    subcommand's flags (which may need the engine's modules) are added when it parses. Each
+    flag then also reads its ``PAGESTREAM_*`` environment variable (``worker.env_flags``).
     """
 
     def __init__(self, *args: Any, configure: Configure | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._configure = configure
+        self._env_replaced: dict[str, Any] = {}
 
     def _ensure_configured(self) -> None:
         configure, self._configure = self._configure, None
         if configure is not None:
             configure(self)
+            self._env_replaced = apply_env_defaults(self)
 
     def parse_known_args(  # type: ignore[override]
         self, args: Any = None, namespace: Any = None
     ) -> tuple[argparse.Namespace, list[str]]:
         self._ensure_configured()
-        return super().parse_known_args(args, namespace)
+        namespace, extras = super().parse_known_args(args, namespace)
+        resolve_exclusive(self, namespace, self._env_replaced)
+        return namespace, extras
 
     def format_help(self) -> str:
         self._ensure_configured()
@@ -109,9 +116,15 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
 
 def _registrars() -> tuple[Callable[[Subparsers], None], ...]:
     # Each module registers its own subcommands; none of them imports torch at this point.
-    from worker import batch_cli, bench_cli, service_cli
+    from worker import batch_cli, bench_cli, service_cli, up_cmd
 
-    return (_register_generate, bench_cli.register, service_cli.register, batch_cli.register)
+    return (
+        up_cmd.register,
+        _register_generate,
+        service_cli.register,
+        batch_cli.register,
+        bench_cli.register,
+    )
 
 
 REGISTRARS = _registrars()

@@ -19,8 +19,7 @@ from worker.settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
-    REDIS_URL_ENV,
-    default_redis_url,
+    DEFAULT_REDIS_URL,
 )
 
 
@@ -41,8 +40,8 @@ def _add_redis_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--redis-url",
-        default=default_redis_url(),
-        help=f"redis:// or rediss:// URL, password included if any (env {REDIS_URL_ENV})",
+        default=DEFAULT_REDIS_URL,
+        help=f"redis:// or rediss:// URL, password included if any (default {DEFAULT_REDIS_URL})",
     )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the deployment")
 

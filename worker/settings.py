@@ -9,16 +9,10 @@ from dataclasses import dataclass, field
 
 from clients.protocol import DEFAULT_PREFIX
 
-REDIS_URL_ENV = "PAGESTREAM_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_DELIVERIES = 3
 DEFAULT_GRACE_S = 30.0
-
-
-def default_redis_url() -> str:
-    """``$PAGESTREAM_REDIS_URL``, or Redis on localhost."""
-    return os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
 
 
 def default_worker_name() -> str:
