@@ -119,7 +119,7 @@ def _worker(args: argparse.Namespace, redis_url: str) -> Iterator[None]:
     if not args.spawn_worker:
         yield
         return
-    extra = ["--prefix", args.prefix, "--batch-jobs", "0", "--log-level", "WARNING"]
+    extra = ["--batch-jobs", "0", "--log-level", "WARNING"]
     with spawned_worker(redis_url, args.prefix, [*extra, *engine_flags(args)]):
         yield
 

