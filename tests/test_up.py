@@ -200,3 +200,15 @@ def test_up_demo_streams_the_bundled_model_then_sigterm_stops_it(tmp_path: Path)
     assert burst is not None and int(burst.group(1)) > 8
     assert _wait_gone(children, 5.0) == []
     assert list(up.tmp_dir.iterdir()) == []
+
+
+def test_up_with_a_bad_model_says_why_and_stops_redis(tmp_path: Path) -> None:
+    up = Up(tmp_path, "--model", str(tmp_path / "no-such-model"))
+    rc = up.wait()
+    stderr = up.stderr_path.read_text()
+    assert rc == 1
+    assert "no-such-model" in stderr  # the worker's own one-line error
+    assert "pagestream up: error: the worker exited with code 1" in stderr
+    port = re.search(r"starting redis-server on port (\d+)", stderr)
+    assert port is not None and not _port_open(int(port.group(1)))
+    assert list(up.tmp_dir.iterdir()) == []
