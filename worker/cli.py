@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from worker.env_flags import apply_env_defaults, resolve_exclusive
 
@@ -81,6 +82,36 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{args.command_prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:
+        message = redis_failure(exc, getattr(args, "redis_url", None))
+        if message is None:
+            raise
+        print(f"{args.command_prog}: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def redis_failure(exc: BaseException, redis_url: str | None) -> str | None:
+    """One line for a Redis failure the user can fix: unreachable, wrong credentials, or a
+    command the ACL user may not run. ``None`` for anything else (a bug keeps its traceback)."""
+    try:
+        from redis.exceptions import ConnectionError, NoPermissionError, TimeoutError
+    except ImportError:
+        return None
+    where = f" at {redact_url(redis_url)}" if redis_url else ""
+    if isinstance(exc, (ConnectionError, TimeoutError)):  # wrong passwords are ConnectionErrors
+        return f"redis unreachable{where}: {exc}"
+    if isinstance(exc, NoPermissionError):
+        return f"redis refused a command{where} (ACL): {exc}"
+    return None
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password, for messages: ``redis://user:***@host:6379/0``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc}"))
 
 
 def build_parser() -> LazyParser:
