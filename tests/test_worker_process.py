@@ -9,15 +9,20 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from clients import AsyncClient, Completion, FinishReason, protocol
 from engine import LLM, SamplingParams
 from tests.redis_server import RedisServer
 from tests.service_fixtures import WORDS, spawn_worker
 from worker.cli import main
+from worker.local_stack import free_port
 
 KEYS = protocol.Keys()
 START_TIMEOUT_S = 120.0
@@ -135,3 +140,25 @@ def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
                 process.kill()
                 process.wait()
     assert not (tmp_path / "B.log").read_text().count("Traceback")
+
+
+@pytest.mark.parametrize("batch_jobs", ["0", "2"])
+def test_a_worker_that_cannot_reach_redis_stops_at_once_on_sigterm(
+    text_model_dir: Path, tmp_path: Path, batch_jobs: str
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    log_path = tmp_path / "worker.log"
+    command = [sys.executable, "-m", "worker", "worker", "--redis-url", url, "--device", "cpu",
+               "--model", str(text_model_dir), "--batch-jobs", batch_jobs]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(
+            lambda: b"redis unavailable" in log_path.read_bytes(), START_TIMEOUT_S, "a retry"
+        )
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0, log_path.read_text()
+    finally:
+        process.kill()
+        process.wait()
+    assert b"stopped before redis answered" in log_path.read_bytes()

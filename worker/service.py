@@ -79,8 +79,28 @@ class WorkerService:
             self.engine_thread.start()
         self.engine_thread.add_listener(self._batches.put_nowait)
         self.telemetry.observe_engine(self._gauges)
-        await self.retrying("create group", self.stream.ensure_group)
-        cancels_from = await self.retrying("read cancels", self._last_cancel_id)
+        assert self.engine_thread.failed is not None
+        stop = asyncio.create_task(self._stop.wait())
+        waiters: list[asyncio.Future[Any]] = [stop, self.engine_thread.failed]
+        try:
+            # Until Redis first answers (it may be down, or refuse the password) a stop request
+            # ends the worker at once: nothing is in flight yet.
+            first_contact = asyncio.create_task(self._first_contact())
+            await asyncio.wait([first_contact, *waiters], return_when=asyncio.FIRST_COMPLETED)
+            if first_contact.done():
+                await self._serve(first_contact.result(), waiters)
+            else:
+                await _cancel([first_contact])
+                log.info("stopped before redis answered", worker=self.settings.name)
+        finally:
+            stop.cancel()
+            await self.engine_thread.stop()
+            self.telemetry.shutdown()
+            await self.redis.aclose()
+        if self.engine_thread.failed.done():
+            self.engine_thread.failed.result()  # re-raise an engine failure
+
+    async def _serve(self, cancels_from: str, waiters: list[asyncio.Future[Any]]) -> None:
         intake = [
             self._spawn(self._read_once, intake=True),
             self._spawn(self._claim_once, intake=True),
@@ -91,18 +111,14 @@ class WorkerService:
             self._spawn(self._heartbeat_once),
             asyncio.create_task(self._tail_cancels(cancels_from)),
         ]
-        assert self.engine_thread.failed is not None
-        stop = asyncio.create_task(self._stop.wait())
-        waiters: list[asyncio.Future[Any]] = [stop, self.engine_thread.failed]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        try:
-            await self._drain(intake, upkeep)
-        finally:
-            stop.cancel()
-            await self.engine_thread.stop()
-            self.telemetry.shutdown()
-            await self.redis.aclose()
-        self.engine_thread.failed.result()  # re-raise an engine failure
+        await self._drain(intake, upkeep)
+
+    async def _first_contact(self) -> str:
+        """Make sure the group exists; returns the cancel stream's position to tail from."""
+        await self.retrying("create group", self.stream.ensure_group)
+        cancels_from: str = await self.retrying("read cancels", self._last_cancel_id)
+        return cancels_from
 
     async def _drain(
         self, intake: list[asyncio.Task[None]], upkeep: list[asyncio.Task[None]]
@@ -317,7 +333,7 @@ class WorkerService:
         )
 
 
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
