@@ -103,10 +103,11 @@ def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
 
         async def kill_a_mid_run() -> None:
             task = asyncio.create_task(complete_all(redis_server, texts, LONG_TOKENS))
+            # Kill A the moment it holds entries: they cannot finish in between (150 tokens
+            # each), so B must take them over (a fixed sleep raced A's finishing on a busy CPU).
             await asyncio.to_thread(
                 wait_until, lambda: pending_of(redis_server, "A") > 0, 30, "A busy"
             )
-            await asyncio.sleep(0.2)
             a.send_signal(signal.SIGKILL)
             results.extend(await task)
 
