@@ -22,9 +22,10 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from arq.connections import ArqRedis
+from arq.connections import ArqRedis, RedisSettings
 from arq.constants import abort_jobs_ss
 from arq.jobs import DeserializationError, Job, SerializationError
+from redis.asyncio.connection import SSLConnection, parse_url
 
 from clients.protocol import DEFAULT_PREFIX, PROTOCOL_VERSION
 
@@ -162,6 +163,42 @@ def deserialize_job(payload: bytes) -> dict[str, Any]:
     if isinstance(result, dict) and _EXCEPTION_MARK in result:
         data["r"] = RemoteJobError(f"{result[_EXCEPTION_MARK]}: {result.get('message', '')}")
     return data
+
+
+# -- arq's connection ---------------------------------------------------------------------------
+
+# What redis-py's parse_url returns -> the RedisSettings field that carries it to arq's pool.
+_ARQ_FIELDS = {
+    "host": "host", "port": "port", "path": "unix_socket_path", "db": "database",
+    "username": "username", "password": "password", "ssl_keyfile": "ssl_keyfile",
+    "ssl_certfile": "ssl_certfile", "ssl_cert_reqs": "ssl_cert_reqs",
+    "ssl_ca_certs": "ssl_ca_certs", "ssl_ca_data": "ssl_ca_data",
+    "ssl_check_hostname": "ssl_check_hostname", "socket_connect_timeout": "conn_timeout",
+    "max_connections": "max_connections", "retry_on_timeout": "retry_on_timeout",
+}  # fmt: skip
+
+
+def arq_settings(redis_url: str) -> RedisSettings:
+    """arq's connection settings for ``redis_url``, read the way the stream service reads it.
+
+    redis-py's ``parse_url`` (what ``Redis.from_url`` uses) decodes ``%``-escaped user names
+    and passwords and reads the TLS options of the query string (``ssl_ca_certs``,
+    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``ssl_check_hostname``); arq's own
+    ``RedisSettings.from_dsn`` does neither. ``redis://``, ``rediss://`` and ``unix://`` URLs.
+    arq's other settings (connection retries) keep their defaults.
+
+    Raises ``ValueError`` for a URL option arq has no setting for (``socket_timeout``, ...).
+    """
+    options = parse_url(redis_url)
+    connection_class = options.pop("connection_class", None)
+    unknown = sorted(set(options) - set(_ARQ_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"batch jobs cannot apply {', '.join(unknown)} from the Redis URL (arq has no such "
+            "setting): drop it from the URL, or run the worker with --batch-jobs 0"
+        )
+    fields: dict[str, Any] = {_ARQ_FIELDS[name]: value for name, value in options.items()}
+    return RedisSettings(ssl=connection_class is SSLConnection, **fields)
 
 
 # -- the client side -------------------------------------------------------------------------

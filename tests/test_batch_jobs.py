@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -37,14 +38,14 @@ WAIT_S = 120.0
 
 
 class BatchWorker:
-    """``serve_with_batches`` on a thread with its own loop."""
+    """``serve_with_batches`` on a thread with its own loop; ``batch`` overrides settings."""
 
-    def __init__(self, model_dir: Path, server: RedisServer) -> None:
+    def __init__(self, model_dir: Path, redis_url: str, **batch: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu"))
-        self.settings = WorkerSettings(redis_url=server.url, name="bw1", **FAST)  # type: ignore[arg-type]
+        self.settings = WorkerSettings(redis_url=redis_url, name="bw1", **FAST)  # type: ignore[arg-type]
         self.batch_settings = BatchSettings(
-            redis_url=server.url, worker_name="bw1", lease_s=1.5, poll_delay_s=0.05,
-            max_lines_in_flight=LINES_IN_FLIGHT,
+            redis_url=redis_url, worker_name="bw1", lease_s=1.5, poll_delay_s=0.05,
+            max_lines_in_flight=LINES_IN_FLIGHT, **batch,
         )  # fmt: skip
         self._ready = threading.Event()
         self.error: BaseException | None = None
@@ -85,7 +86,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def worker(text_model_dir: Path, server: RedisServer) -> Iterator[BatchWorker]:
-    batch_worker = BatchWorker(text_model_dir, server)
+    batch_worker = BatchWorker(text_model_dir, server.url)
     yield batch_worker
     batch_worker.stop()
 

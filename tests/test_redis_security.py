@@ -344,11 +344,6 @@ def test_a_rediss_url_serves_requests_and_checks_the_certificate(
         client.submit("w5")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="arq's RedisSettings.from_dsn drops the URL's ssl_* options and keeps the "
-    "password percent-encoded: batch jobs cannot use a private CA or a password with @ : /",
-)
 def test_batch_jobs_connect_with_the_url_the_service_uses() -> None:
     url = "rediss://worker:p%40ss@127.0.0.1:6380/0?ssl_ca_certs=/etc/redis/ca.crt"
     service = redis.Redis.from_url(url).connection_pool.connection_kwargs

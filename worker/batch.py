@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 from arq import Retry, Worker
-from arq.connections import ArqRedis, RedisSettings
+from arq.connections import ArqRedis
 from arq.constants import in_progress_key_prefix
 from arq.worker import func
 
@@ -37,6 +37,7 @@ from clients.batch import (
     BatchKeys,
     BatchSpec,
     BatchState,
+    arq_settings,
     deserialize_job,
     serialize_job,
 )
@@ -88,6 +89,10 @@ class BatchSettings:
     max_lines_in_flight: int = DEFAULT_LINES_IN_FLIGHT
     max_tries: int = DEFAULT_MAX_TRIES
     poll_delay_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_jobs:
+            arq_settings(self.redis_url)  # ValueError now, not in the runner's retry loop
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, worker: WorkerSettings) -> BatchSettings:
@@ -294,7 +299,7 @@ class BatchRunner:
         function = func(generate_batch, name=BATCH_FUNCTION, max_tries=self.settings.max_tries)
         return Worker(
             [function], queue_name=keys.queue,
-            redis_settings=RedisSettings.from_dsn(self.settings.redis_url),
+            redis_settings=arq_settings(self.settings.redis_url),
             handle_signals=False, allow_abort_jobs=True, max_jobs=self.settings.max_jobs,
             job_timeout=JOB_TIMEOUT_S, keep_result=BATCH_TTL_S, poll_delay=self.settings.poll_delay_s,
             job_serializer=serialize_job, job_deserializer=deserialize_job,
