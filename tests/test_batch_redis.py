@@ -1,22 +1,67 @@
-"""Batch jobs reach Redis the way the streams do: arq's connection comes from the worker's
-Redis URL as redis-py reads it (``arq_settings``): TLS options, ``%``-escaped credentials,
-database, unix sockets.
+"""Batch jobs reach Redis the way the streams do, and a batch runner that fails says so.
+
+arq's connection comes from the worker's Redis URL as redis-py reads it (``arq_settings``):
+TLS options, ``%``-escaped credentials, database, unix sockets. A runner that loses Redis
+backs off; one that Redis refuses (an ACL without a command arq needs) logs the error with
+its traceback at once, leaves the stream service serving, and recovers once the ACL is fixed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
 import redis
 import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError
 
-from clients import BatchState, Client
+import worker.batch
+from clients import BatchState, Client, FinishReason
 from clients.batch import arq_settings
+from tests.redis_server import RedisServer
 from tests.test_batch_jobs import WAIT_S, BatchWorker
+from tests.test_redis_security import create_users
 from tests.test_redis_security import tls_url as tls_url  # a fixture, for this module too
-from worker.batch import BatchSettings
+from worker.batch import BatchRunner, BatchSettings
+from worker.logs import configure_logging
+
+LOG_WAIT_S = 10.0
+LogLines = Callable[[], list[dict[str, Any]]]
+
+
+@pytest.fixture
+def logs(capsys: pytest.CaptureFixture[str]) -> Iterator[LogLines]:
+    """The JSON log lines (``configure_logging``) written so far; logging is restored after."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    configure_logging(json_logs=True)
+    lines: list[dict[str, Any]] = []
+
+    def read() -> list[dict[str, Any]]:
+        err = capsys.readouterr().err
+        lines.extend(json.loads(line) for line in err.splitlines() if line.startswith("{"))
+        return lines
+
+    yield read
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
+def batch_log(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [line for line in lines if line.get("logger") == "worker.batch"]
+
 
 # -- the URL -------------------------------------------------------------------------------------
 
@@ -86,3 +131,72 @@ def test_a_batch_job_runs_over_tls_with_a_private_ca_and_an_escaped_password(
         batch_worker.stop()
     assert result.status.state is BatchState.COMPLETE
     assert [len(r["token_ids"]) for r in result.records] == [3, 3]
+
+
+# -- a failing runner ----------------------------------------------------------------------------
+
+
+def test_lost_connections_back_off_and_other_failures_are_logged_with_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, logs: LogLines
+) -> None:
+    monkeypatch.setattr(worker.batch, "RESTART_BACKOFF_S", 0.01)
+    monkeypatch.setattr(worker.batch, "MAX_RESTART_BACKOFF_S", 0.04)
+    settings = BatchSettings(redis_url="redis://localhost/0", worker_name="w", failure_retry_s=0.02)
+    runner = BatchRunner(settings, None)  # type: ignore[arg-type]
+    lost = RedisConnectionError("Connection refused")
+    # (how long arq runs, how it stops); after the last one the runner is asked to stop.
+    runs: list[tuple[float, Exception]] = [
+        (0.0, lost), (0.0, lost), (0.0, lost), (0.0, lost),  # 0.01, 0.02, 0.04, 0.04
+        (0.0, NoPermissionError("no permissions to run the 'zrangebyscore' command")),
+        (0.0, lost),  # 0.04: a refusal does not reset the backoff
+        (0.06, lost),  # ran longer than the backoff's cap: a new outage, 0.01 again
+    ]  # fmt: skip
+
+    async def run_once() -> None:
+        if not runs:
+            runner.request_stop()
+            return
+        run_s, failure = runs.pop(0)
+        await asyncio.sleep(run_s)
+        raise failure
+
+    monkeypatch.setattr(runner, "_run_once", run_once)
+    asyncio.run(asyncio.wait_for(runner.run(), WAIT_S))  # never raises
+    lines = batch_log(logs())
+    assert [(line["level"], line["retry_in_s"]) for line in lines] == [
+        ("warning", 0.01), ("warning", 0.02), ("warning", 0.04), ("warning", 0.04),
+        ("error", 0.02), ("warning", 0.04), ("warning", 0.01),
+    ]  # fmt: skip
+    refused = lines[4]
+    assert "zrangebyscore" in refused["error"]
+    assert "Traceback" in refused["exception"] and "NoPermissionError" in refused["exception"]
+    assert "exception" not in lines[0]  # a lost connection is no bug: one line, no traceback
+
+
+def test_a_refused_runner_logs_at_once_streams_go_on_and_a_fixed_acl_recovers_it(
+    redis_server: RedisServer, text_model_dir: Path, logs: LogLines
+) -> None:
+    admin = redis_server.client()
+    urls = create_users(admin, redis_server.port)
+    admin.execute_command("ACL", "SETUSER", "worker", "-zrangebyscore")  # arq polls with it
+    batch_worker = BatchWorker(text_model_dir, urls["worker"], failure_retry_s=0.5)
+    try:
+        deadline_s = time.monotonic() + LOG_WAIT_S
+        while not (errors := [e for e in batch_log(logs()) if e["level"] == "error"]):
+            assert time.monotonic() < deadline_s, "the refused runner logged no error"
+            time.sleep(0.05)
+        assert "zrangebyscore" in errors[0]["error"]
+        assert "NoPermissionError" in errors[0]["exception"]
+        with Client(urls["client"]) as client:
+            completion = client.complete("w5 w6", max_tokens=4, ignore_eos=True, timeout_s=60)
+            assert completion.finish_reason is FinishReason.LENGTH
+            job_id = client.submit_batch(["w5 w6"], max_tokens=2, ignore_eos=True)
+            time.sleep(1.0)  # two retries of the runner
+            assert client.batch_status(job_id).state is BatchState.QUEUED
+            admin.execute_command("ACL", "SETUSER", "worker", "+zrangebyscore")  # the fix
+            result = client.batch_result(job_id, timeout_s=WAIT_S)
+        assert result.status.state is BatchState.COMPLETE
+        assert len(result.records[0]["token_ids"]) == 2
+    finally:
+        batch_worker.stop()
+        admin.close()

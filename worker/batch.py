@@ -59,7 +59,9 @@ DEFAULT_MAX_JOBS = 2
 DEFAULT_LINES_IN_FLIGHT = 256
 DEFAULT_MAX_TRIES = 5
 JOB_TIMEOUT_S = 7 * 24 * 3600  # arq's own limit; worker death is caught by the lease instead
-RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_S = 1.0  # after a lost connection; doubles up to MAX_RESTART_BACKOFF_S
+MAX_RESTART_BACKOFF_S = 30.0
+FAILURE_RETRY_S = 30.0  # after anything else (a command the ACL refuses, a bug)
 
 # Store a line's record once and count it; a line stored already (by an earlier attempt)
 # changes nothing. KEYS: results, status. ARGV: index, record, is_error, ttl_s.
@@ -89,6 +91,7 @@ class BatchSettings:
     max_lines_in_flight: int = DEFAULT_LINES_IN_FLIGHT
     max_tries: int = DEFAULT_MAX_TRIES
     poll_delay_s: float = 0.5
+    failure_retry_s: float = FAILURE_RETRY_S
 
     def __post_init__(self) -> None:
         if self.max_jobs:
@@ -284,14 +287,31 @@ class BatchRunner:
         self._stop.set()
 
     async def run(self) -> None:
-        """Run arq until ``request_stop``; restarts it after Redis errors."""
+        """Run arq until ``request_stop``. A failure never escapes: the stream service goes on.
+
+        A lost connection restarts arq after a backoff that doubles from ``RESTART_BACKOFF_S``
+        to ``MAX_RESTART_BACKOFF_S``. Any other failure (Redis refusing a command the worker's
+        ACL user lacks, a bug) is logged at once, with its traceback, at error level, and arq
+        restarts every ``failure_retry_s``: fixing the ACL recovers batch jobs, no restart.
+        """
+        backoff_s = RESTART_BACKOFF_S
         while not self._stop.is_set():
+            started_s = time.monotonic()
             try:
                 await self._run_once()
+                continue  # it returns once stopped
             except REDIS_ERRORS as exc:
-                log.warning("batch worker lost redis; restarting", error=str(exc))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), RESTART_BACKOFF_S)
+                if time.monotonic() - started_s > MAX_RESTART_BACKOFF_S:
+                    backoff_s = RESTART_BACKOFF_S  # it had been running: a new outage
+                log.warning("batch worker lost redis; restarting", error=str(exc),
+                            retry_in_s=backoff_s)  # fmt: skip
+                delay_s, backoff_s = backoff_s, min(2 * backoff_s, MAX_RESTART_BACKOFF_S)
+            except Exception as exc:
+                delay_s = self.settings.failure_retry_s
+                log.exception("batch worker failed; batch jobs wait until it restarts",
+                              error=str(exc), retry_in_s=delay_s)  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay_s)
 
     def make_worker(self) -> Worker:
         """arq's worker: msgspec serialization, aborts allowed, the service owns signals."""
@@ -314,9 +334,21 @@ class BatchRunner:
             await asyncio.wait([main, stop], return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
-            await worker.close()  # cancels running jobs: arq re-queues them
+            await _close(worker)
             with contextlib.suppress(asyncio.CancelledError):
-                await main
+                await main  # raises what stopped arq, if anything did
+
+
+async def _close(worker: Worker) -> None:
+    """Cancel running jobs (arq re-queues them) and close arq's connections, even when Redis
+    is gone or refuses arq's goodbye: what stopped arq is the error to report, not this."""
+    try:
+        await worker.close()
+    except Exception as exc:
+        log.warning("batch worker closed uncleanly", error=str(exc))
+        pool = worker.pool
+        if pool is not None:
+            await pool.aclose()
 
 
 async def serve_with_batches(service: WorkerService, runner: BatchRunner | None) -> None:
