@@ -194,3 +194,42 @@ def test_a_refused_event_write_spares_the_other_requests(
     assert r.xlen(keys.requests) == 0  # both entries acknowledged and deleted, none retried
     assert r.get(keys.out("squatted")) == b"not a stream"
     r.close()
+
+
+def test_a_full_redis_delays_events_and_loses_none(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    """Under ``maxmemory`` with ``noeviction`` Redis refuses every event write: the worker keeps
+    them and retries, so the caller gets every token and one ``done``, later."""
+    keys = protocol.Keys()
+    r = redis_server.client()
+    num_tokens = 120
+
+    async def fill_up_mid_request() -> Any:
+        async with AsyncClient(redis_server.url) as client:
+            task = asyncio.create_task(
+                client.complete("w5 w6", request_id="r", max_tokens=num_tokens, ignore_eos=True,
+                                temperature=0, timeout_s=60)
+            )  # fmt: skip
+            while not r.exists(keys.out("r")):
+                await asyncio.sleep(0.01)
+            r.config_set("maxmemory", 1)  # full: every XADD is refused with OOM from here
+            await asyncio.sleep(1.0)
+            refused_meanwhile = r.xlen(keys.out("r"))
+            r.config_set("maxmemory", 0)
+            return await task, refused_meanwhile
+
+    start_worker("w1")
+    completion, written_while_full = asyncio.run(fill_up_mid_request())
+    assert completion.finish_reason is FinishReason.LENGTH and completion.num_restarts == 0
+    assert len(completion.token_ids) == num_tokens
+    events = [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(keys.out("r"))]
+    assert written_while_full < len(events)  # some events did wait for memory
+    assert sum(isinstance(e, protocol.TERMINAL_EVENTS) for e in events) == 1
+    seqs = [e.seq for e in events if isinstance(e, protocol.TokenEvent)]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap
+    deadline_s = time.monotonic() + 10
+    while r.xlen(keys.requests) and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    assert r.xlen(keys.requests) == 0  # acknowledged once its done event was written
+    r.close()

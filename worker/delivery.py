@@ -17,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
@@ -41,22 +41,31 @@ return lost
 # One engine step's events in one call: append each to its request's out stream (refreshing
 # the TTL where asked), then acknowledge and delete the finished requests' entries. Atomic
 # like MULTI, and one command to encode where a pipeline has hundreds (the event loop shares
-# the GIL with the engine thread). A write Redis refuses (an out key that is not a stream) is
-# reported, not retried, and does not stop the others.
+# the GIL with the engine thread). A write Redis refuses for its key (an out key that is not a
+# stream) is reported, not retried, and does not stop the others. A full Redis (OOM, under
+# `maxmemory` with `noeviction`) stops the call where it is, before any acknowledgement: the
+# caller retries the rest later, so no event is lost and no entry is acknowledged without its
+# terminal event.
 # KEYS: the request stream, then each event's out stream. ARGV: group, TTL s, n events, n
-# payloads, n TTL flags ('1' = refresh), then the entry ids to acknowledge.
+# payloads, n TTL flags ('1' = refresh), then the entry ids to acknowledge. Returns the number
+# of events written (n unless Redis is full), then the refusals as "key: error".
 PUBLISH_SCRIPT = """
 local n = tonumber(ARGV[3])
-local failed = {}
+local failed = {0}
 for i = 1, n do
   local key = KEYS[i + 1]
   local reply = redis.pcall('XADD', key, '*', 'msg', ARGV[3 + i])
   if type(reply) == 'table' and reply.err then
+    if string.find(reply.err, 'OOM', 1, true) then  -- '-OOM command not allowed ...'
+      failed[1] = i - 1
+      return failed
+    end
     table.insert(failed, key .. ': ' .. reply.err)
   elseif ARGV[3 + n + i] == '1' then
     redis.call('EXPIRE', key, ARGV[2])
   end
 end
+failed[1] = n
 for j = 4 + 2 * n, #ARGV do
   redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[j])
   redis.pcall('XDEL', KEYS[1], ARGV[j])
@@ -81,6 +90,19 @@ class OutEvent:
     request_id: str
     payload: bytes
     refresh_ttl: bool  # set the stream's TTL again with this write
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What ``publish`` did: the first ``num_written`` events are written (all of them, unless
+    Redis is full); ``refused`` are the writes Redis refused for their key, as messages."""
+
+    num_written: int
+    refused: list[str]
+
+
+class RedisFullError(Exception):
+    """Redis refused writes for lack of memory (``maxmemory``): back off and retry."""
 
 
 @dataclass(frozen=True)
@@ -205,17 +227,20 @@ class RequestStream:
         if refresh_ttl:
             pipe.expire(out, protocol.OUT_STREAM_TTL_S)
 
-    async def publish(self, events: list[OutEvent], acks: list[str]) -> list[str]:
-        """Write ``events`` and acknowledge the entries ``acks`` in one atomic call; returns
-        the writes Redis refused, as messages."""
+    async def publish(self, events: list[OutEvent], acks: list[str]) -> Published:
+        """Write ``events`` and acknowledge the entries ``acks`` in one atomic call; a full
+        Redis stops it before the acknowledgements (see ``PUBLISH_SCRIPT``)."""
         assert protocol.PAYLOAD_FIELD == "msg"  # the script's field name
         keys = [self.keys.requests, *(self.keys.out(event.request_id) for event in events)]
         args: list[Any] = [self.keys.group, protocol.OUT_STREAM_TTL_S, len(events)]
         args += [event.payload for event in events]
         args += ["1" if event.refresh_ttl else "0" for event in events]
         args += acks
-        failed = await self._publish(keys=keys, args=args)
-        return [text(message) for message in failed]
+        try:
+            reply = await self._publish(keys=keys, args=args)
+        except OutOfMemoryError:  # refused as a whole: nothing written, nothing acknowledged
+            return Published(num_written=0, refused=[])
+        return Published(num_written=int(reply[0]), refused=[text(m) for m in reply[1:]])
 
     async def dead_letter(
         self, entry: Entry, letter: DeadLetter, error: ErrorEvent | None = None

@@ -15,7 +15,7 @@ from clients import protocol
 from clients.protocol import DeadLetter, ErrorCode, ErrorEvent, Request, RestartEvent
 from engine import InvalidRequestError, StepOutput
 from worker.admission import MalformedEntry, decode_entry, engine_inputs
-from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership
+from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership, RedisFullError
 from worker.events import InFlight, queue_ms, wall_ms
 from worker.logs import get_logger
 
@@ -221,10 +221,16 @@ class RequestHandler:
         if not events:
             return
         acks = [flight.entry.entry_id for flight, _ in finished]
+        unwritten = events
 
         async def execute() -> None:
-            for failure in await service.stream.publish(events, acks):
+            nonlocal unwritten
+            published = await service.stream.publish(unwritten, acks)
+            for failure in published.refused:
                 log.error("redis refused an event", error=failure)
+            unwritten = unwritten[published.num_written :]
+            if unwritten:  # written in order up to here; the rest and the acks come later
+                raise RedisFullError(f"{len(unwritten)} events wait for memory")
 
         self.writes_idle.clear()
         try:

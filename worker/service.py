@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from clients import protocol
 from clients.protocol import CancelNotice, Keys, WorkerStatus
 from engine import StepOutput
-from worker.delivery import REDIS_ERRORS, RequestStream, text
+from worker.delivery import REDIS_ERRORS, RedisFullError, RequestStream, text
 from worker.engine_thread import EngineThread, StepBatch
 from worker.events import InFlight, wall_ms
 from worker.logs import get_logger
@@ -179,6 +179,8 @@ class WorkerService:
                 return await operation()
             except REDIS_ERRORS as exc:
                 log.warning("redis unavailable; retrying", during=what, error=str(exc))
+            except (RedisFullError, OutOfMemoryError) as exc:
+                log.warning("redis is out of memory; retrying", during=what, error=str(exc))
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     log.exception("redis refused a command", during=what)
