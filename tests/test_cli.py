@@ -285,3 +285,15 @@ def test_random_prompts_are_deterministic_and_in_range() -> None:
     assert all(3 <= len(p.token_ids) <= 9 and p.output_len == 4 for p in prompts)
     assert all(0 <= t < 50 for p in prompts for t in p.token_ids)
     assert len({len(p.token_ids) for p in prompts}) > 1
+
+
+def test_worker_checks_the_batch_connection_before_loading_a_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = "redis://localhost:6379/0?socket_keepalive=true"  # arq has no such setting
+    assert main(["worker", "--redis-url", url, "--model", "dummy:tiny"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "pagestream worker: error: batch jobs cannot apply socket_keepalive from the Redis URL "
+        "(arq has no such setting): drop it from the URL, or run the worker with --batch-jobs 0"
+    ]

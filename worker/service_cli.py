@@ -102,9 +102,10 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.settings import WorkerSettings
 
     configure_logging(level=args.log_level)
-    try:
+    try:  # every setting is checked before the model loads
         config = engine_config_from_args(args)
         settings = WorkerSettings.from_args(args, max_seqs=config.max_seqs)
+        batch_settings = BatchSettings.from_args(args, settings)
         engine = LLMEngine(config)
     except (PagestreamError, ValueError) as exc:
         raise CommandError(
@@ -114,7 +115,6 @@ def run_worker(args: argparse.Namespace) -> int:
     async def serve() -> None:
         engine_thread = EngineThread(engine)
         service = WorkerService(settings, engine_thread)
-        batch_settings = BatchSettings.from_args(args, settings)
         batches = BatchRunner(batch_settings, engine_thread) if batch_settings.max_jobs else None
 
         def request_stop() -> None:
