@@ -24,14 +24,15 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 
-import worker.batch
+import worker.batch_runner
 from clients import BatchState, Client, FinishReason
 from clients.batch import arq_settings
 from tests.redis_server import RedisServer
 from tests.test_batch_jobs import WAIT_S, BatchWorker
 from tests.test_redis_security import create_users
 from tests.test_redis_security import tls_url as tls_url  # a fixture, for this module too
-from worker.batch import BatchRunner, BatchSettings
+from worker.batch import BatchSettings
+from worker.batch_runner import BatchRunner
 from worker.logs import configure_logging
 
 LOG_WAIT_S = 10.0
@@ -60,7 +61,7 @@ def logs(capsys: pytest.CaptureFixture[str]) -> Iterator[LogLines]:
 
 
 def batch_log(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [line for line in lines if line.get("logger") == "worker.batch"]
+    return [line for line in lines if line.get("logger") == "worker.batch_runner"]
 
 
 # -- the URL -------------------------------------------------------------------------------------
@@ -139,8 +140,8 @@ def test_a_batch_job_runs_over_tls_with_a_private_ca_and_an_escaped_password(
 def test_lost_connections_back_off_and_other_failures_are_logged_with_a_traceback(
     monkeypatch: pytest.MonkeyPatch, logs: LogLines
 ) -> None:
-    monkeypatch.setattr(worker.batch, "RESTART_BACKOFF_S", 0.01)
-    monkeypatch.setattr(worker.batch, "MAX_RESTART_BACKOFF_S", 0.04)
+    monkeypatch.setattr(worker.batch_runner, "RESTART_BACKOFF_S", 0.01)
+    monkeypatch.setattr(worker.batch_runner, "MAX_RESTART_BACKOFF_S", 0.04)
     settings = BatchSettings(redis_url="redis://localhost/0", worker_name="w", failure_retry_s=0.02)
     runner = BatchRunner(settings, None)  # type: ignore[arg-type]
     lost = RedisConnectionError("Connection refused")

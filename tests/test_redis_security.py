@@ -25,7 +25,8 @@ from clients import Client, DoneEvent, FinishReason, TokenEvent
 from clients.batch import BatchState
 from tests.redis_server import RedisServer
 from tests.service_fixtures import STOP_TIMEOUT_S, InProcessWorker, worker_settings
-from worker.batch import BatchRunner, BatchSettings, serve_with_batches
+from worker.batch import BatchSettings
+from worker.batch_runner import BatchRunner, serve_with_batches
 from worker.cli import main as cli_main
 from worker.engine_thread import EngineThread
 from worker.local_stack import free_port, redis_server_binary, wait_until

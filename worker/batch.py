@@ -1,4 +1,5 @@
-"""Batch jobs: arq's worker in the service's own loop, running ``generate_batch`` on its engine.
+"""Batch jobs: ``generate_batch``, the arq function a worker runs on its engine (arq itself runs
+in the service's loop: ``worker.batch_runner``).
 
 A job (``clients.batch.BatchSpec``) is a JSONL file or a list of prompts; each line becomes
 one request on the shared ``EngineThread`` (``generate``), at most ``max_lines_in_flight`` at
@@ -26,13 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from arq import Retry, Worker
+from arq import Retry
 from arq.connections import ArqRedis
 from arq.constants import in_progress_key_prefix
-from arq.worker import func
 
 from clients.batch import (
-    BATCH_FUNCTION,
     BATCH_TTL_S,
     BatchKeys,
     BatchSpec,
@@ -48,10 +47,9 @@ from worker.engine_thread import EngineStoppedError, EngineThread
 from worker.generate_cmd import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from worker.jsonl_lines import BatchItem, error_record, parse_line, result_record
 from worker.logs import get_logger
-from worker.service import WorkerService
 from worker.settings import WorkerSettings
 
-__all__ = ["BatchRunner", "BatchSettings", "deserialize_job", "serialize_job"]
+__all__ = ["BatchSettings", "deserialize_job", "generate_batch", "serialize_job"]
 
 log = get_logger(__name__)
 
@@ -59,8 +57,6 @@ DEFAULT_MAX_JOBS = 2
 DEFAULT_LINES_IN_FLIGHT = 256
 DEFAULT_MAX_TRIES = 5
 JOB_TIMEOUT_S = 7 * 24 * 3600  # arq's own limit; worker death is caught by the lease instead
-RESTART_BACKOFF_S = 1.0  # after a lost connection; doubles up to MAX_RESTART_BACKOFF_S
-MAX_RESTART_BACKOFF_S = 30.0
 FAILURE_RETRY_S = 30.0  # after anything else (a command the ACL refuses, a bug)
 
 # Store a line's record once and count it; a line stored already (by an earlier attempt)
@@ -269,99 +265,3 @@ def _write_atomically(path: Path, records: list[str]) -> None:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-# -- arq in the service's loop -------------------------------------------------------------------
-
-
-class BatchRunner:
-    """arq's ``Worker`` for ``generate_batch`` on the service's loop and ``EngineThread``."""
-
-    def __init__(self, settings: BatchSettings, engine_thread: EngineThread) -> None:
-        self.settings = settings
-        self.engine_thread = engine_thread
-        self._stop = asyncio.Event()
-
-    def request_stop(self) -> None:
-        """Stop taking jobs; running jobs are cancelled and go back on the queue."""
-        self._stop.set()
-
-    async def run(self) -> None:
-        """Run arq until ``request_stop``. A failure never escapes: the stream service goes on.
-
-        A lost connection restarts arq after a backoff that doubles from ``RESTART_BACKOFF_S``
-        to ``MAX_RESTART_BACKOFF_S``. Any other failure (Redis refusing a command the worker's
-        ACL user lacks, a bug) is logged at once, with its traceback, at error level, and arq
-        restarts every ``failure_retry_s``: fixing the ACL recovers batch jobs, no restart.
-        """
-        backoff_s = RESTART_BACKOFF_S
-        while not self._stop.is_set():
-            started_s = time.monotonic()
-            try:
-                await self._run_once()
-                continue  # it returns once stopped
-            except REDIS_ERRORS as exc:
-                if time.monotonic() - started_s > MAX_RESTART_BACKOFF_S:
-                    backoff_s = RESTART_BACKOFF_S  # it had been running: a new outage
-                log.warning("batch worker lost redis; restarting", error=str(exc),
-                            retry_in_s=backoff_s)  # fmt: skip
-                delay_s, backoff_s = backoff_s, min(2 * backoff_s, MAX_RESTART_BACKOFF_S)
-            except Exception as exc:
-                delay_s = self.settings.failure_retry_s
-                log.exception("batch worker failed; batch jobs wait until it restarts",
-                              error=str(exc), retry_in_s=delay_s)  # fmt: skip
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay_s)
-
-    def make_worker(self) -> Worker:
-        """arq's worker: msgspec serialization, aborts allowed, the service owns signals."""
-        keys = BatchKeys(self.settings.prefix)
-        function = func(generate_batch, name=BATCH_FUNCTION, max_tries=self.settings.max_tries)
-        return Worker(
-            [function], queue_name=keys.queue,
-            redis_settings=arq_settings(self.settings.redis_url),
-            handle_signals=False, allow_abort_jobs=True, max_jobs=self.settings.max_jobs,
-            job_timeout=JOB_TIMEOUT_S, keep_result=BATCH_TTL_S, poll_delay=self.settings.poll_delay_s,
-            job_serializer=serialize_job, job_deserializer=deserialize_job,
-            ctx={"engine_thread": self.engine_thread, "batch_settings": self.settings},
-        )  # fmt: skip
-
-    async def _run_once(self) -> None:
-        worker = self.make_worker()
-        main = asyncio.create_task(worker.async_run())
-        stop = asyncio.create_task(self._stop.wait())
-        try:
-            await asyncio.wait([main, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            await _close(worker)
-            with contextlib.suppress(asyncio.CancelledError):
-                await main  # raises what stopped arq, if anything did
-
-
-async def _close(worker: Worker) -> None:
-    """Cancel running jobs (arq re-queues them) and close arq's connections, even when Redis
-    is gone or refuses arq's goodbye: what stopped arq is the error to report, not this."""
-    try:
-        await worker.close()
-    except Exception as exc:
-        log.warning("batch worker closed uncleanly", error=str(exc))
-        pool = worker.pool
-        if pool is not None:
-            await pool.aclose()
-
-
-async def serve_with_batches(service: WorkerService, runner: BatchRunner | None) -> None:
-    """Run the stream service and (unless ``None``) batch jobs on one loop and engine thread.
-
-    Call ``service.request_stop()`` and ``runner.request_stop()`` to drain (SIGTERM).
-    """
-    if not service.engine_thread.is_running:
-        service.engine_thread.start()
-    batches = asyncio.create_task(runner.run()) if runner is not None else None
-    try:
-        await service.run()
-    finally:
-        if runner is not None and batches is not None:
-            runner.request_stop()
-            await batches

@@ -95,7 +95,8 @@ def run_worker(args: argparse.Namespace) -> int:
     """Handler of ``pagestream worker``: serve until SIGTERM/SIGINT, then drain and exit 0."""
     from engine import LLMEngine, PagestreamError
     from engine.config import engine_config_from_args
-    from worker.batch import BatchRunner, BatchSettings, serve_with_batches
+    from worker.batch import BatchSettings
+    from worker.batch_runner import BatchRunner, serve_with_batches
     from worker.engine_thread import EngineThread
     from worker.logs import configure_logging
     from worker.service import WorkerService
