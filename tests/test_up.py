@@ -212,3 +212,19 @@ def test_up_with_a_bad_model_says_why_and_stops_redis(tmp_path: Path) -> None:
     port = re.search(r"starting redis-server on port (\d+)", stderr)
     assert port is not None and not _port_open(int(port.group(1)))
     assert list(up.tmp_dir.iterdir()) == []
+
+
+def test_up_stops_redis_and_fails_when_its_worker_dies(
+    tmp_path: Path, text_model_dir: Path
+) -> None:
+    up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING")
+    url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
+    children = up.children()
+    worker = next(pid for pid in children if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    os.kill(worker, signal.SIGKILL)
+    assert up.wait() == 1
+    assert "pagestream up: error: the worker exited with code -9; stopping" in (
+        up.stderr_path.read_text()
+    )
+    assert _wait_gone(children, 5.0) == []
+    assert not _port_open(_port(url))
