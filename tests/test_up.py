@@ -228,3 +228,26 @@ def test_up_stops_redis_and_fails_when_its_worker_dies(
     )
     assert _wait_gone(children, 5.0) == []
     assert not _port_open(_port(url))
+
+
+@pytest.mark.gpu
+def test_up_on_a_gpu_serves_a_burst_then_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The CUDA path: Triton kernels, graph capture and the memory plan under ``pagestream up``."""
+    up = Up(tmp_path, "--model", "dummy:qwen3-0.6b", "--max-model-len", "2048", "--device", "cuda")
+    prompts = [list(range(100 + i, 228 + i)) for i in range(64)]
+    try:
+        url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
+        children = up.children()
+        with Client(url) as client:
+            ids = [
+                client.submit(token_ids=p, max_tokens=128, temperature=0, ignore_eos=True)
+                for p in prompts
+            ]
+            done = [client.result(request_id, timeout_s=120) for request_id in ids]
+    finally:
+        rc = up.stop(signal.SIGINT)
+    assert [len(c.token_ids) for c in done] == [128] * 64
+    assert "device=cuda" in up.stderr_path.read_text()  # the worker's "engine ready" line
+    assert rc == 0
+    assert _wait_gone(children, 5.0) == []
+    assert not _port_open(_port(url))
