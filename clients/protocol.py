@@ -282,15 +282,19 @@ def decode_request(data: bytes) -> Request:
     return _request_decoder.decode(data)
 
 
+class _IdOnly(msgspec.Struct):
+    """A payload's ``id`` alone: decoding skips every other field without building it."""
+
+    id: Any = None
+
+
 def peek_request_id(data: bytes) -> str | None:
-    """The ``id`` of a payload that may not be a valid request, when one can be read."""
+    """The ``id`` of a payload that may not be a valid request (or too large to decode as
+    one), when one can be read."""
     try:
-        raw: Any = msgspec.msgpack.decode(data)
+        request_id = msgspec.msgpack.decode(data, type=_IdOnly).id
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return None
-    if not isinstance(raw, dict):
-        return None
-    request_id = raw.get("id")
     return request_id if is_valid_request_id(request_id) else None
 
 

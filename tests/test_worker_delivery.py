@@ -199,3 +199,24 @@ def test_shutdown_hands_back_unfinished_work(start_worker: Any, redis_server: Re
         completion = client.result(request_id, timeout_s=60)
     assert completion.finish_reason is FinishReason.LENGTH and len(completion.token_ids) == 250
     assert completion.num_restarts == 1
+
+
+def test_an_oversized_entry_is_refused_by_size_and_its_payload_not_kept(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    from worker.settings import RequestLimits
+
+    start_worker("w1", limits=RequestLimits(max_entry_bytes=1024))
+    big = pack(good("r-big", prompt=" ".join(["w5"] * 2000)))
+    r = redis_server.client()
+    r.xadd(KEYS.requests, {"msg": big})
+    with Client(redis_server.url) as client:
+        with pytest.raises(RequestFailedError) as error:
+            client.result("r-big", timeout_s=30)
+        after = client.complete("w8 w9", request_id="after", **GOOD)
+    assert error.value.code is ErrorCode.MALFORMED
+    assert f"payload is {len(big)} bytes; this worker accepts at most 1024" in error.value.message
+    (letter,) = dead_letters(redis_server)
+    assert (letter.request_id, letter.payload) == ("r-big", None)  # the size is in the message
+    assert len(after.token_ids) == 6
+    r.close()

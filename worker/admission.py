@@ -63,7 +63,7 @@ def decode_entry(fields: dict[bytes, bytes], limits: RequestLimits) -> Request:
             ErrorCode.MALFORMED,
             f"payload is {len(payload)} bytes; this worker accepts at most "
             f"{limits.max_entry_bytes}",
-            protocol.peek_request_id(payload[: limits.max_entry_bytes]),
+            protocol.peek_request_id(payload),  # the id alone: nothing else is decoded
         )
     return _decode_payload(payload)
 

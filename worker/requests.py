@@ -171,7 +171,7 @@ class RequestHandler:
             message=exc.message,
             worker=service.settings.name,
             times_delivered=entry.times_delivered,
-            payload=entry.payload,
+            payload=_kept_payload(entry.payload, service.settings.limits.max_entry_bytes),
         )
         await service.stream.dead_letter(
             entry, letter, ErrorEvent(code=exc.code, message=exc.message, field=exc.field)
@@ -244,3 +244,9 @@ class RequestHandler:
                 completion_tokens=flight.num_tokens,
             )
             service.release(flight)
+
+
+def _kept_payload(payload: bytes | None, max_entry_bytes: int) -> bytes | None:
+    """What a dead letter keeps of the payload: all of it, unless it was refused for its size
+    (then nothing: ``{p}:dead`` holds up to 100,000 letters, and its message gives the size)."""
+    return payload if payload is not None and len(payload) <= max_entry_bytes else None
