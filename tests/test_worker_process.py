@@ -27,6 +27,9 @@ from worker.local_stack import free_port
 KEYS = protocol.Keys()
 START_TIMEOUT_S = 120.0
 LONG_TOKENS = 150
+# B must hold all four drain requests at once before its SIGTERM: long enough that none ends
+# while the others are still being read (the tiny model's context is 256 tokens).
+DRAIN_TOKENS = 200
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -62,6 +65,21 @@ def pending_of(server: RedisServer, consumer: str) -> int:
         return len(
             r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 100, consumername=consumer)
         )
+    finally:
+        r.close()
+
+
+def num_streaming(server: RedisServer, consumer: str) -> int:
+    """Entries pending under ``consumer`` whose request has events on its out stream."""
+    r = server.client()
+    try:
+        rows = r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 100, consumername=consumer)
+        count = 0
+        for row in rows:
+            entries = r.xrange(KEYS.requests, row["message_id"], row["message_id"])
+            request_id = protocol.peek_request_id(entries[0][1][b"msg"]) if entries else None
+            count += bool(request_id and r.xlen(KEYS.out(request_id)))
+        return count
     finally:
         r.close()
 
@@ -103,10 +121,11 @@ def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
 
         async def kill_a_mid_run() -> None:
             task = asyncio.create_task(complete_all(redis_server, texts, LONG_TOKENS))
-            # Kill A the moment it holds entries: they cannot finish in between (150 tokens
-            # each), so B must take them over (a fixed sleep raced A's finishing on a busy CPU).
+            # Kill A once it streams a request it still holds: B must then take that one over
+            # behind a `restart`. (A fixed sleep raced A finishing them; killing A as soon as it
+            # held entries raced its claiming them, and a request never claimed runs afresh.)
             await asyncio.to_thread(
-                wait_until, lambda: pending_of(redis_server, "A") > 0, 30, "A busy"
+                wait_until, lambda: num_streaming(redis_server, "A") > 0, 30, "A streaming"
             )
             a.send_signal(signal.SIGKILL)
             results.extend(await task)
@@ -123,7 +142,7 @@ def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
 
         # SIGTERM B mid-run: it finishes its in-flight work and exits 0
         async def term_b_mid_run() -> list[Completion]:
-            task = asyncio.create_task(complete_all(redis_server, prompts(4, seed=5), 100))
+            task = asyncio.create_task(complete_all(redis_server, prompts(4, seed=5), DRAIN_TOKENS))
             await asyncio.to_thread(
                 wait_until, lambda: pending_of(redis_server, "B") == 4, 30, "B busy"
             )
@@ -132,7 +151,7 @@ def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
 
         drained = asyncio.run(term_b_mid_run())
         assert b.wait(60) == 0
-        assert [len(c.token_ids) for c in drained] == [100] * 4
+        assert [len(c.token_ids) for c in drained] == [DRAIN_TOKENS] * 4
         assert not any(c.num_restarts for c in drained)
         assert not healthy(redis_server, "B")
     finally:
