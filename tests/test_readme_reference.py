@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import add_engine_args
 from worker.cli import LazyParser, build_parser
-from worker.env_flags import ENV_PREFIX, flag_actions
+from worker.env_flags import ENV_PREFIX, env_var, flag_actions
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -120,10 +120,7 @@ def test_numeric_defaults_match_the_parser(command: str) -> None:
 
 
 def test_every_environment_variable_the_code_reads_is_documented() -> None:
-    flag_variables = {
-        ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
-        for parser in COMMANDS.values() for flag in _flags(parser)
-    }  # fmt: skip
+    flag_variables = {env_var(a) for parser in COMMANDS.values() for a in flag_actions(parser)}
     in_code = {
         name
         for path in SOURCES

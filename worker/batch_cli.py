@@ -147,8 +147,6 @@ def run_abort(args: argparse.Namespace) -> int:
 
 
 def _call(args: argparse.Namespace, operation: Any) -> Any:
-    from redis.exceptions import RedisError
-
     from clients import Client
     from clients.batch import BatchNotFoundError, BatchTimeoutError
 
@@ -157,8 +155,6 @@ def _call(args: argparse.Namespace, operation: Any) -> Any:
             return operation(client)
         except (BatchNotFoundError, BatchTimeoutError) as exc:
             raise CommandError(str(exc)) from exc
-        except RedisError as exc:
-            raise CommandError(f"redis unreachable: {exc}") from exc
 
 
 def _print_status(status: Any, *, as_json: bool, out: Any = None) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
@@ -99,10 +99,6 @@ class Published:
 
     num_written: int
     refused: list[str]
-
-
-class RedisFullError(Exception):
-    """Redis refused writes for lack of memory (``maxmemory``): back off and retry."""
 
 
 @dataclass(frozen=True)
@@ -229,17 +225,15 @@ class RequestStream:
 
     async def publish(self, events: list[OutEvent], acks: list[str]) -> Published:
         """Write ``events`` and acknowledge the entries ``acks`` in one atomic call; a full
-        Redis stops it before the acknowledgements (see ``PUBLISH_SCRIPT``)."""
+        Redis stops it before the acknowledgements (see ``PUBLISH_SCRIPT``), or refuses the
+        whole call (``OutOfMemoryError``: nothing written)."""
         assert protocol.PAYLOAD_FIELD == "msg"  # the script's field name
         keys = [self.keys.requests, *(self.keys.out(event.request_id) for event in events)]
         args: list[Any] = [self.keys.group, protocol.OUT_STREAM_TTL_S, len(events)]
         args += [event.payload for event in events]
         args += ["1" if event.refresh_ttl else "0" for event in events]
         args += acks
-        try:
-            reply = await self._publish(keys=keys, args=args)
-        except OutOfMemoryError:  # refused as a whole: nothing written, nothing acknowledged
-            return Published(num_written=0, refused=[])
+        reply = await self._publish(keys=keys, args=args)
         return Published(num_written=int(reply[0]), refused=[text(m) for m in reply[1:]])
 
     async def dead_letter(

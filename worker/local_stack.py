@@ -210,13 +210,14 @@ def _terminate_with_parent() -> None:
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of ``args`` as command-line text for ``pagestream worker``."""
     from engine.config import add_engine_args
+    from worker.env_flags import flag_actions
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     flags: list[str] = []
-    for action in parser._actions:  # argparse keeps no public list of its actions
+    for action in flag_actions(parser):
         value = getattr(args, action.dest, None)
-        if not action.option_strings or action.dest == "help" or value in (None, []):
+        if value in (None, []):
             continue
         values = value if isinstance(value, list) else [value]
         for item in values:

@@ -11,11 +11,13 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from redis.exceptions import OutOfMemoryError
+
 from clients import protocol
 from clients.protocol import DeadLetter, ErrorCode, ErrorEvent, Request, RestartEvent
 from engine import InvalidRequestError, StepOutput
 from worker.admission import MalformedEntry, decode_entry, engine_inputs
-from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership, RedisFullError
+from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership
 from worker.events import InFlight, queue_ms, wall_ms
 from worker.logs import get_logger
 
@@ -230,7 +232,7 @@ class RequestHandler:
                 log.error("redis refused an event", error=failure)
             unwritten = unwritten[published.num_written :]
             if unwritten:  # written in order up to here; the rest and the acks come later
-                raise RedisFullError(f"{len(unwritten)} events wait for memory")
+                raise OutOfMemoryError(f"{len(unwritten)} events wait for memory")
 
         self.writes_idle.clear()
         try:

@@ -25,7 +25,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from clients import protocol
 from clients.protocol import CancelNotice, Keys, WorkerStatus
 from engine import StepOutput
-from worker.delivery import REDIS_ERRORS, RedisFullError, RequestStream, text
+from worker.delivery import REDIS_ERRORS, RequestStream, text
 from worker.engine_thread import EngineThread, StepBatch
 from worker.events import InFlight, wall_ms
 from worker.logs import get_logger
@@ -179,7 +179,7 @@ class WorkerService:
                 return await operation()
             except REDIS_ERRORS as exc:
                 log.warning("redis unavailable; retrying", during=what, error=str(exc))
-            except (RedisFullError, OutOfMemoryError) as exc:
+            except OutOfMemoryError as exc:  # before ResponseError, its base class
                 log.warning("redis is out of memory; retrying", during=what, error=str(exc))
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
