@@ -44,6 +44,11 @@ class EngineConfig:
     preemption: PreemptionMode = "recompute"
     swap_space_mb: int = 4096
     cuda_graphs: bool | None = None  # None = on for CUDA unless PAGESTREAM_CUDA_GRAPHS=0
+    # Steps of up to this many tokens that are not decode-only replay piecewise graphs around
+    # eager attention; None = max_batched_tokens, 0 = such steps run eagerly.
+    cuda_graph_max_tokens: int | None = None
+    # Schedule and launch step N+1 before step N's picks reach the host; None = on for CUDA.
+    async_scheduling: bool | None = None
     tenant_page_quotas: Mapping[str, int] = field(default_factory=dict)
     seed: int = 0
 
@@ -88,6 +93,8 @@ class EngineConfig:
                 f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_seqs "
                 f"({self.max_seqs}): every running sequence needs one token per decode step"
             )
+        if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
+            raise ConfigError("cuda_graph_max_tokens must be >= 0 (0 = no piecewise graphs)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
         for tenant, quota in self.tenant_page_quotas.items():
@@ -108,6 +115,19 @@ class EngineConfig:
 
     def use_paged_attention(self) -> bool:
         return self.paged_attn != "off"
+
+    def piecewise_graph_tokens(self) -> int:
+        """The largest step captured in piecewise graphs (0 = none), at most the token budget."""
+        if self.cuda_graph_max_tokens is None:
+            return self.max_batched_tokens
+        return min(self.cuda_graph_max_tokens, self.max_batched_tokens)
+
+    def async_scheduling_wanted(self, device_type: str) -> bool:
+        """On for CUDA unless ``--async-scheduling off``; on the CPU only when asked for (its
+        forward runs on the host thread, so there is nothing to overlap)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device_type == "cuda"
 
     def cuda_graphs_wanted(self) -> bool:
         """On unless ``--cuda-graphs off`` or ``PAGESTREAM_CUDA_GRAPHS=0`` (CUDA only)."""
@@ -229,7 +249,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_on_off,
         default=None,
         metavar="on/off",
-        help="decode CUDA graphs (default on for CUDA)",
+        help="CUDA graphs: decode steps whole, other steps piecewise (default on for CUDA)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="steps with prefill of up to N tokens replay piecewise graphs around eager "
+        "attention (default: --max-batched-tokens; 0 = run them eagerly)",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        type=_on_off,
+        default=None,
+        metavar="on/off",
+        help="schedule and launch each step before the previous step's tokens reach the host "
+        "(default on for CUDA)",
     )
     g.add_argument(
         "--tenant-quota",

@@ -13,10 +13,11 @@ from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.piecewise_graphs import PiecewiseGraphs
+from engine.sampler import DeviceSample, Sampler, SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSeq
-from engine.sequence import Sequence
+from engine.sequence import PENDING_TOKEN, Sequence
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,31 @@ class SampledToken:
     seq: Sequence
     token_id: int
     logprobs: TokenLogprobs | None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; ``resolve`` waits for the
+    picks alone. Until then the picks feed the next step straight from device memory."""
+
+    scheduled: list[ScheduledSeq]
+    sampling_entries: list[ScheduledSeq]
+    sample: DeviceSample | None  # None when only partial prefill chunks ran
+
+    def row_of(self) -> dict[int, int]:
+        """``id(seq)`` -> its row in ``sample.token_ids``."""
+        return {id(entry.seq): row for row, entry in enumerate(self.sampling_entries)}
+
+    def resolve(self) -> list[SampledToken]:
+        if self.sample is None:
+            return []
+        out = self.sample.resolve()
+        return [
+            SampledToken(entry.seq, token_id, logprobs)
+            for entry, token_id, logprobs in zip(
+                self.sampling_entries, out.token_ids, out.logprobs, strict=True
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -48,20 +74,28 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
 
     @property
     def uses_cuda_graphs(self) -> bool:
         return self.graphs is not None
 
-    def capture_cuda_graphs(self, max_seqs: int, max_seq_len: int) -> float:
-        """Capture decode graphs for every batch-size bucket; returns the seconds it took."""
+    def capture_cuda_graphs(self, max_seqs: int, max_seq_len: int, max_graph_tokens: int) -> float:
+        """Capture decode graphs for every batch-size bucket, and piecewise graphs for steps of
+        up to ``max_graph_tokens`` tokens (0: none); returns the seconds it took."""
+        if max_graph_tokens > 0:
+            piecewise = PiecewiseGraphs(
+                self.model, self.kv_cache.layers, max_graph_tokens, self.device
+            )
+            piecewise.capture()
+            self.piecewise = piecewise
         max_blocks = -(-max_seq_len // self.block_size)
         graphs = DecodeGraphs(
             self.model, self.kv_cache.layers, max_seqs, max_blocks, max_seq_len, self.device
         )
         graphs.capture()
         self.graphs = graphs
-        return graphs.capture_s
+        return graphs.capture_s + (self.piecewise.capture_s if self.piecewise else 0.0)
 
     @torch.inference_mode()
     def execute(
@@ -69,33 +103,45 @@ class ModelRunner:
     ) -> list[SampledToken]:
         """Run the batch's forward and sample; ``while_gpu_busy`` is called once the forward is
         launched, before the host waits for its result (not called when nothing runs)."""
+        launched = self.launch(batch)
+        if launched is None:
+            return []
+        if while_gpu_busy is not None:
+            while_gpu_busy()
+        return launched.resolve()
+
+    @torch.inference_mode()
+    def launch(
+        self, batch: ScheduledBatch, previous: LaunchedStep | None = None
+    ) -> LaunchedStep | None:
+        """Queue the batch's forward and sampling on the device without waiting for them.
+
+        ``previous``: the step before, if its picks are not resolved yet; rows whose input is
+        one of them (``PENDING_TOKEN`` on the host) read it from its device tensor.
+        """
         # Swap-outs first: their pages may be handed to other sequences in this very step.
         if batch.swap_out:
             self.kv_cache.swap_out(*map(list, zip(*batch.swap_out, strict=True)))
         if batch.swap_in:
             self.kv_cache.swap_in(*map(list, zip(*batch.swap_in, strict=True)))
         if batch.is_empty:
-            return []
-        inputs = self.prepare_inputs(batch)
+            return None
+        inputs = self.prepare_inputs(batch, previous)
         logits = self._logits(inputs)
-        if while_gpu_busy is not None:
-            while_gpu_busy()
-        if logits is None:
-            return []  # only partial prefill chunks this step
         entries = inputs.sampling_entries
+        if logits is None:
+            return LaunchedStep(batch.scheduled, entries, None)  # only partial prefill chunks
         if all([_plain_greedy(entry.seq) for entry in entries]):  # a list: cheaper than a genexpr
-            out = self.sampler.greedy(logits)  # the rows would only say "argmax"
+            sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
         else:
-            out = self.sampler.sample(logits, [self._sampling_row(e.seq) for e in entries])
-        return [
-            SampledToken(entry.seq, token_id, logprobs)
-            for entry, token_id, logprobs in zip(
-                inputs.sampling_entries, out.token_ids, out.logprobs, strict=True
-            )
-        ]
+            rows = [self._sampling_row(e.seq) for e in entries]
+            sample = self.sampler.sample_on_device(logits, rows)
+        sample.start_copy()
+        return LaunchedStep(batch.scheduled, entries, sample)
 
     def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
-        """[S, V] logits of the sampling rows: a graph replay for decode-only steps."""
+        """[S, V] logits of the sampling rows: a graph replay for decode-only steps, piecewise
+        graphs around eager attention for the others (when captured)."""
         meta = inputs.meta
         decode_only = meta.max_query_len == 1
         if decode_only and self.graphs is not None and self.graphs.bucket_for(meta.num_seqs):
@@ -105,15 +151,22 @@ class ModelRunner:
             # one token per row, so a row's token index is its row (a 1-token chunk of a
             # longer prompt does not sample)
             return logits[inputs.logits_indices] if inputs.sampling_entries else None
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
+        piecewise = self.piecewise
+        if piecewise is not None and piecewise.bucket_for(inputs.input_ids.shape[0]):
+            hidden = piecewise.forward(inputs.input_ids, inputs.positions, meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
         if not inputs.sampling_entries:
             return None
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
         return self.model.compute_logits(hidden)
 
-    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+    def prepare_inputs(
+        self, batch: ScheduledBatch, previous: LaunchedStep | None = None
+    ) -> ModelInputs:
         token_ids: list[int] = []
+        pending: list[tuple[int, Sequence]] = []  # rows whose input token is still on the device
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
@@ -125,7 +178,10 @@ class ModelRunner:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
             if end - start == 1:  # a decode step (most rows): no lists to build
-                token_ids.append(seq.token_id(start))
+                token_id = seq.token_id(start)
+                if token_id == PENDING_TOKEN:
+                    pending.append((len(token_ids), seq))
+                token_ids.append(token_id)
                 positions.append(start)
                 slots.append(seq.block_table[start // bs] * bs + start % bs)
             else:
@@ -139,8 +195,11 @@ class ModelRunner:
                 sampling_entries.append(entry)
         tables = [entry.seq.block_table for entry in batch.scheduled]
         meta = self._metadata(tables, slots, seq_lens, query_start_loc)
+        input_ids = self._tensor(token_ids, torch.int64)
+        if pending:
+            self._fill_pending(input_ids, pending, previous)
         return ModelInputs(
-            input_ids=self._tensor(token_ids, torch.int64),
+            input_ids=input_ids,
             positions=self._tensor(positions, torch.int64),
             meta=meta,
             logits_indices=(
@@ -150,6 +209,20 @@ class ModelRunner:
             ),
             sampling_entries=sampling_entries,
         )
+
+    def _fill_pending(
+        self,
+        input_ids: torch.Tensor,
+        pending: list[tuple[int, Sequence]],
+        previous: LaunchedStep | None,
+    ) -> None:
+        """Copy the previous step's picks into the rows that take them as input, on device."""
+        assert previous is not None and previous.sample is not None, "a pending token is lost"
+        row_of = previous.row_of()
+        rows = [row for row, _ in pending] + [row_of[id(seq)] for _, seq in pending]
+        index = self._tensor(rows, torch.int64)  # [destinations..., sources...]: one copy
+        num = len(pending)
+        input_ids[index[:num]] = previous.sample.token_ids[index[num:]]
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, seq_len: int, num_sampled: int) -> None:

@@ -24,6 +24,7 @@ from engine.memory import (
     read_device_memory,
 )
 from engine.model_runner import ModelRunner
+from engine.piecewise_graphs import activation_buffer_bytes
 from engine.sampler import Sampler
 
 logger = logging.getLogger("pagestream.engine")
@@ -76,7 +77,7 @@ def build_runtime(
     )
     runner = ModelRunner(loaded.model, kv_cache, sampler, device)
     if use_graphs:
-        runner.capture_cuda_graphs(config.max_seqs, max_model_len)
+        runner.capture_cuda_graphs(config.max_seqs, max_model_len, config.piecewise_graph_tokens())
     return Runtime(
         kv_cache, block_manager, HostBlockPool(plan.num_host_blocks), runner, plan, profile
     )
@@ -110,6 +111,9 @@ def _measure_peaks(
         graph_bytes = 0
         if use_graphs:  # the largest captured decode step, held in the graphs' own pool
             graph_bytes = measure_peak_bytes(device, lambda: runner.profile_decode(config.max_seqs))
+            graph_tokens = config.piecewise_graph_tokens()
+            if graph_tokens:  # their pool holds one piece's temporaries, below a whole step's
+                graph_bytes += peak_bytes + activation_buffer_bytes(loaded.model, graph_tokens)
     except torch.OutOfMemoryError as exc:
         raise ConfigError(
             f"the largest step ({num_tokens} tokens, {num_sampled} sampled rows) does not fit "

@@ -88,6 +88,38 @@ def test_graphs_are_captured_and_replayed(monkeypatch: pytest.MonkeyPatch) -> No
     assert replays == 7  # every step after the prefill
 
 
+MIXED = dict(max_seqs=16, max_batched_tokens=512, prefill_chunk=256, dtype="float32")
+
+
+def test_piecewise_graphs_give_the_eager_steps_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunks of 256 beside decodes: most steps are mixed and replay the piecewise graphs.
+    pieced = _dummy_tokens(monkeypatch, "triton", cuda_graphs=True, **MIXED)
+    eager_mixed = _dummy_tokens(
+        monkeypatch, "triton", cuda_graphs=True, cuda_graph_max_tokens=0, **MIXED
+    )
+    assert pieced == eager_mixed
+
+
+def test_mixed_steps_replay_piecewise_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ATTN_BACKEND_ENV, "triton")
+    llm = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=1024, pa_memory_mb=512, **MIXED)
+    piecewise = llm.engine.runner.piecewise
+    assert piecewise is not None and piecewise.buckets[-1] == 512
+    assert set(piecewise.graphs) == set(piecewise.buckets)
+    assert all(len(graphs) == 29 for graphs in piecewise.graphs.values())  # 28 layers + 1
+    counts: list[int] = []
+    original = piecewise.forward
+
+    def counting_forward(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        counts.append(input_ids.shape[0])
+        return original(input_ids, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(piecewise, "forward", counting_forward)
+    prompts = random_prompts([300, 40, 700], 151936, seed=8)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(counts) >= 3 and max(counts) <= 512  # every step with a prefill chunk
+
+
 def test_cuda_graphs_env_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
     llm = LLM("dummy:tiny", device="cuda", pa_memory_mb=64)

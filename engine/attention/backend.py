@@ -93,6 +93,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        out: torch.Tensor | None = None,  # [T, Hq, D]: where to write, else a new tensor
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 
@@ -127,11 +128,12 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv_ref(
             k, v, cache.k, cache.v, meta.slot_mapping, k_scale=cache.k_scale, v_scale=cache.v_scale
         )
-        return paged_attention_ref(
+        result = paged_attention_ref(
             q,
             cache.k,
             cache.v,
@@ -143,6 +145,7 @@ class TorchAttentionBackend:
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
         )
+        return result if out is None else out.copy_(result)
 
 
 class TritonAttentionBackend:
@@ -172,6 +175,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._write_kv(
             k, v, cache.k, cache.v, meta.slot_mapping, k_scale=cache.k_scale, v_scale=cache.v_scale
@@ -189,6 +193,7 @@ class TritonAttentionBackend:
             sliding_window=sliding_window,
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
+            out=out,
         )
 
 

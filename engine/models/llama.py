@@ -62,6 +62,16 @@ class Attention(nn.Module):
         kv_cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, positions, rope)
+        return self.o_proj(self.attend(q, k, v, kv_cache, meta).flatten(1))
+
+    def project(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
+        """The new tokens' rotated queries and keys, and values: everything before attention."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -69,9 +79,21 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm pre-rope
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.backend.ops.rotary(q, k, positions, *rope)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return (*self.backend.ops.rotary(q, k, positions, *rope), v)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: LayerCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,  # [T, Hq, D]
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Store the new K/V in the pages and attend each query over its context."""
+        return self.backend.forward(
+            q, k, v, kv_cache, meta, self.scale, self.sliding_window, out=out
+        )
 
 
 class MLP(nn.Module):
@@ -103,12 +125,33 @@ class DecoderLayer(nn.Module):
         kv_cache: LayerCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.pre_attention(x, residual, positions, rope)
+        attn = self.self_attn.attend(q, k, v, kv_cache, meta)
+        return self.post_attention(attn.flatten(1), residual)
+
+    # The two halves around attention: the parts a piecewise CUDA graph captures.
+
+    def pre_attention(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output, or the embeddings
+        residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(x, positions, rope, kv_cache, meta)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return (*self.self_attn.project(x, positions, rope), residual)
+
+    def post_attention(
+        self,
+        attn: torch.Tensor,  # [T, Hq * D]
+        residual: torch.Tensor,  # [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output and the new residual
+        x, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn.o_proj(attn), residual
+        )
         return self.mlp(x), residual
 
 
