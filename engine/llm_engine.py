@@ -25,12 +25,12 @@ from engine.errors import ConfigError, InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
 from engine.loader import LoadedModel, load_model
 from engine.memory import prefer_expandable_segments
-from engine.model_runner import SampledToken
+from engine.model_runner import LaunchedStep, SampledToken
 from engine.runtime import build_runtime
 from engine.sampler import TokenLogprobs, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus, Usage
+from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus, Usage
 
 logger = logging.getLogger("pagestream.engine")
 
@@ -99,6 +99,8 @@ class LLMEngine:
         self.pool_source = runtime.plan.source
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
         self._inbox = _Inbox()
+        self.async_scheduling = config.async_scheduling_wanted(self.device.type)
+        self._in_flight: LaunchedStep | None = None  # launched, picks not yet seen
         self._num_steps = 0
         self._step_time_s = 0.0
         self._request_counter = itertools.count()
@@ -139,6 +141,7 @@ class LLMEngine:
             tenant=tenant,
             deadline_s=None if timeout_s is None else now_s + timeout_s,
             eos_token_ids=frozenset() if sampling.ignore_eos else self.eos_token_ids,
+            length_limit=min(len(token_ids) + sampling.max_tokens, self.max_model_len),
             generator=None if sampling.seed is None else make_generator(sampling.seed),
         )
         if self.tokenizer is not None:
@@ -164,7 +167,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self._inbox.lock:
             pending = bool(self._inbox.added or self._inbox.aborted)
-        return pending or self.scheduler.num_unfinished > 0
+        return pending or self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     def encode_prompt(
         self,
@@ -183,17 +186,41 @@ class LLMEngine:
         ``while_gpu_busy`` runs once the step's forward is launched, before the host waits for
         it: a caller on another thread can hand off the previous step's outputs there, so that
         their processing overlaps the GPU's work instead of this thread's (they share the GIL).
+
+        With asynchronous scheduling the step schedules and launches the next forward before
+        it looks at the picks of the one before, which is still on the device: each decode
+        row's input comes from the device, and the returned outputs are that earlier step's.
+        The host's work (scheduling, inputs, stop checks, detokenizing) then overlaps the GPU's.
         """
         start_s = time.perf_counter()
         outputs = self._apply_inbox()
+        if self._in_flight is not None and self._in_flight_needs_history():
+            outputs += self._process(self._take_in_flight())  # its picks feed penalties
         batch = self.scheduler.schedule(time.monotonic())
         outputs += [self._finished_output(seq) for seq in batch.finished]
-        sampled = self.runner.execute(batch, while_gpu_busy)
+        launched = self.runner.launch(batch, self._in_flight)
+        if launched is not None and while_gpu_busy is not None:
+            while_gpu_busy()
         self._advance(batch)
-        outputs += [self._append_token(token) for token in sampled]
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            outputs += self._process(previous)
+        if not self.async_scheduling and self._in_flight is not None:
+            outputs += self._process(self._take_in_flight())
         self._num_steps += 1
         self._step_time_s += time.perf_counter() - start_s
         return outputs
+
+    def _take_in_flight(self) -> LaunchedStep:
+        launched, self._in_flight = self._in_flight, None
+        assert launched is not None
+        return launched
+
+    def _in_flight_needs_history(self) -> bool:
+        """Whether a row of the step in flight samples from its own past tokens (penalties):
+        its pick must be seen before the next step is scheduled."""
+        assert self._in_flight is not None
+        return any(e.seq.sampling.has_penalties for e in self._in_flight.sampling_entries)
 
     def _apply_inbox(self) -> list[StepOutput]:
         with self._inbox.lock:
@@ -210,16 +237,34 @@ class LLMEngine:
         return outputs
 
     def _advance(self, batch: ScheduledBatch) -> None:
-        bm = self.block_manager
+        """The batch's tokens are computed; each sampling row gets a pending output token."""
         for entry in batch.scheduled:
             seq = entry.seq
             seq.num_computed_tokens += entry.num_new_tokens
-            if seq.num_computed_tokens // bm.block_size > seq.num_registered_blocks:
-                bm.register_full_blocks(seq)  # a block filled: publish it for prefix sharing
+            if seq.num_computed_tokens == seq.num_tokens:  # it samples
+                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens += 1
+
+    def _process(self, launched: LaunchedStep) -> list[StepOutput]:
+        """Take in a launched step's picks: tokens, stop checks, prefix-cache blocks."""
+        outputs = [
+            self._append_token(token) for token in launched.resolve() if not token.seq.is_finished
+        ]
+        bm = self.block_manager
+        for entry in launched.scheduled:
+            seq = entry.seq
+            # every computed token is known now: a filled block can be published for sharing
+            if not seq.is_finished and seq.num_computed_tokens // bm.block_size > (
+                seq.num_registered_blocks
+            ):
+                bm.register_full_blocks(seq)
+        return outputs
 
     def _append_token(self, sampled: SampledToken) -> StepOutput:
         seq, token_id = sampled.seq, sampled.token_id
-        seq.output_token_ids.append(token_id)
+        index = len(seq.output_token_ids) - seq.num_pending_tokens  # its oldest pending token
+        seq.output_token_ids[index] = token_id
+        seq.num_pending_tokens -= 1
         seq.output_logprobs.append(sampled.logprobs)
         text_delta = ""
         if seq.detokenizer is not None:
@@ -229,7 +274,7 @@ class LLMEngine:
                 seq.stop_reason = delta.stop_reason
                 self._finish(seq, FinishReason.STOP)
         if not seq.is_finished:
-            reason = self._stop_reason(seq, token_id)
+            reason = self._stop_reason(seq, token_id, num_output=index + 1)
             if reason is not None:
                 text_delta += self._finish(seq, reason)
         finished = seq.is_finished
@@ -244,9 +289,9 @@ class LLMEngine:
             usage=seq.usage() if finished else None,
         )
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token_id: int, num_output: int) -> FinishReason | None:
+        """Why ``seq`` ends with ``token_id``, its ``num_output``-th output token, if it does."""
         params = seq.sampling
-        num_output = len(seq.output_token_ids)  # once per token per sequence: no properties
         if num_output >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 seq.stop_reason = token_id
@@ -262,6 +307,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> str:
         """End ``seq`` now (pages freed); returns text that was held back, if any."""
         self.scheduler.finish(seq, reason)
+        _drop_pending(seq)
         with self._inbox.lock:
             self._inbox.known_ids.discard(seq.request_id)
         if seq.detokenizer is None or isinstance(seq.stop_reason, str):
@@ -273,6 +319,7 @@ class LLMEngine:
 
     def _finished_output(self, seq: Sequence) -> StepOutput:
         """Output for a sequence ended outside sampling (cancel, timeout)."""
+        _drop_pending(seq)
         with self._inbox.lock:
             self._inbox.known_ids.discard(seq.request_id)
         return StepOutput(
@@ -303,6 +350,13 @@ class LLMEngine:
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self.scheduler.find(request_id)
+
+
+def _drop_pending(seq: Sequence) -> None:
+    """Forget the picks of steps in flight for an ended sequence: they were never its tokens."""
+    if seq.num_pending_tokens:
+        del seq.output_token_ids[-seq.num_pending_tokens :]
+        seq.num_pending_tokens = 0
 
 
 def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:

@@ -60,22 +60,27 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """``logits``: [num_rows, >= vocab_size], any float dtype; padded columns are ignored."""
+        return self.sample_on_device(logits, rows).resolve()
+
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
+        """Argmax of every row of ``logits`` [num_rows, >= vocab_size], no logprobs."""
+        return self.greedy_on_device(logits).resolve()
+
+    def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        """``sample`` without waiting for the device: the picks stay where the logits are."""
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} rows"
         logits = logits[:, : self.vocab_size]  # [num_rows, vocab]
         if all(_is_plain_greedy(row) for row in rows):
-            return self.greedy(logits)
+            return self.greedy_on_device(logits)
         # A float32 copy: we edit it in place and must not touch the caller's tensor.
         logits = logits.to(torch.float32, copy=True)
         raw_logprobs = _raw_logprobs(logits, rows)
         logits = self.process_logits(logits, rows)
         token_ids = self._pick_tokens(logits, rows)  # [num_rows]
-        logprobs = _gather_logprobs(raw_logprobs, token_ids, rows)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return DeviceSample(token_ids, _logprob_tensors(raw_logprobs, token_ids, rows))
 
-    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
-        """Argmax of every row of ``logits`` [num_rows, >= vocab_size], no logprobs."""
-        token_ids = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-        return SamplerOutput(token_ids, [None] * len(token_ids))
+    def greedy_on_device(self, logits: torch.Tensor) -> DeviceSample:
+        return DeviceSample(logits[:, : self.vocab_size].argmax(dim=-1), None)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Suppression then penalties, in place on float32 ``logits`` [num_rows, vocab]."""
@@ -120,26 +125,78 @@ def _raw_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     return torch.log_softmax(logits[torch.tensor(wanted, device=logits.device)], dim=-1)
 
 
-def _gather_logprobs(
+@dataclass(frozen=True)
+class _LogprobTensors:
+    """The logprobs of the rows that ask for them, still on the device."""
+
+    wanted: list[int]  # row indices
+    num_top: list[int]  # top-n per wanted row
+    sampled_ids: torch.Tensor  # [num_wanted]
+    sampled: torch.Tensor  # [num_wanted]: log-prob of each sampled token
+    top_values: torch.Tensor  # [num_wanted, max n], best first
+    top_ids: torch.Tensor  # [num_wanted, max n]
+
+
+def _logprob_tensors(
     raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
-) -> list[TokenLogprobs | None]:
+) -> _LogprobTensors | None:
     """Sampled-token and top-n logprobs for rows that ask; ``token_ids``: [num_rows]."""
-    out: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is None:
-        return out
+        return None
     wanted = _rows_wanting_logprobs(rows)
     wanted_ids = token_ids[torch.tensor(wanted, device=token_ids.device)]  # [num_wanted]
     sampled = raw_logprobs.gather(1, wanted_ids.unsqueeze(1)).squeeze(1)  # [num_wanted]
-    num_top = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [num_wanted, num_top], best first
-    # One host copy per tensor, then plain Python per row.
-    wanted_list, sampled_list = wanted_ids.tolist(), sampled.tolist()
-    top_value_rows, top_id_rows = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs or 0
-        top = tuple(zip(top_id_rows[j][:n], top_value_rows[j][:n], strict=True))
-        out[i] = TokenLogprobs(wanted_list[j], sampled_list[j], top)
-    return out
+    num_top = [rows[i].params.logprobs or 0 for i in wanted]
+    top_values, top_ids = raw_logprobs.topk(max(num_top), dim=-1)
+    return _LogprobTensors(wanted, num_top, wanted_ids, sampled, top_values, top_ids)
+
+
+class DeviceSample:
+    """A step's picks (and logprobs) on the device, copied to host memory without blocking.
+
+    ``start_copy`` queues the copies behind the sampling kernels and records an event;
+    ``resolve`` waits for that event alone, so the host can launch the next step's forward in
+    between without waiting for it (the overlap of asynchronous scheduling).
+    """
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: _LogprobTensors | None) -> None:
+        self.token_ids = token_ids  # [num_rows] int64, on the device: the next step's inputs
+        self._logprobs = logprobs
+        self._host: list[torch.Tensor] | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        lp = self._logprobs
+        extra = [] if lp is None else [lp.sampled_ids, lp.sampled, lp.top_values, lp.top_ids]
+        return [self.token_ids, *extra]
+
+    def start_copy(self) -> None:
+        tensors = self._tensors()
+        if tensors[0].device.type != "cuda":
+            self._host = tensors
+            return
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, device in zip(self._host, tensors, strict=True):
+            host.copy_(device, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def resolve(self) -> SamplerOutput:
+        """Host lists of the picks and logprobs (waits for the copies, not for later work)."""
+        if self._host is None:
+            self.start_copy()
+        assert self._host is not None
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = self._host[0].tolist()
+        out: list[TokenLogprobs | None] = [None] * len(token_ids)
+        lp = self._logprobs
+        if lp is not None:
+            sampled_ids, sampled, values, ids = (t.tolist() for t in self._host[1:])
+            for j, (i, n) in enumerate(zip(lp.wanted, lp.num_top, strict=True)):
+                top = tuple(zip(ids[j][:n], values[j][:n], strict=True))
+                out[i] = TokenLogprobs(sampled_ids[j], sampled[j], top)
+        return SamplerOutput(token_ids, out)
 
 
 # -- suppression and penalties

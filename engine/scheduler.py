@@ -97,6 +97,8 @@ class Scheduler:
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for seq in self.running:
+            if seq.awaits_last_token:
+                continue  # its last token is in flight: the sequence ends when it lands
             (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
         # The common decode step needs no page (the last one has room) and no quota check.
         fast = not self.block_manager.tenant_page_quotas

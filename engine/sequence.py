@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from engine.sampler import TokenLogprobs
 
 
+# An output token sampled by a step still on the device: its id reaches the host one step
+# later (asynchronous scheduling); the next step reads it from the device instead.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted by recompute
     RUNNING = "running"
@@ -68,6 +73,10 @@ class Sequence:
     swapped_blocks: list[int] = field(default_factory=list)  # host slots while SWAPPED
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
+    # Trailing PENDING_TOKEN placeholders in output_token_ids (at most 2: one per step in flight)
+    num_pending_tokens: int = 0
+    # No more tokens past this many (prompt + max_tokens, capped by the model's context)
+    length_limit: int = 1 << 62
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
 
@@ -86,6 +95,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its last token is sampled but not yet seen: no further step may run it."""
+        return self.num_pending_tokens > 0 and self.num_tokens >= self.length_limit
 
     @property
     def is_finished(self) -> bool:
