@@ -29,6 +29,7 @@ from engine.errors import ConfigError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.step_profile import StepProfiler
 
 RESULTS_DIR = Path("bench/results")
 BYTES_PER_GB = 1e9
@@ -144,11 +145,13 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
     preemptions_before = engine.stats().num_preemptions
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
+    engine.step_profiler = profiler = StepProfiler()  # two device events per step
     start_s = time.perf_counter()
     for index, prompt in enumerate(prompts):
         _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len)
     tally = _step_until_done(engine, len(prompts), start_s, use_tqdm)
     elapsed_s = time.perf_counter() - start_s
+    engine.step_profiler = StepProfiler(enabled=False)
     num_input_tokens = sum(len(p.token_ids) for p in prompts)
     weights_bytes = engine.loaded.weights_bytes
     return {
@@ -168,6 +171,8 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
         "weights_bytes": weights_bytes,
         "weights_gb_s": weights_bytes * tally.num_steps / elapsed_s / BYTES_PER_GB,
         "peak_memory_bytes": _peak_memory_bytes(engine.device),
+        # per step kind: host and GPU milliseconds, and how busy the GPU was overall
+        "step_profile": profiler.summary(elapsed_s),
     }
 
 

@@ -31,6 +31,7 @@ from engine.sampler import TokenLogprobs, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus, Usage
+from engine.step_profile import StepProfiler
 
 logger = logging.getLogger("pagestream.engine")
 
@@ -101,6 +102,7 @@ class LLMEngine:
         self._inbox = _Inbox()
         self.async_scheduling = config.async_scheduling_wanted(self.device.type)
         self._in_flight: LaunchedStep | None = None  # launched, picks not yet seen
+        self.step_profiler = StepProfiler(enabled=False)  # benchmarks turn it on
         self._num_steps = 0
         self._step_time_s = 0.0
         self._request_counter = itertools.count()
@@ -193,12 +195,16 @@ class LLMEngine:
         The host's work (scheduling, inputs, stop checks, detokenizing) then overlaps the GPU's.
         """
         start_s = time.perf_counter()
+        profiler = self.step_profiler
+        profiler.begin_step()
         outputs = self._apply_inbox()
         if self._in_flight is not None and self._in_flight_needs_history():
             outputs += self._process(self._take_in_flight())  # its picks feed penalties
         batch = self.scheduler.schedule(time.monotonic())
         outputs += [self._finished_output(seq) for seq in batch.finished]
+        profiler.before_launch(self.device)
         launched = self.runner.launch(batch, self._in_flight)
+        profiler.after_launch()
         if launched is not None and while_gpu_busy is not None:
             while_gpu_busy()
         self._advance(batch)
@@ -207,6 +213,7 @@ class LLMEngine:
             outputs += self._process(previous)
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._process(self._take_in_flight())
+        profiler.end_step([entry.num_new_tokens for entry in batch.scheduled])
         self._num_steps += 1
         self._step_time_s += time.perf_counter() - start_s
         return outputs
@@ -247,9 +254,10 @@ class LLMEngine:
 
     def _process(self, launched: LaunchedStep) -> list[StepOutput]:
         """Take in a launched step's picks: tokens, stop checks, prefix-cache blocks."""
-        outputs = [
-            self._append_token(token) for token in launched.resolve() if not token.seq.is_finished
-        ]
+        wait_start_s = time.perf_counter()
+        tokens = launched.resolve()  # waits for the device's picks
+        self.step_profiler.add_wait(time.perf_counter() - wait_start_s)
+        outputs = [self._append_token(token) for token in tokens if not token.seq.is_finished]
         bm = self.block_manager
         for entry in launched.scheduled:
             seq = entry.seq

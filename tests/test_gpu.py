@@ -120,6 +120,26 @@ def test_mixed_steps_replay_piecewise_graphs(monkeypatch: pytest.MonkeyPatch) ->
     assert len(counts) >= 3 and max(counts) <= 512  # every step with a prefill chunk
 
 
+def test_async_scheduling_gives_the_synchronous_tokens() -> None:
+    prompts = random_prompts([100, 300, 700, 5, 64, 1500], 151936, seed=9)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=33, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.2, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, seed=4, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    outs = {}
+    for mode in (True, False):
+        llm = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=2048, pa_memory_mb=2048,
+                  async_scheduling=mode, dtype="float32", **MIXED)  # fmt: skip
+        outs[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.block_manager.num_used_blocks == 0
+    assert outs[True] == outs[False]
+    assert [len(t) for t in outs[True]] == [40, 33, 7, 48, 25, 12]
+
+
 def test_cuda_graphs_env_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
     llm = LLM("dummy:tiny", device="cuda", pa_memory_mb=64)
