@@ -133,7 +133,7 @@ def test_async_scheduling_gives_the_synchronous_tokens() -> None:
     outs = {}
     for mode in (True, False):
         llm = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=2048, pa_memory_mb=2048,
-                  async_scheduling=mode, dtype="float32", **MIXED)  # fmt: skip
+                  async_scheduling=mode, **MIXED)  # fmt: skip
         outs[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.block_manager.num_used_blocks == 0
     assert outs[True] == outs[False]
