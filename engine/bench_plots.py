@@ -20,7 +20,15 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         if required:
             raise ConfigError("plots need matplotlib: pip install matplotlib") from None
         return None
-    draws = {"throughput": _throughput, "latency": _latency, "kernels": _kernels, "serve": _serve}
+    from bench.sweep import plot_sweep
+
+    draws = {
+        "throughput": _throughput,
+        "throughput-sweep": plot_sweep,
+        "latency": _latency,
+        "kernels": _kernels,
+        "serve": _serve,
+    }
     draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table
         if required:
@@ -71,6 +79,9 @@ def _latency(plt: Any, record: dict[str, Any]) -> Any:
     if all("limit_tpot_s" in r for r in results):
         limit = [r["limit_tpot_s"] * 1e3 for r in results]
         ax.plot(batches, limit, "k--", label="weights + KV streaming limit")
+    if all("vllm" in r for r in results):
+        vllm = [r["vllm"]["tpot_s"] * 1e3 for r in results]
+        ax.plot(batches, vllm, "s--", color="tab:orange", label="vLLM")
     if all("hf_generate" in r for r in results):
         hf = [r["hf_generate"]["tpot_s"] * 1e3 for r in results]
         ax.plot(batches, hf, "s-", color="tab:gray", label="transformers generate")

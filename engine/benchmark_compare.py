@@ -3,7 +3,8 @@
 ``paged-off``: the engine itself with ``--paged-attn off`` (one contiguous slot of the
 longest request per sequence). ``hf``: transformers' continuous batching (``generate_batch``,
 sdpa) with ``max_new_tokens`` set to the mean of the drawn output lengths, since one call takes
-one length for all prompts. Each adds its results and ``ratio`` (the engine's output tok/s over
+one length for all prompts. ``vllm``: vLLM's offline API on the same prompts in a subprocess
+(``bench/vllm_peer.py``), run before the engine loads. Each adds its results and ``ratio`` (the engine's output tok/s over
 the baseline's) to the record under ``baselines``.
 """
 
@@ -19,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory import release_device_memory
 from engine.peers import load_hf_model, run_hf_generate_batch
 
-BASELINES = ("paged-off", "hf")
+BASELINES = ("paged-off", "hf", "vllm")
 
 
 def run_with_baselines(
@@ -33,6 +34,11 @@ def run_with_baselines(
     unknown = set(baselines) - set(BASELINES)
     if unknown:
         raise ConfigError(f"unknown baseline(s) {sorted(unknown)}; choose from {BASELINES}")
+    vllm = None
+    if "vllm" in baselines:  # first, on an empty GPU, in its own process
+        from bench.vllm_peer import run_vllm_peer, throughput_peer_args
+
+        vllm = run_vllm_peer("throughput", throughput_peer_args(config, [workload]))
     engine = LLMEngine(config)
     record = run_throughput(engine, workload, use_tqdm=use_tqdm)
     vocab_size, dtype, device = engine.loaded.arch.vocab_size, engine.dtype, engine.device
@@ -40,6 +46,9 @@ def run_with_baselines(
     release_device_memory()
     ours = record["results"]["output_tok_s"]
     record["baselines"] = {}
+    if vllm is not None:
+        theirs = {**vllm["results"][0], **{k: v for k, v in vllm.items() if k != "results"}}
+        record["baselines"]["vllm"] = {**theirs, "ratio": ours / theirs["output_tok_s"]}
     if "paged-off" in baselines:
         off = _paged_off(config, workload, use_tqdm)
         record["baselines"]["paged_off"] = {**off, "ratio": ours / off["output_tok_s"]}

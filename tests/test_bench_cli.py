@@ -58,8 +58,8 @@ def test_throughput_against_paged_off_in_the_same_run(
 
 
 def test_unknown_baseline_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run_cli([*BENCH_ARGS, "--compare", "vllm"], capsys)
-    assert code == 2 and "--compare" in err and "paged-off, hf" in err
+    code, _, err = run_cli([*BENCH_ARGS, "--compare", "sglang"], capsys)
+    assert code == 2 and "--compare" in err and "paged-off, hf, vllm" in err
 
 
 def test_kernel_bench_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:

@@ -82,7 +82,14 @@ def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:
     from engine.config import add_engine_args
 
     w = parser.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=positive_int, default=256, help="default 256")
+    w.add_argument(
+        "--num-prompts",
+        type=int_list,
+        default=(256,),
+        metavar="N[,N,...]",
+        help="default 256; several counts (e.g. 64,256,1024,4096) make a sweep record of "
+        "throughput against the number of prompts",
+    )
     w.add_argument(
         "--input-len",
         type=int_range,
@@ -107,9 +114,10 @@ def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:
         "--compare",
         type=_baselines,
         default=(),
-        metavar="hf,paged-off",
-        help="also run these baselines on the same prompts in this process: hf (transformers "
-        "continuous batching, generate_batch) and/or paged-off (this engine, --paged-attn off)",
+        metavar="vllm,hf,paged-off",
+        help="also run these baselines on the same prompts: vllm (vLLM's offline API in a "
+        "subprocess, when vLLM is importable), hf (transformers continuous batching, "
+        "generate_batch) and/or paged-off (this engine, --paged-attn off); a sweep takes vllm",
     )
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(parser)  # its --seed also seeds the random prompts
@@ -129,20 +137,44 @@ def _baselines(text: str) -> tuple[str, ...]:
 
 
 def _run_bench_throughput(args: argparse.Namespace) -> int:
+    from bench.vllm_peer import PeerError, check_vllm_importable
     from engine import PagestreamError
     from engine.benchmark import ThroughputWorkload, format_results
     from engine.benchmark_compare import run_with_baselines
     from engine.config import engine_config_from_args
 
+    sweep = len(args.num_prompts) > 1
+    if sweep and set(args.compare) - {"vllm"}:
+        raise CommandError("a sweep of several --num-prompts compares with vllm only")
     try:
-        workload = ThroughputWorkload(args.num_prompts, args.input_len, args.output_len, args.seed)
+        if "vllm" in args.compare:
+            check_vllm_importable()  # before minutes of work, not after
+        workloads = [
+            ThroughputWorkload(n, args.input_len, args.output_len, args.seed)
+            for n in args.num_prompts
+        ]
         config = engine_config_from_args(args)
-        record = run_with_baselines(config, workload, args.compare, use_tqdm=not args.no_progress)
-    except PagestreamError as exc:
+        if sweep:
+            return _run_sweep(args, config, workloads)
+        record = run_with_baselines(
+            config, workloads[0], args.compare, use_tqdm=not args.no_progress
+        )
+    except (PagestreamError, PeerError) as exc:
         raise CommandError(str(exc)) from exc
     print(format_results(record["results"]))
     for name, baseline in record["baselines"].items():
         print(f"{name}: {baseline['output_tok_s']:.1f} output tok/s (x{baseline['ratio']:.2f})")
+    save(record, args.output_json)
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, config: Any, workloads: list[Any]) -> int:
+    from bench.sweep import format_sweep, run_sweep
+
+    record = run_sweep(
+        config, workloads, compare_vllm="vllm" in args.compare, use_tqdm=not args.no_progress
+    )
+    print(format_sweep(record))
     save(record, args.output_json)
     return 0
 

@@ -31,8 +31,9 @@ def configure_latency(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len", type=positive_int, default=128, help="default 128")
     w.add_argument(
         "--compare",
-        choices=["hf"],
-        help="hf: also time transformers' generate (static batch, sdpa) at each batch size",
+        choices=["hf", "vllm"],
+        help="hf: also time transformers' generate (static batch, sdpa) at each batch size; "
+        "vllm: vLLM's offline API in a subprocess (when importable), before the engine loads",
     )
     w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -41,6 +42,7 @@ def configure_latency(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench_latency(args: argparse.Namespace) -> int:
+    from bench.vllm_peer import PeerError, add_vllm_latency, latency_peer_args, run_vllm_peer
     from engine import LLMEngine, PagestreamError
     from engine.benchmark_latency import LatencyWorkload, add_hf_peer, run_latency
     from engine.config import engine_config_from_args
@@ -48,7 +50,11 @@ def _run_bench_latency(args: argparse.Namespace) -> int:
 
     try:
         workload = LatencyWorkload(args.batch_sizes, args.input_len, args.output_len, args.seed)
-        engine = LLMEngine(engine_config_from_args(args))
+        config = engine_config_from_args(args)
+        vllm = None
+        if args.compare == "vllm":  # first, on an empty GPU, in its own process
+            vllm = run_vllm_peer("latency", latency_peer_args(config, workload))
+        engine = LLMEngine(config)
         copy_bw = _copy_bandwidth(engine.device) if engine.device.type == "cuda" else None
         record = run_latency(
             engine, workload, copy_bytes_per_s=copy_bw, use_tqdm=not args.no_progress
@@ -57,7 +63,9 @@ def _run_bench_latency(args: argparse.Namespace) -> int:
         if args.compare == "hf":
             release_device_memory()
             add_hf_peer(record, args.model, workload)
-    except PagestreamError as exc:
+        if vllm is not None:
+            add_vllm_latency(record, vllm)
+    except (PagestreamError, PeerError) as exc:
         raise CommandError(str(exc)) from exc
     print(_latency_table(record["results"]))
     save(record, args.output_json)
@@ -71,16 +79,21 @@ def _copy_bandwidth(device: Any) -> float:
 
 
 def _latency_table(results: list[dict[str, Any]]) -> str:
-    lines = ["batch  TTFT ms  TPOT ms  tok/s  limit ms  of limit"]
+    lines = ["batch  TTFT ms  TPOT ms  tok/s  limit ms  of limit  vLLM TPOT ms (ours/theirs)"]
     for r in results:
         limit = (
             f"{r['limit_tpot_s'] * 1e3:8.2f}  {r['fraction_of_limit']:7.0%}"
             if "limit_tpot_s" in r
             else ""
         )
+        vllm = (
+            f"  {r['vllm']['tpot_s'] * 1e3:7.2f} ({r['vllm']['tpot_ratio']:.2f})"
+            if "vllm" in r
+            else ""
+        )
         lines.append(
             f"{r['batch']:5d}  {r['mean_ttft_s'] * 1e3:7.1f}  {r['mean_tpot_s'] * 1e3:7.2f}  "
-            f"{r['output_tok_s']:5.0f}  {limit}"
+            f"{r['output_tok_s']:5.0f}  {limit}{vllm}"
         )
     return "\n".join(lines)
 

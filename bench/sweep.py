@@ -1,0 +1,115 @@
+"""Throughput as the work grows: the same workload at several prompt counts, for the engine and
+(optionally) vLLM in the same run.
+
+A well-behaved engine holds its output tokens/s (or gains) from a few hundred prompts to a few
+thousand: once ``--max-seqs`` sequences run, more prompts only mean more arrivals mixed into
+running decodes. ``hold_ratio`` is the rate at the largest count over the rate at 256 prompts
+(or the smallest count above it), the figure the issue's target reads (>= 0.95).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timezone
+from typing import Any
+
+from bench.vllm_peer import run_vllm_peer, throughput_peer_args
+from engine.benchmark import ThroughputWorkload, machine_info, run_throughput
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.memory import release_device_memory
+
+HOLD_BASE_PROMPTS = 256
+
+
+def run_sweep(
+    config: EngineConfig,
+    workloads: list[ThroughputWorkload],
+    *,
+    compare_vllm: bool = False,
+    use_tqdm: bool = True,
+) -> dict[str, Any]:
+    """One record: the engine's throughput at each prompt count, and vLLM's beside it."""
+    peer = None
+    if compare_vllm:  # first, on an empty GPU; its process is gone before the engine loads
+        peer = run_vllm_peer("throughput", throughput_peer_args(config, workloads))
+    engine = LLMEngine(config)
+    created_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    runs = [run_throughput(engine, w, use_tqdm=use_tqdm)["results"] for w in workloads]
+    machine = machine_info(engine.device)
+    del engine
+    release_device_memory()
+    rows = []
+    for workload, ours in zip(workloads, runs, strict=True):
+        row: dict[str, Any] = {"num_prompts": workload.num_prompts, "pagestream": ours}
+        if peer is not None:
+            theirs = next(r for r in peer["results"] if r["num_prompts"] == workload.num_prompts)
+            row["vllm"] = theirs
+            row["ratio"] = ours["output_tok_s"] / theirs["output_tok_s"]
+        rows.append(row)
+    record: dict[str, Any] = {
+        "kind": "throughput-sweep",
+        "created_utc": created_utc,
+        "machine": machine,
+        "settings": {
+            **dataclasses.asdict(config),
+            **{k: v for k, v in dataclasses.asdict(workloads[0]).items() if k != "num_prompts"},
+            "num_prompts": [w.num_prompts for w in workloads],
+        },
+        "results": rows,
+        "hold_ratio": hold_ratios(rows),
+    }
+    if peer is not None:
+        record["vllm"] = {k: v for k, v in peer.items() if k != "results"}
+    return record
+
+
+def hold_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per engine: output tok/s at the largest prompt count over the base count's."""
+    counts = [row["num_prompts"] for row in rows]
+    base_count = min((n for n in counts if n >= HOLD_BASE_PROMPTS), default=min(counts))
+    base = rows[counts.index(base_count)]
+    last = rows[counts.index(max(counts))]
+    out: dict[str, float] = {}
+    for name in ("pagestream", "vllm"):
+        if name in base and name in last:
+            out[name] = last[name]["output_tok_s"] / base[name]["output_tok_s"]
+    return out
+
+
+def format_sweep(record: dict[str, Any]) -> str:
+    lines = ["prompts  pagestream tok/s  vllm tok/s  ratio"]
+    for row in record["results"]:
+        theirs = row.get("vllm", {}).get("output_tok_s")
+        lines.append(
+            f"{row['num_prompts']:7d}  {row['pagestream']['output_tok_s']:16,.0f}  "
+            + ("" if theirs is None else f"{theirs:10,.0f}  {row['ratio']:5.2f}")
+        )
+    holds = ", ".join(f"{name} {ratio:.2f}" for name, ratio in record["hold_ratio"].items())
+    lines.append(f"largest / {HOLD_BASE_PROMPTS}-prompt rate: {holds}")
+    return "\n".join(lines)
+
+
+def plot_sweep(plt: Any, record: dict[str, Any]) -> Any:
+    """Output tok/s against prompt count, one line per engine, ratios annotated."""
+    rows = record["results"]
+    counts = [row["num_prompts"] for row in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ours = [row["pagestream"]["output_tok_s"] for row in rows]
+    ax.plot(counts, ours, "o-", label="pagestream", color="tab:blue")
+    if all("vllm" in row for row in rows):
+        theirs = [row["vllm"]["output_tok_s"] for row in rows]
+        version = record.get("vllm", {}).get("vllm", "")
+        ax.plot(counts, theirs, "s--", label=f"vLLM {version}".strip(), color="tab:gray")
+        for count, rate, row in zip(counts, ours, rows, strict=True):
+            ax.annotate(f"x{row['ratio']:.2f}", (count, rate), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_ylim(0, max(ours + [r.get("vllm", {}).get("output_tok_s", 0) for r in rows]) * 1.2)
+    ax.set_xlabel("prompts submitted at once")
+    ax.set_ylabel("output tokens / s")
+    settings = record["settings"]
+    ax.set_title(f"input {settings['input_len']}, output {settings['output_len']}", fontsize=9)
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,290 @@
+"""vLLM as a same-run peer: the project's own workloads through vLLM's offline API.
+
+The parent (``pagestream bench throughput/latency --compare vllm``) calls ``run_vllm_peer``,
+which starts this module in a subprocess (vLLM and the engine never share a process or GPU
+memory) and reads back its JSON. The child builds exactly the prompts the engine ran (same
+workload code, same seed), loads the same weights (``dummy:`` shapes as random weights of the
+same config via ``load_format="dummy"``, or the same HF directory), and times greedy
+generation with EOS ignored, so both engines make the same number of tokens.
+
+    python -m bench.vllm_peer throughput --model dummy:qwen3-0.6b --num-prompts 256,1024 \\
+        --input-len 100-1024 --output-len 100-1024 --max-seqs 256 --out vllm.json
+    python -m bench.vllm_peer latency --model dummy:llama3-8b --batch-sizes 1,64 --out v.json
+
+vLLM's own scheduling settings stay at its defaults (what its users get), except the number
+of running sequences, which follows the engine's ``--max-seqs``; the record says which token
+budget vLLM used. ``PAGESTREAM_VLLM_ARGS`` (JSON) adds or overrides ``vllm.LLM`` arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.benchmark import ThroughputWorkload
+    from engine.benchmark_latency import LatencyWorkload
+    from engine.config import EngineConfig
+
+VLLM_ARGS_ENV = "PAGESTREAM_VLLM_ARGS"
+INSTALL_HINT = (
+    "vLLM is not importable here: install it (pip install vllm) or put it on PYTHONPATH; "
+    "on the lent GPU, the kit in shared/peers/vllm-0.26 unpacks it"
+)
+PEER_TIMEOUT_S = 3600
+
+
+class PeerError(RuntimeError):
+    """vLLM could not run the workload (not installed, or the subprocess failed)."""
+
+
+# -- the parent's side ------------------------------------------------------------------------
+
+
+def check_vllm_importable() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise PeerError(INSTALL_HINT)
+
+
+def run_vllm_peer(kind: str, arguments: list[str]) -> dict[str, Any]:
+    """Run this module's ``kind`` (throughput or latency) in a subprocess; its JSON record."""
+    check_vllm_importable()
+    with tempfile.TemporaryDirectory(prefix="pagestream-vllm-") as tmp:
+        out = Path(tmp) / "vllm.json"
+        command = [sys.executable, "-m", "bench.vllm_peer", kind, *arguments, "--out", str(out)]
+        env = {**os.environ, "PYTHONPATH": _pythonpath()}
+        print(f"vllm peer: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+        done = subprocess.run(command, env=env, timeout=PEER_TIMEOUT_S, check=False)
+        if done.returncode != 0 or not out.exists():
+            raise PeerError(f"the vLLM peer failed (exit code {done.returncode}); see its output")
+        record: dict[str, Any] = json.loads(out.read_text())
+        return record
+
+
+def add_vllm_latency(record: dict[str, Any], vllm: dict[str, Any]) -> None:
+    """Put vLLM's figures beside the engine's at each batch size: ``tpot_ratio`` is the
+    engine's TPOT over vLLM's (below 1: the engine is faster), likewise ``ttft_ratio``."""
+    theirs = {row["batch"]: row for row in vllm["results"]}
+    for row in record["results"]:
+        peer = dict(theirs[row["batch"]])
+        peer["tpot_ratio"] = row["mean_tpot_s"] / peer["tpot_s"]
+        peer["ttft_ratio"] = row["mean_ttft_s"] / peer["ttft_s"]
+        row["vllm"] = peer
+    record["vllm"] = {k: v for k, v in vllm.items() if k != "results"}
+
+
+def throughput_peer_args(config: EngineConfig, workloads: list[ThroughputWorkload]) -> list[str]:
+    """The child's flags for the engine's throughput workloads (one vLLM load for all)."""
+    first = workloads[0]
+    return [
+        *_engine_args(config),
+        "--num-prompts", ",".join(str(w.num_prompts) for w in workloads),
+        "--input-len", "-".join(map(str, first.input_len)),
+        "--output-len", "-".join(map(str, first.output_len)),
+        "--seed", str(first.seed),
+    ]  # fmt: skip
+
+
+def latency_peer_args(config: EngineConfig, workload: LatencyWorkload) -> list[str]:
+    return [
+        *_engine_args(config),
+        "--batch-sizes", ",".join(map(str, workload.batch_sizes)),
+        "--latency-input-len", str(workload.input_len),
+        "--latency-output-len", str(workload.output_len),
+        "--seed", str(workload.seed),
+    ]  # fmt: skip
+
+
+def _engine_args(config: EngineConfig) -> list[str]:
+    if config.model.startswith("dummy:"):
+        model = config.model
+    elif Path(config.model).is_dir():
+        model = str(Path(config.model).resolve())
+    else:
+        raise PeerError(
+            f"--compare vllm needs a dummy:<shape> or a Hugging Face directory, not {config.model!r}"
+        )
+    args = ["--model", model, "--max-seqs", str(config.max_seqs)]
+    if config.max_model_len is not None:
+        args += ["--max-model-len", str(config.max_model_len)]
+    return args
+
+
+def _pythonpath() -> str:
+    """The project's root first, so the child imports the same workload code."""
+    root = str(Path(__file__).resolve().parent.parent)
+    rest = os.environ.get("PYTHONPATH", "")
+    return root + (os.pathsep + rest if rest else "")
+
+
+# -- the child's side -------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    llm, vocab_size, model_info = _load_vllm(args)
+    if args.kind == "throughput":
+        results = [_throughput(llm, vocab_size, args, n) for n in args.num_prompts]
+    else:
+        results = [_latency(llm, vocab_size, args, batch) for batch in args.batch_sizes]
+    record = {"peer": "vllm", "kind": args.kind, **model_info, "results": results}
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.vllm_peer", description=__doc__)
+    parser.add_argument("kind", choices=["throughput", "latency"])
+    parser.add_argument("--model", required=True, help="dummy:<shape> or an HF directory")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-prompts", type=_ints, default=(256,))
+    parser.add_argument("--input-len", type=_range, default=(100, 1024))
+    parser.add_argument("--output-len", type=_range, default=(100, 1024))
+    parser.add_argument("--batch-sizes", type=_ints, default=(1, 8, 32, 64))
+    parser.add_argument("--latency-input-len", type=int, default=128)
+    parser.add_argument("--latency-output-len", type=int, default=128)
+    return parser
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
+    # The engine core in this process: simpler, and no NVML probe of a child process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model_dir, load_format = _model_dir(args.model)
+    _force_cuda_platform()
+    import torch
+    import vllm
+
+    settings: dict[str, Any] = {
+        "model": model_dir,
+        "load_format": load_format,
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "max_num_seqs": args.max_seqs,
+        "seed": args.seed,
+        "max_model_len": args.max_model_len,
+        **json.loads(os.environ.get(VLLM_ARGS_ENV, "{}")),
+    }
+    llm = vllm.LLM(**settings)
+    config = llm.llm_engine.vllm_config
+    info = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "model": args.model,
+        "settings": {k: v for k, v in settings.items() if k != "model"},
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+    }
+    return llm, config.model_config.get_vocab_size(), info
+
+
+def _model_dir(model: str) -> tuple[str, str]:
+    """(a directory vLLM loads, its load format): a dummy shape's config with random weights."""
+    if not model.startswith("dummy:"):
+        return model, "auto"
+    from engine.loader.dummy import dummy_hf_config
+
+    config = dummy_hf_config(model.removeprefix("dummy:"))
+    config.torch_dtype = "bfloat16"
+    directory = tempfile.mkdtemp(prefix="pagestream-vllm-config-")
+    config.save_pretrained(directory)
+    return directory, "dummy"
+
+
+def _force_cuda_platform() -> None:
+    """vLLM finds its platform through NVML, which fails on some VMs whose CUDA works."""
+    import vllm.platforms as platforms
+
+    try:
+        platforms.cuda_platform_plugin()
+    except Exception as exc:  # any probe failure: the CUDA build is still the right one
+        print(f"vllm platform probe failed ({exc!r}); using CUDA", file=sys.stderr)
+    platforms.builtin_platform_plugins["cuda"] = lambda: "vllm.platforms.cuda.CudaPlatform"
+
+
+def _greedy(num_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=num_tokens, min_tokens=num_tokens, ignore_eos=True, temperature=0,
+        detokenize=False,
+    )  # fmt: skip
+
+
+def _generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    return list(llm.generate(inputs, [_greedy(n) for n in output_lens], use_tqdm=False))
+
+
+def _throughput(llm: Any, vocab_size: int, args: argparse.Namespace, num: int) -> dict[str, Any]:
+    from engine.benchmark import ThroughputWorkload, make_random_prompts, warmup_prompts
+
+    workload = ThroughputWorkload(num, args.input_len, args.output_len, args.seed)
+    prompts = make_random_prompts(workload, vocab_size)
+    warm = warmup_prompts(prompts)  # the engine's own warm-up, shaped like the run
+    _generate(llm, [p.token_ids for p in warm], [p.output_len for p in warm])
+    start_s = time.perf_counter()
+    outs = _generate(llm, [p.token_ids for p in prompts], [p.output_len for p in prompts])
+    elapsed_s = time.perf_counter() - start_s
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    num_in = sum(len(p.token_ids) for p in prompts)
+    result = {
+        "num_prompts": num,
+        "elapsed_s": elapsed_s,
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+        "output_tok_s": num_out / elapsed_s,
+        "total_tok_s": (num_in + num_out) / elapsed_s,
+    }
+    print(f"vllm throughput {num} prompts: {result['output_tok_s']:.0f} out tok/s", flush=True)
+    return result
+
+
+def _latency(llm: Any, vocab_size: int, args: argparse.Namespace, batch: int) -> dict[str, Any]:
+    """TTFT: a 1-token run; TPOT: (time of output_len tokens - TTFT) / (output_len - 1)."""
+    from engine.benchmark_latency import LatencyWorkload
+
+    workload = LatencyWorkload((batch,), args.latency_input_len, args.latency_output_len, args.seed)
+    prompts = workload.prompts(batch, vocab_size)
+    _generate(llm, prompts, [16] * batch)  # warm-up
+
+    def median_s(num_tokens: int) -> float:
+        times = []
+        for _ in range(3):
+            start_s = time.perf_counter()
+            _generate(llm, prompts, [num_tokens] * batch)
+            times.append(time.perf_counter() - start_s)
+        return statistics.median(times)
+
+    ttft_s, total_s = median_s(1), median_s(workload.output_len)
+    tpot_s = (total_s - ttft_s) / (workload.output_len - 1)
+    result = {"batch": batch, "ttft_s": ttft_s, "tpot_s": tpot_s, "output_tok_s": batch / tpot_s}
+    print(f"vllm latency batch {batch}: TTFT {ttft_s * 1e3:.1f} ms, TPOT {tpot_s * 1e3:.2f} ms")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

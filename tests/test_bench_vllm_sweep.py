@@ -1,0 +1,84 @@
+"""``--compare vllm`` and the throughput sweep on the CPU (vLLM itself runs on the lent GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.sweep import hold_ratios
+from bench.vllm_peer import INSTALL_HINT, latency_peer_args, throughput_peer_args
+from engine.benchmark import ThroughputWorkload
+from engine.benchmark_latency import LatencyWorkload
+from engine.config import EngineConfig
+from tests.test_cli import BENCH_ARGS, SMALL_POOL, run_cli
+
+NO_VLLM = importlib.util.find_spec("vllm") is None
+
+
+@pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here")
+@pytest.mark.parametrize("verb", ["throughput", "latency"])
+def test_compare_vllm_without_vllm_is_one_clear_error(
+    verb: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", verb, "--model", "dummy:tiny", "--compare", "vllm", *SMALL_POOL]
+    code, out, err = run_cli(args, capsys)
+    assert code == 1 and INSTALL_HINT in err and "Traceback" not in err
+    assert "tok/s" not in out  # it stopped before running anything
+
+
+def test_a_sweep_records_every_count_and_how_throughput_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "sweep.json"
+    args = [*BENCH_ARGS, "--output-json", str(path)]
+    args[args.index("--num-prompts") + 1] = "4,8"
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0
+    record = json.loads(path.read_text())
+    assert record["kind"] == "throughput-sweep" and record["settings"]["num_prompts"] == [4, 8]
+    rows = record["results"]
+    assert [row["num_prompts"] for row in rows] == [4, 8]
+    assert [row["pagestream"]["num_requests"] for row in rows] == [4, 8]
+    expected = rows[1]["pagestream"]["output_tok_s"] / rows[0]["pagestream"]["output_tok_s"]
+    assert record["hold_ratio"] == {"pagestream": pytest.approx(expected)}
+    assert "largest / 256-prompt rate" in out
+    if importlib.util.find_spec("matplotlib"):
+        assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_sweep_compares_with_vllm_only(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*BENCH_ARGS, "--compare", "paged-off"]
+    args[args.index("--num-prompts") + 1] = "4,8"
+    code, _, err = run_cli(args, capsys)
+    assert code == 1 and "vllm only" in err
+
+
+def test_hold_ratio_reads_the_largest_count_against_256() -> None:
+    def row(n: int, ours: float, theirs: float) -> dict[str, object]:
+        return {
+            "num_prompts": n,
+            "pagestream": {"output_tok_s": ours},
+            "vllm": {"output_tok_s": theirs},
+        }
+
+    rows = [row(64, 50.0, 40.0), row(256, 100.0, 80.0), row(4096, 97.0, 70.0)]
+    assert hold_ratios(rows) == {"pagestream": 0.97, "vllm": 0.875}
+
+
+def test_the_peer_gets_the_engines_workload_and_limits(tmp_path: Path) -> None:
+    config = EngineConfig(model="dummy:qwen3-0.6b", max_seqs=128, max_model_len=4096)
+    workloads = [ThroughputWorkload(n, (10, 20), (5, 9), seed=3) for n in (64, 256)]
+    assert throughput_peer_args(config, workloads) == [
+        "--model", "dummy:qwen3-0.6b", "--max-seqs", "128", "--max-model-len", "4096",
+        "--num-prompts", "64,256", "--input-len", "10-20", "--output-len", "5-9", "--seed", "3",
+    ]  # fmt: skip
+    local = EngineConfig(model=str(tmp_path))
+    latency = latency_peer_args(local, LatencyWorkload((1, 8), 128, 64))
+    assert latency[:2] == ["--model", str(tmp_path.resolve())]
+    assert latency[-8:] == [
+        "--batch-sizes", "1,8", "--latency-input-len", "128", "--latency-output-len", "64",
+        "--seed", "0",
+    ]  # fmt: skip
