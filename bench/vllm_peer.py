@@ -170,7 +170,7 @@ def _range(text: str) -> tuple[int, int]:
 def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
     # The engine core in this process: simpler, and no NVML probe of a child process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    model_dir, load_format = _model_dir(args.model)
+    model_dir, load_format, vocab_size = _model_dir(args.model)
     _force_cuda_platform()
     import torch
     import vllm
@@ -186,30 +186,43 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
         **json.loads(os.environ.get(VLLM_ARGS_ENV, "{}")),
     }
     llm = vllm.LLM(**settings)
-    config = llm.llm_engine.vllm_config
     info = {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
         "model": args.model,
         "settings": {k: v for k, v in settings.items() if k != "model"},
-        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        **_scheduler_settings(llm),
     }
-    return llm, config.model_config.get_vocab_size(), info
+    return llm, vocab_size, info
 
 
-def _model_dir(model: str) -> tuple[str, str]:
-    """(a directory vLLM loads, its load format): a dummy shape's config with random weights."""
+def _scheduler_settings(llm: Any) -> dict[str, Any]:
+    """The token budget and sequence cap vLLM chose (attribute paths differ across versions)."""
+    try:
+        scheduler = llm.llm_engine.vllm_config.scheduler_config
+        return {
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "max_num_seqs": scheduler.max_num_seqs,
+        }
+    except AttributeError as exc:
+        return {"scheduler_settings_unknown": repr(exc)}
+
+
+def _model_dir(model: str) -> tuple[str, str, int]:
+    """(a directory vLLM loads, its load format, the vocabulary size): a dummy shape is its
+    config with random weights."""
     if not model.startswith("dummy:"):
-        return model, "auto"
+        from transformers import AutoConfig
+
+        return model, "auto", AutoConfig.from_pretrained(model).vocab_size
     from engine.loader.dummy import dummy_hf_config
 
     config = dummy_hf_config(model.removeprefix("dummy:"))
     config.torch_dtype = "bfloat16"
     directory = tempfile.mkdtemp(prefix="pagestream-vllm-config-")
     config.save_pretrained(directory)
-    return directory, "dummy"
+    return directory, "dummy", config.vocab_size
 
 
 def _force_cuda_platform() -> None:
