@@ -183,6 +183,8 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
         "max_num_seqs": args.max_seqs,
         "seed": args.seed,
         "max_model_len": args.max_model_len,
+        # latency repeats the same prompts: cached prefixes would skip the prefill it times
+        "enable_prefix_caching": args.kind != "latency",
         **json.loads(os.environ.get(VLLM_ARGS_ENV, "{}")),
     }
     llm = vllm.LLM(**settings)
