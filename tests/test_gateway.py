@@ -142,8 +142,8 @@ def test_errors_have_openai_status_and_param(client: openai.OpenAI, stack: Stack
 
 
 def test_bad_or_missing_api_key_is_401(stack: Stack) -> None:
-    with openai.OpenAI(base_url=stack.base_url, api_key="wrong", max_retries=0) as wrong:
-        with pytest.raises(openai.AuthenticationError) as exc:
-            wrong.models.list()
+    wrong = openai.OpenAI(base_url=stack.base_url, api_key="wrong", max_retries=0)
+    with wrong, pytest.raises(openai.AuthenticationError) as exc:
+        wrong.models.list()
     assert exc.value.status_code == 401
     assert exc.value.body["code"] == "invalid_api_key"  # type: ignore[index]

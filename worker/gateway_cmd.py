@@ -7,7 +7,12 @@ torch, so it starts in about a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 from clients.aio import DEFAULT_REDIS_URL
 from clients.protocol import DEFAULT_PREFIX
@@ -70,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     app = create_app(settings)
-    server = uvicorn.Server(
+    server = _server_class()(
         uvicorn.Config(
             app,
             host=settings.host,
@@ -86,3 +91,26 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)  # fmt: skip
     server.run()
     return 0 if server.started else 1
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a stop signal ends the command with exit code 0
+        (uvicorn raises the signal again after shutting down, so the process would die of it)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            stops = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
