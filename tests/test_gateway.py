@@ -4,6 +4,7 @@ model on the CPU). Greedy answers are checked against the same request through R
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -147,3 +148,13 @@ def test_bad_or_missing_api_key_is_401(stack: Stack) -> None:
         wrong.models.list()
     assert exc.value.status_code == 401
     assert exc.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+
+
+def test_the_readme_example_runs(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's Python example, as written, against this gateway."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## OpenAI-compatible gateway") :]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("http://127.0.0.1:8000/v1", stack.base_url).replace("sk-local", API_KEY)
+    exec(compile(code, "README.md", "exec"), {})
+    assert "CompletionUsage(" in capsys.readouterr().out
