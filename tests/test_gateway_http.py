@@ -3,6 +3,7 @@ that disconnects mid-stream (seen from the worker's side), curl, and the command
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import pytest
 from clients.protocol import DoneEvent, FinishReason, Keys, decode_event
 from tests.gateway_fixtures import API_KEY, Stack, start_gateway, wait_for
 from worker.local_stack import free_port
+from worker.sse_client import HttpError, SseConnection
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STOP_TIMEOUT_S = 20.0
@@ -178,3 +180,27 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=5).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_the_benchmarks_sse_client_streams_and_reuses_its_connection(stack: Stack) -> None:
+    async def run() -> tuple[list[list[bytes]], int]:
+        connection = SseConnection(stack.base_url, AUTH)
+        body = json.dumps({"prompt": [5, 6], "max_tokens": 3, "stream": True,
+                           "ignore_eos": True}).encode()  # fmt: skip
+        try:
+            streams = []
+            for _ in range(2):
+                streams.append(
+                    [data async for data in connection.post_events("/completions", body)]
+                )
+            with pytest.raises(HttpError) as refused:
+                _ = [data async for data in connection.post_events("/models/x", b"{}")]
+        finally:
+            await connection.close()
+        return streams, refused.value.status
+
+    streams, status = asyncio.run(run())
+    for events in streams:  # one connection, two streams, each whole
+        assert events[-1] == b"[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert status == 404

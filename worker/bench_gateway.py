@@ -7,7 +7,8 @@ runs and what the gateway costs: its throughput as a fraction of the client path
 ``TARGET_RATIO_TO_CLIENT``) and the p50 time per output token it adds.
 
 Time per output token is measured as on the client path: first to last token chunk, over the
-tokens after the first (the count from the stream's ``usage``).
+tokens after the first (the count from the stream's ``usage``). The HTTP streams come from one
+process through ``worker.sse_client``, whose cost per event is the Redis client's.
 """
 
 from __future__ import annotations
@@ -109,56 +110,52 @@ def _gateway(args: argparse.Namespace, redis_url: str) -> Iterator[str]:
 async def _serve_http(
     base_url: str, args: argparse.Namespace, prompts: list[Any]
 ) -> dict[str, Any]:
-    try:
-        import httpx
-    except ImportError:
-        raise CommandError(
-            "--through gateway needs httpx: pip install 'pagestream[bench]'"
-        ) from None
     from engine.benchmark import warmup_prompts
+    from worker.sse_client import SseConnection
 
-    limits = httpx.Limits(
-        max_connections=args.concurrency, max_keepalive_connections=args.concurrency
-    )
     headers = {"Authorization": f"Bearer {args.gateway_api_key}"} if args.gateway_api_key else {}
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, headers=headers,
-                                 timeout=args.timeout_s) as http:  # fmt: skip
-        await asyncio.gather(*(_one(http, prompt) for prompt in warmup_prompts(prompts)))
+    connections = [SseConnection(base_url, headers) for _ in range(args.concurrency)]
+    try:
+        warmup = warmup_prompts(prompts)
+        await asyncio.gather(*(_one(c, p) for c, p in zip(connections, warmup, strict=False)))
         for _ in range(args.warmup_runs):
-            await _stream_all(http, prompts, args.concurrency)
+            await _stream_all(connections, prompts)
         start_s = time.perf_counter()
-        timings = await _stream_all(http, prompts, args.concurrency)
+        timings = await _stream_all(connections, prompts)
         elapsed_s = time.perf_counter() - start_s
+    finally:
+        await asyncio.gather(*(connection.close() for connection in connections))
     return summarize(timings, elapsed_s)
 
 
-async def _stream_all(http: Any, prompts: list[Any], concurrency: int) -> list[StreamTiming]:
-    """``concurrency`` HTTP streams, each taking the next prompt when its last one ends."""
+async def _stream_all(connections: list[Any], prompts: list[Any]) -> list[StreamTiming]:
+    """One HTTP stream per connection, each taking the next prompt when its last one ends."""
     pending = iter(prompts)
     timings: list[StreamTiming] = []
 
-    async def stream_forever() -> None:
+    async def stream_forever(connection: Any) -> None:
         for prompt in pending:
-            timings.append(await _one(http, prompt))
+            timings.append(await _one(connection, prompt))
 
-    await asyncio.gather(*(stream_forever() for _ in range(concurrency)))
+    await asyncio.gather(*(stream_forever(connection) for connection in connections))
     return timings
 
 
-async def _one(http: Any, prompt: Any) -> StreamTiming:
-    body = {"prompt": prompt.token_ids, "max_tokens": prompt.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+async def _one(connection: Any, prompt: Any) -> StreamTiming:
+    from worker.sse_client import HttpError
+
+    body = msgspec.json.encode({
+        "prompt": prompt.token_ids, "max_tokens": prompt.output_len, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    })  # fmt: skip
     start_s = time.perf_counter()
     first_s = last_s = 0.0
     num_tokens = 0
-    async with http.stream("POST", "/completions", json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            raise CommandError(f"the gateway answered {response.status_code}: {text[:500]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue  # blank separators and the closing [DONE]
-            chunk = _chunk_decoder.decode(line[6:])
+    try:
+        async for data in connection.post_events("/completions", body):
+            if data == b"[DONE]":
+                continue
+            chunk = _chunk_decoder.decode(data)
             if chunk.error is not None:
                 raise CommandError(f"the gateway's stream failed: {chunk.error}")
             if chunk.choices and chunk.choices[0].finish_reason is None:  # a token chunk
@@ -166,4 +163,6 @@ async def _one(http: Any, prompt: Any) -> StreamTiming:
                 first_s = first_s or last_s
             if chunk.usage is not None:
                 num_tokens = chunk.usage.completion_tokens
+    except HttpError as exc:
+        raise CommandError(f"the gateway answered: {exc}") from None
     return StreamTiming(first_s, last_s, num_tokens)
