@@ -149,15 +149,15 @@ def test_curl_streams_a_chat_answer(stack: Stack) -> None:
 
 
 def test_the_command_serves_with_keys_from_the_environment(stack: Stack, tmp_path: Path) -> None:
-    """``pagestream gateway`` as a process: keys from PAGESTREAM_API_KEY, SIGTERM stops it, and
-    it never loads torch."""
+    """``pagestream gateway`` as a process, two server processes on one port: keys from
+    PAGESTREAM_API_KEY, SIGTERM stops it, and it never loads torch."""
     port = free_port()
     env = {**os.environ, "PAGESTREAM_API_KEY": "k1,k2", "PYTHONUNBUFFERED": "1"}
     code = ("import sys, runpy; sys.argv = ['pagestream', 'gateway', *sys.argv[1:]]; "
             "from worker.cli import main; rc = main(); "
             "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")  # fmt: skip
     args = [sys.executable, "-c", code, "--redis-url", stack.redis.url, "--port", str(port),
-            "--log-level", "WARNING"]  # fmt: skip
+            "--log-level", "WARNING", "--workers", "2"]  # fmt: skip
     process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)  # fmt: skip
     try:
@@ -173,6 +173,7 @@ def test_the_command_serves_with_keys_from_the_environment(stack: Stack, tmp_pat
     assert process.returncode == 0, stderr
     assert stdout.strip() == "no torch"
     assert f"http://127.0.0.1:{port}/v1 -> {stack.redis.url}" in stderr
+    assert "2 process(es)" in stderr
 
 
 def _answers(url: str) -> bool:

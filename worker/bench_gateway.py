@@ -24,6 +24,7 @@ import msgspec
 
 from worker.bench_serve import StreamTiming, summarize
 from worker.cli import CommandError
+from worker.cli_types import positive_int
 
 TARGET_RATIO_TO_CLIENT = 0.9  # gateway throughput over the Redis client path's
 
@@ -56,6 +57,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="with --through gateway: this gateway's base URL (…/v1) instead "
                        "of a spawned one")  # fmt: skip
     group.add_argument("--gateway-api-key", metavar="KEY", help="bearer key of --gateway-url")
+    group.add_argument("--gateway-workers", type=positive_int, default=1,
+                       help="server processes of the spawned gateway (default 1)")  # fmt: skip
 
 
 def run_through_gateway(
@@ -72,6 +75,7 @@ def run_through_gateway(
         added_ms = (tpot_s - client_tpot_s) * 1e3
     results["gateway"] = {
         "url": "given" if args.gateway_url else "spawned",
+        "workers": None if args.gateway_url else args.gateway_workers,
         "ratio_to_client_path": ratio,
         "added_tpot_p50_ms": added_ms,
         "target_ratio_at_least": TARGET_RATIO_TO_CLIENT,
@@ -99,7 +103,8 @@ def _gateway(args: argparse.Namespace, redis_url: str) -> Iterator[str]:
     from worker.local_stack import GatewayProcess, free_port
 
     gateway = GatewayProcess(redis_url, args.prefix, port=free_port(),
-                             flags=("--log-level", "WARNING", "--timeout-s", str(args.timeout_s)))  # fmt: skip
+                             flags=("--log-level", "WARNING", "--timeout-s", str(args.timeout_s),
+                                    "--workers", str(args.gateway_workers)))  # fmt: skip
     gateway.start()
     try:
         yield gateway.url
