@@ -7,7 +7,8 @@ torch or the engine. Pieces, one role each:
 - ``config``: the gateway's settings (a frozen, validated dataclass);
 - ``openai_types``: the OpenAI request and response bodies as ``msgspec.Struct``s;
 - ``errors``: OpenAI's error object and the status codes;
-- ``translate``: OpenAI requests to protocol requests, protocol events to OpenAI bodies;
+- ``translate``: OpenAI requests to protocol requests (and what is refused);
+- ``responses``: protocol events to OpenAI bodies, whole or streamed;
 - ``sse``: the generation response (server-sent events or one JSON body), cancelling the
   request when the HTTP client goes away;
 - ``models``: the live workers and their models, from the heartbeats;

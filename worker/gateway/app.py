@@ -32,7 +32,7 @@ from worker.gateway.responses import ResponseBuilder
 from worker.gateway.sse import GenerationResponse
 from worker.gateway.translate import Generation, decode_chat, decode_completion
 
-Decoder = Callable[[bytes, int], Generation]
+Decoder = Callable[[bytes], Generation]
 
 
 class Gateway:
@@ -63,13 +63,16 @@ class Gateway:
         return await self._generate(request, decode_completion, "completions")
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, decode_chat, "chat.completions")
+        def decode(body: bytes) -> Generation:
+            return decode_chat(body, self.settings.chat_max_tokens)
+
+        return await self._generate(request, decode, "chat.completions")
 
     async def _generate(self, request: Request, decode: Decoder, endpoint: str) -> Response:
         assert self.client is not None and self.directory is not None
         try:
             self._authorize(request)
-            generation = decode(await self._body(request), self.settings.chat_max_tokens)
+            generation = decode(await self._body(request))
             model = await self.directory.resolve(generation.model)
             await self.client.submit(request_id=generation.request_id,
                                      timeout_s=self.settings.timeout_s, **generation.inputs)  # fmt: skip

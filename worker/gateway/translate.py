@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from worker.gateway.config import COMPLETIONS_MAX_TOKENS
 from worker.gateway.errors import OpenAIError, invalid_body, unsupported
 from worker.gateway.openai_types import ChatMessage, ChatRequest, CompletionRequest
 
@@ -47,9 +48,8 @@ class Generation:
         return self.kind == "chat"
 
 
-def decode_completion(body: bytes, chat_max_tokens: int) -> Generation:
+def decode_completion(body: bytes) -> Generation:
     """A ``/v1/completions`` body; raises ``OpenAIError`` (400) naming the bad field."""
-    del chat_max_tokens  # completions keep OpenAI's own default
     request = _decode(_completion_decoder, body)
     _check_common(request)
     for name, given in (("echo", request.echo), ("suffix", request.suffix is not None)):
@@ -65,12 +65,13 @@ def decode_completion(body: bytes, chat_max_tokens: int) -> Generation:
         prompt = {"prompt": request.prompt}
     else:
         prompt = {"token_ids": request.prompt}
-    inputs = {**prompt, **_sampling(request, default_max_tokens=16)}
+    inputs = {**prompt, **_sampling(request, default_max_tokens=COMPLETIONS_MAX_TOKENS)}
     return _generation("completion", "cmpl", request, logprobs, inputs)
 
 
 def decode_chat(body: bytes, chat_max_tokens: int) -> Generation:
-    """A ``/v1/chat/completions`` body; raises ``OpenAIError`` (400) naming the bad field."""
+    """A ``/v1/chat/completions`` body; raises ``OpenAIError`` (400) naming the bad field.
+    ``chat_max_tokens``: ``max_tokens`` when the request sets none."""
     request = _decode(_chat_decoder, body)
     _check_common(request)
     for name, value in (("tools", request.tools), ("functions", request.functions)):
