@@ -42,10 +42,6 @@ def sse(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected before the response was complete."""
-
-
 class GenerationResponse(Response):
     """Runs one submitted request and answers with its events (see the module)."""
 
@@ -72,11 +68,10 @@ class GenerationResponse(Response):
         gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if pump not in done:
-                raise ClientGone
-            pump.result()
-        except ClientGone:
-            self.observation.finish(499)  # nginx's "client closed request"
+            if pump in done:
+                pump.result()  # re-raises a failure of the gateway itself
+            else:
+                self.observation.finish(499)  # nginx's "client closed request"
         finally:
             for task in (pump, gone):
                 task.cancel()
@@ -151,11 +146,12 @@ class GenerationResponse(Response):
 
     async def _fail(self, exc: OpenAIError, send: Send) -> None:
         self.observation.finish(exc.status)
-        if self.headers_sent:
-            await _body(send, sse(exc.payload()) + DONE_LINE, more=False)
-            return
-        await self._start(exc.status, JSON_HEADERS, send)
-        await _body(send, exc.payload(), more=False)
+        with contextlib.suppress(OSError):  # the client may be gone too
+            if self.headers_sent:
+                await _body(send, sse(exc.payload()) + DONE_LINE, more=False)
+                return
+            await self._start(exc.status, JSON_HEADERS, send)
+            await _body(send, exc.payload(), more=False)
 
 
 async def _body(send: Send, data: bytes, *, more: bool = True) -> None:
