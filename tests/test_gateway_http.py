@@ -81,18 +81,7 @@ def test_client_disconnect_cancels_the_request_and_frees_its_pages(
         request_id = json.loads(first.removeprefix("data: "))["id"]
     # The connection is closed: the worker must end the request as cancelled, long before
     # its 250 tokens, and give its pages back.
-    redis = stack.redis.client()
-    out_key = Keys().out(request_id)
-
-    def done_event() -> DoneEvent | None:
-        for entry_id, fields in redis.xrange(out_key):
-            event = decode_event(fields[b"msg"], entry_id.decode())
-            if isinstance(event, DoneEvent):
-                return event
-        return None
-
-    done = wait_for(done_event)
-    redis.close()
+    done = _done_event(stack, request_id)
     assert done.finish_reason is FinishReason.CANCELLED
     assert done.usage.completion_tokens < 250
     wait_for(lambda: engine.stats().num_pages_free == idle_pages_free)
@@ -205,3 +194,53 @@ def test_the_benchmarks_sse_client_streams_and_reuses_its_connection(stack: Stac
         assert events[-1] == b"[DONE]"
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert status == 404
+
+
+def _done_event(stack: Stack, request_id: str) -> DoneEvent:
+    """The worker's terminal ``done`` event of ``request_id``, read from Redis."""
+    redis = stack.redis.client()
+
+    def read() -> DoneEvent | None:
+        for entry_id, fields in redis.xrange(Keys().out(request_id)):
+            event = decode_event(fields[b"msg"], entry_id.decode())
+            if isinstance(event, DoneEvent):
+                return event
+        return None
+
+    try:
+        done: DoneEvent = wait_for(read)
+    finally:
+        redis.close()
+    return done
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_cancels_it(stack: Stack) -> None:
+    """Not streamed: the client's read timeout closes the connection; the worker cancels."""
+    before = _request_ids(stack)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 250, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.base_url}/completions", json=body, headers=AUTH, timeout=0.3)
+    (request_id,) = wait_for(lambda: _request_ids(stack) - before)
+    done = _done_event(stack, request_id)
+    assert done.finish_reason is FinishReason.CANCELLED and done.usage.completion_tokens < 250
+
+
+def test_the_deadline_ends_a_request_as_length(stack: Stack) -> None:
+    gateway = start_gateway(stack.redis.url, timeout_s=0.3)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 250, "ignore_eos": True}
+    try:
+        response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
+    finally:
+        gateway.stop()
+    choice = response.json()["choices"][0]
+    assert response.status_code == 200 and choice["finish_reason"] == "length"
+    assert response.json()["usage"]["completion_tokens"] < 250  # cut by the deadline
+
+
+def _request_ids(stack: Stack) -> set[str]:
+    redis = stack.redis.client()
+    try:
+        prefix = Keys().out("")
+        return {key.decode()[len(prefix) :] for key in redis.scan_iter(f"{prefix}*")}
+    finally:
+        redis.close()
