@@ -32,6 +32,9 @@ def redis_greedy(stack: Stack, max_tokens: int, **request: object) -> tuple[str,
 
 def test_models_lists_the_workers_model(client: openai.OpenAI, stack: Stack) -> None:
     assert [model.id for model in client.models.list()] == [stack.model]
+    assert client.models.retrieve(stack.model).id == stack.model  # a path: slashes and all
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_completion_whole_matches_the_redis_client(client: openai.OpenAI, stack: Stack) -> None:

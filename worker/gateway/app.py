@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from clients.aio import AsyncClient
-from clients.protocol import Keys
+from clients.protocol import Keys, WorkerStatus
 from clients.reader import REDIS_ERRORS
 from worker.gateway import errors
 from worker.gateway.config import GatewaySettings
@@ -91,21 +91,25 @@ class Gateway:
                                   self.settings.timeout_s)  # fmt: skip
 
     async def models(self, request: Request) -> Response:
+        """``GET /v1/models``, and ``GET /v1/models/{model}`` (404 when no live worker has it)."""
         assert self.directory is not None
         try:
             self._authorize(request)
-            workers = await self.directory.live()
+            cards = _model_cards(await self.directory.live())
+            wanted = request.path_params.get("model")
+            if wanted is not None:
+                card = next((card for card in cards if card.id == wanted), None)
+                if card is None:
+                    raise OpenAIError(404, f"the model {wanted!r} is not served here",
+                                      param="model", code="model_not_found")  # fmt: skip
+                self.metrics.count("models", 200)
+                return _json(card)
         except OpenAIError as exc:
             self.metrics.count("models", exc.status)
             return exc.response()
         except REDIS_ERRORS as exc:
             self.metrics.count("models", 503)
             return errors.redis_unreachable(exc).response()
-        started_s: dict[str, int] = {}
-        for worker in workers:
-            first_s = started_s.get(worker.model, worker.started_at_ms // 1000)
-            started_s[worker.model] = min(first_s, worker.started_at_ms // 1000)
-        cards = [ModelCard(id=model, created=started_s[model]) for model in sorted(started_s)]
         self.metrics.count("models", 200)
         return _json(ModelList(cards))
 
@@ -156,6 +160,15 @@ class Gateway:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def _model_cards(workers: list[WorkerStatus]) -> list[ModelCard]:
+    """One card per model, created when its first live worker started."""
+    started_s: dict[str, int] = {}
+    for worker in workers:
+        first_s = started_s.get(worker.model, worker.started_at_ms // 1000)
+        started_s[worker.model] = min(first_s, worker.started_at_ms // 1000)
+    return [ModelCard(id=model, created=started_s[model]) for model in sorted(started_s)]
+
+
 def _too_large(size: int, limit: int) -> OpenAIError:
     return OpenAIError(413, f"the request body has {size}+ bytes; this gateway accepts at most "
                        f"{limit} (--max-body-bytes)", code="request_too_large")  # fmt: skip
@@ -179,6 +192,7 @@ def create_app(settings: GatewaySettings, redis: Any = None) -> Starlette:
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.prometheus, methods=["GET"]),
     ]
