@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|peers|serve|tests]...   (default: all)
+#   bench/gpu_suite.sh [benchmarks|fp8|peers|serve|gateway|tests]...   (default: all)
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -43,12 +43,20 @@ serve() {  # the service: 256 streams through an embedded Redis and a worker sub
         --output-json "$OUT/serve-qwen3-0.6b-256.json"
 }
 
+gateway() {  # the same load through the OpenAI gateway (4 processes), against the Redis client
+    log serve through the gateway qwen3-0.6b
+    "${PS[@]}" bench serve --spawn-worker --model dummy:qwen3-0.6b --concurrency 256 \
+        --num-prompts 512 --input-len 100-1024 --output-len 100-1024 --warmup-runs 1 \
+        --through gateway --gateway-workers 4 \
+        --output-json "$OUT/serve-gateway-qwen3-0.6b-256.json"
+}
+
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
         tests/test_triton_paged_attention.py
 }
 
-for part in "${@:-benchmarks fp8 peers serve tests}"; do
+for part in "${@:-benchmarks fp8 peers serve gateway tests}"; do
     for step in $part; do "$step"; done
 done

@@ -28,7 +28,7 @@ from clients.protocol import (
     TokenLogprob,
     Usage,
 )
-from clients.reader import StreamReader
+from clients.reader import StreamReader, Subscription
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEADLINE_GRACE_S = 5.0  # after a request's deadline, wait this long for its `timeout` event
@@ -174,14 +174,10 @@ class AsyncClient:
         subscription = await self._reader.subscribe(self.keys.out(request_id), after)
         try:
             while True:
-                if deadline_s is None:
-                    item = await subscription.queue.get()
-                else:
-                    remaining_s = deadline_s - time.monotonic()
-                    try:
-                        item = await asyncio.wait_for(subscription.queue.get(), remaining_s)
-                    except asyncio.TimeoutError:
-                        raise RequestTimeoutError(request_id, timeout_s or 0.0) from None
+                try:  # an entry already delivered needs no timer (wait_for costs a task)
+                    item = subscription.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    item = await self._next_entry(subscription, request_id, deadline_s, timeout_s)
                 if isinstance(item, BaseException):
                     raise item
                 entry_id, payload = item
@@ -191,6 +187,20 @@ class AsyncClient:
                     return
         finally:
             self._reader.unsubscribe(subscription)
+
+    @staticmethod
+    async def _next_entry(
+        subscription: Subscription,
+        request_id: str,
+        deadline_s: float | None,
+        timeout_s: float | None,
+    ) -> tuple[str, bytes] | BaseException:
+        if deadline_s is None:
+            return await subscription.queue.get()
+        try:
+            return await asyncio.wait_for(subscription.queue.get(), deadline_s - time.monotonic())
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(request_id, timeout_s or 0.0) from None
 
     async def stream(
         self,

@@ -64,3 +64,29 @@ def test_engine_flags_round_trip_through_the_worker_parser() -> None:
              "--tenant-quota", "a=3", "--max-seqs", "8"]  # fmt: skip
     args = parser.parse_args(given)
     assert vars(parser.parse_args(engine_flags(args))) == vars(args)
+
+
+def test_bench_serve_through_the_gateway_records_both_paths(tmp_path: Path) -> None:
+    """The same load through Redis and through a spawned gateway: both runs' counts, and the
+    gateway's ratio to the client path (no speed is asserted on this shared CPU)."""
+    out = tmp_path / "serve-gateway.json"
+    num_prompts = 6
+    code = cli_main([
+        "bench", "serve", "--model", "dummy:tiny", "--device", "cpu", "--concurrency", "3",
+        "--num-prompts", str(num_prompts), "--input-len", "4-8", "--output-len", "3-6",
+        "--max-seqs", "8", "--no-offline", "--vocab-size", "100", "--through", "gateway",
+        "--output-json", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    record = json.loads(out.read_text())
+    results = record["results"]
+    client_path, gateway = results["client_path"], results["gateway"]
+    assert record["settings"]["through"] == "gateway" and gateway["url"] == "spawned"
+    # Greedy, EOS ignored: both paths produce exactly the drawn output lengths.
+    assert results["num_requests"] == client_path["num_requests"] == num_prompts
+    assert results["output_tokens"] == client_path["output_tokens"]
+    assert 3 * num_prompts <= results["output_tokens"] <= 6 * num_prompts
+    assert 0 < results["tpot_s"]["p50"] <= results["tpot_s"]["p99"]
+    ratio = results["output_tok_s"] / client_path["output_tok_s"]
+    assert gateway["ratio_to_client_path"] == ratio and gateway["target_ratio_at_least"] == 0.9
+    assert gateway["added_tpot_p50_ms"] is not None

@@ -391,3 +391,35 @@ def test_docker_compose_accepts_the_file(profiles: tuple[str, ...]) -> None:
         timeout=COMPOSE_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr
+
+
+# -- the gateway --------------------------------------------------------------------------------
+
+
+def parse_gateway_args(monkeypatch: pytest.MonkeyPatch, env: Mapping[str, str]) -> dict[str, Any]:
+    """`pagestream gateway` parsed with exactly ``env`` as its PAGESTREAM_* environment."""
+    with monkeypatch.context() as patch:
+        for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
+            patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return vars(build_parser().parse_args(["gateway"]))
+
+
+def test_gateway_serves_the_workers_redis_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    compose = load_compose()
+    gateway = compose["services"]["gateway"]
+    assert gateway["image"] == compose["x-worker"]["image"], "the workers' image"
+    assert command_words(gateway["entrypoint"]) == ["pagestream", "gateway"]
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    args = parse_gateway_args(monkeypatch, container_env(gateway, {"PAGESTREAM_API_KEY": "a,b"}))
+    worker_env = container_env(worker_services()["worker-0"], {})
+    assert args["redis_url"] == worker_env["PAGESTREAM_REDIS_URL"]
+    assert args["host"] == "0.0.0.0" and args["api_key"] == ["a", "b"]
+    (published,) = gateway["ports"]
+    host_ip, host_port, container_port = interpolate(str(published), {}).split(":")
+    assert host_ip == "127.0.0.1" and int(container_port) == args["port"]
+    assert int(host_port) == 8000
+    argv = healthcheck_argv(gateway)
+    assert f"http://127.0.0.1:{args['port']}/health" in " ".join(argv)
+    assert parse_duration_s(gateway["healthcheck"]["start_period"]) >= MIN_START_PERIOD_S

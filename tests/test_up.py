@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from clients import Client, FinishReason
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 READY_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0
 BANNER = re.compile(r"pagestream is up: redis at (redis://\S+) ")
+GATEWAY = re.compile(r"OpenAI-compatible API at (http://\S+/v1) ")
 
 
 class Up:
@@ -40,7 +42,8 @@ class Up:
         self.stderr_path = tmp_path / "up.stderr"
         env = {**os.environ, "TMPDIR": str(self.tmp_dir), "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "worker", "up", "--port", "0",
-                   "--data-dir", str(self.data_dir), "--grace-s", "5", *flags]  # fmt: skip
+                   "--data-dir", str(self.data_dir), "--grace-s", "5", "--gateway-port", "0",
+                   *flags]  # fmt: skip
         with self.stderr_path.open("w") as stderr:
             self.process = subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
@@ -74,7 +77,7 @@ class Up:
         )
 
     def children(self) -> list[int]:
-        """Pids whose parent is ``up`` (the redis-server and the worker)."""
+        """Pids whose parent is ``up`` (the redis-server, the worker and the gateway)."""
         return [pid for pid in _pids() if _parent(pid) == self.process.pid]
 
     def stop(self, sig: signal.Signals) -> int:
@@ -131,12 +134,16 @@ def test_up_serves_a_request_then_ctrl_c_leaves_nothing_behind(
     up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING")
     try:
         url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
+        gateway_url = up.wait_for(GATEWAY, READY_TIMEOUT_S).group(1)
         children = up.children()
-        assert len(children) == 2  # redis-server and the worker
+        assert len(children) == 3  # redis-server, the worker and the gateway
         with Client(url) as client:
             done = client.complete(token_ids=[5, 6, 7, 8], max_tokens=6, temperature=0)
         assert done.finish_reason is FinishReason.LENGTH and done.usage is not None
         assert done.usage.completion_tokens == 6
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
+        over_http = httpx.post(f"{gateway_url}/completions", json=body, timeout=60).json()
+        assert over_http["choices"][0]["text"] == done.text
         offline = LLM(str(text_model_dir), device="cpu").generate(
             [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False
         )
@@ -146,6 +153,7 @@ def test_up_serves_a_request_then_ctrl_c_leaves_nothing_behind(
     assert rc == 0, up.stderr_path.read_text()[-3000:]
     assert _wait_gone(children, 5.0) == []
     assert not _port_open(_port(url))
+    assert not _port_open(_port(gateway_url))
     assert list(up.tmp_dir.iterdir()) == []
     assert [p.name for p in up.data_dir.iterdir()] in (["appendonly.aof"], ["appendonlydir"])
     assert "stopped" in up.stderr_path.read_text()
@@ -220,7 +228,10 @@ def test_up_stops_redis_and_fails_when_its_worker_dies(
     up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING")
     url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
     children = up.children()
-    worker = next(pid for pid in children if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    worker_cmdline = b"-m\x00worker\x00worker\x00"  # not the gateway's `-m worker gateway`
+    worker = next(
+        pid for pid in children if worker_cmdline in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
     os.kill(worker, signal.SIGKILL)
     assert up.wait() == 1
     assert "pagestream up: error: the worker exited with code -9; stopping" in (

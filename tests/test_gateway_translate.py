@@ -1,0 +1,103 @@
+"""OpenAI request bodies to protocol requests, and events to OpenAI bodies, without a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clients.protocol import DoneEvent, FinishReason, RestartEvent, TokenEvent, TokenLogprob, Usage
+from worker.gateway.errors import OpenAIError
+from worker.gateway.responses import ResponseBuilder, Transcript
+from worker.gateway.translate import decode_chat, decode_completion
+
+
+def chat(**fields: object) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def test_fields_map_onto_the_protocol() -> None:
+    generation = decode_completion(json.dumps({
+        "model": "m", "prompt": [1, 2], "max_tokens": 5, "temperature": 0, "stop": "x",
+        "seed": 3, "logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
+        "top_k": 4, "user": "u1", "unknown_field": 1,
+    }).encode())  # fmt: skip
+    assert generation.inputs == {"token_ids": [1, 2], "max_tokens": 5, "temperature": 0.0,
+                                 "seed": 3, "top_k": 4, "stop": ["x"], "logprobs": 2}  # fmt: skip
+    assert generation.model == "m" and generation.stream and generation.include_usage
+    assert generation.request_id.startswith("cmpl-")
+    assert decode_completion(b'{"prompt": "hi"}').inputs == {"prompt": "hi", "max_tokens": 16}
+
+
+def test_chat_messages_and_its_max_tokens() -> None:
+    body = json.dumps({"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]},
+    ], "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 2}).encode()  # fmt: skip
+    generation = decode_chat(body, chat_max_tokens=100)
+    assert generation.inputs["messages"] == [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "a b"}]  # fmt: skip
+    assert generation.inputs["max_tokens"] == 7 and generation.logprobs == 2
+    assert decode_chat(chat(), chat_max_tokens=100).inputs["max_tokens"] == 100
+    assert decode_chat(chat(stream=True), 100).include_usage is False
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(n=3), "n"),
+        (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(logit_bias={"5": 1.0}), "logit_bias"),
+        (chat(top_logprobs=2), "top_logprobs"),
+        (chat(top_logprobs=21, logprobs=True), "top_logprobs"),
+        (b'{"messages": []}', "messages"),
+        (b'{"messages": [{"role": "robot", "content": "x"}]}', "messages"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
+        (b'{"messages": [{"role": "user"}]}', "messages"),
+        (chat(temperature="hot"), "temperature"),
+    ],
+)
+def test_chat_refusals_name_the_field(body: bytes, param: str) -> None:
+    with pytest.raises(OpenAIError) as exc:
+        decode_chat(body, 100)
+    assert exc.value.status == 400 and exc.value.body.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [(b'{"prompt": "x", "echo": true}', "echo"), (b'{"prompt": "x", "best_of": 2}', "best_of"),
+     (b'{"prompt": "x", "suffix": "y"}', "suffix"), (b'{"prompt": "x", "logprobs": 6}', "logprobs"),
+     (b'{"prompt": ["a", "b"]}', "prompt"), (b'{"max_tokens": 3}', "prompt")],
+)  # fmt: skip
+def test_completion_refusals_name_the_field(body: bytes, param: str) -> None:
+    with pytest.raises(OpenAIError) as exc:
+        decode_completion(body)
+    assert exc.value.status == 400 and exc.value.body.param == param
+
+
+def test_not_json_is_400_without_a_param() -> None:
+    with pytest.raises(OpenAIError) as exc:
+        decode_completion(b"")
+    assert exc.value.body.code == "invalid_json" and exc.value.body.param is None
+
+
+def test_whole_body_forgets_a_dead_attempt_and_maps_finish_reasons() -> None:
+    generation = decode_completion(b'{"prompt": "x", "logprobs": 1}')
+    transcript = Transcript()
+    transcript.add(TokenEvent(seq=0, text=" dead", token_ids=[9]))
+    transcript.add(RestartEvent(attempt=1, worker="w2"))
+    lp = TokenLogprob(7, -0.5, [(7, -0.5)])
+    transcript.add(TokenEvent(seq=0, text=" a", token_ids=[7], logprobs=[lp]))
+    transcript.add(TokenEvent(seq=1, text=" bc", token_ids=[8, 9], logprobs=[
+        TokenLogprob(8, -1.0, [(5, -0.1)]), TokenLogprob(9, -2.0, [(9, -2.0)])]))  # fmt: skip
+    done = DoneEvent(finish_reason=FinishReason.TIMEOUT,
+                     usage=Usage(prompt_tokens=1, completion_tokens=3, cached_prompt_tokens=1))  # fmt: skip
+    body = json.loads(ResponseBuilder(generation, "m").body(transcript, done))
+    choice = body["choices"][0]
+    assert choice["text"] == " a bc" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [" a", "token_id:8", "token_id:9"]
+    assert choice["logprobs"]["top_logprobs"] == [{" a": -0.5}, {"token_id:5": -0.1},
+                                                  {"token_id:9": -2.0}]  # fmt: skip
+    assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4,
+                             "prompt_tokens_details": {"cached_tokens": 1}}  # fmt: skip

@@ -1,0 +1,51 @@
+"""The gateway's settings: one frozen dataclass, checked when made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clients.protocol import DEFAULT_PREFIX
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024  # a 1 MiB JSON body holds a prompt far beyond any context
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_CHAT_MAX_TOKENS = 1024  # OpenAI's chat API has no default; the protocol needs one
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+WORKERS_CACHE_S = 1.0  # heartbeats are read at most this often (one SCAN per second)
+
+
+class GatewayConfigError(ValueError):
+    """A setting is out of range."""
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """What one gateway process serves and how.
+
+    ``api_keys``: bearer tokens accepted on ``/v1/*`` (empty = no auth). ``timeout_s``: a
+    request's deadline (the worker ends it as ``timeout`` then).
+    """
+
+    redis_url: str = "redis://localhost:6379/0"
+    prefix: str = DEFAULT_PREFIX
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    workers_cache_s: float = WORKERS_CACHE_S
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}"),
+            (self.max_body_bytes > 0, "max_body_bytes must be > 0"),
+            (self.timeout_s > 0, "timeout_s must be > 0"),
+            (self.chat_max_tokens > 0, "chat_max_tokens must be > 0"),
+            (self.workers_cache_s >= 0, "workers_cache_s must be >= 0"),
+            (all(self.api_keys), "an API key must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise GatewayConfigError(message)
