@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|peers|serve|gateway|tests]...   (default: all)
+#   bench/gpu_suite.sh [benchmarks|fp8|peers|vllm|serve|gateway|tests]...   (default: all)
+# vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
+# PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -49,6 +51,18 @@ gateway() {  # the same load through the OpenAI gateway (4 processes), against t
         --num-prompts 512 --input-len 100-1024 --output-len 100-1024 --warmup-runs 1 \
         --through gateway --gateway-workers 4 \
         --output-json "$OUT/serve-gateway-qwen3-0.6b-256.json"
+}
+
+vllm() {  # vLLM 0.26 in a subprocess, on the same prompts, in the same run
+    log sweep qwen3-0.6b against vllm
+    "${PS[@]}" bench throughput --model dummy:qwen3-0.6b --num-prompts 64,256,1024,4096 \
+        --compare vllm --no-progress --output-json "$OUT/sweep-qwen3-0.6b-vs-vllm.json"
+    log throughput llama3-8b against vllm
+    "${PS[@]}" bench throughput --model dummy:llama3-8b --compare vllm --no-progress \
+        --output-json "$OUT/throughput-llama3-8b-vs-vllm.json"
+    log latency llama3-8b against vllm
+    "${PS[@]}" bench latency --model dummy:llama3-8b --batch-sizes 1,64 --max-model-len 4096 \
+        --compare vllm --no-progress --output-json "$OUT/latency-llama3-8b-vs-vllm.json"
 }
 
 tests() {

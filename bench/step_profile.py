@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from bench.workloads import ThroughputWorkload, make_random_prompts
 from engine import LLMEngine, SamplingParams
-from engine.benchmark import ThroughputWorkload, make_random_prompts
 from engine.config import EngineConfig
 
 STAGES = ("schedule", "prepare_inputs", "forward", "sample")
@@ -43,7 +43,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args()
-    settings = {k: int(v) if v.isdigit() else v for k, v in (s.split("=") for s in args.setting)}
+    settings: dict[str, Any] = {
+        k: int(v) if v.isdigit() else v for k, v in (s.split("=") for s in args.setting)
+    }
     engine = LLMEngine(EngineConfig(model=args.model, **settings))
     totals: dict[str, float] = collections.defaultdict(float)
     engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)  # type: ignore[method-assign]

@@ -13,8 +13,10 @@ import dataclasses
 from datetime import datetime, timezone
 from typing import Any
 
+from bench.records import machine_info
+from bench.throughput import run_throughput
 from bench.vllm_peer import run_vllm_peer, throughput_peer_args
-from engine.benchmark import ThroughputWorkload, machine_info, run_throughput
+from bench.workloads import ThroughputWorkload
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.memory import release_device_memory
@@ -88,28 +90,3 @@ def format_sweep(record: dict[str, Any]) -> str:
     holds = ", ".join(f"{name} {ratio:.2f}" for name, ratio in record["hold_ratio"].items())
     lines.append(f"largest / {HOLD_BASE_PROMPTS}-prompt rate: {holds}")
     return "\n".join(lines)
-
-
-def plot_sweep(plt: Any, record: dict[str, Any]) -> Any:
-    """Output tok/s against prompt count, one line per engine, ratios annotated."""
-    rows = record["results"]
-    counts = [row["num_prompts"] for row in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ours = [row["pagestream"]["output_tok_s"] for row in rows]
-    ax.plot(counts, ours, "o-", label="pagestream", color="tab:blue")
-    if all("vllm" in row for row in rows):
-        theirs = [row["vllm"]["output_tok_s"] for row in rows]
-        version = record.get("vllm", {}).get("vllm", "")
-        ax.plot(counts, theirs, "s--", label=f"vLLM {version}".strip(), color="tab:gray")
-        for count, rate, row in zip(counts, ours, rows, strict=True):
-            ax.annotate(f"x{row['ratio']:.2f}", (count, rate), textcoords="offset points",
-                        xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(counts, [str(c) for c in counts])
-    ax.set_ylim(0, max(ours + [r.get("vllm", {}).get("output_tok_s", 0) for r in rows]) * 1.2)
-    ax.set_xlabel("prompts submitted at once")
-    ax.set_ylabel("output tokens / s")
-    settings = record["settings"]
-    ax.set_title(f"input {settings['input_len']}, output {settings['output_len']}", fontsize=9)
-    ax.legend(fontsize=8)
-    return fig

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.benchmark import ThroughputWorkload
-    from engine.benchmark_latency import LatencyWorkload
+    from bench.latency import LatencyWorkload
+    from bench.workloads import ThroughputWorkload
     from engine.config import EngineConfig
 
 VLLM_ARGS_ENV = "PAGESTREAM_VLLM_ARGS"
@@ -255,7 +255,7 @@ def _generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> lis
 
 
 def _throughput(llm: Any, vocab_size: int, args: argparse.Namespace, num: int) -> dict[str, Any]:
-    from engine.benchmark import ThroughputWorkload, make_random_prompts, warmup_prompts
+    from bench.workloads import ThroughputWorkload, make_random_prompts, warmup_prompts
 
     workload = ThroughputWorkload(num, args.input_len, args.output_len, args.seed)
     prompts = make_random_prompts(workload, vocab_size)
@@ -280,7 +280,7 @@ def _throughput(llm: Any, vocab_size: int, args: argparse.Namespace, num: int) -
 
 def _latency(llm: Any, vocab_size: int, args: argparse.Namespace, batch: int) -> dict[str, Any]:
     """TTFT: a 1-token run; TPOT: (time of output_len tokens - TTFT) / (output_len - 1)."""
-    from engine.benchmark_latency import LatencyWorkload
+    from bench.latency import LatencyWorkload
 
     workload = LatencyWorkload((batch,), args.latency_input_len, args.latency_output_len, args.seed)
     prompts = workload.prompts(batch, vocab_size)

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from worker.bench_serve import StreamTiming, summarize
+from bench.serve import StreamTiming, summarize
 from worker.cli import main as cli_main
 from worker.local_stack import engine_flags
 

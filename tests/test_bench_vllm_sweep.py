@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.latency import LatencyWorkload
 from bench.sweep import hold_ratios
 from bench.vllm_peer import INSTALL_HINT, latency_peer_args, throughput_peer_args
-from engine.benchmark import ThroughputWorkload
-from engine.benchmark_latency import LatencyWorkload
+from bench.workloads import ThroughputWorkload
 from engine.config import EngineConfig
 from tests.test_cli import BENCH_ARGS, SMALL_POOL, run_cli
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from bench.workloads import ThroughputWorkload, make_random_prompts
 from engine import LLM, SamplingParams
-from engine.benchmark import ThroughputWorkload, make_random_prompts
 from tests.conftest import build_tiny_model
 from worker.cli import main
 

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE_PATH = ROOT / "Dockerfile"
 DOCKERIGNORE_PATH = ROOT / ".dockerignore"
-PACKAGES = ("engine", "kernels", "worker", "clients")  # what `pip install .` needs in the image
+PACKAGES = ("engine", "kernels", "worker", "clients", "bench")  # what `pip install .` needs
 
 
 # -- Dockerfile ---------------------------------------------------------------------------------
@@ -163,7 +163,9 @@ def is_ignored(path: str, patterns: list[str]) -> bool:
 
 def test_dockerignore_keeps_the_context_small_but_complete() -> None:
     patterns = dockerignore_patterns()
-    for heavy in (".git", ".venv", "venv", "tests", "bench", "engine/__pycache__/config.pyc"):
+    heavy_paths = (".git", ".venv", "venv", "tests", "bench/results", "bench/results/x.json",
+                   "bench/gpu_suite.sh", "engine/__pycache__/config.pyc")  # fmt: skip
+    for heavy in heavy_paths:
         assert is_ignored(heavy, patterns), f"{heavy} would be sent to the Docker daemon"
     for needed in ("pyproject.toml", "README.md", *(f"{p}/__init__.py" for p in PACKAGES)):
         assert not is_ignored(needed, patterns), f"the image build needs {needed}"

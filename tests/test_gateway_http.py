@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.sse_client import HttpError, SseConnection
 from clients.protocol import DoneEvent, FinishReason, Keys, decode_event
 from tests.gateway_fixtures import API_KEY, Stack, start_gateway, wait_for
 from worker.local_stack import free_port
-from worker.sse_client import HttpError, SseConnection
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STOP_TIMEOUT_S = 20.0

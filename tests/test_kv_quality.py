@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv_quality import _greedy_agreement, measure_kv_quality
+from bench.kv_quality import _greedy_agreement, measure_kv_quality
 
 
 def test_fp8_cache_stays_close_to_full_precision(tiny_model_dirs: dict[str, Path]) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import add_engine_args
-from worker.cli import LazyParser, build_parser
+from worker.cli import build_parser
+from worker.cli.parser import LazyParser
 from worker.env_flags import ENV_PREFIX, env_var, flag_actions
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -41,10 +41,10 @@ from clients.batch import (
     serialize_job,
 )
 from engine import InvalidRequestError, RequestOutput, SamplingParams
-from worker.cli_types import positive_int
+from worker.arg_types import positive_int
+from worker.defaults import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from worker.delivery import REDIS_ERRORS
 from worker.engine_thread import EngineStoppedError, EngineThread
-from worker.generate_cmd import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from worker.jsonl_lines import BatchItem, error_record, parse_line, result_record
 from worker.logs import get_logger
 from worker.settings import WorkerSettings

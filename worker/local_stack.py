@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from worker.cli import CommandError
+from worker.errors import CommandError
 
 WORKER_START_TIMEOUT_S = 300.0  # loading a model, profiling memory, capturing graphs
 GATEWAY_START_TIMEOUT_S = 30.0  # the gateway imports no torch: it answers within seconds

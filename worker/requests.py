@@ -9,28 +9,50 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from redis.exceptions import OutOfMemoryError
 
 from clients import protocol
-from clients.protocol import DeadLetter, ErrorCode, ErrorEvent, Request, RestartEvent
+from clients.protocol import DeadLetter, ErrorCode, ErrorEvent, Keys, Request, RestartEvent
 from engine import InvalidRequestError, StepOutput
 from worker.admission import MalformedEntry, decode_entry, engine_inputs
-from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership
+from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership, RequestStream
+from worker.engine_thread import EngineThread
 from worker.events import InFlight, queue_ms, wall_ms
 from worker.logs import get_logger
-
-if TYPE_CHECKING:
-    from worker.service import WorkerService
+from worker.settings import WorkerSettings
+from worker.telemetry import Telemetry
 
 log = get_logger(__name__)
+
+
+class ServiceParts(Protocol):
+    """What a ``RequestHandler`` uses of the ``WorkerService`` that owns it (the service
+    implements it; naming it here keeps the two files from importing each other)."""
+
+    settings: WorkerSettings
+    engine_thread: EngineThread
+    keys: Keys
+    redis: Any  # redis.asyncio.Redis
+    telemetry: Telemetry
+    stream: RequestStream
+    in_flight: dict[str, InFlight]
+
+    async def retrying(self, what: str, operation: Callable[[], Awaitable[Any]]) -> Any: ...
+
+    def drop(self, flight: InFlight, *, error: str) -> None: ...
+
+    def release(self, flight: InFlight) -> None: ...
+
+    def owns(self, out: StepOutput) -> InFlight | None: ...
 
 
 class RequestHandler:
     """Serves the entries a ``WorkerService`` reads, and writes its engine's outputs."""
 
-    def __init__(self, service: WorkerService) -> None:
+    def __init__(self, service: ServiceParts) -> None:
         self.service = service
         self.writes_idle = asyncio.Event()
         self.writes_idle.set()

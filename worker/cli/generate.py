@@ -27,7 +27,8 @@ from engine import (
     SamplingParams,
 )
 from engine.config import add_engine_args, engine_config_from_args
-from worker.cli import EXIT_USAGE, CommandError
+from worker.cli.parser import EXIT_USAGE, CommandError
+from worker.defaults import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from worker.jsonl_lines import (
     BatchItem,
     Request,
@@ -37,8 +38,6 @@ from worker.jsonl_lines import (
     result_record,
 )
 
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_TEMPERATURE = 0.0  # greedy: the same prompt gives the same text every run
 # SamplingParams fields the sampling flags set; a flag is "--" + the name with dashes ...
 SAMPLING_FLAG_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",

@@ -8,72 +8,23 @@ ignored and sampling is greedy, so every request produces exactly its drawn outp
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import json
-import os
-import platform
-import re
-import socket
-import subprocess
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from bench.records import machine_info, percentiles
+from bench.workloads import BenchPrompt, ThroughputWorkload, make_random_prompts, warmup_prompts
 from engine.errors import ConfigError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.step_profile import StepProfiler
 
-RESULTS_DIR = Path("bench/results")
 BYTES_PER_GB = 1e9
-NUM_WARMUP_PROMPTS = 64  # the untimed run before the measured one
-WARMUP_OUTPUT_LEN = 8
-
-
-@dataclass(frozen=True)
-class ThroughputWorkload:
-    """How many prompts, and the inclusive ranges their input and output lengths come from."""
-
-    num_prompts: int = 256
-    input_len: tuple[int, int] = (100, 1024)
-    output_len: tuple[int, int] = (100, 1024)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_prompts < 1:
-            raise ConfigError("num_prompts must be >= 1")
-        for name in ("input_len", "output_len"):
-            low, high = getattr(self, name)
-            if not 1 <= low <= high:
-                raise ConfigError(f"{name} must be a range MIN-MAX with 1 <= MIN <= MAX")
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    token_ids: list[int]
-    output_len: int
-
-
-def make_random_prompts(workload: ThroughputWorkload, vocab_size: int) -> list[BenchPrompt]:
-    """Prompts of uniform random lengths and token ids in [0, vocab_size); same seed, same list."""
-    rng = np.random.default_rng(workload.seed)
-    input_lens = rng.integers(
-        workload.input_len[0], workload.input_len[1] + 1, workload.num_prompts
-    )
-    output_lens = rng.integers(
-        workload.output_len[0], workload.output_len[1] + 1, workload.num_prompts
-    )
-    return [
-        BenchPrompt(rng.integers(0, vocab_size, int(n_in)).tolist(), int(n_out))
-        for n_in, n_out in zip(input_lens, output_lens, strict=True)
-    ]
 
 
 def run_throughput(
@@ -106,18 +57,6 @@ def _check_fits(engine: LLMEngine, workload: ThroughputWorkload) -> None:
             f"exceeds the context of {engine.max_model_len} tokens: lower --input-len / "
             "--output-len or raise --max-model-len"
         )
-
-
-PERCENTILES = (50, 90, 99)
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50/p90/p99 and the mean of ``values`` (all None when there are none)."""
-    names = [f"p{p}" for p in PERCENTILES] + ["mean"]
-    if not values:
-        return dict.fromkeys(names)
-    points = [*np.percentile(np.asarray(values), PERCENTILES), np.mean(values)]
-    return {name: float(point) for name, point in zip(names, points, strict=True)}
 
 
 @dataclass
@@ -176,19 +115,6 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
     }
 
 
-def warmup_prompts(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
-    """A small run shaped like the measured one, so one-time costs stay out of the timing.
-
-    Kernel variants compile at the first step that needs them: full prefill chunks, mixed
-    steps with their varying decode counts, decode-only steps. The first prompts, reversed
-    (the prefix cache cannot serve the timed run from them), a few output tokens each.
-    """
-    return [
-        BenchPrompt(p.token_ids[::-1], min(p.output_len, WARMUP_OUTPUT_LEN))
-        for p in prompts[:NUM_WARMUP_PROMPTS]
-    ]
-
-
 def _warm_up(engine: LLMEngine, prompts: list[BenchPrompt]) -> None:
     for index, prompt in enumerate(warmup_prompts(prompts)):
         _add(engine, f"warmup-{index}", prompt.token_ids, prompt.output_len)
@@ -244,71 +170,6 @@ def _resolved_settings(engine: LLMEngine) -> dict[str, Any]:
         "kv_pool_source": engine.pool_source,
         "sampler_seed": engine.config.seed,  # "seed" above is the workload's
     }
-
-
-def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
-    """Where a benchmark ran: host, Python, CPU, accelerator and library versions."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "driver": _nvidia_driver() if device.type == "cuda" else None,
-        "cuda": torch.version.cuda,
-        "torch": torch.__version__,
-        "transformers": _version_of("transformers"),
-        "triton": _version_of("triton"),
-    }
-
-
-def _nvidia_driver() -> str | None:
-    """The NVIDIA driver version from nvidia-smi, when it is on the PATH."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
-
-
-def _cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
-
-
-def _version_of(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def default_record_path(record: dict[str, Any], root: Path = RESULTS_DIR) -> Path:
-    """``<root>/throughput-<model slug>-<device slug>-<UTC timestamp>.json``."""
-    model = record["settings"]["model"]
-    model_name = Path(model).name if os.sep in model else model
-    stamp = datetime.fromisoformat(record["created_utc"]).strftime("%Y%m%dT%H%M%SZ")
-    device = record["machine"]["device_name"]
-    return root / f"{record['kind']}-{_slug(model_name)}-{_slug(device)}-{stamp}.json"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "unnamed"
-
-
-def write_record(record: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def format_results(results: dict[str, Any]) -> str:

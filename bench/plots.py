@@ -20,11 +20,9 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         if required:
             raise ConfigError("plots need matplotlib: pip install matplotlib") from None
         return None
-    from bench.sweep import plot_sweep
-
     draws = {
         "throughput": _throughput,
-        "throughput-sweep": plot_sweep,
+        "throughput-sweep": _sweep,
         "latency": _latency,
         "kernels": _kernels,
         "serve": _serve,
@@ -155,4 +153,29 @@ def _serve(plt: Any, record: dict[str, Any]) -> Any:
     ttft.bar(labels, [(results["ttft_s"][key] or 0) * 1e3 for key in labels], color="tab:blue")
     ttft.set_ylabel("ms")
     ttft.set_title("time to first token, through Redis", fontsize=9)
+    return fig
+
+
+def _sweep(plt: Any, record: dict[str, Any]) -> Any:
+    """Output tok/s against prompt count, one line per engine, ratios annotated."""
+    rows = record["results"]
+    counts = [row["num_prompts"] for row in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ours = [row["pagestream"]["output_tok_s"] for row in rows]
+    ax.plot(counts, ours, "o-", label="pagestream", color="tab:blue")
+    if all("vllm" in row for row in rows):
+        theirs = [row["vllm"]["output_tok_s"] for row in rows]
+        version = record.get("vllm", {}).get("vllm", "")
+        ax.plot(counts, theirs, "s--", label=f"vLLM {version}".strip(), color="tab:gray")
+        for count, rate, row in zip(counts, ours, rows, strict=True):
+            ax.annotate(f"x{row['ratio']:.2f}", (count, rate), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_ylim(0, max(ours + [r.get("vllm", {}).get("output_tok_s", 0) for r in rows]) * 1.2)
+    ax.set_xlabel("prompts submitted at once")
+    ax.set_ylabel("output tokens / s")
+    settings = record["settings"]
+    ax.set_title(f"input {settings['input_len']}, output {settings['output_len']}", fontsize=9)
+    ax.legend(fontsize=8)
     return fig

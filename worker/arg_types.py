@@ -57,3 +57,10 @@ def client_sampling(args: argparse.Namespace) -> dict[str, Any]:
     """The client sampling flags that were given (or have a default)."""
     values = {name: getattr(args, name) for name in CLIENT_SAMPLING_FLAGS}
     return {name: value for name, value in values.items() if value is not None}
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    values = tuple(positive_int(part) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected N,N,... got {text!r}")
+    return values

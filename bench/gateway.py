@@ -8,7 +8,7 @@ runs and what the gateway costs: its throughput as a fraction of the client path
 
 Time per output token is measured as on the client path: first to last token chunk, over the
 tokens after the first (the count from the stream's ``usage``). The HTTP streams come from one
-process through ``worker.sse_client``, whose cost per event is the Redis client's.
+process through ``bench.sse_client``, whose cost per event is the Redis client's.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import msgspec
 
-from worker.bench_serve import StreamTiming, summarize
-from worker.cli import CommandError
-from worker.cli_types import positive_int
+from bench.streams import StreamTiming, summarize
+from worker.arg_types import positive_int
+from worker.errors import CommandError
 
 TARGET_RATIO_TO_CLIENT = 0.9  # gateway throughput over the Redis client path's
 
@@ -115,8 +115,8 @@ def _gateway(args: argparse.Namespace, redis_url: str) -> Iterator[str]:
 async def _serve_http(
     base_url: str, args: argparse.Namespace, prompts: list[Any]
 ) -> dict[str, Any]:
-    from engine.benchmark import warmup_prompts
-    from worker.sse_client import SseConnection
+    from bench.sse_client import SseConnection
+    from bench.workloads import warmup_prompts
 
     headers = {"Authorization": f"Bearer {args.gateway_api_key}"} if args.gateway_api_key else {}
     connections = [SseConnection(base_url, headers) for _ in range(args.concurrency)]
@@ -147,7 +147,7 @@ async def _stream_all(connections: list[Any], prompts: list[Any]) -> list[Stream
 
 
 async def _one(connection: Any, prompt: Any) -> StreamTiming:
-    from worker.sse_client import HttpError
+    from bench.sse_client import HttpError
 
     body = msgspec.json.encode({
         "prompt": prompt.token_ids, "max_tokens": prompt.output_len, "temperature": 0,

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from worker.bench_cli import int_list, save
-from worker.cli import CommandError
-from worker.cli_types import positive_int
+from bench.records import save
+from worker.arg_types import int_list, positive_int
+from worker.cli.parser import CommandError
 
 # -- latency ---------------------------------------------------------------------------------
 
@@ -42,9 +42,9 @@ def configure_latency(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench_latency(args: argparse.Namespace) -> int:
+    from bench.latency import LatencyWorkload, add_hf_peer, run_latency
     from bench.vllm_peer import PeerError, add_vllm_latency, latency_peer_args, run_vllm_peer
     from engine import LLMEngine, PagestreamError
-    from engine.benchmark_latency import LatencyWorkload, add_hf_peer, run_latency
     from engine.config import engine_config_from_args
     from engine.memory import release_device_memory
 
@@ -73,7 +73,7 @@ def _run_bench_latency(args: argparse.Namespace) -> int:
 
 
 def _copy_bandwidth(device: Any) -> float:
-    from kernels.benchmark import measure_copy_bandwidth
+    from bench.kernels import measure_copy_bandwidth
 
     return measure_copy_bandwidth(device)
 
@@ -120,8 +120,8 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
 
     import torch
 
-    from engine.benchmark import machine_info
-    from kernels.benchmark import bench_paged_attention, measure_copy_bandwidth
+    from bench.kernels import bench_paged_attention, measure_copy_bandwidth
+    from bench.records import machine_info
 
     if not torch.cuda.is_available():
         raise CommandError("the kernel benchmark needs a CUDA device")
@@ -170,8 +170,8 @@ def configure_kv_quality(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench_kv_quality(args: argparse.Namespace) -> int:
+    from bench.kv_quality import measure_kv_quality
     from engine import PagestreamError
-    from engine.kv_quality import measure_kv_quality
 
     try:
         record = measure_kv_quality(
@@ -198,7 +198,7 @@ def configure_plot(parser: argparse.ArgumentParser) -> None:
 def _run_bench_plot(args: argparse.Namespace) -> int:
     import json
 
-    from engine.bench_plots import plot_record
+    from bench.plots import plot_record
 
     for name in args.records:
         path = Path(name)

@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Any
 
-from worker.cli import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
-from worker.cli_types import add_client_sampling_args, client_sampling, positive_int
+from worker.arg_types import add_client_sampling_args, client_sampling, positive_int
+from worker.cli.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
 from worker.settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,

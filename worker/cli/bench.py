@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
-from worker.cli import CommandError, LazyParser, Subparsers
-from worker.cli_types import int_range, positive_int
+from worker.arg_types import int_list, int_range
+from worker.cli.parser import CommandError, LazyParser, Subparsers
 
 
 def register(subparsers: Subparsers) -> None:
@@ -21,7 +19,7 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _configure_bench(parser: argparse.ArgumentParser) -> None:
-    from worker import bench_device_cli
+    from worker.cli import bench_device
 
     kinds = parser.add_subparsers(
         title="benchmarks", dest="benchmark", metavar="BENCHMARK", parser_class=LazyParser
@@ -40,21 +38,21 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         description="Run batches of equal random prompts; report TTFT, time per output token "
         "and the fraction of the weight+KV streaming limit reached (CUDA: copy bandwidth is "
         "measured in the same run).",
-        configure=bench_device_cli.configure_latency,
+        configure=bench_device.configure_latency,
     )
     kinds.add_parser(
         "kernels",
         help="paged-attention kernel bandwidth against measured copy bandwidth (CUDA)",
         description="Time the Triton paged-attention decode kernel across batch sizes, context "
         "lengths and block sizes; report achieved bandwidth as a fraction of copy bandwidth.",
-        configure=bench_device_cli.configure_kernels,
+        configure=bench_device.configure_kernels,
     )
     kinds.add_parser(
         "kv-quality",
         help="quality of an fp8 KV cache against the model-dtype cache (greedy and logits)",
         description="Greedy agreement and teacher-forced logit error of --pa-cache-type "
         "fp8_e4m3 against the default cache, on the same weights and prompts.",
-        configure=bench_device_cli.configure_kv_quality,
+        configure=bench_device.configure_kv_quality,
     )
     kinds.add_parser(
         "serve",
@@ -68,12 +66,12 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         "plot",
         help="draw the PNG plot of a benchmark JSON record",
         description="Draw a PNG beside each given benchmark record (needs matplotlib).",
-        configure=bench_device_cli.configure_plot,
+        configure=bench_device.configure_plot,
     )
 
 
 def _configure_bench_serve(parser: argparse.ArgumentParser) -> None:
-    from worker.bench_serve import configure
+    from bench.serve import configure
 
     configure(parser)
 
@@ -125,7 +123,7 @@ def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:
 
 
 def _baselines(text: str) -> tuple[str, ...]:
-    from engine.benchmark_compare import BASELINES
+    from bench.compare import BASELINES
 
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     unknown = [name for name in names if name not in BASELINES]
@@ -137,10 +135,12 @@ def _baselines(text: str) -> tuple[str, ...]:
 
 
 def _run_bench_throughput(args: argparse.Namespace) -> int:
+    from bench.compare import run_with_baselines
+    from bench.records import save
+    from bench.throughput import format_results
     from bench.vllm_peer import PeerError, check_vllm_importable
+    from bench.workloads import ThroughputWorkload
     from engine import PagestreamError
-    from engine.benchmark import ThroughputWorkload, format_results
-    from engine.benchmark_compare import run_with_baselines
     from engine.config import engine_config_from_args
 
     sweep = len(args.num_prompts) > 1
@@ -169,6 +169,7 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _run_sweep(args: argparse.Namespace, config: Any, workloads: list[Any]) -> int:
+    from bench.records import save
     from bench.sweep import format_sweep, run_sweep
 
     record = run_sweep(
@@ -177,23 +178,3 @@ def _run_sweep(args: argparse.Namespace, config: Any, workloads: list[Any]) -> i
     print(format_sweep(record))
     save(record, args.output_json)
     return 0
-
-
-def save(record: dict[str, Any], output_json: str | None) -> None:
-    """Write the JSON record (and its plot when matplotlib is there); say where."""
-    from engine.bench_plots import plot_record
-    from engine.benchmark import default_record_path, write_record
-
-    path = Path(output_json) if output_json else default_record_path(record)
-    write_record(record, path)
-    print(f"wrote {path}", file=sys.stderr)
-    png = plot_record(record, path.with_suffix(".png"))
-    if png is not None:
-        print(f"wrote {png}", file=sys.stderr)
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    values = tuple(positive_int(part) for part in text.split(",") if part.strip())
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected N,N,... got {text!r}")
-    return values

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.benchmark import machine_info
+from bench.records import machine_info
 from engine.llm import LLM
 from engine.memory import release_device_memory
 from engine.sampling_params import SamplingParams

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.benchmark import ThroughputWorkload, make_random_prompts, run_throughput
+from bench.peers import load_hf_model, run_hf_generate_batch
+from bench.throughput import run_throughput
+from bench.workloads import ThroughputWorkload, make_random_prompts
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.memory import release_device_memory
-from engine.peers import load_hf_model, run_hf_generate_batch
 
 BASELINES = ("paged-off", "hf", "vllm")
 

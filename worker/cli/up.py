@@ -23,7 +23,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from clients.protocol import DEFAULT_PREFIX
-from worker.cli import CommandError, Subparsers
+from worker.cli.parser import CommandError, Subparsers
 from worker.settings import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:  # imported when the command runs: local_stack imports worker.cli
@@ -103,7 +103,7 @@ def run_up(args: argparse.Namespace) -> int:
             gateway.start()
         print(_banner(redis.url, data_dir, args, gateway), flush=True)
         if args.demo:
-            from worker.up_demo import run_demo
+            from worker.cli.up_demo import run_demo
 
             run_demo(redis.url, args.prefix)
             print("\nthe demo is done; still serving (Ctrl-C stops)", flush=True)

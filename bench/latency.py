@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.benchmark import machine_info
+from bench.peers import load_hf_model, run_hf_generate
+from bench.records import machine_info
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.memory import release_device_memory
-from engine.peers import load_hf_model, run_hf_generate
 from engine.sampling_params import SamplingParams
 
 

