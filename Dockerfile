@@ -49,6 +49,7 @@ COPY engine/ engine/
 COPY kernels/ kernels/
 COPY worker/ worker/
 COPY clients/ clients/
+COPY bench/ bench/
 RUN pip install .
 
 # -- runtime ------------------------------------------------------------------------------------
