@@ -3,6 +3,7 @@ in-process worker on the tiny text model, with a chat template added to its toke
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -28,15 +29,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}w12{% endif %}"
 )
 START_TIMEOUT_S = 30.0
+# The tiny model's context, raised from 256 (no rope scaling: the weights mean the same) so
+# that a long request runs for seconds: a cancel test must not race its natural end.
+CONTEXT_LEN = 2048
+LONG_MAX_TOKENS = CONTEXT_LEN - 16
 
 
 @pytest.fixture(scope="session")
 def chat_model_dir(text_model_dir: Path, tmp_path_factory: Any) -> Path:
-    """The tiny text model with ``CHAT_TEMPLATE`` in its tokenizer."""
+    """The tiny text model with ``CHAT_TEMPLATE`` in its tokenizer and a ``CONTEXT_LEN`` context."""
     from transformers import AutoTokenizer
 
     model_dir = tmp_path_factory.mktemp("chat-model") / "llama"
     shutil.copytree(text_model_dir, model_dir)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = CONTEXT_LEN
+    config_path.write_text(json.dumps(config))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(model_dir)

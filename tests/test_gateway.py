@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from clients import Client
-from tests.gateway_fixtures import API_KEY, Stack
+from tests.gateway_fixtures import API_KEY, CONTEXT_LEN, Stack
 
 PROMPT_IDS = [5, 6, 7, 8]
 IGNORE_EOS = {"ignore_eos": True}
@@ -135,14 +135,14 @@ def test_errors_have_openai_status_and_param(client: openai.OpenAI, stack: Stack
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="no-such-model", prompt="w5", max_tokens=2)
     assert unknown.value.body["code"] == "model_not_found"  # type: ignore[index]
-    too_long = list(range(4, 304))  # the tiny model's context is 256 tokens
+    too_long = [5] * (CONTEXT_LEN + 4)
     for stream in (False, True):  # refused before the first byte of a stream, too
         with pytest.raises(openai.BadRequestError) as long_prompt:
             client.completions.create(model=stack.model, prompt=too_long, max_tokens=2,
                                       stream=stream)  # fmt: skip
         body = long_prompt.value.body
         assert body["param"] == "prompt" and body["code"] == "context_length_exceeded"  # type: ignore[index]
-        assert "300 tokens" in body["message"]  # type: ignore[index]
+        assert f"{CONTEXT_LEN + 4} tokens" in body["message"]  # type: ignore[index]
 
 
 def test_bad_or_missing_api_key_is_401(stack: Stack) -> None:

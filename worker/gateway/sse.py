@@ -61,25 +61,31 @@ class GenerationResponse(Response):
         self.timeout_s = timeout_s
         self.finished = False  # the request's terminal event was read
         self.headers_sent = False
+        self._gone: asyncio.Future[None] | None = None  # ends when the client disconnects
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         events = self.client.resume(self.generation.request_id, timeout_s=self.timeout_s)
         pump = asyncio.ensure_future(self._pump(events, send))
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        self._gone = gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            done, _ = await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if pump in done:
-                pump.result()  # re-raises a failure of the gateway itself
-            else:
+            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():
                 self.observation.finish(499)  # nginx's "client closed request"
+            else:
+                pump.result()  # re-raises a failure of the gateway itself
         finally:
+            if not self.finished:  # the client left (or the gateway failed, or stops): cancel
+                await _shielded_cancel(self.client, self.generation.request_id)
             for task in (pump, gone):
                 task.cancel()
             await asyncio.gather(pump, gone, return_exceptions=True)
             self.observation.finish(500)  # unless counted already
             await _close(events)
-            if not self.finished:
-                await _shielded_cancel(self.client, self.generation.request_id)
+
+    def _client_gone(self) -> bool:
+        # Checked per event as well: Python < 3.12 can lose a task's cancellation when the
+        # awaited queue read completes at the same moment (asyncio.wait_for).
+        return self._gone is not None and self._gone.done()
 
     async def _pump(self, events: Events, send: Send) -> None:
         try:
@@ -106,7 +112,7 @@ class GenerationResponse(Response):
             await _body(send, opening)
         num_tokens = 0
         event = first
-        while True:
+        while not self._client_gone():
             if isinstance(event, DoneEvent):
                 self.finished = True
                 closing = b"".join(sse(c) for c in self.builder.closing_chunks(event))
@@ -129,6 +135,8 @@ class GenerationResponse(Response):
         transcript = Transcript()
         event = first
         while not isinstance(event, DoneEvent):
+            if self._client_gone():
+                return
             if isinstance(event, TokenEvent) and not transcript.tokens:
                 self.observation.first_token()
             transcript.add(event)
