@@ -11,6 +11,7 @@ on a keep-alive connection, read a chunked (or sized) reply, yield each event's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -44,14 +45,19 @@ class SseConnection:
 
     async def post_events(self, path: str, body: bytes) -> AsyncIterator[bytes]:
         """POST ``body`` to ``path``; yields the ``data`` of each event of the reply."""
-        if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(
-                self.host, self.port, limit=READ_LIMIT_BYTES
-            )
-        assert self._reader is not None
         request = f"POST {self.path_prefix}{path} HTTP/1.1\r\n{self._head}"
-        self._writer.write(f"{request}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        status, headers = await self._read_head(self._reader)
+        message = f"{request}Content-Length: {len(body)}\r\n\r\n".encode() + body
+        reused = self._writer is not None
+        try:
+            status, headers = await self._send(message)
+        except ConnectionError:
+            if not reused:
+                raise
+            # The server closed the idle keep-alive connection before it read the request, as
+            # HTTP allows: send it once more on a new connection.
+            await self.close()
+            status, headers = await self._send(message)
+        assert self._reader is not None
         if headers.get("transfer-encoding") != "chunked":
             data = await self._reader.readexactly(int(headers.get("content-length", "0")))
             if status != 200:
@@ -67,11 +73,21 @@ class SseConnection:
             for event in events:
                 yield event
 
+    async def _send(self, message: bytes) -> tuple[int, dict[str, str]]:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(
+                self.host, self.port, limit=READ_LIMIT_BYTES
+            )
+        assert self._reader is not None
+        self._writer.write(message)
+        return await self._read_head(self._reader)
+
     async def close(self) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
-            await writer.wait_closed()
+            with contextlib.suppress(ConnectionError):  # the server may have reset it first
+                await writer.wait_closed()
 
     @staticmethod
     async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:

@@ -78,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
     from worker.gateway.app import create_app
 
     settings = settings_from_args(args)
+    # Keep idle client connections for a minute (uvicorn's default is 5 s): clients and proxies
+    # in front of the gateway hold pools of keep-alive connections between requests.
     options = dict(host=settings.host, port=settings.port, log_level=args.log_level.lower(),
-                   access_log=args.log_level == "DEBUG", timeout_graceful_shutdown=5)  # fmt: skip
+                   access_log=args.log_level == "DEBUG", timeout_graceful_shutdown=5,
+                   timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
     auth = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no auth"
     print(f"pagestream gateway: http://{settings.host}:{settings.port}/v1 -> "
           f"{redact_url(settings.redis_url)} (prefix {settings.prefix!r}, {auth}, "
@@ -95,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     server = _server_class()(uvicorn.Config(create_app(settings), **options))
     server.run()
     return 0 if server.started else 1
+
+
+KEEP_ALIVE_S = 60
 
 
 def _server_class() -> Any:
