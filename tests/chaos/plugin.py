@@ -22,14 +22,18 @@ class ChaosSettings:
 
     def __post_init__(self) -> None:
         if min(self.num_requests, self.max_tokens) < 1 or self.num_duplicates > self.num_requests:
-            raise pytest.UsageError("chaos: need requests >= 1, max tokens >= 1, duplicates <= requests")
+            raise pytest.UsageError(
+                "chaos: need requests >= 1, max tokens >= 1, duplicates <= requests"
+            )
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("chaos", "the chaos and load suite (tests/chaos)")
     group.addoption("--chaos-requests", type=int, default=300, help="good requests (300)")
     group.addoption("--chaos-hostile", type=int, default=200, help="hostile entries (200)")
-    group.addoption("--chaos-cancels", type=int, default=50, help="requests cancelled mid stream (50)")
+    group.addoption(
+        "--chaos-cancels", type=int, default=50, help="requests cancelled mid stream (50)"
+    )
     group.addoption("--chaos-duplicates", type=int, default=20, help="ids submitted twice (20)")
     group.addoption("--chaos-max-tokens", type=int, default=8, help="tokens per good request (8)")
 
@@ -54,7 +58,9 @@ def chaos_summary(request: pytest.FixtureRequest) -> list[tuple[str, str]]:
     return rows
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
     rows = config.stash.get(SUMMARY_KEY, [])
     if not rows:
         return

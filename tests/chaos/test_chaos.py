@@ -27,7 +27,7 @@ from tests.chaos.hostile import hostile_entry
 from tests.chaos.plugin import ChaosSettings
 from tests.redis_server import RedisServer
 from tests.service_fixtures import spawn_worker
-from tests.test_worker_process import START_TIMEOUT_S, healthy, num_streaming, prompts, wait_until
+from tests.test_worker_process import START_TIMEOUT_S, healthy, prompts, wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 KEYS = protocol.Keys()
@@ -63,6 +63,22 @@ async def cancelled_request(client: AsyncClient, rid: str, text: str) -> Complet
     return completion
 
 
+def num_streaming(server: RedisServer, consumer: str) -> int:
+    """Entries pending under ``consumer`` whose request has events (hostile ones may lack ``msg``)."""
+    r = server.client()
+    try:
+        rows = r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 1000, consumername=consumer)
+        count = 0
+        for row in rows:
+            entries = r.xrange(KEYS.requests, row["message_id"], row["message_id"])
+            payload = entries[0][1].get(b"msg", b"") if entries else b""
+            request_id = protocol.peek_request_id(payload)
+            count += bool(request_id and r.xlen(KEYS.out(request_id)))
+        return count
+    finally:
+        r.close()
+
+
 def events_of(r: redis.Redis, rid: str) -> list[Any]:
     return [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(KEYS.out(rid))]
 
@@ -85,13 +101,19 @@ def test_chaos_under_load(
     texts = prompts(cfg.num_requests, seed=11)
     greedy = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
     reference = LLM(str(text_model_dir), device="cpu").generate(texts, greedy, use_tqdm=False)
-    workers = {n: spawn_worker(text_model_dir, redis_server, n, tmp_path, *WORKER_FLAGS) for n in "AB"}
+    workers = {
+        n: spawn_worker(text_model_dir, redis_server, n, tmp_path, *WORKER_FLAGS) for n in "AB"
+    }
     rng = random.Random(5)
     hostile = [hostile_entry(i, rng) for i in range(cfg.num_hostile)]
     hostile_entry_ids: list[str] = []
     faults: list[str] = []
     try:
-        wait_until(lambda: healthy(redis_server, "A") and healthy(redis_server, "B"), START_TIMEOUT_S, "workers")
+        wait_until(
+            lambda: healthy(redis_server, "A") and healthy(redis_server, "B"),
+            START_TIMEOUT_S,
+            "workers",
+        )
         raw = redis_server.client()
 
         async def load() -> tuple[list[Completion], list[Completion]]:
@@ -101,16 +123,30 @@ def test_chaos_under_load(
                 cancels = [asyncio.create_task(cancelled_request(client, f"cancel-{i}", t))
                            for i, t in enumerate(prompts(cfg.num_cancels, seed=12))]  # fmt: skip
                 for fields, _ in hostile:  # interleaved with the good ones
-                    hostile_entry_ids.append((await asyncio.to_thread(raw.xadd, KEYS.requests, fields)).decode())
+                    hostile_entry_ids.append(
+                        (await asyncio.to_thread(raw.xadd, KEYS.requests, fields)).decode()
+                    )
                     await asyncio.sleep(0)
-                await asyncio.to_thread(wait_until, lambda: num_streaming(redis_server, "A") > 0, 60, "A streaming")
+                await asyncio.to_thread(
+                    wait_until, lambda: num_streaming(redis_server, "A") > 0, 60, "A streaming"
+                )
                 workers["A"].send_signal(signal.SIGKILL)
                 faults.append("worker A SIGKILLed")
                 for i in range(cfg.num_duplicates):  # the same id again, while it may run
-                    await retry_redis(lambda i=i: client.submit(texts[i], request_id=f"good-{i}", max_tokens=cfg.max_tokens, temperature=0, ignore_eos=True))  # noqa: E501
+                    await retry_redis(
+                        lambda i=i: client.submit(
+                            texts[i],
+                            request_id=f"good-{i}",
+                            max_tokens=cfg.max_tokens,
+                            temperature=0,
+                            ignore_eos=True,
+                        )
+                    )
                 await asyncio.to_thread(kill_redis, redis_server)
                 faults.append("redis kill -9 + restart (AOF)")
-                workers["A2"] = spawn_worker(text_model_dir, redis_server, "A2", tmp_path, *WORKER_FLAGS)
+                workers["A2"] = spawn_worker(
+                    text_model_dir, redis_server, "A2", tmp_path, *WORKER_FLAGS
+                )
                 return await asyncio.gather(*good), await asyncio.gather(*cancels)
 
         good, cancelled = asyncio.run(load())
@@ -119,23 +155,48 @@ def test_chaos_under_load(
         for completion, ref in zip(good, reference, strict=True):
             assert completion.finish_reason is FinishReason.LENGTH, completion.request_id
             assert completion.token_ids == ref.token_ids and completion.text == ref.text
-        terminals = {c.request_id: sum(isinstance(e, protocol.TERMINAL_EVENTS) for e in events_of(raw, c.request_id)) for c in good + cancelled}  # noqa: E501
+        terminals = {
+            c.request_id: sum(
+                isinstance(e, protocol.TERMINAL_EVENTS) for e in events_of(raw, c.request_id)
+            )
+            for c in good + cancelled
+        }
         assert set(terminals.values()) == {1}, {k: v for k, v in terminals.items() if v != 1}
         # cancelled mid stream: `cancelled`, or `length` if the request ended before the cancel arrived
         reasons = [c.finish_reason for c in cancelled]
         assert set(reasons) <= {FinishReason.CANCELLED, FinishReason.LENGTH}
-        assert all(len(c.token_ids) < CANCEL_TOKENS for c in cancelled if c.finish_reason is FinishReason.CANCELLED)
+        assert all(
+            len(c.token_ids) < CANCEL_TOKENS
+            for c in cancelled
+            if c.finish_reason is FinishReason.CANCELLED
+        )
+        # hostile entries may still be on their way (one held by the killed worker waits for
+        # its lease to expire): wait until every entry is served
+        wait_until(
+            lambda: (
+                raw.xlen(KEYS.requests) == 0
+                and raw.xpending(KEYS.requests, KEYS.group)["pending"] == 0
+            ),
+            60,
+            "every entry served",
+        )
         # hostile: each dead-lettered, with its error event when its id is readable
-        letters = [protocol.decode_struct(f[b"msg"], protocol.DeadLetter) for _, f in raw.xrange(KEYS.dead)]
+        letters = [
+            protocol.decode_struct(f[b"msg"], protocol.DeadLetter) for _, f in raw.xrange(KEYS.dead)
+        ]
         assert sorted(x.entry_id for x in letters) == sorted(hostile_entry_ids)
-        for fields, rid in hostile:
+        for _fields, rid in hostile:
             if rid is not None:
                 (event,) = events_of(raw, rid)
                 assert isinstance(event, protocol.ErrorEvent), rid
         # nothing left behind; workers alive; every out stream expires
         assert raw.xlen(KEYS.requests) == 0
         assert raw.xpending(KEYS.requests, KEYS.group)["pending"] == 0
-        wait_until(lambda: healthy(redis_server, "B") and healthy(redis_server, "A2"), START_TIMEOUT_S, "B and A2")
+        wait_until(
+            lambda: healthy(redis_server, "B") and healthy(redis_server, "A2"),
+            START_TIMEOUT_S,
+            "B and A2",
+        )
         assert workers["B"].poll() is None and workers["A2"].poll() is None
         ttls = [raw.ttl(key) for key in raw.scan_iter(match=KEYS.out("*"), count=1000)]
         assert ttls and min(ttls) > 0
