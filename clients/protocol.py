@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from clients.msgpack_peek import peek_str_field
+
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "pagestream"
 PAYLOAD_FIELD = "msg"  # the one field of every stream entry written by pagestream
@@ -294,7 +296,9 @@ def peek_request_id(data: bytes) -> str | None:
     try:
         request_id = msgspec.msgpack.decode(data, type=_IdOnly).id
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
-        return None
+        # msgspec refuses the whole payload (invalid UTF-8 or nesting too deep elsewhere):
+        # the id may still be readable on its own.
+        request_id = peek_str_field(data, "id")
     return request_id if is_valid_request_id(request_id) else None
 
 

@@ -17,7 +17,12 @@ os.environ.setdefault("PAGESTREAM_DEVICE", "cpu")
 # reads this when a kernel module is imported, which is after conftest.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest_plugins = ["tests.redis_server", "tests.service_fixtures", "tests.gateway_fixtures"]
+pytest_plugins = [
+    "tests.redis_server",
+    "tests.service_fixtures",
+    "tests.gateway_fixtures",
+    "tests.chaos.plugin",
+]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

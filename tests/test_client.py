@@ -44,6 +44,31 @@ def test_request_errors_name_the_field() -> None:
     assert protocol.peek_request_id(b"\xc1") is None
 
 
+def map_with(*pairs: tuple[str, bytes]) -> bytes:
+    """A msgpack map of str keys to raw (possibly invalid) msgpack values."""
+    enc = msgspec.msgpack.encode
+    return bytes([0x80 | len(pairs)]) + b"".join(enc(key) + value for key, value in pairs)
+
+
+def test_an_id_is_read_next_to_what_msgspec_refuses() -> None:
+    enc = msgspec.msgpack.encode
+    deep = b"\x91" * 50_000 + enc("x")  # deeper than msgspec's recursion limit
+    bad_utf8 = b"\xa4\xff\xfe\xfd\xfc"
+    for before_id in ([], [("messages", deep)], [("prompt", bad_utf8)], [("b", b"\xc5\x00\x02ab")]):
+        payload = map_with(("v", enc(1)), *before_id, ("id", enc("r7")), ("prompt", bad_utf8))
+        assert protocol.peek_request_id(payload) == "r7"
+    # and where no id can be read, none is made up
+    for payload in (
+        map_with(("id", bad_utf8)),  # the id itself is not UTF-8
+        map_with(("id", enc(7))),  # not a string
+        map_with(("prompt", deep[:1000])),  # cut off before the id
+        map_with(("id", enc("x" * 300))),  # too long to be an id
+        enc(["id", "r7"]),  # not a map
+        b"\x81\xc1",  # a byte that starts no value
+    ):
+        assert protocol.peek_request_id(payload) is None, payload[:20]
+
+
 def test_keys_share_the_prefix() -> None:
     keys = protocol.Keys("ps")
     assert (keys.requests, keys.group, keys.cancels, keys.dead) == (

@@ -220,3 +220,18 @@ def test_an_oversized_entry_is_refused_by_size_and_its_payload_not_kept(
     assert (letter.request_id, letter.payload) == ("r-big", None)  # the size is in the message
     assert len(after.token_ids) == 6
     r.close()
+
+
+def test_an_undecodable_entry_with_a_readable_id_names_it() -> None:
+    # Invalid UTF-8 after the id, or nesting past msgspec's limit: the caller of that id
+    # must get its error event, so the worker must read the id.
+    from worker.admission import MalformedEntry, decode_entry
+    from worker.settings import RequestLimits
+
+    head = b"\x83" + pack("v") + pack(1) + pack("id") + pack("r-odd")
+    invalid_utf8 = head + pack("prompt") + b"\xa2\xff\xfe"
+    deep = head + pack("messages") + b"\x91" * 20_000 + pack("x")
+    for payload, code in ((invalid_utf8, ErrorCode.MALFORMED), (deep, ErrorCode.INVALID_REQUEST)):
+        with pytest.raises(MalformedEntry) as error:
+            decode_entry({b"msg": payload}, RequestLimits())
+        assert (error.value.request_id, error.value.code) == ("r-odd", code)

@@ -81,7 +81,9 @@ def _decode_payload(payload: bytes) -> Request:
         ) from exc
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
         raise MalformedEntry(
-            ErrorCode.MALFORMED, f"payload is not a msgpack request: {exc}"
+            ErrorCode.MALFORMED,
+            f"payload is not a msgpack request: {exc}",
+            protocol.peek_request_id(payload),  # e.g. invalid UTF-8 in a field after the id
         ) from exc
     if not protocol.is_valid_request_id(request.id):
         raise MalformedEntry(

@@ -1,0 +1,225 @@
+"""The service's promises under load with faults together (issue 14, item 3).
+
+Two worker processes serve good requests while one worker is SIGKILLed, Redis is killed
+with ``kill -9`` and restarted on its AOF (``appendfsync always``), hostile entries are
+interleaved, requests are cancelled mid stream and ids are submitted twice. Afterwards every
+good request finished exactly once with the greedy answer, every hostile one has its dead
+letter (and its error event where its id is readable), the workers live, and every out
+stream has a TTL. ``--chaos-*`` options set the sizes (see tests/chaos/plugin.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from clients import AsyncClient, Completion, FinishReason, protocol
+from engine import LLM, SamplingParams
+from tests.chaos.hostile import hostile_entry
+from tests.chaos.plugin import ChaosSettings
+from tests.redis_server import RedisServer
+from tests.service_fixtures import spawn_worker
+from tests.test_worker_process import START_TIMEOUT_S, healthy, prompts, wait_until
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+KEYS = protocol.Keys()
+CANCEL_TOKENS = 120  # long enough that a cancel lands mid stream
+WORKER_FLAGS = ("--max-in-flight", "48", "--max-output-tokens", "128", "--max-seqs", "48")
+
+
+async def retry_redis(operation: Any) -> Any:
+    """Run ``operation()`` until Redis answers (it may be restarting)."""
+    for _ in range(200):
+        try:
+            return await operation()
+        except (RedisConnectionError, OSError):
+            await asyncio.sleep(0.1)
+    raise AssertionError("redis did not come back")
+
+
+async def good_request(client: AsyncClient, rid: str, text: str, max_tokens: int) -> Completion:
+    options = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    # Submitting again after a lost reply is safe: a duplicate id is not run twice.
+    await retry_redis(lambda: client.submit(text, request_id=rid, **options))
+    return await client.result(rid, timeout_s=300)
+
+
+async def cancelled_request(client: AsyncClient, rid: str, text: str) -> Completion:
+    options = dict(max_tokens=CANCEL_TOKENS, temperature=0, ignore_eos=True)
+    await retry_redis(lambda: client.submit(text, request_id=rid, **options))
+    completion = Completion(rid)
+    async for event in client.resume(rid, timeout_s=300):
+        completion.add(event)
+        if len(completion.token_ids) == 1:
+            await retry_redis(lambda: client.cancel(rid))
+    return completion
+
+
+def num_streaming(server: RedisServer, consumer: str) -> int:
+    """Entries pending under ``consumer`` whose request has events (hostile ones may lack ``msg``)."""
+    r = server.client()
+    try:
+        rows = r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 1000, consumername=consumer)
+        count = 0
+        for row in rows:
+            entries = r.xrange(KEYS.requests, row["message_id"], row["message_id"])
+            payload = entries[0][1].get(b"msg", b"") if entries else b""
+            request_id = protocol.peek_request_id(payload)
+            count += bool(request_id and r.xlen(KEYS.out(request_id)))
+        return count
+    finally:
+        r.close()
+
+
+def events_of(r: redis.Redis, rid: str) -> list[Any]:
+    return [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(KEYS.out(rid))]
+
+
+def kill_redis(server: RedisServer) -> None:
+    assert server.process is not None
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    server.process = None
+    time.sleep(0.5)
+    server.start()  # same port, same data dir: the AOF brings everything back
+
+
+def test_chaos_under_load(
+    redis_server: RedisServer, text_model_dir: Path, tmp_path: Path,
+    chaos_settings: ChaosSettings, chaos_summary: list[tuple[str, str]],
+) -> None:  # fmt: skip
+    cfg = chaos_settings
+    started_s = time.monotonic()
+    texts = prompts(cfg.num_requests, seed=11)
+    greedy = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
+    reference = LLM(str(text_model_dir), device="cpu").generate(texts, greedy, use_tqdm=False)
+    workers = {
+        n: spawn_worker(text_model_dir, redis_server, n, tmp_path, *WORKER_FLAGS) for n in "AB"
+    }
+    rng = random.Random(5)
+    hostile = [hostile_entry(i, rng) for i in range(cfg.num_hostile)]
+    hostile_entry_ids: list[str] = []
+    faults: list[str] = []
+    try:
+        wait_until(
+            lambda: healthy(redis_server, "A") and healthy(redis_server, "B"),
+            START_TIMEOUT_S,
+            "workers",
+        )
+        raw = redis_server.client()
+
+        async def load() -> tuple[list[Completion], list[Completion]]:
+            async with AsyncClient(redis_server.url) as client:
+                good = [asyncio.create_task(good_request(client, f"good-{i}", t, cfg.max_tokens))
+                        for i, t in enumerate(texts)]  # fmt: skip
+                cancels = [asyncio.create_task(cancelled_request(client, f"cancel-{i}", t))
+                           for i, t in enumerate(prompts(cfg.num_cancels, seed=12))]  # fmt: skip
+                for fields, _ in hostile:  # interleaved with the good ones
+                    hostile_entry_ids.append(
+                        (await asyncio.to_thread(raw.xadd, KEYS.requests, fields)).decode()
+                    )
+                    await asyncio.sleep(0)
+                await asyncio.to_thread(
+                    wait_until, lambda: num_streaming(redis_server, "A") > 0, 60, "A streaming"
+                )
+                workers["A"].send_signal(signal.SIGKILL)
+                faults.append("worker A SIGKILLed")
+                for i in range(cfg.num_duplicates):  # the same id again, while it may run
+                    await retry_redis(
+                        lambda i=i: client.submit(
+                            texts[i],
+                            request_id=f"good-{i}",
+                            max_tokens=cfg.max_tokens,
+                            temperature=0,
+                            ignore_eos=True,
+                        )
+                    )
+                await asyncio.to_thread(kill_redis, redis_server)
+                faults.append("redis kill -9 + restart (AOF)")
+                workers["A2"] = spawn_worker(
+                    text_model_dir, redis_server, "A2", tmp_path, *WORKER_FLAGS
+                )
+                return await asyncio.gather(*good), await asyncio.gather(*cancels)
+
+        good, cancelled = asyncio.run(load())
+        raw = redis_server.client()
+        # every good request: the greedy answer, exactly one terminal event
+        for completion, ref in zip(good, reference, strict=True):
+            assert completion.finish_reason is FinishReason.LENGTH, completion.request_id
+            assert completion.token_ids == ref.token_ids and completion.text == ref.text
+        terminals = {
+            c.request_id: sum(
+                isinstance(e, protocol.TERMINAL_EVENTS) for e in events_of(raw, c.request_id)
+            )
+            for c in good + cancelled
+        }
+        assert set(terminals.values()) == {1}, {k: v for k, v in terminals.items() if v != 1}
+        # cancelled mid stream: `cancelled`, or `length` if the request ended before the cancel arrived
+        reasons = [c.finish_reason for c in cancelled]
+        assert set(reasons) <= {FinishReason.CANCELLED, FinishReason.LENGTH}
+        assert all(
+            len(c.token_ids) < CANCEL_TOKENS
+            for c in cancelled
+            if c.finish_reason is FinishReason.CANCELLED
+        )
+        # hostile entries may still be on their way (one held by the killed worker waits for
+        # its lease to expire): wait until every entry is served
+        wait_until(
+            lambda: (
+                raw.xlen(KEYS.requests) == 0
+                and raw.xpending(KEYS.requests, KEYS.group)["pending"] == 0
+            ),
+            60,
+            "every entry served",
+        )
+        # hostile: each dead-lettered, with its error event when its id is readable
+        letters = [
+            protocol.decode_struct(f[b"msg"], protocol.DeadLetter) for _, f in raw.xrange(KEYS.dead)
+        ]
+        assert sorted(x.entry_id for x in letters) == sorted(hostile_entry_ids)
+        for _fields, rid in hostile:
+            if rid is not None:
+                (event,) = events_of(raw, rid)
+                assert isinstance(event, protocol.ErrorEvent), rid
+        # nothing left behind; workers alive; every out stream expires
+        assert raw.xlen(KEYS.requests) == 0
+        assert raw.xpending(KEYS.requests, KEYS.group)["pending"] == 0
+        wait_until(
+            lambda: healthy(redis_server, "B") and healthy(redis_server, "A2"),
+            START_TIMEOUT_S,
+            "B and A2",
+        )
+        assert workers["B"].poll() is None and workers["A2"].poll() is None
+        ttls = [raw.ttl(key) for key in raw.scan_iter(match=KEYS.out("*"), count=1000)]
+        assert ttls and min(ttls) > 0
+        memory = raw.info("memory")
+        restarts = sum(c.num_restarts for c in good + cancelled)
+        num_cancelled = reasons.count(FinishReason.CANCELLED)
+        num_error_events = sum(rid is not None for _, rid in hostile)
+        chaos_summary.extend([
+            ("good requests ok (greedy, exactly once)", f"{len(good)} of {cfg.num_requests}, {cfg.max_tokens} tokens each"),
+            ("duplicate ids submitted / run twice", f"{cfg.num_duplicates} / 0"),
+            ("cancelled mid stream / finished first", f"{num_cancelled} / {len(cancelled) - num_cancelled}"),
+            ("hostile entries dead-lettered / with error event", f"{len(letters)} / {num_error_events}"),
+            ("faults", "; ".join(faults)),
+            ("restarts seen by clients", str(restarts)),
+            ("out streams, all with a TTL", str(len(ttls))),
+            ("redis used_memory / peak", f"{memory['used_memory_human']} / {memory['used_memory_peak_human']}"),
+            ("wall time", f"{time.monotonic() - started_s:.0f} s"),
+        ])  # fmt: skip
+        raw.close()
+    finally:
+        for process in workers.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for name in ("B", "A2"):
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text(), name
