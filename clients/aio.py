@@ -139,9 +139,16 @@ class AsyncClient:
 
         ``sampling``: any ``Request`` sampling field (``max_tokens``, ``temperature``, ...).
         Submitting an id again is safe: the second entry is not run, and both callers read
-        the first one's events.
+        the first one's events. An id must be 1..256 printable characters (``ValueError``).
         """
-        request_id = request_id or uuid.uuid4().hex
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        if not protocol.is_valid_request_id(request_id):
+            # A worker cannot answer on a stream named by such an id: it would only dead-letter
+            # the entry, and the caller would wait for nothing.
+            raise ValueError(
+                f"request_id must be 1..{protocol.MAX_REQUEST_ID_CHARS} printable characters, "
+                f"got {len(request_id)} characters"
+            )
         now_ms = int(time.time() * 1000)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         request = Request(

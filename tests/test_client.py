@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from typing import Any
@@ -106,3 +107,19 @@ def test_submit_prints_tokens_and_cancel_verb(
     )
     assert main(["cancel", "cli-2", *url]) == 0
     assert "cancel sent" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad_id", ["", "x" * 257, "tab\there", "new\nline"])
+def test_an_id_no_worker_could_answer_is_refused_before_it_is_sent(
+    redis_server: RedisServer, bad_id: str
+) -> None:
+    async def submit() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            with pytest.raises(ValueError, match=r"request_id must be 1\.\.256 printable"):
+                await client.submit("w5", request_id=bad_id)
+            assert await client.submit("w5", request_id="x" * 256) == "x" * 256
+
+    asyncio.run(submit())
+    r = redis_server.client()
+    assert r.xlen(protocol.Keys().requests) == 1  # only the good one
+    r.close()
