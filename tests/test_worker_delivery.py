@@ -3,11 +3,13 @@ worker's entries with ``restart``, ``max_deliveries``, and hand-back on shutdown
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +24,7 @@ from clients import (
 )
 from tests.redis_server import RedisServer
 from tests.service_fixtures import WORDS
+from worker.delivery import OutEvent, RequestStream
 
 KEYS = protocol.Keys()
 GOOD = dict(max_tokens=6, temperature=0, ignore_eos=True)
@@ -235,3 +238,34 @@ def test_an_undecodable_entry_with_a_readable_id_names_it() -> None:
         with pytest.raises(MalformedEntry) as error:
             decode_entry({b"msg": payload}, RequestLimits())
         assert (error.value.request_id, error.value.code) == ("r-odd", code)
+
+
+def test_a_worker_whose_lease_was_taken_over_writes_and_acknowledges_nothing(
+    redis_server: RedisServer,
+) -> None:
+    """Fencing: a stalled worker (or one cut off while Redis restarted) whose entry another
+    worker claimed cannot write after the new owner's ``restart`` nor acknowledge its entry."""
+
+    async def scenario() -> None:
+        r = aioredis.Redis.from_url(redis_server.url)
+        stalled, taker = RequestStream(r, KEYS, "stalled"), RequestStream(r, KEYS, "taker")
+        await stalled.ensure_group()
+        entry_id = (await r.xadd(KEYS.requests, {"msg": b"x"})).decode()
+        await r.xreadgroup(KEYS.group, "stalled", {KEYS.requests: ">"}, count=1)
+        await r.xclaim(KEYS.requests, KEYS.group, "taker", 0, [entry_id], justid=True)
+        token = OutEvent("fenced", entry_id, b"token", True)
+        published = await stalled.publish([token, token], acks=[entry_id])
+        assert published.lost == [entry_id] and published.num_written == 2
+        assert await r.xlen(KEYS.out("fenced")) == 0
+        pending = await r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 10)
+        assert [(p["message_id"].decode(), p["consumer"].decode()) for p in pending] == [
+            (entry_id, "taker")
+        ]
+        published = await taker.publish([token], acks=[entry_id])  # the owner writes and acks
+        assert published.lost == [] and await r.xlen(KEYS.out("fenced")) == 1
+        assert await r.xpending(KEYS.requests, KEYS.group) == {
+            "pending": 0, "min": None, "max": None, "consumers": []
+        }  # fmt: skip
+        await r.aclose()
+
+    asyncio.run(scenario())

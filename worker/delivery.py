@@ -41,36 +41,52 @@ return lost
 # One engine step's events in one call: append each to its request's out stream (refreshing
 # the TTL where asked), then acknowledge and delete the finished requests' entries. Atomic
 # like MULTI, and one command to encode where a pipeline has hundreds (the event loop shares
-# the GIL with the engine thread). A write Redis refuses for its key (an out key that is not a
-# stream) is reported, not retried, and does not stop the others. A full Redis (OOM, under
-# `maxmemory` with `noeviction`) stops the call where it is, before any acknowledgement: the
-# caller retries the rest later, so no event is lost and no entry is acknowledged without its
-# terminal event.
-# KEYS: the request stream, then each event's out stream. ARGV: group, TTL s, n events, n
-# payloads, n TTL flags ('1' = refresh), then the entry ids to acknowledge. Returns the number
-# of events written (n unless Redis is full), then the refusals as "key: error".
+# the GIL with the engine thread). Fenced: an event or acknowledgement is written only while
+# its entry is still pending under this consumer, so a worker whose lease was taken over (it
+# stalled, or Redis was down longer than the lease) cannot write after the new owner's
+# `restart` or acknowledge the entry the new owner runs; its lost entries are returned. A
+# write Redis refuses for its key (an out key that is not a stream) is reported, not retried,
+# and does not stop the others. A full Redis (OOM, under `maxmemory` with `noeviction`) stops
+# the call where it is, before any acknowledgement: the caller retries the rest later, so no
+# event is lost and no entry is acknowledged without its terminal event.
+# KEYS: the request stream, then each event's out stream. ARGV: group, consumer, TTL s,
+# n events, n payloads, n TTL flags ('1' = refresh), n entry ids (the events' owners), then the
+# entry ids to acknowledge. Returns {events done (n unless Redis is full), refusals as
+# "key: error", entry ids no longer this consumer's}.
 PUBLISH_SCRIPT = """
-local n = tonumber(ARGV[3])
-local failed = {0}
+local group, consumer, n = ARGV[1], ARGV[2], tonumber(ARGV[4])
+local owned = {}
+local lost = {}
+local function owns(entry_id)
+  if owned[entry_id] == nil then
+    local p = redis.call('XPENDING', KEYS[1], group, entry_id, entry_id, 1)
+    owned[entry_id] = (p[1] ~= nil and p[1][2] == consumer)
+    if not owned[entry_id] then table.insert(lost, entry_id) end
+  end
+  return owned[entry_id]
+end
+local refused = {}
 for i = 1, n do
   local key = KEYS[i + 1]
-  local reply = redis.pcall('XADD', key, '*', 'msg', ARGV[3 + i])
-  if type(reply) == 'table' and reply.err then
-    if string.find(reply.err, 'OOM', 1, true) then  -- '-OOM command not allowed ...'
-      failed[1] = i - 1
-      return failed
+  if owns(ARGV[4 + 2 * n + i]) then
+    local reply = redis.pcall('XADD', key, '*', 'msg', ARGV[4 + i])
+    if type(reply) == 'table' and reply.err then
+      if string.find(reply.err, 'OOM', 1, true) then  -- '-OOM command not allowed ...'
+        return {i - 1, refused, lost}
+      end
+      table.insert(refused, key .. ': ' .. reply.err)
+    elseif ARGV[4 + n + i] == '1' then
+      redis.call('EXPIRE', key, ARGV[3])
     end
-    table.insert(failed, key .. ': ' .. reply.err)
-  elseif ARGV[3 + n + i] == '1' then
-    redis.call('EXPIRE', key, ARGV[2])
   end
 end
-failed[1] = n
-for j = 4 + 2 * n, #ARGV do
-  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[j])
-  redis.pcall('XDEL', KEYS[1], ARGV[j])
+for j = 5 + 3 * n, #ARGV do
+  if owns(ARGV[j]) then
+    redis.pcall('XACK', KEYS[1], group, ARGV[j])
+    redis.pcall('XDEL', KEYS[1], ARGV[j])
+  end
 end
-return failed
+return {n, refused, lost}
 """
 
 # Errors that mean "Redis is unreachable right now": back off and retry, never give up.
@@ -88,17 +104,20 @@ class OutEvent:
     """One encoded event for a request's out stream, as ``publish`` writes it."""
 
     request_id: str
+    entry_id: str  # the request-stream entry it answers: written only while this worker owns it
     payload: bytes
     refresh_ttl: bool  # set the stream's TTL again with this write
 
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """What ``publish`` did: the first ``num_written`` events are written (all of them, unless
-    Redis is full); ``refused`` are the writes Redis refused for their key, as messages."""
+    """What ``publish`` did: the first ``num_written`` events are done (written, or skipped
+    as ``lost``; all of them unless Redis is full); ``refused`` are the writes Redis refused
+    for their key, as messages; ``lost`` the entries another worker has taken over."""
 
     num_written: int
     refused: list[str]
+    lost: list[str]
 
 
 @dataclass(frozen=True)
@@ -224,17 +243,22 @@ class RequestStream:
             pipe.expire(out, protocol.OUT_STREAM_TTL_S)
 
     async def publish(self, events: list[OutEvent], acks: list[str]) -> Published:
-        """Write ``events`` and acknowledge the entries ``acks`` in one atomic call; a full
-        Redis stops it before the acknowledgements (see ``PUBLISH_SCRIPT``), or refuses the
-        whole call (``OutOfMemoryError``: nothing written)."""
+        """Write ``events`` and acknowledge the entries ``acks`` in one atomic call, each only
+        while its entry is this consumer's; a full Redis stops it before the acknowledgements
+        (see ``PUBLISH_SCRIPT``), or refuses the whole call (``OutOfMemoryError``)."""
         assert protocol.PAYLOAD_FIELD == "msg"  # the script's field name
         keys = [self.keys.requests, *(self.keys.out(event.request_id) for event in events)]
-        args: list[Any] = [self.keys.group, protocol.OUT_STREAM_TTL_S, len(events)]
+        args: list[Any] = [self.keys.group, self.consumer, protocol.OUT_STREAM_TTL_S, len(events)]
         args += [event.payload for event in events]
         args += ["1" if event.refresh_ttl else "0" for event in events]
+        args += [event.entry_id for event in events]
         args += acks
-        reply = await self._publish(keys=keys, args=args)
-        return Published(num_written=int(reply[0]), refused=[text(m) for m in reply[1:]])
+        num_done, refused, lost = await self._publish(keys=keys, args=args)
+        return Published(
+            num_written=int(num_done),
+            refused=[text(m) for m in refused],
+            lost=[text(entry_id) for entry_id in lost],
+        )
 
     async def dead_letter(
         self, entry: Entry, letter: DeadLetter, error: ErrorEvent | None = None

@@ -228,30 +228,19 @@ class RequestHandler:
     async def write_outputs(self, outputs: list[StepOutput]) -> None:
         """Write one or more steps' outputs in one atomic call (retried until Redis takes it)."""
         service = self.service
-        events: list[OutEvent] = []
-        finished: list[tuple[InFlight, StepOutput]] = []
-        now_s = time.monotonic()
-        for out in outputs:
-            flight = service.owns(out)
-            if flight is None:
-                continue  # dropped (lease lost, handed back) or not ours
-            if out.new_token_ids or out.text_delta:
-                event = protocol.encode(flight.token_event(out))
-                events.append(OutEvent(flight.request_id, event, flight.ttl_due(now_s)))
-            if out.finished:
-                done = protocol.encode(flight.done_event(out, service.settings.name))
-                events.append(OutEvent(flight.request_id, done, True))  # a full TTL after the end
-                finished.append((flight, out))
+        events, owners, finished = self._events_of(outputs)
         if not events:
             return
         acks = [flight.entry.entry_id for flight, _ in finished]
         unwritten = events
+        lost: set[str] = set()  # entries another worker took over: nothing of theirs written
 
         async def execute() -> None:
             nonlocal unwritten
             published = await service.stream.publish(unwritten, acks)
             for failure in published.refused:
                 log.error("redis refused an event", error=failure)
+            lost.update(published.lost)
             unwritten = unwritten[published.num_written :]
             if unwritten:  # written in order up to here; the rest and the acks come later
                 raise OutOfMemoryError(f"{len(unwritten)} events wait for memory")
@@ -261,13 +250,52 @@ class RequestHandler:
             await service.retrying("write events", execute)
         finally:
             self.writes_idle.set()
+        self._settle(owners, finished, lost)
+
+    def _events_of(
+        self, outputs: list[StepOutput]
+    ) -> tuple[list[OutEvent], dict[str, InFlight], list[tuple[InFlight, StepOutput]]]:
+        """The encoded events of this worker's outputs, their flights by entry id, and the
+        flights these outputs finish."""
+        events: list[OutEvent] = []
+        owners: dict[str, InFlight] = {}
+        finished: list[tuple[InFlight, StepOutput]] = []
+        now_s = time.monotonic()
+        for out in outputs:
+            flight = self.service.owns(out)
+            if flight is None:
+                continue  # dropped (lease lost, handed back) or not ours
+            entry_id = flight.entry.entry_id
+            owners[entry_id] = flight
+            if out.new_token_ids or out.text_delta:
+                event = protocol.encode(flight.token_event(out))
+                events.append(OutEvent(flight.request_id, entry_id, event, flight.ttl_due(now_s)))
+            if out.finished:  # the terminal event gets a full TTL after the end
+                done = protocol.encode(flight.done_event(out, self.service.settings.name))
+                events.append(OutEvent(flight.request_id, entry_id, done, True))
+                finished.append((flight, out))
+        return events, owners, finished
+
+    def _settle(
+        self,
+        owners: dict[str, InFlight],
+        finished: list[tuple[InFlight, StepOutput]],
+        lost: set[str],
+    ) -> None:
+        """After a write: drop the flights another worker took over, release the finished."""
+        for entry_id in lost & owners.keys():
+            flight = owners[entry_id]
+            log.warning("lease lost; another worker runs it", request_id=flight.request_id)
+            self.service.drop(flight, error="lease_lost")
         for flight, out in finished:
+            if flight.entry.entry_id in lost:
+                continue
             flight.trace.finish(
                 finish_reason=out.finish_reason.value if out.finish_reason else "stop",
                 prompt_tokens=out.usage.prompt_tokens if out.usage else 0,
                 completion_tokens=flight.num_tokens,
             )
-            service.release(flight)
+            self.service.release(flight)
 
 
 def _kept_payload(payload: bytes | None, max_entry_bytes: int) -> bytes | None:

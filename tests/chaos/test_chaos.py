@@ -122,13 +122,17 @@ def test_chaos_under_load(
                         for i, t in enumerate(texts)]  # fmt: skip
                 cancels = [asyncio.create_task(cancelled_request(client, f"cancel-{i}", t))
                            for i, t in enumerate(prompts(cfg.num_cancels, seed=12))]  # fmt: skip
-                for fields, _ in hostile:  # interleaved with the good ones
-                    hostile_entry_ids.append(
-                        (await asyncio.to_thread(raw.xadd, KEYS.requests, fields)).decode()
-                    )
-                    await asyncio.sleep(0)
+
+                async def write_hostile() -> None:  # interleaved with the good ones
+                    for fields, _ in hostile:
+                        entry_id = await asyncio.to_thread(raw.xadd, KEYS.requests, fields)
+                        hostile_entry_ids.append(entry_id.decode())
+
+                writing = asyncio.create_task(write_hostile())
+                # A is killed while it streams (watched from the start: a fast machine may
+                # serve every short request while the hostile entries are still being written)
                 await asyncio.to_thread(
-                    wait_until, lambda: num_streaming(redis_server, "A") > 0, 60, "A streaming"
+                    wait_until, lambda: num_streaming(redis_server, "A") > 0, 120, "A streaming"
                 )
                 workers["A"].send_signal(signal.SIGKILL)
                 faults.append("worker A SIGKILLed")
@@ -142,6 +146,7 @@ def test_chaos_under_load(
                             ignore_eos=True,
                         )
                     )
+                await writing
                 await asyncio.to_thread(kill_redis, redis_server)
                 faults.append("redis kill -9 + restart (AOF)")
                 workers["A2"] = spawn_worker(
