@@ -39,12 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     for index in range(args.batch):
         prompt = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
         engine.add_request(f"p{index}", prompt_token_ids=prompt, sampling=sampling)
-    while engine.stats().num_waiting or any(
-        seq.num_uncomputed_tokens > 1 for seq in engine.scheduler.running
-    ):
-        engine.step()  # prefill until every sequence decodes
-    for _ in range(3):
-        engine.step()  # warm
+    engine.step_profiler.enabled = True  # names each step's kind: profile decode steps only
+    num_decodes = 0
+    while num_decodes < 3:  # prefill until every sequence decodes, then warm
+        engine.step()
+        steps = engine.step_profiler.steps
+        num_decodes = num_decodes + 1 if steps and steps[-1].kind == "decode" else 0
+    engine.step_profiler.enabled = False
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -62,10 +63,34 @@ def _report(prof: Any, engine: LLMEngine, args: argparse.Namespace) -> None:
     floor_us = step_bytes / measure_copy_bandwidth(engine.device) * 1e6
     print(f"{args.model} batch {args.batch} context {args.context}: GPU {total_us:.0f} us per "
           f"decode step, floor {floor_us:.0f} us (x{total_us / floor_us:.2f})")  # fmt: skip
+    by_role: dict[str, float] = {}
+    for event in events:
+        role = _role(event.key)
+        by_role[role] = by_role.get(role, 0.0) + event.self_device_time_total / args.steps
+    print("  by role: " + ", ".join(
+        f"{role} {us:.0f} us ({100 * us / total_us:.0f}%)"
+        for role, us in sorted(by_role.items(), key=lambda item: -item[1])
+    ))  # fmt: skip
     for event in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
         per_step = event.self_device_time_total / args.steps
         print(f"{per_step:9.0f} us {100 * per_step / total_us:5.1f}%  "
               f"{event.count // args.steps:4d}x  {event.key[:90]}")  # fmt: skip
+
+
+ROLES = (  # (role, substrings of a kernel's name), first match wins
+    ("attention", ("attention", "attn")),
+    ("kv write", ("kv_write", "store_kv")),
+    ("norm", ("rms", "norm")),
+    ("rotary", ("rotary", "rope")),
+    ("activation", ("silu", "act_and_mul")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90", "ampere", "cublas", "splitk", "xmma", "nvjet")),
+    ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "multinomial")),
+)
+
+
+def _role(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    return next((role for role, keys in ROLES if any(k in name for k in keys)), "other")
 
 
 if __name__ == "__main__":
