@@ -190,3 +190,31 @@ def test_split_decode_at_a_128k_context_matches_the_reference(num_kv_splits: int
     torch.cuda.synchronize()
     ref = paged_attention_ref(q, k_cache, v_cache, table, [context], [0, 1], 128**-0.5)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_rows", [1, 4, 8])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_at_llama3_8b_sizes_matches_torch(num_rows: int, silu_mul: bool) -> None:
+    from kernels.activation import silu_and_mul_ref
+    from kernels.gemv_triton import gemv
+
+    gen = torch.Generator("cuda").manual_seed(num_rows)
+    size_k = 14336 if silu_mul else 4096
+    x = torch.randn(num_rows, 2 * size_k if silu_mul else size_k, device="cuda",
+                    dtype=torch.bfloat16, generator=gen)  # fmt: skip
+    weight = 0.02 * torch.randn(6144, size_k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    expected = (silu_and_mul_ref(x) if silu_mul else x).float() @ weight.float().T
+    got = gemv(x, weight, silu_mul=silu_mul).float()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_the_gemv_lm_head_gives_cublas_logits_at_batch_one() -> None:
+    model = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=512).engine.runner.model
+    gen = torch.Generator("cuda").manual_seed(5)
+    hidden = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    expected = hidden.float() @ model.lm_head.weight.float().T
+    out = torch.empty(1, expected.shape[1], device="cuda", dtype=torch.bfloat16)
+    for logits in (model.compute_logits(hidden), model.compute_logits(hidden, out=out)):
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(logits.float(), expected, rtol=2e-2, atol=2e-2 * scale)
+    assert out.abs().sum() > 0
