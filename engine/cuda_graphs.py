@@ -90,9 +90,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer for every graph (each writes its leading rows), so that the graphs
         # share one pool of intermediates and keep no per-bucket outputs alive.
-        weight = model.lm_head.weight
+        # (the whole vocabulary: under tensor parallelism the graph gathers every rank's part)
+        dtype = model.lm_head.weight.dtype
         self.logits = torch.empty(
-            self.buckets[-1], weight.shape[0], dtype=weight.dtype, device=device
+            self.buckets[-1], model.arch.vocab_size, dtype=dtype, device=device
         )
         self.capture_s = 0.0
 

@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed.group import TensorParallelGroup
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise_graphs import PiecewiseGraphs
@@ -53,22 +54,64 @@ class LaunchedStep:
 
 
 @dataclass(frozen=True)
+class HostInputs:
+    """A step's inputs as host lists: what rank 0 sends the other tensor-parallel ranks."""
+
+    token_ids: list[int]  # PENDING_TOKEN where the previous step's pick goes (on device)
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+    seq_lens: list[int]
+    query_start_loc: list[int]
+    logits_indices: list[int] | None  # None when every token samples (decode)
+    num_samples: int
+    has_pending: bool
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """One step for the other ranks: page swaps, then the forward (None: swaps only)."""
+
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    inputs: HostInputs | None
+
+
+@dataclass(frozen=True)
+class _HostBatch:
+    inputs: HostInputs
+    sampling_entries: list[ScheduledSeq]
+    pending: list[tuple[int, Sequence]]  # rows whose input token is still on the device
+
+
+@dataclass(frozen=True)
 class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     # [S]: last token of each sequence that samples; None when every token samples (decode)
     logits_indices: torch.Tensor | None
-    sampling_entries: list[ScheduledSeq]
+    sampling_entries: list[ScheduledSeq]  # empty on ranks other than 0
+    host: HostInputs  # what the tensors were built from
 
 
 class ModelRunner:
-    """The only place that builds device tensors from sequences."""
+    """The only place that builds device tensors from sequences.
+
+    Under tensor parallelism rank 0's runner sends each step to the other ranks' runners
+    (``run_peer_step``) before it runs its own share of the forward.
+    """
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        sampler: Sampler,
+        device: torch.device,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model
+        self.group = group or TensorParallelGroup()
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
@@ -119,14 +162,12 @@ class ModelRunner:
         ``previous``: the step before, if its picks are not resolved yet; rows whose input is
         one of them (``PENDING_TOKEN`` on the host) read it from its device tensor.
         """
-        # Swap-outs first: their pages may be handed to other sequences in this very step.
-        if batch.swap_out:
-            self.kv_cache.swap_out(*map(list, zip(*batch.swap_out, strict=True)))
-        if batch.swap_in:
-            self.kv_cache.swap_in(*map(list, zip(*batch.swap_in, strict=True)))
-        if batch.is_empty:
+        inputs = None if batch.is_empty else self.prepare_inputs(batch, previous)
+        if self.group.size > 1 and (inputs is not None or batch.swap_out or batch.swap_in):
+            self._send_step(batch, inputs)
+        self._swap(batch.swap_out, batch.swap_in)
+        if inputs is None:
             return None
-        inputs = self.prepare_inputs(batch, previous)
         logits = self._logits(inputs)
         entries = inputs.sampling_entries
         if logits is None:
@@ -139,6 +180,33 @@ class ModelRunner:
         sample.start_copy()
         return LaunchedStep(batch.scheduled, entries, sample)
 
+    def _send_step(self, batch: ScheduledBatch, inputs: ModelInputs | None) -> None:
+        """Rank 0: tell the other ranks what this step runs (they wait in ``run_peer_step``)."""
+        host = None if inputs is None else inputs.host
+        self.group.broadcast_object(StepMessage(batch.swap_out, batch.swap_in, host))
+        if inputs is not None and inputs.host.has_pending:
+            self.group.broadcast_tensor(inputs.input_ids)  # the picks exist on this rank only
+
+    @torch.inference_mode()
+    def run_peer_step(self, message: StepMessage) -> None:
+        """On a rank other than 0: this rank's share of the step rank 0 sent (its logits are
+        gathered here too, and dropped: rank 0 samples)."""
+        self._swap(message.swap_out, message.swap_in)
+        host = message.inputs
+        if host is None:
+            return
+        inputs = self._device_inputs(host, [])
+        if host.has_pending:
+            self.group.broadcast_tensor(inputs.input_ids)
+        self._logits(inputs)
+
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        # Swap-outs first: their pages may be handed to other sequences in this very step.
+        if swap_out:
+            self.kv_cache.swap_out(*map(list, zip(*swap_out, strict=True)))
+        if swap_in:
+            self.kv_cache.swap_in(*map(list, zip(*swap_in, strict=True)))
+
     def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
         """[S, V] logits of the sampling rows: a graph replay for decode-only steps, piecewise
         graphs around eager attention for the others (when captured)."""
@@ -150,13 +218,13 @@ class ModelRunner:
                 return logits  # the graph's buffer: sampled before the next replay writes it
             # one token per row, so a row's token index is its row (a 1-token chunk of a
             # longer prompt does not sample)
-            return logits[inputs.logits_indices] if inputs.sampling_entries else None
+            return logits[inputs.logits_indices] if inputs.host.num_samples else None
         piecewise = self.piecewise
         if piecewise is not None and piecewise.bucket_for(inputs.input_ids.shape[0]):
             hidden = piecewise.forward(inputs.input_ids, inputs.positions, meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
-        if not inputs.sampling_entries:
+        if not inputs.host.num_samples:
             return None
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
@@ -165,6 +233,13 @@ class ModelRunner:
     def prepare_inputs(
         self, batch: ScheduledBatch, previous: LaunchedStep | None = None
     ) -> ModelInputs:
+        host = self._host_inputs(batch)
+        inputs = self._device_inputs(host.inputs, host.sampling_entries)
+        if host.pending:
+            self._fill_pending(inputs.input_ids, host.pending, previous)
+        return inputs
+
+    def _host_inputs(self, batch: ScheduledBatch) -> _HostBatch:
         token_ids: list[int] = []
         pending: list[tuple[int, Sequence]] = []  # rows whose input token is still on the device
         positions: list[int] = []
@@ -193,21 +268,32 @@ class ModelRunner:
             if entry.samples:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_entries.append(entry)
-        tables = [entry.seq.block_table for entry in batch.scheduled]
-        meta = self._metadata(tables, slots, seq_lens, query_start_loc)
-        input_ids = self._tensor(token_ids, torch.int64)
-        if pending:
-            self._fill_pending(input_ids, pending, previous)
+        inputs = HostInputs(
+            token_ids=token_ids,
+            positions=positions,
+            slots=slots,
+            tables=[entry.seq.block_table for entry in batch.scheduled],
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            logits_indices=None if len(logits_indices) == len(token_ids) else logits_indices,
+            num_samples=len(sampling_entries),
+            has_pending=bool(pending),
+        )
+        return _HostBatch(inputs, sampling_entries, pending)
+
+    def _device_inputs(self, host: HostInputs, sampling_entries: list[ScheduledSeq]) -> ModelInputs:
+        meta = self._metadata(host.tables, host.slots, host.seq_lens, host.query_start_loc)
         return ModelInputs(
-            input_ids=input_ids,
-            positions=self._tensor(positions, torch.int64),
+            input_ids=self._tensor(host.token_ids, torch.int64),
+            positions=self._tensor(host.positions, torch.int64),
             meta=meta,
             logits_indices=(
                 None
-                if len(logits_indices) == len(token_ids)
-                else self._tensor(logits_indices, torch.int64)
+                if host.logits_indices is None
+                else self._tensor(host.logits_indices, torch.int64)
             ),
             sampling_entries=sampling_entries,
+            host=host,
         )
 
     def _fill_pending(
