@@ -165,6 +165,7 @@ def _resolved_settings(engine: LLMEngine) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         "paged_attention": engine.config.use_paged_attention(),
         "cuda_graphs": engine.runner.uses_cuda_graphs,
+        "tensor_parallel_size": engine.group.size,
         "num_kv_pages": engine.kv_cache.num_blocks,
         "kv_page_tokens": engine.kv_cache.spec.block_size,
         "kv_pool_source": engine.pool_source,

@@ -25,6 +25,7 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.ranks import RankProcesses, rank_device
 from engine.errors import InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
+from engine.loader import find_model
 from engine.memory import prefer_expandable_segments
 from engine.model_runner import LaunchedStep, SampledToken
 from engine.runtime import RankSetup, setup_rank
@@ -92,10 +93,11 @@ class LLMEngine:
                 torch.cuda.set_device(self.device)
             self.ranks = RankProcesses(config)
         try:
+            source = find_model(config.model)  # once, before any rank starts
             with self._collectives():
                 if self.ranks is not None:
-                    self.group = self.ranks.start(self.device)
-                setup = setup_rank(config, self.device, self.group)
+                    self.group = self.ranks.start(self.device, source)
+                setup = setup_rank(config, self.device, self.group, source)
         except BaseException:
             self.shutdown()
             raise

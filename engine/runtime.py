@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, ModelSource, load_model
 from engine.memory import (
     GIB,
     MemoryProfile,
@@ -61,14 +61,17 @@ def cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def setup_rank(
-    config: EngineConfig, device: torch.device, group: TensorParallelGroup | None = None
+    config: EngineConfig,
+    device: torch.device,
+    group: TensorParallelGroup | None = None,
+    source: ModelSource | None = None,
 ) -> RankSetup:
     """Load this rank's model and build its runtime. Every rank of a tensor-parallel group
     runs this at once: loading, profiling and graph capture take part in collectives."""
     dtype = resolve_dtype(config, device)
     backend = get_attention_backend(device)
     loaded = load_model(
-        config.model, dtype, device, backend, config.max_model_len, config.seed, group
+        config.model, dtype, device, backend, config.max_model_len, config.seed, group, source
     )
     max_model_len = resolve_max_model_len(config, loaded)
     runtime = build_runtime(config, loaded, backend, dtype, max_model_len, device, group)

@@ -3,6 +3,7 @@ two ranks giving the same greedy tokens as one; a rank that dies ends the engine
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -18,9 +19,9 @@ from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
 from tests.conftest import TINY_COMMON, random_prompts
 
-NUM_NEW_TOKENS = 16
+NUM_NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
-PROMPT_LENGTHS = [5, 37, 70, 16]
+PROMPT_LENGTHS = [14, 30, 46, 60]  # each crosses a 16-token page while it decodes
 
 
 def tiny_arch(**fields: object) -> ModelArch:
@@ -172,3 +173,26 @@ def test_a_rank_that_dies_ends_the_engine(tiny_model_dirs: dict[str, Path]) -> N
         assert time.monotonic() - start_s < 10
     finally:
         engine.shutdown()
+
+
+def test_bench_throughput_runs_two_sharded_engines_one_after_the_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_cli import BENCH_ARGS, run_cli
+
+    path = tmp_path / "record.json"
+    args = [
+        *BENCH_ARGS,
+        "--num-prompts",
+        "3",
+        "--tensor-parallel-size",
+        "2",
+        "--compare",
+        "paged-off",
+    ]
+    code, _, err = run_cli([*args, "--output-json", str(path)], capsys)
+    assert code == 0, err
+    record = json.loads(path.read_text())
+    assert record["settings"]["tensor_parallel_size"] == 2
+    # per-rank dummy weights differ from the unsharded model's, not between these two runs
+    assert record["baselines"]["paged_off"]["output_tokens"] == record["results"]["output_tokens"]

@@ -50,7 +50,7 @@ def rank_main(spec: RankSpec) -> int:
         spec.rank, config.tensor_parallel_size, spec.port, device, COLLECTIVE_TIMEOUT_S
     )
     try:
-        setup = setup_rank(config, device, group)
+        setup = setup_rank(config, device, group, spec.source)
         serve_steps(setup.runtime.runner, group)
     except PagestreamError as exc:  # rank 0 meets the same error and reports it
         logger.error("rank %d: %s", spec.rank, exc)
@@ -63,4 +63,8 @@ def rank_main(spec: RankSpec) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(rank_main(pickle.loads(sys.stdin.buffer.read())))
+    exit_code = rank_main(pickle.loads(sys.stdin.buffer.read()))
+    logging.shutdown()
+    # no interpreter teardown (a second of unloading torch that rank 0 waits on), as
+    # multiprocessing's own children end
+    os._exit(exit_code)

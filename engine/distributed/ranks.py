@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError, EngineDeadError
+from engine.loader import ModelSource
 from engine.model_runner import ModelRunner
 
 logger = logging.getLogger("pagestream.engine")
@@ -49,6 +51,7 @@ class RankSpec:
     """What a rank process needs to join: the engine's settings and where to meet."""
 
     config: EngineConfig
+    source: ModelSource
     rank: int
     port: int
     parent_pid: int
@@ -84,13 +87,17 @@ class RankProcesses:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def start(self, device: torch.device) -> TensorParallelGroup:
-        """Start ranks 1..N-1 and join them as rank 0."""
+    def start(self, device: torch.device, source: ModelSource) -> TensorParallelGroup:
+        """Start ranks 1..N-1 on ``source`` and join them as rank 0."""
         check_devices(self.config)
+        if dist.is_initialized():
+            raise ConfigError(
+                "a tensor-parallel engine already runs in this process: shutdown() it first"
+            )
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": _python_path()}
         for rank in range(1, self.size):
-            spec = RankSpec(self.config, rank, port, os.getpid())
+            spec = RankSpec(self.config, source, rank, port, os.getpid())
             child = subprocess.Popen(
                 [sys.executable, "-m", "engine.distributed.rank_main"],
                 stdin=subprocess.PIPE,

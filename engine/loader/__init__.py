@@ -74,6 +74,29 @@ def _download_from_hub(repo_id: str) -> Path:
         raise ModelLoadError(f"could not fetch {repo_id!r} from the hub: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A found model: its shape and where its weights are. What every tensor-parallel rank
+    needs to build its shard; rank 0 finds it and hands it to the others (they never import
+    transformers)."""
+
+    name: str
+    arch: ModelArch
+    model_dir: Path | None  # None: dummy weights
+
+
+def find_model(name: str) -> ModelSource:
+    """Resolve ``name`` (downloading or converting it as needed) and read its shape."""
+    if name.startswith(DUMMY_PREFIX):
+        hf_config, model_dir = dummy_hf_config(name.removeprefix(DUMMY_PREFIX)), None
+    else:
+        from transformers import AutoConfig
+
+        model_dir = resolve_model_dir(name)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+    return ModelSource(name, ModelArch.from_hf_config(hf_config), model_dir)
+
+
 def load_model(
     name: str,
     dtype: torch.dtype,
@@ -82,38 +105,45 @@ def load_model(
     max_positions: int | None = None,
     seed: int = 0,
     group: TensorParallelGroup | None = None,
+    source: ModelSource | None = None,
 ) -> LoadedModel:
     """Build the model for ``name`` on ``device`` in ``dtype`` with its tokenizer.
 
     With a tensor-parallel ``group`` of more than one rank, only this rank's shard is built
     and read: each checkpoint tensor is sliced as it is read, never held whole. Dummy
     weights are drawn per shard (``seed`` + rank), so they differ from the unsharded model's.
+    Only rank 0 loads the tokenizer and EOS ids (``source``: ``find_model(name)`` already
+    done).
     """
     group = group or TensorParallelGroup()
     start_s = time.perf_counter()
-    if name.startswith(DUMMY_PREFIX):
-        hf_config, model_dir = dummy_hf_config(name.removeprefix(DUMMY_PREFIX)), None
-    else:
-        from transformers import AutoConfig
-
-        model_dir = resolve_model_dir(name)
-        hf_config = AutoConfig.from_pretrained(model_dir)
-    arch = ModelArch.from_hf_config(hf_config)
+    source = source or find_model(name)
+    arch, model_dir = source.arch, source.model_dir
     plan = ShardPlan.for_arch(arch, group.rank, group.size)
     model = _build(arch, backend, dtype, device, max_positions, plan, group)
     if model_dir is None:
         init_dummy_weights(model, seed + DUMMY_RANK_SEED_STRIDE * group.rank)
-        tokenizer, eos_ids = None, _eos_ids_from(hf_config, None, None)
     else:
         with torch.no_grad():
             model.load_weights(_iter_safetensors(model_dir, plan))
-        tokenizer = _load_tokenizer(model_dir)
-        eos_ids = _eos_ids_from(hf_config, _read_generation_config(model_dir), tokenizer)
     model.tie_weights()
+    tokenizer, eos_ids = _tokenizer_and_eos(source) if group.is_driver else (None, frozenset())
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return LoadedModel(
         name, model, arch, tokenizer, eos_ids, weights_bytes, time.perf_counter() - start_s
     )
+
+
+def _tokenizer_and_eos(source: ModelSource) -> tuple[Any | None, frozenset[int]]:
+    if source.model_dir is None:
+        hf_config = dummy_hf_config(source.name.removeprefix(DUMMY_PREFIX))
+        return None, _eos_ids_from(hf_config, None, None)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(source.model_dir)
+    tokenizer = _load_tokenizer(source.model_dir)
+    generation_config = _read_generation_config(source.model_dir)
+    return tokenizer, _eos_ids_from(hf_config, generation_config, tokenizer)
 
 
 def _build(

@@ -128,7 +128,10 @@ def run_worker(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, request_stop)
         await serve_with_batches(service, batches)
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        engine.shutdown()  # the other tensor-parallel ranks, if any
     return 0
 
 
