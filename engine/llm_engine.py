@@ -219,7 +219,14 @@ class LLMEngine:
         it looks at the picks of the one before, which is still on the device: each decode
         row's input comes from the device, and the returned outputs are that earlier step's.
         The host's work (scheduling, inputs, stop checks, detokenizing) then overlaps the GPU's.
+
+        Under tensor parallelism a rank that died raises ``EngineDeadError`` here.
         """
+        # the whole step: a dead peer can also leave this rank waiting for its picks
+        with self._collectives():
+            return self._step(while_gpu_busy)
+
+    def _step(self, while_gpu_busy: Callable[[], None] | None) -> list[StepOutput]:
         start_s = time.perf_counter()
         profiler = self.step_profiler
         profiler.begin_step()
@@ -229,7 +236,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(time.monotonic())
         outputs += [self._finished_output(seq) for seq in batch.finished]
         profiler.before_launch(self.device)
-        launched = self._launch(batch)
+        launched = self.runner.launch(batch, self._in_flight)
         profiler.after_launch()
         if launched is not None and while_gpu_busy is not None:
             while_gpu_busy()
@@ -243,10 +250,6 @@ class LLMEngine:
         self._num_steps += 1
         self._step_time_s += time.perf_counter() - start_s
         return outputs
-
-    def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
-        with self._collectives():  # a rank that died raises EngineDeadError here
-            return self.runner.launch(batch, self._in_flight)
 
     def _collectives(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if self.ranks is None else self.ranks.collectives()

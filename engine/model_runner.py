@@ -12,6 +12,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import TensorParallelGroup
+from engine.errors import ConfigError
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise_graphs import PiecewiseGraphs
@@ -337,6 +338,8 @@ class ModelRunner:
         writes (and, with fp8 pages, quantizes) its K/V into pages 0.. of the pool first.
         For measuring a cache format's effect on an idle engine that is then thrown away:
         the block manager is not told, so its prefix cache may still name those pages."""
+        if self.group.size > 1:  # the other ranks wait for steps, not for this
+            raise ConfigError("teacher-forced logits need tensor_parallel_size 1")
         input_ids = self._tensor(token_ids, torch.int64)
         hidden = self._forward_fresh(input_ids, [len(token_ids)])
         return self.model.compute_logits(hidden).float()

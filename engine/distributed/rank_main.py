@@ -37,7 +37,7 @@ def _watch_parent(parent_pid: int) -> None:
 def rank_main(spec: RankSpec) -> int:
     """Join the group, build this rank's shard and runtime, serve steps; the exit code."""
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s"
+        level=spec.log_level, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s"
     )
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
     config = spec.config

@@ -55,6 +55,7 @@ class RankSpec:
     rank: int
     port: int
     parent_pid: int
+    log_level: int  # rank 0's: the ranks log as much as it does
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -97,7 +98,8 @@ class RankProcesses:
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": _python_path()}
         for rank in range(1, self.size):
-            spec = RankSpec(self.config, source, rank, port, os.getpid())
+            level = logging.getLogger("pagestream.engine").getEffectiveLevel()
+            spec = RankSpec(self.config, source, rank, port, os.getpid(), level)
             child = subprocess.Popen(
                 [sys.executable, "-m", "engine.distributed.rank_main"],
                 stdin=subprocess.PIPE,
