@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.group import TensorParallelGroup
 from engine.distributed.ranks import RankProcesses, rank_device
+from engine.distributed.shard import ShardPlan
 from engine.errors import InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
 from engine.loader import find_model
@@ -94,6 +95,7 @@ class LLMEngine:
             self.ranks = RankProcesses(config)
         try:
             source = find_model(config.model)  # once, before any rank starts
+            ShardPlan.for_arch(source.arch, 0, config.tensor_parallel_size)  # a size that fits
             with self._collectives():
                 if self.ranks is not None:
                     self.group = self.ranks.start(self.device, source)

@@ -94,6 +94,12 @@ def test_config_refuses_size_below_one() -> None:
         EngineConfig(tensor_parallel_size=0)
 
 
+def test_engine_refuses_a_size_that_does_not_split_the_model_before_starting_ranks() -> None:
+    with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
+        LLMEngine(EngineConfig(model="dummy:tiny", tensor_parallel_size=3))
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize(("shape", "billions"), [("llama3-70b", 70.6), ("qwen2.5-32b", 32.8)])
 def test_large_dummy_shapes(shape: str, billions: float) -> None:
     arch = ModelArch.from_hf_config(dummy_hf_config(shape))

@@ -143,7 +143,8 @@ class RankProcesses:
             deadline_s = time.monotonic() + 2.0  # the dead child may not be reaped yet
             while not self.dead_ranks() and time.monotonic() < deadline_s:
                 time.sleep(0.05)
-            raise self._dead_error(self.dead_ranks() or [f"a collective failed: {exc}"]) from exc
+            causes = self.dead_ranks() or [f"step failed on rank 0 ({exc})"]
+            raise self._dead_error(causes) from exc
         finally:
             self._in_step_since = None
 
@@ -161,8 +162,8 @@ class RankProcesses:
             if died_at_s is None:
                 died_at_s = time.monotonic() if self.dead_ranks() else None
                 continue
-            in_step_since = self._in_step_since
-            stuck = in_step_since is not None and time.monotonic() - died_at_s > STUCK_AFTER_DEATH_S
+            in_step = self._in_step_since is not None
+            stuck = in_step and time.monotonic() - died_at_s > STUCK_AFTER_DEATH_S
             if stuck and not self._death_seen.is_set():
                 logger.critical(
                     "tensor parallel: %s and the step has waited %.0f s on it: exiting",
