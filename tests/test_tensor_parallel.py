@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -160,6 +161,17 @@ def test_two_ranks_give_the_tokens_of_one(
     assert kv_heads == 1
     if "preemption" in settings:
         assert num_preemptions > 0, "the pool was meant to run out"
+
+
+def test_a_rank_that_fails_to_start_is_an_error_not_a_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the rank's process exits at once
+    start_s = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) exited with code 1"):
+        LLMEngine(EngineConfig(model="dummy:tiny", tensor_parallel_size=2))
+    assert time.monotonic() - start_s < 10
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_rank_that_dies_ends_the_engine(tiny_model_dirs: dict[str, Path]) -> None:

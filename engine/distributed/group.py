@@ -31,13 +31,13 @@ class TensorParallelGroup:
 
     @classmethod
     def join(
-        cls, rank: int, size: int, port: int, device: torch.device, timeout_s: float
+        cls, rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float
     ) -> TensorParallelGroup:
-        """Rendezvous with the other ranks on ``127.0.0.1:port``."""
+        """Form the group with the other ranks, all of whom have reached ``store``."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=store,
             rank=rank,
             world_size=size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -45,6 +45,11 @@ class TensorParallelGroup:
         device_group = dist.group.WORLD
         control = dist.new_group(backend="gloo") if backend != "gloo" else device_group
         return cls(rank, size, device_group, control)
+
+    @staticmethod
+    def ready_key(rank: int) -> str:
+        """The store key a rank sets once it has started (rank 0 waits for all of them)."""
+        return f"pagestream-rank-{rank}-ready"
 
     def leave(self) -> None:
         if self.size > 1 and dist.is_initialized():

@@ -12,11 +12,10 @@ import time
 
 import torch
 
-from engine.distributed.group import TensorParallelGroup
 from engine.distributed.ranks import (
-    COLLECTIVE_TIMEOUT_S,
     WATCH_INTERVAL_S,
     RankSpec,
+    join_ranks,
     rank_device,
     serve_steps,
 )
@@ -46,9 +45,7 @@ def rank_main(spec: RankSpec) -> int:
         torch.cuda.set_device(device)
     else:  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
-    group = TensorParallelGroup.join(
-        spec.rank, config.tensor_parallel_size, spec.port, device, COLLECTIVE_TIMEOUT_S
-    )
+    group = join_ranks(spec.rank, config.tensor_parallel_size, spec.port, device)
     try:
         setup = setup_rank(config, device, group, spec.source)
         serve_steps(setup.runtime.runner, group)

@@ -15,6 +15,7 @@ process goes away.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import pickle
@@ -115,7 +116,21 @@ class RankProcesses:
         self._watcher.start()
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", self.size - 1,
                     ", ".join(str(c.pid) for c in self.children))  # fmt: skip
-        return TensorParallelGroup.join(0, self.size, port, device, COLLECTIVE_TIMEOUT_S)
+        store = self._wait_for_ranks(port)
+        return TensorParallelGroup.join(0, self.size, store, device, COLLECTIVE_TIMEOUT_S)
+
+    def _wait_for_ranks(self, port: int) -> dist.TCPStore:
+        """The rendezvous store, once every rank has reached it; a rank that fails to start
+        (an import error, no GPU memory) raises ``EngineDeadError`` instead of a long wait."""
+        store = dist.TCPStore(
+            "127.0.0.1", port, self.size, is_master=True, timeout=_timeout(),
+            wait_for_workers=False,
+        )  # fmt: skip
+        keys = [TensorParallelGroup.ready_key(rank) for rank in range(1, self.size)]
+        while not store.check(keys):
+            self.check_alive()
+            time.sleep(WATCH_INTERVAL_S / 4)
+        return store
 
     def dead_ranks(self) -> list[str]:
         """``rank r (pid p) exited with code c`` for each child that is gone."""
@@ -139,6 +154,8 @@ class RankProcesses:
         self._in_step_since = time.monotonic()
         try:
             yield
+        except EngineDeadError:
+            raise
         except RuntimeError as exc:  # gloo and NCCL raise RuntimeError subclasses
             deadline_s = time.monotonic() + 2.0  # the dead child may not be reaped yet
             while not self.dead_ranks() and time.monotonic() < deadline_s:
@@ -197,6 +214,17 @@ def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> None:
         if message is None:
             return
         runner.run_peer_step(message)
+
+
+def join_ranks(rank: int, size: int, port: int, device: torch.device) -> TensorParallelGroup:
+    """A rank other than 0: reach rank 0's store, say so, and form the group."""
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=_timeout())
+    store.set(TensorParallelGroup.ready_key(rank), "1")
+    return TensorParallelGroup.join(rank, size, store, device, COLLECTIVE_TIMEOUT_S)
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
 
 
 def _free_port() -> int:
