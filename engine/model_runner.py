@@ -13,13 +13,14 @@ from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
+from engine.host_inputs import HostBatch, HostInputs, StepMessage, slots_of
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.sampler import DeviceSample, Sampler, SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSeq
-from engine.sequence import PENDING_TOKEN, Sequence
+from engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -52,37 +53,6 @@ class LaunchedStep:
                 self.sampling_entries, out.token_ids, out.logprobs, strict=True
             )
         ]
-
-
-@dataclass(frozen=True)
-class HostInputs:
-    """A step's inputs as host lists: what rank 0 sends the other tensor-parallel ranks."""
-
-    token_ids: list[int]  # PENDING_TOKEN where the previous step's pick goes (on device)
-    positions: list[int]
-    slots: list[int]
-    tables: list[list[int]]
-    seq_lens: list[int]
-    query_start_loc: list[int]
-    logits_indices: list[int] | None  # None when every token samples (decode)
-    num_samples: int
-    has_pending: bool
-
-
-@dataclass(frozen=True)
-class StepMessage:
-    """One step for the other ranks: page swaps, then the forward (None: swaps only)."""
-
-    swap_out: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-    inputs: HostInputs | None
-
-
-@dataclass(frozen=True)
-class _HostBatch:
-    inputs: HostInputs
-    sampling_entries: list[ScheduledSeq]
-    pending: list[tuple[int, Sequence]]  # rows whose input token is still on the device
 
 
 @dataclass(frozen=True)
@@ -234,53 +204,11 @@ class ModelRunner:
     def prepare_inputs(
         self, batch: ScheduledBatch, previous: LaunchedStep | None = None
     ) -> ModelInputs:
-        host = self._host_inputs(batch)
+        host = HostBatch.of(batch, self.block_size)
         inputs = self._device_inputs(host.inputs, host.sampling_entries)
         if host.pending:
             self._fill_pending(inputs.input_ids, host.pending, previous)
         return inputs
-
-    def _host_inputs(self, batch: ScheduledBatch) -> _HostBatch:
-        token_ids: list[int] = []
-        pending: list[tuple[int, Sequence]] = []  # rows whose input token is still on the device
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampling_entries: list[ScheduledSeq] = []
-        bs = self.block_size
-        for entry in batch.scheduled:
-            seq, start = entry.seq, entry.seq.num_computed_tokens
-            end = start + entry.num_new_tokens
-            if end - start == 1:  # a decode step (most rows): no lists to build
-                token_id = seq.token_id(start)
-                if token_id == PENDING_TOKEN:
-                    pending.append((len(token_ids), seq))
-                token_ids.append(token_id)
-                positions.append(start)
-                slots.append(seq.block_table[start // bs] * bs + start % bs)
-            else:
-                token_ids += seq.token_ids(start, end)
-                positions += range(start, end)
-                slots += self._slots(seq.block_table, start, end)
-            query_start_loc.append(len(token_ids))
-            seq_lens.append(end)
-            if entry.samples:
-                logits_indices.append(len(token_ids) - 1)
-                sampling_entries.append(entry)
-        inputs = HostInputs(
-            token_ids=token_ids,
-            positions=positions,
-            slots=slots,
-            tables=[entry.seq.block_table for entry in batch.scheduled],
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            logits_indices=None if len(logits_indices) == len(token_ids) else logits_indices,
-            num_samples=len(sampling_entries),
-            has_pending=bool(pending),
-        )
-        return _HostBatch(inputs, sampling_entries, pending)
 
     def _device_inputs(self, host: HostInputs, sampling_entries: list[ScheduledSeq]) -> ModelInputs:
         meta = self._metadata(host.tables, host.slots, host.seq_lens, host.query_start_loc)
@@ -362,8 +290,7 @@ class ModelRunner:
         return self.model(input_ids, positions_t, self.kv_cache.layers, meta)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+        return slots_of(block_table, start, end, self.block_size)
 
     def _metadata(
         self,
