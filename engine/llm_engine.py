@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ class LLMEngine:
             prefer_expandable_segments()
         self.ranks: RankProcesses | None = None
         self.group = TensorParallelGroup()
-        self._serving = False
+        self._stop_ranks: weakref.finalize[Any, Any] | None = None
         if config.tensor_parallel_size > 1:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -101,10 +102,12 @@ class LLMEngine:
                     self.group = self.ranks.start(self.device, source)
                 setup = setup_rank(config, self.device, self.group, source)
         except BaseException:
-            self.shutdown()
+            if self.ranks is not None:  # failing or stuck in the start: they are not told
+                self.ranks.stop(self.group if self.group.size > 1 else None, serving=False)
             raise
         self._take_setup(setup)
-        self._serving = True
+        if self.ranks is not None:  # at shutdown(), or at exit if it is never called
+            self._stop_ranks = weakref.finalize(self, self.ranks.stop, self.group, True)
 
     def _take_setup(self, setup: RankSetup) -> None:
         config, runtime, backend = self.config, setup.runtime, setup.backend
@@ -137,9 +140,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave their group (nothing to do at
         tensor_parallel_size 1). The engine cannot step afterwards."""
-        if self.ranks is not None:
-            ranks, self.ranks = self.ranks, None
-            ranks.stop(self.group if self.group.size > 1 else None, self._serving)
+        if self._stop_ranks is not None:
+            self._stop_ranks()  # runs once
 
     # -- requests ----------------------------------------------------------------------------
 
