@@ -4,7 +4,9 @@ two ranks giving the same greedy tokens as one; a rank that dies ends the engine
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -148,7 +150,9 @@ def test_two_ranks_give_the_tokens_of_one(
     settings: dict[str, object],
     tiny_model_dirs: dict[str, Path],
     odd_llama_dir: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, "pagestream.engine")
     prompts = random_prompts(PROMPT_LENGTHS, 320, seed=3)
     model = str(odd_llama_dir if kind == "odd" else tiny_model_dirs[kind])
     with LLM(model, **settings) as single:
@@ -159,6 +163,7 @@ def test_two_ranks_give_the_tokens_of_one(
         num_preemptions = sharded.engine.scheduler.num_preemptions
     assert [out.token_ids for out in outputs] == expected
     assert kv_heads == 1
+    assert re.search(r"KV pool per rank of 2: rank 0 \d+ pages .*, rank 1 \d+ pages", caplog.text)
     if "preemption" in settings:
         assert num_preemptions > 0, "the pool was meant to run out"
 
