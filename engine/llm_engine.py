@@ -23,7 +23,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.group import TensorParallelGroup
-from engine.distributed.ranks import RankProcesses, rank_device
+from engine.distributed.ranks import RankProcesses, check_devices, rank_device
 from engine.distributed.shard import ShardPlan
 from engine.errors import InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
@@ -91,6 +91,7 @@ class LLMEngine:
         self.group = TensorParallelGroup()
         self._stop_ranks: weakref.finalize[Any, Any] | None = None
         if config.tensor_parallel_size > 1:
+            check_devices(config)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             self.ranks = RankProcesses(config)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.distributed.ranks import check_devices
 from engine.distributed.shard import ShardPlan
 from engine.errors import ConfigError, EngineDeadError
 from engine.loader.dummy import dummy_hf_config
@@ -95,6 +96,13 @@ def test_plan_refuses_sizes_that_do_not_split(
 def test_config_refuses_size_below_one() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_each_rank_needs_a_gpu_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices(EngineConfig(device="cuda", tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="from cuda:1 needs 2 GPUs; 2 are visible"):
+        check_devices(EngineConfig(device="cuda:1", tensor_parallel_size=2))
 
 
 def test_engine_refuses_a_size_that_does_not_split_the_model_before_starting_ranks() -> None:

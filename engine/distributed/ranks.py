@@ -68,6 +68,7 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def check_devices(config: EngineConfig) -> None:
+    """A ``ConfigError`` unless each rank has a GPU of its own (when running on CUDA)."""
     device = rank_device(config, 0)
     size = config.tensor_parallel_size
     if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
@@ -91,7 +92,6 @@ class RankProcesses:
 
     def start(self, device: torch.device, source: ModelSource) -> TensorParallelGroup:
         """Start ranks 1..N-1 on ``source`` and join them as rank 0."""
-        check_devices(self.config)
         if dist.is_initialized():
             raise ConfigError(
                 "a tensor-parallel engine already runs in this process: shutdown() it first"
