@@ -106,10 +106,11 @@ class RankProcesses:
                 stdin=subprocess.PIPE,
                 env=env,
             )
-            assert child.stdin is not None
-            child.stdin.write(pickle.dumps(spec))
-            child.stdin.close()
             self.children.append(child)
+            assert child.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # it died at once: seen below
+                child.stdin.write(pickle.dumps(spec))
+                child.stdin.close()
         self._watcher = threading.Thread(
             target=self._watch, name="pagestream-tp-watch", daemon=True
         )
