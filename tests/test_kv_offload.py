@@ -5,6 +5,7 @@ tokens, and the flag combinations it refuses."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,47 @@ def test_a_one_slot_tier_never_restores_a_slot_it_just_overwrote() -> None:
     bm.check_invariants([])
 
 
+def test_pages_hold_their_blocks_through_random_steps_of_saves_and_restores() -> None:
+    """Simulated memory: each page and slot holds the hash of the block written to it.
+
+    Each step admits a few prompts that share prefixes (device hits, host hits, fresh pages),
+    runs the step's transfers in order, checks every reused page holds its block, then
+    "computes" the rest. A tiny pool and tier make evictions in the middle of a step common.
+    """
+    rng = random.Random(7)
+    bm = BlockManager(6, 2, host_cache=HostPrefixCache(3))
+    device: dict[int, bytes] = {}
+    host: dict[int, bytes] = {}
+    stems = [[rng.randrange(4) for _ in range(8)] for _ in range(3)]
+    num_host_hits = 0
+    for _ in range(300):
+        admitted = []
+        for index in range(rng.randint(1, 3)):
+            seq = make_seq(f"s{index}", [*rng.choice(stems)[: rng.randint(2, 8)], 9])
+            hit = bm.match_prefix(seq)
+            if not bm.allocate_slots(seq, seq.num_tokens - hit.num_tokens):
+                bm.free(seq)
+                continue
+            num_host_hits += hit.host_tokens // 2
+            admitted.append((seq, hit.num_tokens // 2))
+        for transfer in bm.take_transfers():
+            if transfer.to_host:
+                host[transfer.host_slot] = device[transfer.device_block]
+            else:
+                device[transfer.device_block] = host[transfer.host_slot]
+        for seq, num_reused in admitted:
+            for index in range(num_reused):
+                assert device[seq.block_table[index]] == seq.block_hashes[index]
+            seq.num_computed_tokens = seq.num_tokens
+            bm.register_full_blocks(seq)
+            for index in range(num_reused, len(seq.block_hashes)):
+                device[seq.block_table[index]] = seq.block_hashes[index]
+        for seq, _ in admitted:
+            bm.free(seq)
+        bm.check_invariants([])
+    assert num_host_hits > 20 and bm.host_cache is not None and bm.host_cache.num_evictions > 20
+
+
 # -- page copies -----------------------------------------------------------------------------
 
 
@@ -193,3 +235,50 @@ def test_a_host_tier_too_small_for_one_page_is_refused() -> None:
         plan_pool(config, spec, torch.device("cpu"), 1024)
     plan = plan_pool(dataclasses.replace(config, kv_offload_mb=64), spec, torch.device("cpu"), 1024)
     assert plan.num_offload_blocks == 16
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cuda_pages_restore_bit_exact_through_pinned_memory(dtype: torch.dtype) -> None:
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=32, dtype=dtype)
+    cache = KVCache(spec, 16, 0, torch.device("cuda"), num_offload_blocks=8)
+    assert cache.offload_pages.is_pinned()
+    cache.pages.copy_(torch.randn(cache.pages.shape, device="cuda").to(dtype))
+    if cache.scales is not None:
+        cache.scales.copy_(torch.rand(cache.scales.shape, device="cuda"))
+    before = cache.pages.clone(), None if cache.scales is None else cache.scales.clone()
+    # Queued without a sync: the save, a kernel overwriting the saved pages (a forward
+    # reusing them), then the restore into other pages, all in stream order.
+    cache.transfer([PageTransfer(b, b // 2, to_host=True) for b in (2, 4, 6)])
+    cache.pages[:, :, 2:8].zero_()
+    cache.transfer([PageTransfer(b + 8, b // 2, to_host=False) for b in (2, 4, 6)])
+    torch.cuda.synchronize()
+    for now, then in zip((cache.pages, cache.scales), before, strict=True):
+        if now is None or then is None:
+            continue
+        for block in (2, 4, 6):
+            restored = now[:, :, block + 8].view(torch.uint8)
+            assert torch.equal(restored, then[:, :, block].view(torch.uint8)), block
+
+
+@pytest.mark.gpu
+def test_cuda_multiturn_with_the_host_tier_gives_the_same_replies(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    # Graphs and asynchronous scheduling on: restores and saves land in steps whose forward
+    # also decodes other sessions. fp32, so recomputing a history gives the saved KV's tokens.
+    from bench.multiturn import MultiTurnWorkload, run_multiturn
+
+    config = EngineConfig(
+        model=str(tiny_model_dirs["llama"]), device="cuda", dtype="float32", pa_block_size=16,
+        pa_context_len=512, max_model_len=256, kv_offload_mb=4,
+    )  # fmt: skip
+    workload = MultiTurnWorkload(num_sessions=12, num_turns=3, system_len=64, user_len=(8, 24),
+                                 output_len=12, concurrency=4)  # fmt: skip
+    results = run_multiturn(config, workload, use_tqdm=False)["results"]
+    assert results["same_replies"] == 1.0
+    assert results["offload_on"]["prefix_cache"]["host_hit_tokens"] > 0
+    assert results["offload_off"]["prefix_cache"]["host_hit_tokens"] == 0
