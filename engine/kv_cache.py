@@ -4,11 +4,13 @@ cache, and how big to make them."""
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import LayerCache
+from engine.errors import ConfigError
 from engine.kv_offload import PageTransfer
 from engine.models.arch import ModelArch
 
@@ -81,8 +83,10 @@ class KVCache:
         # Host tier, a slot per page with every layer in it: [slots, layers, 2, block, heads,
         # dim], so each copy is one contiguous host range.
         slot_shape = (num_offload_blocks, spec.num_layers, 2, *shape[3:])
-        self.offload_pages = torch.zeros(slot_shape, dtype=spec.dtype, pin_memory=pin)
-        self.offload_scales = torch.zeros(slot_shape[:-1], pin_memory=pin) if spec.is_fp8 else None
+        self.offload_pages = _host_tensor(slot_shape, spec.dtype, pin)
+        self.offload_scales = (
+            _host_tensor(slot_shape[:-1], torch.float32, pin) if spec.is_fp8 else None
+        )
         self.layers = [self._layer(i) for i in range(spec.num_layers)]
 
     def _layer(self, index: int) -> LayerCache:
@@ -126,6 +130,23 @@ class KVCache:
                     host_page.copy_(device_page, non_blocking=True)
                 else:
                     device_page.copy_(host_page, non_blocking=True)
+
+
+def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Uninitialised host memory, page-locked in place when ``pin`` so that copies to and from
+    the device run asynchronously. Registered rather than taken from torch's pinned-memory
+    allocator, which rounds each allocation up to a power of two (20 GiB would pin 32)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    num_bytes = tensor.numel() * tensor.element_size()
+    if pin and num_bytes:
+        cudart = torch.cuda.cudart()
+        ptr = tensor.data_ptr()
+        status = int(cudart.cudaHostRegister(ptr, num_bytes, 1))  # 1: portable
+        if status != 0:
+            raise ConfigError(f"cannot page-lock {num_bytes / (1 << 20):.0f} MiB of host memory "
+                              f"(CUDA error {status}): lower --kv-offload-mb")  # fmt: skip
+        weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
+    return tensor
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
