@@ -211,6 +211,42 @@ def test_an_evicted_shared_prefix_comes_back_from_host_memory(
     assert tiered.block_manager.num_used_blocks == 0
 
 
+def run_in_waves(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Three new prompts every seven steps, so admissions, preemptions and finishes mix."""
+    sampling = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
+    tokens: dict[str, list[int]] = {}
+    num_steps = 0
+    while len(tokens) < len(prompts) or engine.has_unfinished_requests():
+        if num_steps % 7 == 0:
+            for index in range(len(tokens), min(len(tokens) + 3, len(prompts))):
+                engine.add_request(f"r{index}", prompt_token_ids=prompts[index], sampling=sampling)
+                tokens[f"r{index}"] = []
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        num_steps += 1
+    return tokens
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_the_host_tier_beside_preemption_changes_no_token(
+    preemption: str, tiny_model_dirs: dict[str, Path]
+) -> None:
+    # A 10-page pool of 16 tokens: preemptions and evictions in the same steps as restores and swaps.
+    prefixes = random_prompts([40, 56, 33], VOCAB_SIZE, seed=1)
+    tails = random_prompts([5, 9, 14, 20, 3, 11, 7, 17, 25], VOCAB_SIZE, seed=2)
+    prompts = [prefixes[index % 3] + tail for index, tail in enumerate(tails)]
+    settings: dict[str, Any] = dict(
+        model=str(tiny_model_dirs["llama"]), pa_block_size=16, pa_context_len=160,
+        max_model_len=128, preemption=preemption, async_scheduling=True,
+    )  # fmt: skip
+    expected = run_in_waves(LLMEngine(EngineConfig(**settings)), prompts)
+    tiered = LLMEngine(EngineConfig(**settings, kv_offload_mb=1))
+    assert run_in_waves(tiered, prompts) == expected
+    stats = tiered.stats()
+    assert stats.num_preemptions > 0 and stats.num_host_hit_tokens > 0
+    assert tiered.block_manager.num_used_blocks == 0
+
+
 # -- flags -----------------------------------------------------------------------------------
 
 
