@@ -63,7 +63,8 @@ class EngineStats:
     num_preemptions: int
     num_steps: int = 0
     step_time_s: float = 0.0  # wall time spent inside step(), summed
-    # Prompt tokens not recomputed at admission, by the cache tier their KV came from
+    # Tokens not recomputed at admission (prompts, and the tokens of sequences preempted by
+    # recompute), by the cache tier their KV came from
     num_device_hit_tokens: int = 0
     num_host_hit_tokens: int = 0
     num_offloaded_pages: int = 0  # evicted device pages saved to the host tier

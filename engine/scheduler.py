@@ -60,7 +60,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
-        # Prompt tokens not recomputed at admission, by where their KV was found.
+        # Tokens not recomputed at admission (re-admissions too), by where their KV was found.
         self.num_device_hit_tokens = 0
         self.num_host_hit_tokens = 0
 

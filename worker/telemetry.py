@@ -81,7 +81,7 @@ class EngineGauges:
     num_preemptions: int  # cumulative since the engine started
     queue_depth: int  # requests in the Redis stream not yet read by this worker
     num_swapped: int = 0
-    # Cumulative: prompt tokens served by each prefix-cache tier, and the host tier's traffic
+    # Cumulative: tokens admitted from each prefix-cache tier, and the host tier's traffic
     num_device_hit_tokens: int = 0
     num_host_hit_tokens: int = 0
     num_offloaded_pages: int = 0
@@ -102,11 +102,11 @@ _ENGINE_COUNTERS = (
     ("pagestream.engine.preemptions", "num_preemptions", "{preemption}", "Preemptions so far."),
     (
         "pagestream.engine.prefix_cache.device_hit_tokens", "num_device_hit_tokens", "{token}",
-        "Prompt tokens whose KV was found in the GPU pool's prefix cache.",
+        "Tokens admitted with their KV found in the GPU pool's prefix cache.",
     ),
     (
         "pagestream.engine.prefix_cache.host_hit_tokens", "num_host_hit_tokens", "{token}",
-        "Prompt tokens whose KV was copied back from the host tier (--kv-offload-mb).",
+        "Tokens admitted with their KV copied back from the host tier (--kv-offload-mb).",
     ),
     (
         "pagestream.engine.kv_offload.pages_offloaded", "num_offloaded_pages", "{page}",
