@@ -32,8 +32,9 @@ from engine.errors import ConfigError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.memory import release_device_memory
 from engine.sampling_params import SamplingParams
+from engine.sequence import Usage
 
-NUM_WARMUP_PROMPTS = 8  # untimed, before each run: kernel compiles stay out of the timing
+WARMUP_TURNS = 2
 WARMUP_OUTPUT_LEN = 4
 
 
@@ -150,64 +151,86 @@ def _check_fits(engine: LLMEngine, workload: MultiTurnWorkload) -> None:
 class _Tally:
     submitted_s: dict[str, float] = field(default_factory=dict)
     ttft_s: dict[str, float] = field(default_factory=dict)
+    replies: dict[str, list[int]] = field(default_factory=dict)  # request -> its reply
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
 
 
+class _Chats:
+    """Drives every session of a workload through its turns, ``concurrency`` at a time."""
+
+    def __init__(self, engine: LLMEngine, workload: MultiTurnWorkload, id_prefix: str = "") -> None:
+        self.engine = engine
+        self.workload = workload
+        self.id_prefix = id_prefix
+        self.system, self.sessions = make_sessions(workload, engine.loaded.arch.vocab_size)
+        self.tally = _Tally()
+        self.ready = deque(range(len(self.sessions)))  # sessions whose next turn may start
+        self.in_flight: dict[str, tuple[int, list[int]]] = {}  # request -> (session, reply)
+
+    def run(self, bar: tqdm[Any] | None = None) -> None:
+        while self.ready or self.in_flight:
+            while self.ready and len(self.in_flight) < self.workload.concurrency:
+                self._submit(self.ready.popleft())
+            for out in self.engine.step():
+                index, reply = self.in_flight[out.request_id]
+                reply += out.new_token_ids
+                if out.new_token_ids:
+                    self.tally.ttft_s.setdefault(out.request_id, time.perf_counter())
+                if out.finished:
+                    del self.in_flight[out.request_id]
+                    self._end_turn(index, out.request_id, reply, out.usage)
+                    if bar is not None:
+                        bar.update(1)
+
+    def _submit(self, index: int) -> None:
+        session = self.sessions[index]
+        request_id = f"{self.id_prefix}s{index}-t{session.num_done}"
+        prompt = session.next_prompt(self.system)
+        sampling = SamplingParams(
+            temperature=0, max_tokens=self.workload.output_len, ignore_eos=True
+        )
+        self.engine.add_request(request_id, prompt_token_ids=prompt, sampling=sampling)
+        self.tally.submitted_s[request_id] = time.perf_counter()
+        self.tally.num_input_tokens += len(prompt)
+        self.in_flight[request_id] = (index, [])
+
+    def _end_turn(self, index: int, request_id: str, reply: list[int], usage: Usage | None) -> None:
+        self.tally.num_output_tokens += len(reply)
+        self.tally.num_cached_tokens += usage.cached_prompt_tokens if usage is not None else 0
+        self.tally.replies[request_id] = reply
+        self.sessions[index].add_reply(reply)
+        if self.sessions[index].num_done < self.workload.num_turns:
+            self.ready.append(index)
+
+
 def _measure(
     engine: LLMEngine, workload: MultiTurnWorkload, use_tqdm: bool, desc: str
 ) -> tuple[dict[str, Any], dict[str, list[int]]]:
-    """Drive every session through its turns; the run's results and each turn's reply."""
-    system, sessions = make_sessions(workload, engine.loaded.arch.vocab_size)
-    _warm_up(engine, system)
+    """Warm up, then drive every session through its turns; the results and each reply."""
+    _Chats(engine, warmup_workload(workload), id_prefix="warmup-").run()
     stats_before = engine.stats()
-    tally = _Tally()
-    ready = deque(range(len(sessions)))
-    in_flight: dict[str, tuple[int, list[int]]] = {}  # request -> (session, reply so far)
-    replies: dict[str, list[int]] = {}
-    total = workload.num_sessions * workload.num_turns
+    chats = _Chats(engine, workload)
     start_s = time.perf_counter()
+    total = workload.num_sessions * workload.num_turns
     with tqdm(total=total, disable=not use_tqdm, desc=desc, unit="turn") as bar:
-        while ready or in_flight:
-            while ready and len(in_flight) < workload.concurrency:
-                index = ready.popleft()
-                _submit(engine, tally, in_flight, index, sessions[index], system, workload)
-            for out in engine.step():
-                index, reply = in_flight[out.request_id]
-                reply += out.new_token_ids
-                if out.new_token_ids:
-                    tally.ttft_s.setdefault(out.request_id, time.perf_counter())
-                if not out.finished:
-                    continue
-                del in_flight[out.request_id]
-                tally.num_output_tokens += len(reply)
-                tally.num_cached_tokens += out.usage.cached_prompt_tokens if out.usage else 0
-                sessions[index].add_reply(reply)
-                replies[out.request_id] = reply
-                if sessions[index].num_done < workload.num_turns:
-                    ready.append(index)
-                bar.update(1)
+        chats.run(bar)
     elapsed_s = time.perf_counter() - start_s
-    return _results(engine, tally, elapsed_s, stats_before), replies
+    return _results(engine, chats.tally, elapsed_s, stats_before), chats.tally.replies
 
 
-def _submit(
-    engine: LLMEngine,
-    tally: _Tally,
-    in_flight: dict[str, tuple[int, list[int]]],
-    index: int,
-    session: Session,
-    system: list[int],
-    workload: MultiTurnWorkload,
-) -> None:
-    request_id = f"s{index}-t{session.num_done}"
-    prompt = session.next_prompt(system)
-    sampling = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
-    engine.add_request(request_id, prompt_token_ids=prompt, sampling=sampling)
-    tally.submitted_s[request_id] = time.perf_counter()
-    tally.num_input_tokens += len(prompt)
-    in_flight[request_id] = (index, [])
+def warmup_workload(workload: MultiTurnWorkload) -> MultiTurnWorkload:
+    """The untimed run before each measured one: the same shapes of steps (a batch of
+    sessions, a second turn on a history), short replies, and other tokens (another seed), so
+    kernel compiles stay out of the timing and nothing of it is cached for the timed run."""
+    return dataclasses.replace(
+        workload,
+        num_sessions=min(workload.concurrency, workload.num_sessions),
+        num_turns=min(WARMUP_TURNS, workload.num_turns),
+        output_len=min(WARMUP_OUTPUT_LEN, workload.output_len),
+        seed=workload.seed + 1,
+    )
 
 
 def _results(
@@ -229,18 +252,6 @@ def _results(
         "prefix_cache": prefix_cache_counts(stats_before, stats),
         "num_preemptions": stats.num_preemptions - stats_before.num_preemptions,
     }
-
-
-def _warm_up(engine: LLMEngine, system: list[int]) -> None:
-    """A few short requests off the system prompt's reversed tokens (the prefix cache cannot
-    serve the timed run from them)."""
-    sampling = SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True)
-    tokens = system[::-1]
-    for index in range(NUM_WARMUP_PROMPTS):
-        prompt = tokens[index:] + tokens[:index]
-        engine.add_request(f"warmup-{index}", prompt_token_ids=prompt, sampling=sampling)
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def format_results(results: dict[str, Any]) -> str:
