@@ -123,3 +123,17 @@ def test_multiturn_without_a_host_tier_to_compare_is_refused(
     assert code == 1 and "give --kv-offload-mb N" in err
     code, _, err = run_cli([*MULTITURN_ARGS, "--kv-offload-mb", "1", "--num-turns", "9"], capsys)
     assert code == 1 and "past the context of 128" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-offload-mb", "64", "--prefix-caching", "off"], "needs --prefix-caching on"),
+        (["--kv-offload-mb", "-1"], "kv_offload_mb must be >= 0"),
+    ],
+)
+def test_bad_offload_flags_are_clear_errors(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run_cli([*BENCH_ARGS, *flags], capsys)
+    assert code == 1 and message in err
