@@ -209,7 +209,7 @@ def log_plan(
         host_part = (
             f"; host prefix tier {plan.num_offload_blocks} pages = "
             f"{plan.num_offload_blocks * spec.block_size} tokens "
-            f"({plan.num_offload_blocks * spec.bytes_per_block / GIB:.2f} GiB pinned)"
+            f"({plan.num_offload_blocks * spec.bytes_per_block / GIB:.2f} GiB of host memory)"
         )
     logger.info(
         "KV pool: %s%d pages x %d tokens = %d tokens (%.2f GiB, %s, %s): %d sequences of "
