@@ -145,7 +145,8 @@ def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch
         if status != 0:
             raise ConfigError(f"cannot page-lock {num_bytes / (1 << 20):.0f} MiB of host memory "
                               f"(CUDA error {status}): lower --kv-offload-mb")  # fmt: skip
-        weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
+        unregister = weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
+        unregister.atexit = False  # the process's memory goes at exit, and CUDA may go first
     return tensor
 
 
