@@ -26,6 +26,7 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "latency": _latency,
         "kernels": _kernels,
         "serve": _serve,
+        "multiturn": _multiturn,
     }
     draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table
@@ -178,4 +179,42 @@ def _sweep(plt: Any, record: dict[str, Any]) -> Any:
     settings = record["settings"]
     ax.set_title(f"input {settings['input_len']}, output {settings['output_len']}", fontsize=9)
     ax.legend(fontsize=8)
+    return fig
+
+
+def _multiturn(plt: Any, record: dict[str, Any]) -> Any:
+    """Host tier off against on: TTFT percentiles, throughput, prompt tokens by cache tier."""
+    results = record["results"]
+    runs = [("offload off", results["offload_off"], "tab:gray"),
+            ("offload on", results["offload_on"], "tab:blue")]  # fmt: skip
+    fig, (ttft, rate, tiers) = plt.subplots(1, 3, figsize=(12, 3.5))
+    labels = ["p50", "p90"]
+    for index, (name, run, color) in enumerate(runs):
+        xs = [i + (index - 0.5) * 0.4 for i in range(len(labels))]
+        values = [(run["ttft_s"][key] or 0) * 1e3 for key in labels]
+        ttft.bar(xs, values, 0.4, label=name, color=color)
+    ttft.set_xticks(range(len(labels)), labels)
+    ttft.set_ylabel("ms")
+    settings = record["settings"]
+    ttft.set_title(f"TTFT: {settings['num_sessions']} sessions x {settings['num_turns']} turns, "
+                   f"{settings['concurrency']} at once", fontsize=9)  # fmt: skip
+    ttft.legend(fontsize=8)
+    rate.bar([name for name, _, _ in runs], [run["total_tok_s"] for _, run, _ in runs],
+             color=[color for _, _, color in runs])  # fmt: skip
+    rate.set_ylabel("prompt + output tokens / s")
+    rate.set_title(f"x{results['total_tok_s_ratio']:.2f} with the host tier", fontsize=9)
+    names = [name for name, _, _ in runs]
+    device = [run["prefix_cache"]["device_hit_tokens"] for _, run, _ in runs]
+    host = [run["prefix_cache"]["host_hit_tokens"] for _, run, _ in runs]
+    computed = [
+        run["input_tokens"] - d - h for (_, run, _), d, h in zip(runs, device, host, strict=True)
+    ]
+    tiers.bar(names, device, label="GPU prefix cache", color="tab:green")
+    tiers.bar(names, host, bottom=device, label="host tier", color="tab:orange")
+    tops = [d + h for d, h in zip(device, host, strict=True)]
+    tiers.bar(names, computed, bottom=tops, label="computed", color="tab:gray")
+    tiers.set_ylabel("prompt tokens")
+    tiers.set_ylim(0, max(top + c for top, c in zip(tops, computed, strict=True)) * 1.4)
+    tiers.set_title(f"prompt KV source (host tier {settings['kv_offload_mb']} MiB)", fontsize=9)
+    tiers.legend(fontsize=7, loc="upper center", ncol=3)
     return fig

@@ -1,4 +1,5 @@
-"""The KV page pool on the device, its host mirror for swapping, and how big to make it."""
+"""The KV page pool on the device, its host mirror for swapping, the host tier of the prefix
+cache, and how big to make them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import LayerCache
+from engine.kv_offload import PageTransfer
 from engine.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
@@ -50,11 +52,17 @@ class KVCache:
 
     fp8 pages have ``scales: [layers, 2, num_blocks, block_size, kv_heads]`` float32 beside
     them. Zero-initialised: pages past a sequence's length are read (masked) by batched
-    attention, and masked garbage could be NaN.
+    attention, and masked garbage could be NaN. ``num_host_blocks`` pages of host memory hold
+    swapped-out sequences; ``num_offload_blocks`` pages hold evicted prefix-cache blocks.
     """
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int, device: torch.device
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        num_host_blocks: int,
+        device: torch.device,
+        num_offload_blocks: int = 0,
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
@@ -70,6 +78,11 @@ class KVCache:
             if spec.is_fp8
             else None
         )
+        # Host tier, a slot per page with every layer in it: [slots, layers, 2, block, heads,
+        # dim], so each copy is one contiguous host range.
+        slot_shape = (num_offload_blocks, spec.num_layers, 2, *shape[3:])
+        self.offload_pages = torch.zeros(slot_shape, dtype=spec.dtype, pin_memory=pin)
+        self.offload_scales = torch.zeros(slot_shape[:-1], pin_memory=pin) if spec.is_fp8 else None
         self.layers = [self._layer(i) for i in range(spec.num_layers)]
 
     def _layer(self, index: int) -> LayerCache:
@@ -97,6 +110,22 @@ class KVCache:
             self.pages[layer, :, dst] = self.host_pages[layer, :, src].to(device)
             if self.scales is not None and self.host_scales is not None:
                 self.scales[layer, :, dst] = self.host_scales[layer, :, src].to(device)
+
+    def transfer(self, transfers: list[PageTransfer]) -> None:
+        """Run host-tier copies in their order, queued on the current stream: the host side
+        is pinned, so nothing waits, and stream order puts each copy after the steps that
+        wrote its source and before the forward that reuses a saved page."""
+        for transfer in transfers:
+            pairs = [(self.pages, self.offload_pages)]
+            if self.scales is not None and self.offload_scales is not None:
+                pairs.append((self.scales, self.offload_scales))
+            for device_tensor, host_tensor in pairs:
+                device_page = device_tensor[:, :, transfer.device_block]  # [layers, 2, block, ...]
+                host_page = host_tensor[transfer.host_slot]
+                if transfer.to_host:
+                    host_page.copy_(device_page, non_blocking=True)
+                else:
+                    device_page.copy_(host_page, non_blocking=True)
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
