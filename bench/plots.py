@@ -27,6 +27,7 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "kernels": _kernels,
         "serve": _serve,
         "multiturn": _multiturn,
+        "serve-fleet": _serve_fleet,
     }
     draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table
@@ -154,6 +155,38 @@ def _serve(plt: Any, record: dict[str, Any]) -> Any:
     ttft.bar(labels, [(results["ttft_s"][key] or 0) * 1e3 for key in labels], color="tab:blue")
     ttft.set_ylabel("ms")
     ttft.set_title("time to first token, through Redis", fontsize=9)
+    return fig
+
+
+def _serve_fleet(plt: Any, record: dict[str, Any]) -> Any:
+    """Throughput against the number of workers with the ideal line (N x one worker's),
+    efficiency annotated; p50 TTFT and TPOT against the number of workers."""
+    rows = record["results"]
+    counts = [row["num_workers"] for row in rows]
+    cores = record["machine"]["cores_available"]
+    fig, (rate, latency) = plt.subplots(1, 2, figsize=(10, 3.5))
+    rates = [row["output_tok_s"] for row in rows]
+    rate.plot(counts, [row["ideal_output_tok_s"] for row in rows], "k--", label="ideal")
+    rate.plot(counts, rates, "o-", color="tab:blue", label="measured")
+    for count, value, row in zip(counts, rates, rows, strict=True):
+        rate.annotate(f"{row['scaling_efficiency']:.2f}", (count, value), textcoords="offset points",
+                      xytext=(0, -14), ha="center", fontsize=8)  # fmt: skip
+    if cores < counts[-1]:
+        rate.axvline(cores, color="tab:red", linewidth=0.8, label=f"{cores} cores")
+    rate.set_xticks(counts, [str(c) for c in counts])
+    rate.set_ylim(0, max(*rates, rows[-1]["ideal_output_tok_s"]) * 1.15)
+    rate.set_xlabel("workers on one stream")
+    rate.set_ylabel("output tokens / s")
+    rate.set_title(f"{record['settings']['concurrency']} streams per worker; "
+                   "scaling efficiency annotated", fontsize=9)  # fmt: skip
+    rate.legend(fontsize=8)
+    for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
+        latency.plot(counts, [(row[name]["p50"] or 0) * 1e3 for row in rows], "o-", label=label)
+    latency.set_xticks(counts, [str(c) for c in counts])
+    latency.set_yscale("log")
+    latency.set_xlabel("workers on one stream")
+    latency.set_ylabel("p50 (ms)")
+    latency.legend(fontsize=8)
     return fig
 
 
