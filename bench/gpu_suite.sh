@@ -74,7 +74,7 @@ offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: h
     log multiturn llama3-8b
     "${PS[@]}" bench multiturn --model dummy:llama3-8b --num-sessions 128 --num-turns 4 \
         --system-len 1024 --user-len 32-128 --output-len 64 --concurrency 16 \
-        --max-model-len 2048 --pa-memory-mb 4096 --kv-offload-mb 16384 --no-progress \
+        --max-model-len 2048 --pa-memory-mb 6144 --kv-offload-mb 16384 --no-progress \
         --output-json "$OUT/multiturn-llama3-8b.json"
 }
 
