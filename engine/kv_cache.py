@@ -118,7 +118,11 @@ class KVCache:
     def transfer(self, transfers: list[PageTransfer]) -> None:
         """Run host-tier copies in their order, queued on the current stream: the host side
         is pinned, so nothing waits, and stream order puts each copy after the steps that
-        wrote its source and before the forward that reuses a saved page."""
+        wrote its source and before the forward that reuses a saved page.
+
+        Not on a side stream: a page may be cached while the forward that wrote it still runs
+        (a step of partial prefill chunks is never waited for), so a save must follow every
+        forward before it anyway, and a restore must precede the next one."""
         for transfer in transfers:
             pairs = [(self.pages, self.offload_pages)]
             if self.scales is not None and self.offload_scales is not None:
