@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kv_offload import PageTransfer
 from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import PENDING_TOKEN, Sequence
 
@@ -29,9 +30,11 @@ class HostInputs:
 
 @dataclass(frozen=True)
 class StepMessage:
-    """One step for the other ranks: page swaps, then the forward (None: swaps only)."""
+    """One step for the other ranks: page moves (swaps, host-tier copies), then the forward
+    (None: page moves only)."""
 
     swap_out: list[tuple[int, int]]
+    page_transfers: list[PageTransfer]
     swap_in: list[tuple[int, int]]
     inputs: HostInputs | None
 

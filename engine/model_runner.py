@@ -15,6 +15,7 @@ from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
 from engine.host_inputs import HostBatch, HostInputs, StepMessage, slots_of
 from engine.kv_cache import KVCache
+from engine.kv_offload import PageTransfer
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.sampler import DeviceSample, Sampler, SamplingRow, TokenLogprobs
@@ -134,9 +135,10 @@ class ModelRunner:
         one of them (``PENDING_TOKEN`` on the host) read it from its device tensor.
         """
         inputs = None if batch.is_empty else self.prepare_inputs(batch, previous)
-        if self.group.size > 1 and (inputs is not None or batch.swap_out or batch.swap_in):
+        pages_move = batch.swap_out or batch.page_transfers or batch.swap_in
+        if self.group.size > 1 and (inputs is not None or pages_move):
             self._send_step(batch, inputs)
-        self._swap(batch.swap_out, batch.swap_in)
+        self._move_pages(batch.swap_out, batch.page_transfers, batch.swap_in)
         if inputs is None:
             return None
         logits = self._logits(inputs)
@@ -154,7 +156,8 @@ class ModelRunner:
     def _send_step(self, batch: ScheduledBatch, inputs: ModelInputs | None) -> None:
         """Rank 0: tell the other ranks what this step runs (they wait in ``run_peer_step``)."""
         host = None if inputs is None else inputs.host
-        self.group.broadcast_object(StepMessage(batch.swap_out, batch.swap_in, host))
+        message = StepMessage(batch.swap_out, batch.page_transfers, batch.swap_in, host)
+        self.group.broadcast_object(message)
         if inputs is not None and inputs.host.has_pending:
             self.group.broadcast_tensor(inputs.input_ids)  # the picks exist on this rank only
 
@@ -162,7 +165,7 @@ class ModelRunner:
     def run_peer_step(self, message: StepMessage) -> None:
         """On a rank other than 0: this rank's share of the step rank 0 sent (its logits are
         gathered here too, and dropped: rank 0 samples)."""
-        self._swap(message.swap_out, message.swap_in)
+        self._move_pages(message.swap_out, message.page_transfers, message.swap_in)
         host = message.inputs
         if host is None:
             return
@@ -171,10 +174,18 @@ class ModelRunner:
             self.group.broadcast_tensor(inputs.input_ids)
         self._logits(inputs)
 
-    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+    def _move_pages(
+        self,
+        swap_out: list[tuple[int, int]],
+        transfers: list[PageTransfer],
+        swap_in: list[tuple[int, int]],
+    ) -> None:
         # Swap-outs first: their pages may be handed to other sequences in this very step.
         if swap_out:
             self.kv_cache.swap_out(*map(list, zip(*swap_out, strict=True)))
+        # Then evicted prefix pages to the host tier and host hits back, before any write.
+        if transfers:
+            self.kv_cache.transfer(transfers)
         if swap_in:
             self.kv_cache.swap_in(*map(list, zip(*swap_in, strict=True)))
 

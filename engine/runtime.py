@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_offload import HostPrefixCache
 from engine.loader import LoadedModel, ModelSource, load_model
 from engine.memory import (
     GIB,
@@ -122,12 +123,14 @@ def build_runtime(
     if group.size > 1:
         plan = _agree_on_pool(plan, group)
     log_plan(plan, spec, profile, max_model_len, group.rank, group.size)
-    kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device)
+    kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device, plan.num_offload_blocks)
+    host_cache = HostPrefixCache(plan.num_offload_blocks) if plan.num_offload_blocks else None
     block_manager = BlockManager(
         plan.num_blocks,
         block_size,
         enable_prefix_caching=paged and config.prefix_caching,
         tenant_page_quotas=config.tenant_page_quotas,
+        host_cache=host_cache,
     )
     runner = ModelRunner(loaded.model, kv_cache, sampler, device, group)
     if use_graphs:
@@ -143,6 +146,7 @@ def _agree_on_pool(plan: PoolPlan, group: TensorParallelGroup) -> PoolPlan:
     plans = group.gather_objects(plan)
     num_blocks = min(p.num_blocks for p in plans)
     num_host_blocks = min(p.num_host_blocks for p in plans)
+    num_offload_blocks = min(p.num_offload_blocks for p in plans)
     if group.is_driver:
         shares = ", ".join(
             f"rank {rank} {p.num_blocks} pages ({p.budget_bytes / GIB:.2f} GiB)"
@@ -154,6 +158,7 @@ def _agree_on_pool(plan: PoolPlan, group: TensorParallelGroup) -> PoolPlan:
         plan,
         num_blocks=num_blocks,
         num_host_blocks=num_host_blocks,
+        num_offload_blocks=num_offload_blocks,
         budget_bytes=num_blocks * bytes_per_block,
     )
 

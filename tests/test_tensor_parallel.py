@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -227,3 +228,21 @@ def test_bench_throughput_runs_two_sharded_engines_one_after_the_other(
     assert record["settings"]["tensor_parallel_size"] == 2
     # per-rank dummy weights differ from the unsharded model's, not between these two runs
     assert record["baselines"]["paged_off"]["output_tokens"] == record["results"]["output_tokens"]
+
+
+def test_host_tier_copies_run_on_every_rank(tiny_model_dirs: dict[str, Path]) -> None:
+    from tests.test_kv_offload import VOCAB_SIZE, run_in_order
+
+    # as test_kv_offload: the shared prefix leaves the device pool and comes back from the host
+    prefix, first, flush_a, flush_b, second = random_prompts([48, 10, 100, 100, 12], VOCAB_SIZE, 3)
+    prompts = [prefix + first, flush_a, flush_b, prefix + second]
+    settings: dict[str, Any] = dict(
+        model=str(tiny_model_dirs["llama"]), pa_block_size=16, pa_context_len=128, max_model_len=128
+    )
+    expected = run_in_order(LLMEngine(EngineConfig(**settings)), prompts, 8)
+    sharded = LLMEngine(EngineConfig(**settings, kv_offload_mb=1, tensor_parallel_size=2))
+    try:
+        assert run_in_order(sharded, prompts, 8) == expected
+        assert sharded.stats().num_host_hit_tokens == 48
+    finally:
+        sharded.shutdown()
