@@ -52,8 +52,8 @@ def rank_main(spec: RankSpec) -> int:
     except PagestreamError as exc:  # rank 0 meets the same error and reports it
         logger.error("rank %d: %s", spec.rank, exc)
         return 1
-    except RuntimeError:
-        logger.exception("rank %d: a collective failed (rank 0 gone?); exiting", spec.rank)
+    except RuntimeError:  # a collective with a rank that is gone, or this device's own failure
+        logger.exception("rank %d failed; exiting", spec.rank)
         return 1
     group.leave()
     return 0
