@@ -23,7 +23,7 @@ from tests.test_worker_process import (
     wait_until,
 )
 
-NUM_TOKENS = 120
+NUM_TOKENS = 80
 
 
 def child_pids(pid: int) -> list[int]:
@@ -45,7 +45,7 @@ def test_a_worker_whose_rank_dies_exits_and_its_requests_go_to_another(
             "workers",
         )
         (rank_1,) = child_pids(a.pid)
-        texts = prompts(6, seed=9)
+        texts = prompts(4, seed=9)
         params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
         reference = LLM(str(text_model_dir), device="cpu").generate(texts, params, use_tqdm=False)
         results: list[Completion] = []
