@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.distributed.ranks import check_devices
+from engine.distributed.ranks import TIMEOUT_ENV, check_devices
 from engine.distributed.shard import ShardPlan
 from engine.errors import ConfigError, EngineDeadError
 from engine.loader.dummy import dummy_hf_config
@@ -175,6 +175,15 @@ def test_two_ranks_give_the_tokens_of_one(
     assert re.search(r"KV pool per rank of 2: rank 0 \d+ pages .*, rank 1 \d+ pages", caplog.text)
     if "preemption" in settings:
         assert num_preemptions > 0, "the pool was meant to run out"
+
+
+def test_ranks_outwait_an_idle_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TIMEOUT_ENV, "1")  # collectives may wait 1 s; an idle engine, longer
+    with LLM("dummy:tiny", tensor_parallel_size=2, pa_memory_mb=16) as llm:
+        time.sleep(2.5)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        (out,) = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert len(out.token_ids) == 4
 
 
 def test_a_rank_that_fails_to_start_is_an_error_not_a_wait(

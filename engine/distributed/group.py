@@ -1,8 +1,8 @@
 """The collectives of a tensor-parallel group, and how a group of size 1 skips them.
 
 Two process groups: the device group (NCCL on CUDA, gloo on the CPU) carries the model's
-all-reduces and gathers, also inside CUDA graphs; the control group (always gloo) carries
-rank 0's step messages, which are Python objects on the host.
+all-reduces and gathers, also inside CUDA graphs; the control group (always gloo, without a
+timeout) carries rank 0's step messages, which are Python objects on the host.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+CONTROL_TIMEOUT = datetime.timedelta(days=3650)  # no limit in practice: see ``join``
 
 
 @dataclass
@@ -42,9 +44,10 @@ class TensorParallelGroup:
             world_size=size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        device_group = dist.group.WORLD
-        control = dist.new_group(backend="gloo") if backend != "gloo" else device_group
-        return cls(rank, size, device_group, control)
+        # its own gloo group, also on the CPU: the ranks wait there for rank 0's next step for
+        # as long as the engine idles, where a collective's timeout would end them
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        return cls(rank, size, dist.group.WORLD, control)
 
     @staticmethod
     def ready_key(rank: int) -> str:

@@ -39,7 +39,8 @@ from engine.model_runner import ModelRunner
 
 logger = logging.getLogger("pagestream.engine")
 
-COLLECTIVE_TIMEOUT_S = 600.0  # rendezvous and collectives: loading a large shard is slow
+TIMEOUT_ENV = "PAGESTREAM_TP_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0  # rendezvous and collectives: loading a large shard is slow
 WATCH_INTERVAL_S = 0.2
 STUCK_AFTER_DEATH_S = 15.0  # a step still stuck this long after a rank died ends the process
 STUCK_EXIT_CODE = 70
@@ -118,7 +119,7 @@ class RankProcesses:
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", self.size - 1,
                     ", ".join(str(c.pid) for c in self.children))  # fmt: skip
         store = self._wait_for_ranks(port)
-        return TensorParallelGroup.join(0, self.size, store, device, COLLECTIVE_TIMEOUT_S)
+        return TensorParallelGroup.join(0, self.size, store, device, collective_timeout_s())
 
     def _wait_for_ranks(self, port: int) -> dist.TCPStore:
         """The rendezvous store, once every rank has reached it; a rank that fails to start
@@ -221,11 +222,17 @@ def join_ranks(rank: int, size: int, port: int, device: torch.device) -> TensorP
     """A rank other than 0: reach rank 0's store, say so, and form the group."""
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=_timeout())
     store.set(TensorParallelGroup.ready_key(rank), "1")
-    return TensorParallelGroup.join(rank, size, store, device, COLLECTIVE_TIMEOUT_S)
+    return TensorParallelGroup.join(rank, size, store, device, collective_timeout_s())
+
+
+def collective_timeout_s() -> float:
+    """How long a rendezvous or a collective of the model may wait (not the idle wait for
+    rank 0's next step, which has no limit)."""
+    return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
 
 
 def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    return datetime.timedelta(seconds=collective_timeout_s())
 
 
 def _free_port() -> int:
