@@ -3,6 +3,7 @@
 from engine.config import EngineConfig
 from engine.errors import (
     ConfigError,
+    EngineDeadError,
     InvalidRequestError,
     ModelLoadError,
     PagestreamError,
@@ -17,6 +18,7 @@ __all__ = [
     "LLM",
     "ConfigError",
     "EngineConfig",
+    "EngineDeadError",
     "EngineStats",
     "FinishReason",
     "InvalidRequestError",
