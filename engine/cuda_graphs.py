@@ -90,10 +90,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer for every graph (each writes its leading rows), so that the graphs
         # share one pool of intermediates and keep no per-bucket outputs alive.
-        weight = model.lm_head.weight
-        self.logits = torch.empty(
-            self.buckets[-1], weight.shape[0], dtype=weight.dtype, device=device
-        )
+        # (the LM head may be quantized: the logits take the activations' dtype)
+        vocab_size, dtype = model.arch.vocab_size, model.embed_tokens.weight.dtype
+        self.logits = torch.empty(self.buckets[-1], vocab_size, dtype=dtype, device=device)
         self.capture_s = 0.0
 
     @torch.inference_mode()

