@@ -1,0 +1,24 @@
+"""bench.quant on a tiny dummy model (CPU): the record holds every format's figures."""
+
+from __future__ import annotations
+
+from bench.quant import measure_quant
+from bench.workloads import ThroughputWorkload
+
+
+def test_quant_record_compares_each_format_with_the_float_model() -> None:
+    record = measure_quant(
+        "dummy:tiny", ["q8_0", "q4_0"], num_prompts=2, input_len=12, output_len=6,
+        throughput=ThroughputWorkload(2, (8, 8), (4, 4)), max_model_len=128, pa_memory_mb=16,
+    )  # fmt: skip
+    results = record["results"]
+    assert record["kind"] == "quant" and set(results) == {"none", "q8_0", "q4_0"}
+    assert results["none"]["linear_formats"] == []
+    assert results["q4_0"]["linear_formats"] == ["q4_0", "q8_0"]  # the LM head stays 8-bit
+    weights = {name: result["weights_bytes"] for name, result in results.items()}
+    assert weights["q4_0"] < weights["q8_0"] < weights["none"]
+    for name in ("q8_0", "q4_0"):
+        assert 0 < results[name]["logit_max_abs_error"] < 1
+        assert results[name]["batch1"]["mean_tpot_s"] > 0
+        assert results[name]["throughput"]["output_tok_s"] > 0
+    assert results["q8_0"]["logit_mean_abs_error"] < results["q4_0"]["logit_mean_abs_error"]
