@@ -11,7 +11,9 @@ weights for every format, from ggml's per-block layout. Two kernels use it:
 
 * GEMV (``M <= MAX_GEMV_ROWS``, decode): a program owns ``BLOCK_N`` output columns for all
   rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
-  atomically); memory-bound, it streams the planes once.
+  atomically); memory-bound, it streams the planes once. q8_0, q4_0, q4_1 and fp8 take
+  kernels/quant_gemv_triton.py instead, which applies each block's scale once to a block sum
+  (``QuantMatmulConfig.blocked``); the k-quants dequantize element by element here.
 * GEMM (prefill): ``BLOCK_M x BLOCK_N`` output tiles; each ``K`` step dequantizes a
   ``[BLOCK_K, BLOCK_N]`` weight tile into the activation dtype and feeds ``tl.dot``.
 """
@@ -24,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QuantFormat
+from kernels.quant import QK, QuantFormat
+from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
 
 MAX_GEMV_ROWS = 8
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -41,6 +44,7 @@ class QuantMatmulConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through kernels/quant_gemv_triton.py
 
 
 # -- dequantizing a tile ----------------------------------------------------------------------
@@ -234,6 +238,16 @@ def _launch_gemv(
     target = out
     if cfg.split_k > 1:  # partial sums meet in fp32, then round once
         target = torch.zeros(out.shape, dtype=torch.float32, device=x.device)
+    if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
+        num_planes = len(fmt.planes) + (fmt.name == "fp8")
+        quant_gemv_blocked(
+            x, target, fmt, pointers[:num_planes], size_k, block_n=cfg.block_n,
+            blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if target is not out:
+            out.copy_(target)
+        return
     grid = (triton.cdiv(num_cols, cfg.block_n), cfg.split_k)
     _quant_gemv_kernel[grid](
         x, target, *pointers, *strides, x.shape[0], num_cols, size_k, x.stride(0),

@@ -4,6 +4,8 @@ sizes on a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,13 @@ from kernels.quant import (
     planes_from_ggml,
     quantize,
 )
-from kernels.quant_matmul_triton import QuantMatmulConfig, default_gemv_config, quant_matmul
+from kernels.quant_gemv_triton import BLOCKED_FORMATS
+from kernels.quant_matmul_triton import (
+    MAX_GEMV_ROWS,
+    QuantMatmulConfig,
+    default_gemv_config,
+    quant_matmul,
+)
 
 GGML_TYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,
@@ -103,8 +111,9 @@ def test_quantize_refuses_k_quants_and_ragged_rows() -> None:
 
 # -- the Triton kernels (interpreted on CPU) ---------------------------------------------------
 
-CPU_CASES = [  # (rows of x, config): the GEMV, its K split, the GEMM with ragged tiles
+CPU_CASES = [  # (rows of x, config): both GEMVs, a K split, the GEMM with ragged tiles
     (1, QuantMatmulConfig(block_n=8, block_k=256)),
+    (2, QuantMatmulConfig(block_n=8, block_k=256, blocked=False)),
     (3, QuantMatmulConfig(block_n=16, block_k=128, split_k=2)),
     (20, QuantMatmulConfig(block_m=16, block_n=16, block_k=32)),
 ]
@@ -123,6 +132,19 @@ def test_quant_matmul_matches_the_reference(
     got = quant_matmul(x, fmt, planes, size_k, config=config)
     scale = expected.abs().max().item()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("name", BLOCKED_FORMATS)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_blocked_gemv_takes_k_in_partial_steps(name: str, split_k: int) -> None:
+    fmt = FORMATS[name]
+    size_k = 160  # 5 blocks of 32, in steps of 2 blocks
+    planes = random_planes(fmt, 12, size_k, seed=split_k)
+    x = torch.randn(5, size_k, generator=torch.Generator().manual_seed(7))
+    expected = x @ dequantize(fmt, planes).T
+    config = QuantMatmulConfig(block_n=8, block_k=64, split_k=split_k)
+    got = quant_matmul(x, fmt, planes, size_k, config=config)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
 def test_quant_matmul_writes_a_given_buffer_in_bf16() -> None:
@@ -156,17 +178,23 @@ def test_default_gemv_config_splits_only_long_k() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("num_rows", [1, 4, 8, 9, 300])
-@pytest.mark.parametrize(("num_cols", "size_k"), [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize(("num_cols", "size_k"), [(6144, 4096), (4096, 14336), (1536, 576)])
 def test_quant_matmul_on_gpu_at_real_sizes(
     name: str, num_rows: int, num_cols: int, size_k: int
 ) -> None:
+    if size_k % FORMATS[name].block_size:
+        pytest.skip(f"{name} needs K in whole {FORMATS[name].block_size}-blocks")
     if name == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9+")
     fmt = FORMATS[name]
     planes = {k: v.cuda() for k, v in random_planes(fmt, num_cols, size_k).items()}
     x = torch.randn(num_rows, size_k, device="cuda").bfloat16()
     expected = x.float() @ dequantize(fmt, planes).T
-    got = quant_matmul(x, fmt, planes, size_k).float()
     # bf16 output rounding and bf16 weight tiles in the GEMM, relative to the sums' scale
     scale = expected.abs().max().item()
+    got = quant_matmul(x, fmt, planes, size_k).float()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
+    if num_rows <= MAX_GEMV_ROWS:  # the element-wise GEMV too (the k-quants' only one)
+        config = dataclasses.replace(default_gemv_config(num_cols, size_k, fmt), blocked=False)
+        got = quant_matmul(x, fmt, planes, size_k, config=config).float()
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
