@@ -26,12 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QK, QuantFormat
+from kernels.quant import QK, QuantFormat, fp8_scaled_mm
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
 
 MAX_GEMV_ROWS = 8
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_PLANES = 4
+SCALED_MM_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm with row-wise scales
+SCALED_MM_ALIGNMENT = 16  # its N and K must be multiples of this
 
 
 @dataclass(frozen=True)
@@ -200,11 +202,15 @@ def quant_matmul(
     config: QuantMatmulConfig | None = None,
     out: torch.Tensor | None = None,  # [M, N] in x's dtype
 ) -> torch.Tensor:  # [M, N]
-    """``x @ dequantize(fmt, planes).T``: the GEMV for up to ``MAX_GEMV_ROWS`` rows, else GEMM."""
+    """``x @ dequantize(fmt, planes).T``: the GEMV for up to ``MAX_GEMV_ROWS`` rows, else the
+    GEMM (fp8 on Hopper+ in bf16: ``torch._scaled_mm``, activations quantized per row)."""
     pointers = _plane_arguments(fmt, planes)
     num_rows = x.shape[0]
     num_cols = pointers[0].shape[0]
     _check(x, size_k)
+    if num_rows > MAX_GEMV_ROWS and config is None and uses_scaled_mm(x, fmt, num_cols, size_k):
+        y = fp8_scaled_mm(x, planes)  # prefill on fp8 tensor cores
+        return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
@@ -223,6 +229,14 @@ def quant_matmul(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out
+
+
+def uses_scaled_mm(x: torch.Tensor, fmt: QuantFormat, num_cols: int, size_k: int) -> bool:
+    """Whether fp8 rows beyond the GEMV take ``torch._scaled_mm`` (Hopper+, bf16, aligned)."""
+    if fmt.name != "fp8" or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    aligned = num_cols % SCALED_MM_ALIGNMENT == 0 and size_k % SCALED_MM_ALIGNMENT == 0
+    return aligned and torch.cuda.get_device_capability(x.device) >= SCALED_MM_MIN_CAPABILITY
 
 
 def _launch_gemv(

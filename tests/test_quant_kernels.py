@@ -19,15 +19,19 @@ from kernels.quant import (
     IN_SITU_FORMATS,
     QuantFormat,
     dequantize,
+    fp8_scaled_mm,
     planes_from_ggml,
     quantize,
+    quantize_rows_fp8,
 )
 from kernels.quant_gemv_triton import BLOCKED_FORMATS
 from kernels.quant_matmul_triton import (
     MAX_GEMV_ROWS,
     QuantMatmulConfig,
+    default_gemm_config,
     default_gemv_config,
     quant_matmul,
+    uses_scaled_mm,
 )
 
 GGML_TYPES = {
@@ -147,6 +151,19 @@ def test_blocked_gemv_takes_k_in_partial_steps(name: str, split_k: int) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
+def test_fp8_scaled_mm_rounds_only_the_activations_beyond_the_weights() -> None:
+    gen = torch.Generator().manual_seed(5)
+    planes = quantize(torch.randn(48, 64, generator=gen), FORMATS["fp8"])
+    x = torch.randn(32, 64, generator=gen).bfloat16()
+    x_fp8, x_scale = quantize_rows_fp8(x)
+    assert x_scale.shape == (32, 1)
+    expected = (x_fp8.float() * x_scale) @ dequantize(FORMATS["fp8"], planes).T
+    got = fp8_scaled_mm(x, planes)  # torch's CPU _scaled_mm: the op the GPU path calls
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max())
+    assert not uses_scaled_mm(x, FORMATS["fp8"], 48, 64)  # CPU tensors: the Triton path
+
+
 def test_quant_matmul_writes_a_given_buffer_in_bf16() -> None:
     fmt = FORMATS["q4_0"]
     planes = random_planes(fmt, 16, 64)
@@ -189,12 +206,19 @@ def test_quant_matmul_on_gpu_at_real_sizes(
     fmt = FORMATS[name]
     planes = {k: v.cuda() for k, v in random_planes(fmt, num_cols, size_k).items()}
     x = torch.randn(num_rows, size_k, device="cuda").bfloat16()
-    expected = x.float() @ dequantize(fmt, planes).T
+    x_used = x.float()
+    if num_rows > MAX_GEMV_ROWS and uses_scaled_mm(x, fmt, num_cols, size_k):
+        x_fp8, x_scale = quantize_rows_fp8(x)  # W8A8: the activations are rounded too
+        x_used = x_fp8.float() * x_scale
+    expected = x_used @ dequantize(fmt, planes).T
     # bf16 output rounding and bf16 weight tiles in the GEMM, relative to the sums' scale
     scale = expected.abs().max().item()
     got = quant_matmul(x, fmt, planes, size_k).float()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
     if num_rows <= MAX_GEMV_ROWS:  # the element-wise GEMV too (the k-quants' only one)
         config = dataclasses.replace(default_gemv_config(num_cols, size_k, fmt), blocked=False)
-        got = quant_matmul(x, fmt, planes, size_k, config=config).float()
-        torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
+    else:  # the Triton GEMM (fp8 included: a given config never takes _scaled_mm)
+        config = default_gemm_config(num_rows)
+        expected = x.float() @ dequantize(fmt, planes).T
+    got = quant_matmul(x, fmt, planes, size_k, config=config).float()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
