@@ -12,8 +12,10 @@ weights for every format, from ggml's per-block layout. Two kernels use it:
 * GEMV (``M <= MAX_GEMV_ROWS``, decode): a program owns ``BLOCK_N`` output columns for all
   rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
   atomically); memory-bound, it streams the planes once. q8_0, q4_0, q4_1 and fp8 take
-  kernels/quant_gemv_triton.py instead, which applies each block's scale once to a block sum
-  (``QuantMatmulConfig.blocked``); the k-quants dequantize element by element here.
+  kernels/quant_gemv_triton.py instead, which applies each block's scale once to a block sum,
+  and q4_k/q6_k kernels/quant_gemv_kquant_triton.py, which loads their super-blocks in
+  contiguous groups (``QuantMatmulConfig.blocked``; off, every format dequantizes element
+  by element here).
 * GEMM (prefill): ``BLOCK_M x BLOCK_N`` output tiles; each ``K`` step dequantizes a
   ``[BLOCK_K, BLOCK_N]`` weight tile into the activation dtype and feeds ``tl.dot``.
 """
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant import QK, QuantFormat, fp8_scaled_mm
+from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
 
 MAX_GEMV_ROWS = 8
@@ -252,6 +255,7 @@ def _launch_gemv(
     target = out
     if cfg.split_k > 1:  # partial sums meet in fp32, then round once
         target = torch.zeros(out.shape, dtype=torch.float32, device=x.device)
+    group_size = KQUANT_FORMATS.get(fmt.name)
     if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
         num_planes = len(fmt.planes) + (fmt.name == "fp8")
         quant_gemv_blocked(
@@ -259,9 +263,27 @@ def _launch_gemv(
             blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
-        if target is not out:
-            out.copy_(target)
-        return
+    elif cfg.blocked and group_size is not None and cfg.block_k % group_size == 0:
+        quant_gemv_kquant(
+            x, target, fmt, pointers, size_k, block_n=cfg.block_n, block_k=cfg.block_k,
+            split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    else:
+        _launch_elementwise_gemv(x, target, pointers, strides, fmt, num_cols, size_k, cfg)
+    if target is not out:
+        out.copy_(target)
+
+
+def _launch_elementwise_gemv(
+    x: torch.Tensor,
+    target: torch.Tensor,
+    pointers: list[torch.Tensor],
+    strides: list[int],
+    fmt: QuantFormat,
+    num_cols: int,
+    size_k: int,
+    cfg: QuantMatmulConfig,
+) -> None:
     grid = (triton.cdiv(num_cols, cfg.block_n), cfg.split_k)
     _quant_gemv_kernel[grid](
         x, target, *pointers, *strides, x.shape[0], num_cols, size_k, x.stride(0),
@@ -270,8 +292,6 @@ def _launch_gemv(
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if target is not out:
-        out.copy_(target)
 
 
 def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMatmulConfig:

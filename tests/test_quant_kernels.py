@@ -151,6 +151,19 @@ def test_blocked_gemv_takes_k_in_partial_steps(name: str, split_k: int) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_k_quant_gemv_takes_super_blocks_in_partial_steps(name: str, split_k: int) -> None:
+    fmt = FORMATS[name]
+    size_k = 768  # 3 super-blocks, in steps of 2
+    planes = random_planes(fmt, 12, size_k, seed=split_k)
+    x = torch.randn(3, size_k, generator=torch.Generator().manual_seed(8))
+    expected = x @ dequantize(fmt, planes).T
+    config = QuantMatmulConfig(block_n=8, block_k=512, split_k=split_k)
+    got = quant_matmul(x, fmt, planes, size_k, config=config)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
 def test_fp8_scaled_mm_rounds_only_the_activations_beyond_the_weights() -> None:
     gen = torch.Generator().manual_seed(5)
     planes = quantize(torch.randn(48, 64, generator=gen), FORMATS["fp8"])
