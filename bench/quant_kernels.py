@@ -77,7 +77,7 @@ def measure(
     reference = F.linear(x, dense).float()
     timings = {"cublas_bf16": _time_us(lambda: F.linear(x, dense))}
     default = (default_gemv_config(num_cols, size_k, fmt) if rows <= MAX_GEMV_ROWS
-               else default_gemm_config(rows))  # fmt: skip
+               else default_gemm_config(rows, num_cols))  # fmt: skip
     grid = GEMV_GRID if rows <= MAX_GEMV_ROWS else GEMM_GRID
     for config in [default, *grid]:
         got = quant_matmul(x, fmt, planes, size_k, config=config).float()

@@ -223,7 +223,7 @@ def quant_matmul(
         cfg = config or default_gemv_config(num_cols, size_k, fmt)
         _launch_gemv(x, out, pointers, strides, fmt, num_cols, size_k, cfg)
     else:
-        cfg = config or default_gemm_config(num_rows)
+        cfg = config or default_gemm_config(num_rows, num_cols)
         grid = (triton.cdiv(num_rows, cfg.block_m), triton.cdiv(num_cols, cfg.block_n))
         _quant_gemm_kernel[grid](
             x, out, *pointers, *strides, num_rows, num_cols, size_k, x.stride(0), out.stride(0),
@@ -304,10 +304,16 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
     return QuantMatmulConfig(block_n=block_n, block_k=max(block_k, 16), split_k=split_k)
 
 
-def default_gemm_config(num_rows: int) -> QuantMatmulConfig:
-    if num_rows <= 32:
-        return QuantMatmulConfig(block_m=32, block_n=64, block_k=64, num_warps=4)
-    return QuantMatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=8)
+def default_gemm_config(num_rows: int, num_cols: int) -> QuantMatmulConfig:
+    """Row tiles as tall as the batch needs (each weight tile is dequantized once per row
+    tile), up to 128 rows for prefill where the dequantization must hide behind ``tl.dot``;
+    column tiles narrow enough that a decode batch still gives every SM work."""
+    block_m = min(128, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 128 if block_m == 128 else 64
+    while block_n > 32 and triton.cdiv(num_rows, block_m) * triton.cdiv(num_cols, block_n) < 264:
+        block_n //= 2
+    return QuantMatmulConfig(block_m=block_m, block_n=block_n, block_k=64,
+                             num_warps=8 if block_m * block_n >= 128 * 64 else 4)  # fmt: skip
 
 
 def _plane_arguments(fmt: QuantFormat, planes: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -197,9 +197,13 @@ def test_quant_matmul_refuses_a_wrong_width_and_missing_planes() -> None:
         quant_matmul(torch.zeros(1, 64), FORMATS["q4_1"], planes, 64)
 
 
-def test_default_gemv_config_splits_only_long_k() -> None:
+def test_default_configs_fill_the_gpu() -> None:
     assert default_gemv_config(4096, 4096, FORMATS["q4_0"]).split_k > 1
     assert default_gemv_config(128256, 4096, FORMATS["q4_0"]).split_k == 1
+    decode = default_gemm_config(16, 4096)  # a batch of 16: 128 column tiles, not 64
+    assert (decode.block_m, decode.block_n) == (16, 32)
+    prefill = default_gemm_config(8192, 4096)
+    assert (prefill.block_m, prefill.block_n, prefill.num_warps) == (128, 128, 8)
 
 
 # -- real sizes on a GPU -----------------------------------------------------------------------
@@ -231,7 +235,7 @@ def test_quant_matmul_on_gpu_at_real_sizes(
     if num_rows <= MAX_GEMV_ROWS:  # the element-wise GEMV too (the k-quants' only one)
         config = dataclasses.replace(default_gemv_config(num_cols, size_k, fmt), blocked=False)
     else:  # the Triton GEMM (fp8 included: a given config never takes _scaled_mm)
-        config = default_gemm_config(num_rows)
+        config = default_gemm_config(num_rows, num_cols)
         expected = x.float() @ dequantize(fmt, planes).T
     got = quant_matmul(x, fmt, planes, size_k, config=config).float()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
