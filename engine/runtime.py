@@ -14,6 +14,7 @@ from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_offload import HostPrefixCache
 from engine.loader import LoadedModel
 from engine.memory import (
     MemoryProfile,
@@ -68,12 +69,14 @@ def build_runtime(
         profile = read_device_memory(device, loaded.weights_bytes, *peaks)
     plan = plan_pool(config, spec, device, max_model_len, profile)
     log_plan(plan, spec, profile, max_model_len)
-    kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device)
+    kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device, plan.num_offload_blocks)
+    host_cache = HostPrefixCache(plan.num_offload_blocks) if plan.num_offload_blocks else None
     block_manager = BlockManager(
         plan.num_blocks,
         block_size,
         enable_prefix_caching=paged and config.prefix_caching,
         tenant_page_quotas=config.tenant_page_quotas,
+        host_cache=host_cache,
     )
     runner = ModelRunner(loaded.model, kv_cache, sampler, device)
     if use_graphs:

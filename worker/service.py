@@ -332,6 +332,10 @@ class WorkerService:
             num_preemptions=stats.num_preemptions,
             queue_depth=self._queue_depth,
             num_swapped=stats.num_swapped,
+            num_device_hit_tokens=stats.num_device_hit_tokens,
+            num_host_hit_tokens=stats.num_host_hit_tokens,
+            num_offloaded_pages=stats.num_offloaded_pages,
+            num_offload_evictions=stats.num_offload_evictions,
         )
 
 

@@ -81,9 +81,14 @@ class EngineGauges:
     num_preemptions: int  # cumulative since the engine started
     queue_depth: int  # requests in the Redis stream not yet read by this worker
     num_swapped: int = 0
+    # Cumulative: tokens admitted from each prefix-cache tier, and the host tier's traffic
+    num_device_hit_tokens: int = 0
+    num_host_hit_tokens: int = 0
+    num_offloaded_pages: int = 0
+    num_offload_evictions: int = 0
 
 
-# Gauge name, EngineGauges field, unit, description. Preemptions is cumulative: a counter.
+# Gauge name, EngineGauges field, unit, description; cumulative ones are counters below.
 _ENGINE_GAUGES = (
     ("pagestream.engine.requests.running", "num_running", "{request}", "Requests being decoded."),
     ("pagestream.engine.requests.waiting", "num_waiting", "{request}", "Requests waiting to run."),
@@ -93,7 +98,25 @@ _ENGINE_GAUGES = (
     ("pagestream.engine.prefix_cache.hit_rate", "prefix_hit_rate", "1", "Prefix-cache hit rate."),
     ("pagestream.queue.depth", "queue_depth", "{request}", "Requests queued in the stream."),
 )
-_PREEMPTIONS = ("pagestream.engine.preemptions", "num_preemptions", "{preemption}")
+_ENGINE_COUNTERS = (
+    ("pagestream.engine.preemptions", "num_preemptions", "{preemption}", "Preemptions so far."),
+    (
+        "pagestream.engine.prefix_cache.device_hit_tokens", "num_device_hit_tokens", "{token}",
+        "Tokens admitted with their KV found in the GPU pool's prefix cache.",
+    ),
+    (
+        "pagestream.engine.prefix_cache.host_hit_tokens", "num_host_hit_tokens", "{token}",
+        "Tokens admitted with their KV copied back from the host tier (--kv-offload-mb).",
+    ),
+    (
+        "pagestream.engine.kv_offload.pages_offloaded", "num_offloaded_pages", "{page}",
+        "Evicted prefix-cache pages saved to the host tier.",
+    ),
+    (
+        "pagestream.engine.kv_offload.evictions", "num_offload_evictions", "{page}",
+        "Host-tier pages dropped to make room.",
+    ),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -218,10 +241,10 @@ class Telemetry:
             self._meter.create_observable_gauge(
                 name, [self._gauge_callback(field)], unit=unit, description=description
             )
-        name, field, unit = _PREEMPTIONS
-        self._meter.create_observable_counter(
-            name, [self._gauge_callback(field)], unit=unit, description="Preemptions so far."
-        )
+        for name, field, unit, description in _ENGINE_COUNTERS:
+            self._meter.create_observable_counter(
+                name, [self._gauge_callback(field)], unit=unit, description=description
+            )
 
     def _gauge_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
