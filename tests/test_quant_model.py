@@ -19,7 +19,14 @@ from engine.config import add_engine_args, engine_config_from_args
 from engine.quant.linear import QuantizedLinear
 from engine.quant.plan import check_plan_device, in_situ_plan
 from kernels.quant import FORMATS, dequantize, quantize
-from tests.test_gguf import TINY_LAYERS, tiny_tensor_shapes, write_tiny_metadata
+from tests.test_gguf import (
+    TINY_CHAT_TEMPLATE,
+    TINY_LAYERS,
+    TINY_TOKENS,
+    tiny_tensor_shapes,
+    write_tiny_metadata,
+)
+from tests.test_quant_kernels import random_ggml_blocks
 
 # Per GGUF role, the block type of the synthetic file: layer 0's v differs from its q/k, so its
 # qkv stays float; layer 1's are all q4_0, so its packed q/k rows need llama.cpp's permutation
@@ -90,6 +97,11 @@ def module_formats(llm: LLM) -> dict[str, str | None]:
     }
 
 
+def module_formats_of(llm: LLM, name: str) -> str | None:
+    module = llm.engine.loaded.model.get_submodule(name)
+    return module.fmt.name if isinstance(module, QuantizedLinear) else None
+
+
 def logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     return llm.engine.runner.teacher_forced_logits(token_ids).cpu()
 
@@ -135,6 +147,76 @@ def test_bundled_model_packed_equals_dequantized() -> None:
     got = logits(packed, tokens)
     assert_close_logits(got, expected, rel=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+# Q4_K_M's mix, on rows of whole 256-element super-blocks: q/k q4_k and v q6_k (qkv stays
+# float), o and gate/up q4_k, down and the LM head q6_k.
+KQUANT_HIDDEN, KQUANT_FFN, KQUANT_HEADS, KQUANT_KV_HEADS = 256, 512, 4, 2
+KQUANT_TYPES = {"attn_q": "q4_k", "attn_k": "q4_k", "attn_v": "q6_k", "attn_output": "q4_k",
+                "ffn_gate": "q4_k", "ffn_up": "q4_k", "ffn_down": "q6_k", "output": "q6_k"}  # fmt: skip
+GGML_TYPE_OF = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
+
+
+def write_kquant_gguf(path: Path) -> Path:
+    """A two-layer llama GGUF whose linears are random q4_k/q6_k blocks (gguf-py cannot
+    quantize to k-quants; random blocks with small scales are a model all the same)."""
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value in (("block_count", 2), ("context_length", 128),
+                       ("embedding_length", KQUANT_HIDDEN), ("feed_forward_length", KQUANT_FFN),
+                       ("head_count", KQUANT_HEADS), ("head_count_kv", KQUANT_KV_HEADS),
+                       ("layer_norm_rms_eps", 1e-6), ("rope_freq_base", 10_000.0)):  # fmt: skip
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(TINY_TOKENS)
+    writer.add_token_types([1] * (len(TINY_TOKENS) - 3) + [3, 3, 3])
+    writer.add_token_merges(["a b", "c d"])
+    writer.add_eos_token_id(TINY_TOKENS.index("<|endoftext|>"))
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+    head_dim = KQUANT_HIDDEN // KQUANT_HEADS
+    rows = {"attn_q": KQUANT_HIDDEN, "attn_k": KQUANT_KV_HEADS * head_dim,
+            "attn_v": KQUANT_KV_HEADS * head_dim, "attn_output": KQUANT_HIDDEN,
+            "ffn_gate": KQUANT_FFN, "ffn_up": KQUANT_FFN, "ffn_down": KQUANT_HIDDEN}  # fmt: skip
+    rng = np.random.default_rng(3)
+    vocab = len(TINY_TOKENS)
+    writer.add_tensor(
+        "token_embd.weight", rng.standard_normal((vocab, KQUANT_HIDDEN)).astype(np.float32)
+    )
+    for layer in range(2):
+        for role, num_rows in rows.items():
+            size_k = KQUANT_FFN if role == "ffn_down" else KQUANT_HIDDEN
+            _add_blocks(writer, f"blk.{layer}.{role}.weight", KQUANT_TYPES[role], num_rows, size_k)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(KQUANT_HIDDEN, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(KQUANT_HIDDEN, np.float32))
+    _add_blocks(writer, "output.weight", KQUANT_TYPES["output"], vocab, KQUANT_HIDDEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_blocks(writer: gguf.GGUFWriter, name: str, fmt: str, num_rows: int, size_k: int) -> None:
+    blocks = random_ggml_blocks(fmt, num_rows, size_k, seed=num_rows + size_k)
+    writer.add_tensor(name, blocks, raw_dtype=GGML_TYPE_OF[fmt])
+
+
+def test_k_quant_gguf_packed_gives_the_dequantized_models_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGESTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_kquant_gguf(tmp_path / "kquant.gguf"))
+    packed = LLM(path, quantization="gguf", **SETTINGS)
+    formats = {name: module_formats_of(packed, name) for name in
+               ("layers.1.self_attn.qkv_proj", "layers.1.self_attn.o_proj",
+                "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj", "lm_head")}  # fmt: skip
+    assert formats == {"layers.1.self_attn.qkv_proj": None, "layers.1.self_attn.o_proj": "q4_k",
+                       "layers.1.mlp.gate_up_proj": "q4_k", "layers.1.mlp.down_proj": "q6_k",
+                       "lm_head": "q6_k"}  # fmt: skip
+    dequantized = LLM(path, quantization="none", **SETTINGS)
+    tokens = list(range(1, 25))
+    assert_close_logits(logits(packed, tokens), logits(dequantized, tokens), rel=1e-5)
 
 
 # -- in-situ quantization -------------------------------------------------------------------------
@@ -248,3 +330,22 @@ def test_in_situ_schemes_on_the_gpu(scheme: str) -> None:
     # decode replays graphs of the GEMV; the same batch twice gives the same tokens
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert all(len(o.token_ids) == 16 for o in first)
+
+
+@pytest.mark.gpu
+def test_k_quant_gguf_served_packed_on_the_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGESTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_kquant_gguf(tmp_path / "kquant.gguf"))
+    settings = {**GPU_SETTINGS, "max_model_len": 128}
+    tokens = list(range(1, 25))
+    expected = logits(LLM(path, quantization="none", **settings), tokens)
+    gc.collect()
+    packed = LLM(path, **settings)  # auto on CUDA: the q4_k/q6_k blocks stay packed
+    assert module_formats_of(packed, "layers.0.mlp.down_proj") == "q6_k"
+    got = logits(packed, tokens)
+    assert ((got - expected).abs().mean() / expected.std(dim=-1).mean()).item() < 0.05
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = packed.generate([tokens[:5], tokens[5:12]], greedy, use_tqdm=False)  # the GEMVs
+    assert all(len(out.token_ids) == 8 for out in outs)
