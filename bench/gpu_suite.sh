@@ -83,10 +83,10 @@ quant() {  # quantized weights against bf16: the bundled GGUF's blocks, llama3-8
     python -m bench.quant_kernels --model llama3-8b --rows 1,16,4096 \
         --output-json "$OUT/quant-kernels-llama3-8b.json"
     log quant smollm2-135m
-    python -m bench.quant --model smollm2-135m --formats gguf \
+    "${PS[@]}" bench quant --model smollm2-135m --formats gguf \
         --output-json "$OUT/quant-smollm2-135m.json"
     log quant llama3-8b
-    python -m bench.quant --model dummy:llama3-8b --formats q8_0,q4_0,q4_1,fp8 \
+    "${PS[@]}" bench quant --model dummy:llama3-8b --formats q8_0,q4_0,q4_1,fp8 \
         --output-json "$OUT/quant-llama3-8b.json"
 }
 

@@ -1,7 +1,7 @@
 """Quantized weights against the float model: bytes, quality and speed per format.
 
-    python -m bench.quant --model dummy:llama3-8b --formats q8_0,q4_0,q4_1,fp8
-    python -m bench.quant --model smollm2-135m --formats gguf
+    pagestream bench quant --model dummy:llama3-8b --formats q8_0,q4_0,q4_1,fp8
+    pagestream bench quant --model smollm2-135m --formats gguf   (or python -m bench.quant)
 
 The reference is ``--quantization none`` in the model dtype (bf16 on CUDA). For each format,
 on the same prompts (text for a model with a tokenizer, else random ids):
@@ -146,29 +146,40 @@ def _summary_line(result: dict[str, Any], reference: dict[str, Any]) -> str:
     return line
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="dummy:llama3-8b")
-    parser.add_argument("--formats", default="q8_0,q4_0,q4_1,fp8",
-                        help="comma-separated --quantization values to compare with none")  # fmt: skip
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+def add_quant_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``pagestream bench quant`` (and ``python -m bench.quant``)."""
+    parser.add_argument("--model", default="dummy:llama3-8b", help="default dummy:llama3-8b")
+    parser.add_argument("--formats", default="q8_0,q4_0,q4_1,fp8", metavar="F,F,...",
+                        help="--quantization values to compare with none "
+                        "(default q8_0,q4_0,q4_1,fp8; gguf for a quantized GGUF)")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--num-prompts", type=int, default=8, help="quality prompts (default 8)")
+    parser.add_argument("--input-len", type=int, default=128, help="random prompts (default 128)")
+    parser.add_argument("--output-len", type=int, default=64, help="default 64")
     parser.add_argument("--throughput-prompts", type=int, default=256,
-                        help="prompts of the throughput run (input and output 128..512); 0 = skip")  # fmt: skip
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--output-json", default=None)
-    args = parser.parse_args(argv)
+                        help="prompts of the throughput run (input and output 128..512); "
+                        "0 = skip (default 256)")  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, default=2048, help="default 2048")
+    parser.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The record for flags added by :func:`add_quant_args`."""
     throughput = None
     if args.throughput_prompts:
         throughput = ThroughputWorkload(args.throughput_prompts, (128, 512), (128, 512))
-    record = measure_quant(
+    return measure_quant(
         args.model, args.formats.split(","), num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, throughput=throughput,
         device=args.device, max_model_len=args.max_model_len,
     )  # fmt: skip
-    save(record, args.output_json)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_quant_args(parser)
+    args = parser.parse_args(argv)
+    save(run_from_args(args), args.output_json)
 
 
 if __name__ == "__main__":
