@@ -294,14 +294,20 @@ def _launch_elementwise_gemv(
     )  # fmt: skip
 
 
+GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
+
+
 def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMatmulConfig:
-    """Enough programs to fill an H100/H200 (132 SMs) several times; K steps of whole blocks."""
-    block_n = 16 if num_cols >= 2048 else 8
-    block_k = min(256, triton.next_power_of_2(size_k))
+    """Enough programs to give every SM two, by narrower column tiles before splitting K:
+    a split costs a zeroed fp32 buffer and a copy (two more kernels per linear). A step of
+    ``BLOCK_N`` rows reads 2 KiB of 4-bit quants, 16 bytes a thread of 4 warps."""
+    block_n = 16 if triton.cdiv(num_cols, 16) >= 2 * GEMV_MIN_PROGRAMS else 8
+    block_k = min(256 * 16 // block_n, max(triton.next_power_of_2(size_k), 16))
     split_k = 1
-    while triton.cdiv(num_cols, block_n) * split_k < 512 and size_k // (split_k * 2) >= 1024:
+    while (triton.cdiv(num_cols, block_n) * split_k < GEMV_MIN_PROGRAMS
+           and size_k // (split_k * 2) >= 1024):  # fmt: skip
         split_k *= 2
-    return QuantMatmulConfig(block_n=block_n, block_k=max(block_k, 16), split_k=split_k)
+    return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k)
 
 
 def default_gemm_config(num_rows: int, num_cols: int) -> QuantMatmulConfig:

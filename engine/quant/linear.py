@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
-from kernels.quant import QuantFormat, dequantize, empty_planes, plane_bytes, quantize
+from kernels.quant import QuantFormat, dequantize, empty_planes, quantize
 from kernels.quant_matmul_triton import quant_matmul
 
 
@@ -26,12 +26,6 @@ class PackedWeight:
 
     fmt: QuantFormat
     planes: dict[str, torch.Tensor]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        first = next(iter(self.planes.values()))
-        per_block = self.fmt.planes[0].per_block
-        return first.shape[0], first.shape[1] // per_block * self.fmt.block_size
 
 
 class QuantizedLinear(nn.Module):
@@ -63,9 +57,6 @@ class QuantizedLinear(nn.Module):
 
     def planes(self) -> dict[str, torch.Tensor]:
         return dict(self.named_buffers(recurse=False))
-
-    def packed_bytes(self) -> int:
-        return plane_bytes(self.planes())
 
     def forward(
         self,
