@@ -11,8 +11,8 @@ on its own, which scatters the loads. Here a program loads whole groups of a sup
   group and applied to the group's sums: ``d sc sum(q x) - dmin mn sum(x)``.
 * q6_k: a group is half a super-block, 128 elements = 64 bytes of ``ql`` (low nibbles are
   elements ``t``, high nibbles ``64 + t``) and 32 bytes of ``qh`` (2 bits each, shifted by
-  the element's quarter). The int8 scales change every 16 elements and are applied per
-  element.
+  the element's quarter). The int8 scales change every 16 elements: the tile is split into
+  runs of 16, each run's sum scaled once.
 
 ``SPLIT_K > 1`` adds fp32 partial sums atomically into a zeroed buffer.
 """
@@ -69,31 +69,41 @@ def _q4_k_group_sums(x_ptr, p0, p1, p2, p3, s0, s1, s2, s3, offs_n, N, grp, mask
 
 
 @triton.jit
-def _q6_k_group_sums(x_ptr, p0, p1, p2, p3, s0, s1, s2, s3, offs_n, N, grp, mask_g, m, M,
-                     stride_xm):  # fmt: skip
-    """Row ``m`` of x against 128-element groups ``grp`` (half super-blocks)."""
-    t = tl.arange(0, 64)
+def _q6_k_group_sums(x_ptr, p0, p1, p2, p3, s0, s1, s2, s3, offs_n, N, g0, num_groups, m, M,
+                     stride_xm, GROUPS: tl.constexpr):  # fmt: skip
+    """Row ``m`` of x against the 128-element groups (half super-blocks) ``g0 + [0, GROUPS)``.
+
+    A group's elements ``16 s + u`` (s < 4) take the low nibbles of its 64 ``ql`` bytes and
+    ``64 + 16 s + u`` the high ones; each run of 16 has one int8 scale, applied to its sum.
+    The tile axis ``j`` runs over (group, s): [BLOCK_N, GROUPS * 4, 16].
+    """
+    lanes = tl.arange(0, 16)
+    j = tl.arange(0, 4 * GROUPS)
+    group = g0 + j // 4
+    run = j % 4
+    mask_j = group < num_groups
     rows = offs_n[:, None, None]
-    mask_ng = (offs_n < N)[:, None] & mask_g[None, :]
-    mask_3d = mask_ng[:, :, None]
-    low = tl.load(p2 + rows * s2 + grp[None, :, None] * 64 + t[None, None, :], mask=mask_3d,
+    mask_nj = (offs_n < N)[:, None] & mask_j[None, :]
+    mask_3d = mask_nj[:, :, None]
+    t = (run * 16)[None, :, None] + lanes[None, None, :]  # element within the first half
+    low = tl.load(p2 + rows * s2 + group[None, :, None] * 64 + t, mask=mask_3d,
                   other=0).to(tl.int32)  # fmt: skip
-    high = tl.load(p3 + rows * s3 + grp[None, :, None] * 32 + (t % 32)[None, None, :],
-                   mask=mask_3d, other=0).to(tl.int32)  # fmt: skip
-    shift = (t // 32 * 2)[None, None, :]
+    high = tl.load(p3 + rows * s3 + group[None, :, None] * 32 + t % 32, mask=mask_3d,
+                   other=0).to(tl.int32)  # fmt: skip
+    shift = t // 32 * 2
     q_first = ((low & 0xF) | (((high >> shift) & 3) << 4)) - 32  # elements t
     q_second = ((low >> 4) | (((high >> (shift + 4)) & 3) << 4)) - 32  # elements 64 + t
-    scale_at = p1 + rows * s1 + grp[None, :, None] * 8 + (t // 16)[None, None, :]
-    scale_first = tl.load(scale_at, mask=mask_3d, other=0).to(tl.float32)
-    scale_second = tl.load(scale_at + 4, mask=mask_3d, other=0).to(tl.float32)
-    x_mask = (mask_g & (grp * 0 + m < M))[:, None]  # padding rows of x read nothing
-    x_row = x_ptr + m * stride_xm + grp[:, None] * 128 + t[None, :]
-    x_first = tl.load(x_row, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
-    x_second = tl.load(x_row + 64, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
-    sums = tl.sum(scale_first * q_first.to(tl.float32) * x_first
-                  + scale_second * q_second.to(tl.float32) * x_second, axis=2)  # fmt: skip
-    d = tl.load(p0 + offs_n[:, None] * s0 + grp[None, :] // 2, mask=mask_ng, other=0.0)
-    return d.to(tl.float32) * sums
+    x_mask = (mask_j & (j * 0 + m < M))[:, None]  # padding rows of x read nothing
+    x_at = x_ptr + m * stride_xm + group[:, None] * 128 + (run * 16)[:, None] + lanes[None, :]
+    x_first = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
+    x_second = tl.load(x_at + 64, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
+    sum_first = tl.sum(q_first.to(tl.float32) * x_first, axis=2)  # [BLOCK_N, GROUPS * 4]
+    sum_second = tl.sum(q_second.to(tl.float32) * x_second, axis=2)
+    scale_at = p1 + offs_n[:, None] * s1 + group[None, :] * 8 + run[None, :]
+    scale_first = tl.load(scale_at, mask=mask_nj, other=0).to(tl.float32)
+    scale_second = tl.load(scale_at + 4, mask=mask_nj, other=0).to(tl.float32)
+    d = tl.load(p0 + offs_n[:, None] * s0 + group[None, :] // 2, mask=mask_nj, other=0.0)
+    return d.to(tl.float32) * (scale_first * sum_first + scale_second * sum_second)
 
 
 @triton.jit
@@ -122,8 +132,8 @@ def _quant_gemv_kquant_kernel(
                 part = _q4_k_group_sums(x_ptr, p0, p1, p2, p3, s0, s1, s2, s3, offs_n, N, grp,
                                         mask_g, m, M, stride_xm)  # fmt: skip
             else:
-                part = _q6_k_group_sums(x_ptr, p0, p1, p2, p3, s0, s1, s2, s3, offs_n, N, grp,
-                                        mask_g, m, M, stride_xm)  # fmt: skip
+                part = _q6_k_group_sums(x_ptr, p0, p1, p2, p3, s0, s1, s2, s3, offs_n, N, g0,
+                                        num_groups, m, M, stride_xm, GROUPS)  # fmt: skip
             acc += tl.where(offs_m[:, None] == m, tl.sum(part, axis=1)[None, :], 0.0)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
