@@ -42,6 +42,9 @@ GGML_TYPES = {
     "q6_k": GGMLQuantizationType.Q6_K,
 }
 SCALE_FIELDS = ("d", "dmin", "m")
+# The small cases run where the kernels can: the interpreter on a CPU-only machine, the GPU
+# where there is one (Triton cannot launch on CPU tensors without the interpreter).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_ggml_blocks(name: str, num_rows: int, size_k: int, seed: int = 0) -> np.ndarray:
@@ -115,6 +118,16 @@ def test_quantize_refuses_k_quants_and_ragged_rows() -> None:
 
 # -- the Triton kernels (interpreted on CPU) ---------------------------------------------------
 
+
+def run_kernel(
+    x: torch.Tensor, fmt: QuantFormat, planes: dict[str, torch.Tensor], size_k: int,
+    config: QuantMatmulConfig,
+) -> torch.Tensor:  # fmt: skip
+    """``quant_matmul`` on DEVICE, the result back on the CPU."""
+    on_device = {name: plane.to(DEVICE) for name, plane in planes.items()}
+    return quant_matmul(x.to(DEVICE), fmt, on_device, size_k, config=config).cpu()
+
+
 CPU_CASES = [  # (rows of x, config): both GEMVs, a K split, the GEMM with ragged tiles
     (1, QuantMatmulConfig(block_n=8, block_k=256)),
     (2, QuantMatmulConfig(block_n=8, block_k=256, blocked=False)),
@@ -133,7 +146,7 @@ def test_quant_matmul_matches_the_reference(
     planes = random_planes(fmt, num_cols, size_k, seed=num_rows)
     x = torch.randn(num_rows, size_k, generator=torch.Generator().manual_seed(num_rows))
     expected = x @ dequantize(fmt, planes).T
-    got = quant_matmul(x, fmt, planes, size_k, config=config)
+    got = run_kernel(x, fmt, planes, size_k, config)
     scale = expected.abs().max().item()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
 
@@ -147,7 +160,7 @@ def test_blocked_gemv_takes_k_in_partial_steps(name: str, split_k: int) -> None:
     x = torch.randn(5, size_k, generator=torch.Generator().manual_seed(7))
     expected = x @ dequantize(fmt, planes).T
     config = QuantMatmulConfig(block_n=8, block_k=64, split_k=split_k)
-    got = quant_matmul(x, fmt, planes, size_k, config=config)
+    got = run_kernel(x, fmt, planes, size_k, config)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
@@ -160,7 +173,7 @@ def test_k_quant_gemv_takes_super_blocks_in_partial_steps(name: str, split_k: in
     x = torch.randn(3, size_k, generator=torch.Generator().manual_seed(8))
     expected = x @ dequantize(fmt, planes).T
     config = QuantMatmulConfig(block_n=8, block_k=512, split_k=split_k)
-    got = quant_matmul(x, fmt, planes, size_k, config=config)
+    got = run_kernel(x, fmt, planes, size_k, config)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
@@ -181,11 +194,16 @@ def test_quant_matmul_writes_a_given_buffer_in_bf16() -> None:
     fmt = FORMATS["q4_0"]
     planes = random_planes(fmt, 16, 64)
     x = torch.randn(2, 64).bfloat16()
-    out = torch.empty(2, 16, dtype=torch.bfloat16)
-    got = quant_matmul(x, fmt, planes, 64, config=QuantMatmulConfig(block_n=8, block_k=64), out=out)
+    out = torch.empty(2, 16, dtype=torch.bfloat16, device=DEVICE)
+    config = QuantMatmulConfig(block_n=8, block_k=64)
+    planes = {name: plane.to(DEVICE) for name, plane in planes.items()}
+    got = quant_matmul(x.to(DEVICE), fmt, planes, 64, config=config, out=out)
     assert got.data_ptr() == out.data_ptr()
+    planes = {name: plane.cpu() for name, plane in planes.items()}
     expected = x.float() @ dequantize(fmt, planes).T
-    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max())
+    torch.testing.assert_close(
+        out.cpu().float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max()
+    )
 
 
 def test_quant_matmul_refuses_a_wrong_width_and_missing_planes() -> None:
