@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from bench.quant import measure_quant
-from bench.workloads import ThroughputWorkload
 
 
 def test_quant_record_compares_each_format_with_the_float_model() -> None:
     record = measure_quant(
         "dummy:tiny", ["q8_0", "q4_0"], num_prompts=2, input_len=12, output_len=6,
-        throughput=ThroughputWorkload(2, (8, 8), (4, 4)), max_model_len=128, pa_memory_mb=16,
+        throughput=None, max_model_len=128, pa_memory_mb=16,
     )  # fmt: skip
     results = record["results"]
     assert record["kind"] == "quant" and set(results) == {"none", "q8_0", "q4_0"}
@@ -24,5 +23,5 @@ def test_quant_record_compares_each_format_with_the_float_model() -> None:
         # tiny's embedding is untied: a decode step reads one row of it, not all
         embedding_bytes = 512 * 64 * 4
         assert batch_1["streamed_step_bytes"] == batch_1["decode_step_bytes"] - embedding_bytes
-        assert results[name]["throughput"]["output_tok_s"] > 0
+        assert "throughput" not in results[name]  # (bench throughput's own tests cover it)
     assert results["q8_0"]["logit_mean_abs_error"] < results["q4_0"]["logit_mean_abs_error"]
