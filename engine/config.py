@@ -57,6 +57,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     tenant_page_quotas: Mapping[str, int] = field(default_factory=dict)
     seed: int = 0
+    # Ranks (one process and device each) that split every layer; 1 = no tensor parallelism.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -93,7 +95,8 @@ class EngineConfig:
         bs = self.pa_block_size
         if bs < 1 or bs & (bs - 1):
             raise ConfigError(f"pa_block_size must be a power of two, got {bs}")
-        for name in ("max_seqs", "max_batched_tokens", "prefill_chunk", "swap_space_mb"):
+        names = ("max_seqs", "max_batched_tokens", "prefill_chunk", "swap_space_mb")
+        for name in (*names, "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.max_batched_tokens < self.max_seqs:
@@ -318,6 +321,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--seed", type=int, default=0, help="seed of the sampler's default generator (default 0)"
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N devices, one process each (default 1)",
     )
 
 

@@ -16,6 +16,9 @@ import torch
 
 from engine import LLM, ConfigError, EngineConfig, ModelLoadError, SamplingParams
 from engine.config import add_engine_args, engine_config_from_args
+from engine.loader.dummy import dummy_hf_config
+from engine.loader.quantized import resolve_quant_load
+from engine.models.arch import ModelArch
 from engine.quant.linear import QuantizedLinear
 from engine.quant.plan import check_plan_device, in_situ_plan
 from kernels.quant import FORMATS, dequantize, quantize
@@ -272,6 +275,15 @@ def test_requantizing_a_quantized_gguf_is_refused(tiny_gguf: Path) -> None:
 def test_in_situ_needs_whole_blocks() -> None:
     with pytest.raises(ModelLoadError, match="whole 32-element blocks; a layer with 48 inputs"):
         QuantizedLinear(48, 8, FORMATS["q8_0"], device="cpu")
+
+
+def test_tensor_parallelism_takes_float_weights_only() -> None:
+    arch = ModelArch.from_hf_config(dummy_hf_config("tiny"))
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="--quantization q8_0 needs --tensor-parallel-size 1"):
+        resolve_quant_load("q8_0", "dummy:tiny", None, arch, cpu, tensor_parallel_size=2)
+    assert resolve_quant_load("auto", "dummy:tiny", None, arch, cpu, 2).plan == {}
+    assert len(resolve_quant_load("q8_0", "dummy:tiny", None, arch, cpu, 1).plan) == 9
 
 
 def test_fp8_needs_ada_or_hopper(monkeypatch: pytest.MonkeyPatch) -> None:

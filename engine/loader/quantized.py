@@ -6,6 +6,8 @@
 * ``gguf``: a GGUF file's blocks stay packed on every device (the CPU dequantizes them per
   matmul: the reference path).
 * ``q8_0``, ``q4_0``, ``q4_1``, ``fp8``: float weights quantized at load (in-situ).
+
+Tensor parallelism (``--tensor-parallel-size`` > 1) takes float weights only.
 """
 
 from __future__ import annotations
@@ -44,16 +46,28 @@ class QuantLoad:
 
 
 def resolve_quant_load(
-    mode: str, model_name: str, gguf_path: Path | None, arch: ModelArch, device: torch.device
+    mode: str,
+    model_name: str,
+    gguf_path: Path | None,
+    arch: ModelArch,
+    device: torch.device,
+    tensor_parallel_size: int = 1,
 ) -> QuantLoad:
-    """The plan for ``--quantization mode``; a mode that cannot apply to the model fails."""
-    if mode in PACKED_MODES:
+    """The plan for ``--quantization mode``; a mode that cannot apply to the model fails.
+    Under tensor parallelism weights stay float (``auto``) or the mode is refused: a shard
+    would cut o_proj and down_proj's rows through their blocks."""
+    if tensor_parallel_size > 1 and mode not in ("auto", "none"):
+        raise ConfigError(
+            f"--quantization {mode} needs --tensor-parallel-size 1 (quantized weights are not "
+            "sharded yet); use --quantization none or auto (float weights) with tensor parallelism"
+        )
+    if tensor_parallel_size > 1 or mode == "none":
+        load = QuantLoad({})
+    elif mode in PACKED_MODES:
         load = _packed_load(mode, model_name, gguf_path, arch, device)
     elif mode in IN_SITU_FORMATS:
         _check_float_source(mode, model_name, gguf_path)
         load = QuantLoad(in_situ_plan(arch, mode))
-    elif mode == "none":
-        load = QuantLoad({})
     else:
         raise ConfigError(f"quantization: {mode!r} is not a known mode")
     check_plan_device(load.plan, device)
