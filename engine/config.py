@@ -72,6 +72,12 @@ class EngineConfig:
         _choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _choice("pa_cache_type", self.pa_cache_type, ("auto", "fp8_e4m3"))
         _choice("quantization", self.quantization, QUANTIZATION_CHOICES)
+        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
+            raise ConfigError(
+                f"--quantization {self.quantization} needs --tensor-parallel-size 1 (quantized "
+                "weights are not sharded yet); use --quantization none or auto with tensor "
+                "parallelism"
+            )
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r} is not one of auto, cpu, cuda[:N]")
 

@@ -278,6 +278,9 @@ def test_in_situ_needs_whole_blocks() -> None:
 
 
 def test_tensor_parallelism_takes_float_weights_only() -> None:
+    with pytest.raises(ConfigError, match="--quantization fp8 needs --tensor-parallel-size 1"):
+        EngineConfig(quantization="fp8", tensor_parallel_size=2)
+    EngineConfig(quantization="auto", tensor_parallel_size=2)  # float weights: fine
     arch = ModelArch.from_hf_config(dummy_hf_config("tiny"))
     cpu = torch.device("cpu")
     with pytest.raises(ConfigError, match="--quantization q8_0 needs --tensor-parallel-size 1"):
