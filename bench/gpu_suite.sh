@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|peers|vllm|serve|gateway|offload|tests|tp]...
+#   bench/gpu_suite.sh [benchmarks|fp8|peers|vllm|serve|gateway|offload|quant|tests|tp]...
 # (default: all but tp, which needs two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
@@ -79,6 +79,18 @@ offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: h
         --output-json "$OUT/multiturn-llama3-8b.json"
 }
 
+quant() {  # quantized weights against bf16: the bundled GGUF's blocks, llama3-8b quantized at load
+    log quant kernels llama3-8b
+    python -m bench.quant_kernels --model llama3-8b --rows 1,16,4096 \
+        --output-json "$OUT/quant-kernels-llama3-8b.json"
+    log quant smollm2-135m
+    "${PS[@]}" bench quant --model smollm2-135m --formats gguf \
+        --output-json "$OUT/quant-smollm2-135m.json"
+    log quant llama3-8b
+    "${PS[@]}" bench quant --model dummy:llama3-8b --formats q8_0,q4_0,q4_1,fp8 \
+        --output-json "$OUT/quant-llama3-8b.json"
+}
+
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
     log gpu tests, tensor parallel
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tensor_parallel.py || return 1
@@ -100,9 +112,10 @@ tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
-        tests/test_triton_paged_attention.py tests/test_kv_offload.py
+        tests/test_triton_paged_attention.py tests/test_kv_offload.py tests/test_quant_kernels.py \
+        tests/test_quant_model.py
 }
 
-for part in "${@:-benchmarks fp8 peers serve gateway offload tests}"; do
+for part in "${@:-benchmarks fp8 peers serve gateway offload quant tests}"; do
     for step in $part; do "$step"; done
 done

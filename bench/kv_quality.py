@@ -49,7 +49,7 @@ def measure_kv_quality(
     """The quality record (see module docstring) of ``cache_type`` against ``auto``."""
     greedy = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     reference = LLM(model, **settings)
-    prompts = _prompts(reference, num_prompts, input_len, seed)
+    prompts = quality_prompts(reference, num_prompts, input_len, seed)
     ref_outputs = [o.token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)]
     sequences = [list(p) + out for p, out in zip(prompts, ref_outputs, strict=True)]
     ref_logits = [reference.engine.runner.teacher_forced_logits(s).cpu() for s in sequences]
@@ -76,13 +76,14 @@ def measure_kv_quality(
             **settings,
         },
         "results": {
-            **_greedy_agreement(ref_outputs, outputs),
-            **_logit_error(ref_logits, logits, [len(p) for p in prompts]),
+            **greedy_agreement(ref_outputs, outputs),
+            **logit_error(ref_logits, logits, [len(p) for p in prompts]),
         },
     }
 
 
-def _prompts(llm: LLM, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
+def quality_prompts(llm: LLM, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
+    """Natural text prompts for a model with a tokenizer, else random token ids."""
     tokenizer = llm.engine.tokenizer
     if tokenizer is not None:
         texts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(num_prompts)]
@@ -92,7 +93,8 @@ def _prompts(llm: LLM, num_prompts: int, input_len: int, seed: int) -> list[list
     return rng.integers(0, vocab_size, (num_prompts, input_len)).tolist()
 
 
-def _greedy_agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict[str, float]:
+def greedy_agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict[str, float]:
+    """Share of identical outputs, and mean share of each before its first differing token."""
     prefix_shares = []
     for ref, out in zip(reference, outputs, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(ref, out, strict=True)) if a != b), len(ref))
@@ -103,9 +105,11 @@ def _greedy_agreement(reference: list[list[int]], outputs: list[list[int]]) -> d
     }
 
 
-def _logit_error(
+def logit_error(
     reference: list[torch.Tensor], logits: list[torch.Tensor], prompt_lens: list[int]
 ) -> dict[str, float]:
+    """Teacher-forced logits [L, V] per sequence against the reference's, from each prompt's
+    last token on: absolute and relative error, KL divergence, top-1 agreement."""
     # Positions from the last prompt token on: those predict the generated tokens.
     ref = torch.cat([r[n - 1 : -1] for r, n in zip(reference, prompt_lens, strict=True)])
     got = torch.cat([g[n - 1 : -1] for g, n in zip(logits, prompt_lens, strict=True)])

@@ -14,6 +14,8 @@ PagedAttnMode = Literal["auto", "on", "off"]
 PreemptionMode = Literal["recompute", "swap"]
 DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
 CacheTypeName = Literal["auto", "fp8_e4m3"]
+QuantizationName = Literal["auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "fp8"]
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "fp8")
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -30,6 +32,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "auto"  # auto = cuda when available, else cpu
     dtype: DTypeName = "auto"
+    # linear weights: auto = a quantized GGUF's blocks stay packed on CUDA (engine/loader/quantized.py)
+    quantization: QuantizationName = "auto"
     paged_attn: PagedAttnMode = "auto"
     pa_memory_mb: int | None = None
     pa_memory_fraction: float | None = None
@@ -67,6 +71,13 @@ class EngineConfig:
         _choice("preemption", self.preemption, ("recompute", "swap"))
         _choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _choice("pa_cache_type", self.pa_cache_type, ("auto", "fp8_e4m3"))
+        _choice("quantization", self.quantization, QUANTIZATION_CHOICES)
+        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
+            raise ConfigError(
+                f"--quantization {self.quantization} needs --tensor-parallel-size 1 (quantized "
+                "weights are not sharded yet); use --quantization none or auto with tensor "
+                "parallelism"
+            )
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r} is not one of auto, cpu, cuda[:N]")
 
@@ -199,6 +210,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
         help="compute type (auto: bf16 on CUDA, fp32 on CPU)",
+    )
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=list(QUANTIZATION_CHOICES),
+        help="linear weights: auto (a quantized GGUF's blocks stay packed on CUDA), none (float), "
+        "gguf (packed on every device), or q8_0/q4_0/q4_1/fp8 (quantize float weights at load)",
     )
     g.add_argument(
         "--paged-attn",

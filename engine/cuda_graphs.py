@@ -96,8 +96,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer for every graph (each writes its leading rows), so that the graphs
         # share one pool of intermediates and keep no per-bucket outputs alive.
-        # (the whole vocabulary: under tensor parallelism the graph gathers every rank's part)
-        dtype = model.lm_head.weight.dtype
+        # (the whole vocabulary: under tensor parallelism the graph gathers every rank's part;
+        # the LM head may be quantized: the logits take the activations' dtype)
+        dtype = model.embed_tokens.weight.dtype
         self.logits = torch.empty(
             self.buckets[-1], model.arch.vocab_size, dtype=dtype, device=device
         )

@@ -72,7 +72,15 @@ def setup_rank(
     dtype = resolve_dtype(config, device)
     backend = get_attention_backend(device)
     loaded = load_model(
-        config.model, dtype, device, backend, config.max_model_len, config.seed, group, source
+        config.model,
+        dtype,
+        device,
+        backend,
+        config.max_model_len,
+        config.seed,
+        group,
+        source,
+        quantization=config.quantization,
     )
     max_model_len = resolve_max_model_len(config, loaded)
     runtime = build_runtime(config, loaded, backend, dtype, max_model_len, device, group)

@@ -20,8 +20,10 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.loader.dummy import DUMMY_PREFIX, dummy_hf_config, init_dummy_weights
+from engine.loader.quantized import QuantLoad, iter_packed, resolve_quant_load
 from engine.models.arch import ModelArch
 from engine.models.llama import LlamaForCausalLM
+from engine.quant.plan import QuantPlan, swap_in_quantized
 
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DUMMY_RANK_SEED_STRIDE = 1_000_003  # rank r of a sharded dummy model draws from seed + r * this
@@ -106,8 +108,10 @@ def load_model(
     seed: int = 0,
     group: TensorParallelGroup | None = None,
     source: ModelSource | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Build the model for ``name`` on ``device`` in ``dtype`` with its tokenizer.
+    """Build the model for ``name`` on ``device`` in ``dtype`` with its tokenizer; its linears
+    quantized as ``quantization`` says (engine/loader/quantized.py).
 
     With a tensor-parallel ``group`` of more than one rank, only this rank's shard is built
     and read: each checkpoint tensor is sliced as it is read, never held whole. Dummy
@@ -120,18 +124,29 @@ def load_model(
     source = source or find_model(name)
     arch, model_dir = source.arch, source.model_dir
     plan = ShardPlan.for_arch(arch, group.rank, group.size)
-    model = _build(arch, backend, dtype, device, max_positions, plan, group)
+    quant = resolve_quant_load(quantization, name, _gguf_source(name), arch, device, group.size)
+    model = _build(arch, backend, dtype, device, max_positions, plan, group, quant.plan)
     if model_dir is None:
         init_dummy_weights(model, seed + DUMMY_RANK_SEED_STRIDE * group.rank)
     else:
         with torch.no_grad():
-            model.load_weights(_iter_safetensors(model_dir, plan))
+            model.load_weights(_iter_weights(model_dir, plan, quant, arch))
     model.tie_weights()
     tokenizer, eos_ids = _tokenizer_and_eos(source) if group.is_driver else (None, frozenset())
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    weights_bytes += sum(t.numel() * t.element_size() for t in model.buffers())
     return LoadedModel(
         name, model, arch, tokenizer, eos_ids, weights_bytes, time.perf_counter() - start_s
     )
+
+
+def _gguf_source(name: str) -> Path | None:
+    """The GGUF file behind ``name``, if it names one."""
+    from engine.loader.gguf import BUNDLED_MODEL_NAME, bundled_gguf_path
+
+    if name == BUNDLED_MODEL_NAME:
+        return bundled_gguf_path()
+    return Path(name).expanduser() if name.endswith(".gguf") else None
 
 
 def _tokenizer_and_eos(source: ModelSource) -> tuple[Any | None, frozenset[int]]:
@@ -154,17 +169,29 @@ def _build(
     max_positions: int | None,
     plan: ShardPlan,
     group: TensorParallelGroup,
+    quant_plan: QuantPlan,
 ) -> LlamaForCausalLM:
     # Build on the meta device: no time spent on random init that loading overwrites.
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, plan, group)
-    model = model.to_empty(device=device).to(dtype)
+        swap_in_quantized(model, quant_plan)
+    model = model.to_empty(device=device)
+    # parameters only: a quantized linear's planes (buffers) keep their own dtypes
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
     model.init_rope(max_positions or arch.max_position_embeddings, device)
     return model.eval().requires_grad_(False)
 
 
-def _iter_safetensors(model_dir: Path, plan: ShardPlan) -> Any:
-    """(HF name, this rank's part of the tensor), reading from disk only that part."""
+def _iter_weights(model_dir: Path, plan: ShardPlan, quant: QuantLoad, arch: ModelArch) -> Any:
+    """HF-named float tensors from the directory, then the plan's packed rows from the GGUF."""
+    yield from _iter_safetensors(model_dir, plan, skip=quant.packed_names(arch))
+    yield from iter_packed(quant, arch)
+
+
+def _iter_safetensors(model_dir: Path, plan: ShardPlan, skip: set[str] | None = None) -> Any:
+    """(HF name, this rank's part of the tensor), reading from disk only that part; the
+    names in ``skip`` (held packed elsewhere) are not read."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -173,6 +200,8 @@ def _iter_safetensors(model_dir: Path, plan: ShardPlan) -> Any:
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key in (skip or ()):
+                    continue
                 if plan.size == 1:
                     yield key, handle.get_tensor(key)
                     continue

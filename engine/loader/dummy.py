@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from engine.errors import ModelLoadError
+from engine.quant.linear import QuantizedLinear
 
 # HF config fields of each shape; architecture chooses the transformers config class.
 DUMMY_SHAPES: dict[str, dict[str, Any]] = {
@@ -86,15 +87,31 @@ def dummy_hf_config(shape: str) -> Any:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights 1, biases 0, everything else N(0, 0.02), reproducible from ``seed``."""
+    """Norm weights 1, biases 0, everything else N(0, 0.02), reproducible from ``seed``.
+
+    A quantized linear draws its float weight where the float model draws it (same order,
+    dtype and shape), then quantizes it: a quantized dummy is the float dummy, quantized.
+    """
     generators: dict[torch.device, torch.Generator] = {}
+
+    def normal_(tensor: torch.Tensor) -> None:
+        if tensor.device not in generators:
+            generators[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
+        tensor.normal_(0.0, DUMMY_INIT_STD, generator=generators[tensor.device])
+
+    float_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                if param.device not in generators:
-                    generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-                param.normal_(0.0, DUMMY_INIT_STD, generator=generators[param.device])
+        for module_name, module in model.named_modules():
+            if isinstance(module, QuantizedLinear):
+                weight = torch.empty(module.out_features, module.in_features,
+                                     dtype=float_dtype, device=module.device)  # fmt: skip
+                normal_(weight)
+                module.load_rows(0, module.out_features, weight)
+            for name, param in module.named_parameters(recurse=False):
+                full_name = f"{module_name}.{name}" if module_name else name
+                if full_name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name == "bias":
+                    param.zero_()
+                else:
+                    normal_(param)

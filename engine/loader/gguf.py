@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,14 @@ BLOCK_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# GGML block types whose linear weights can stay packed (kernels/quant.py's format names)
+GGML_BLOCK_FORMATS = {
+    GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q6_K: "q6_k",
+}
 ROPE_FREQS_TENSOR_NAME = "rope_freqs.weight"  # llama 3.x rope scaling, folded into config.json
 
 # Tokens that chat templates use to end an assistant turn; generation must stop on them too.
@@ -384,17 +393,53 @@ def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(weights.shape)
 
 
-def _convert_tensors(reader: GGUFReader, arch: str, *, progress: bool) -> dict[str, torch.Tensor]:
+def open_gguf(gguf_path: Path) -> GGUFReader:
+    """A reader of ``gguf_path`` (it parses every metadata field: seconds for a big vocab)."""
+    return _open_reader(Path(gguf_path))
+
+
+def block_formats(reader: GGUFReader) -> dict[str, str]:
+    """HF weight name -> format, for the GGUF's 2-D weights in a block format we serve packed."""
+    return {
+        hf_tensor_name(tensor.name): GGML_BLOCK_FORMATS[tensor.tensor_type]
+        for tensor in reader.tensors
+        if tensor.tensor_type in GGML_BLOCK_FORMATS and len(tensor.shape) == 2
+    }
+
+
+def iter_blocks(reader: GGUFReader, hf_names: set[str]) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(HF name, format, ggml blocks ``uint8 [rows, row_bytes]``) of the tensors in ``hf_names``,
+    q/k rows un-permuted as the float conversion does (a row shuffle: whole rows of blocks)."""
+    arch = _architecture(reader)
+    rotary_heads = _rotary_heads(reader, arch)
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name) if tensor.name != ROPE_FREQS_TENSOR_NAME else ""
+        if name not in hf_names:
+            continue
+        blocks = np.asarray(tensor.data)  # [rows, row_bytes], memory-mapped
+        role = tensor.name.split(".")[-2]
+        if role in rotary_heads:
+            blocks = unpermute_rotary(blocks, rotary_heads[role])
+        yield name, GGML_BLOCK_FORMATS[tensor.tensor_type], np.ascontiguousarray(blocks)
+
+
+def _rotary_heads(reader: GGUFReader, arch: str) -> dict[str, int]:
+    """GGUF role -> heads, for the q/k weights whose rows llama.cpp permuted (none if not)."""
+    if arch not in ROTARY_PERMUTED_ARCHITECTURES:
+        return {}
     num_heads = int(_required_field(reader, f"{arch}.attention.head_count"))
-    rotary_heads = {"attn_q": num_heads, "attn_k": _num_kv_heads(reader, arch)}
-    permuted = arch in ROTARY_PERMUTED_ARCHITECTURES
+    return {"attn_q": num_heads, "attn_k": _num_kv_heads(reader, arch)}
+
+
+def _convert_tensors(reader: GGUFReader, arch: str, *, progress: bool) -> dict[str, torch.Tensor]:
+    rotary_heads = _rotary_heads(reader, arch)
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
         if tensor.name == ROPE_FREQS_TENSOR_NAME:
             continue  # folded into config.json's rope_scaling
         weights = _dequantize(tensor)
         role = tensor.name.split(".")[-2]
-        if permuted and role in rotary_heads:
+        if role in rotary_heads:
             weights = unpermute_rotary(weights, rotary_heads[role])
         tensors[hf_tensor_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(weights))
     return tensors

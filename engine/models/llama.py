@@ -21,6 +21,7 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
+from engine.quant.linear import PackedWeight, QuantizedLinear
 from kernels.gemv_triton import gemv
 from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
@@ -267,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
     def _local_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # [N, hidden] -> [N, this rank's vocabulary rows]
+        if isinstance(self.lm_head, QuantizedLinear):
+            return self.lm_head(hidden, out=out)
         weight = self.lm_head.weight
         if hidden.is_cuda and hidden.shape[0] <= GEMV_MAX_ROWS and weight.dtype in GEMV_DTYPES:
             # batch-1 decode: the LM head is the largest single read of the step, and the GEMV
@@ -283,25 +286,37 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the fused layout; every parameter must be covered."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+        """Copy HF-named tensors into the fused layout; every weight must be covered.
+
+        A quantized linear takes packed rows as they are, and float rows quantized on the way.
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
+        quantized = self._quantized_weights()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             target = self._fused_target(hf_name)
             if target is None:
                 continue
             name, rows = target
-            if name not in params:
+            if name in quantized:
+                module = quantized[name]
+                start, end = rows if rows is not None else (0, module.out_features)
+                module.load_rows(start, end, tensor)
+            elif isinstance(tensor, PackedWeight) or name not in params:
                 raise ModelLoadError(f"weight {hf_name!r} has no place in {self.arch.architecture}")
-            dest = params[name].data if rows is None else params[name].data[rows[0] : rows[1]]
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(
-                    f"weight {hf_name!r}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            else:
+                _copy_rows(hf_name, params[name].data, rows, tensor)
             loaded.add(name if rows is None else f"{name}[{rows[0]}:{rows[1]}]")
         self._check_all_loaded(loaded)
+
+    def _quantized_weights(self) -> dict[str, QuantizedLinear]:
+        """``<module>.weight`` -> its QuantizedLinear (the weight is no parameter there)."""
+        return {
+            f"{name}.weight": module
+            for name, module in self.named_modules()
+            if isinstance(module, QuantizedLinear)
+        }
 
     def _fused_target(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
         """HF name -> (parameter name, row range inside a fused parameter or None)."""
@@ -325,16 +340,29 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def _check_all_loaded(self, loaded: set[str]) -> None:
+        expected = {name: param.shape[0] for name, param in self.named_parameters()}
+        expected |= {name: m.out_features for name, m in self._quantized_weights().items()}
         missing = []
-        for name, _ in self.named_parameters():
+        for name, num_rows in expected.items():
             if name in loaded or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
                 continue
             rows = sum(_row_count(key) for key in loaded if key.startswith(name + "["))
-            if rows != dict(self.named_parameters())[name].shape[0]:
+            if rows != num_rows:
                 missing.append(name)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint lacks {len(missing)} weights: {shown}")
+
+
+def _copy_rows(
+    hf_name: str, param: torch.Tensor, rows: tuple[int, int] | None, tensor: torch.Tensor
+) -> None:
+    dest = param if rows is None else param[rows[0] : rows[1]]
+    if dest.shape != tensor.shape:
+        raise ModelLoadError(
+            f"weight {hf_name!r}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
 
 
 def _row_count(key: str) -> int:

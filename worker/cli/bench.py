@@ -55,6 +55,14 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         configure=bench_device.configure_kv_quality,
     )
     kinds.add_parser(
+        "quant",
+        help="quantized weights against the float model: bytes, greedy and logit error, speed",
+        description="Each --quantization format against none on the same prompts: weights GB, "
+        "greedy agreement, teacher-forced logit error, batch-1 time per output token against "
+        "the weight-streaming limit, and offline throughput.",
+        configure=bench_device.configure_quant,
+    )
+    kinds.add_parser(
         "serve",
         help="N concurrent streams through Redis against workers; ratio to the offline engine",
         description="Stream random token-id prompts through Redis from --concurrency clients; "

@@ -1,5 +1,6 @@
-"""``pagestream bench latency | kernels | kv-quality | plot``: latency against the hardware
-limit, kernel bandwidth, fp8 KV quality, and plots of any record. ``worker/bench_cli.py``
+"""``pagestream bench latency | kernels | kv-quality | quant | plot``: latency against the
+hardware limit, kernel bandwidth, fp8 KV quality, quantized weights against float, and plots
+of any record. ``worker/bench_cli.py``
 registers them beside ``throughput`` and ``serve``."""
 
 from __future__ import annotations
@@ -184,6 +185,28 @@ def _run_bench_kv_quality(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     for name, value in record["results"].items():
         print(f"{name:32s} {value:.4g}")
+    save(record, args.output_json)
+    return 0
+
+
+# -- quant -----------------------------------------------------------------------------------
+
+
+def configure_quant(parser: argparse.ArgumentParser) -> None:
+    from bench.quant import add_quant_args
+
+    add_quant_args(parser)
+    parser.set_defaults(handler=_run_bench_quant, command_prog=parser.prog)
+
+
+def _run_bench_quant(args: argparse.Namespace) -> int:
+    from bench.quant import run_from_args
+    from engine import PagestreamError
+
+    try:
+        record = run_from_args(args)
+    except PagestreamError as exc:
+        raise CommandError(str(exc)) from exc
     save(record, args.output_json)
     return 0
 

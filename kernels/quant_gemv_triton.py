@@ -1,0 +1,144 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""Decode GEMV for q8_0, q4_0, q4_1 and fp8 weights, the scale factored out of each block.
+
+At batch 1 a linear streams its packed weight once; dequantizing element by element spends
+several instructions per weight on loads and scale products, which at 4.5 bits a weight
+costs more than the bytes. Here a program holds its tile as ``[BLOCK_N, BLOCKS, 32]`` (rows,
+32-element blocks, elements) and, per block, sums the raw quants against ``x`` first:
+
+    sum_j w_j x_j = d * sum_j q_j x_j              (q8_0)
+                  = d * (sum_j q_j x_j - 8 sum_j x_j)   (q4_0)
+                  = d * sum_j q_j x_j + m * sum_j x_j   (q4_1)
+
+so each weight costs a nibble extraction and one fused multiply-add, and each block one scale.
+fp8 has one scale per row: it multiplies the finished sums. The 4-bit tiles load each block's
+16 bytes once and split them into the low nibbles (elements 0..15) and high (16..31), which
+meet ``x[0:16]`` and ``x[16:32]`` of the block. ``SPLIT_K > 1`` adds fp32 partial sums
+atomically into a zeroed buffer, as kernels/gemv_triton.py does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant import QK, QuantFormat
+
+BLOCKED_FORMATS = ("q8_0", "q4_0", "q4_1", "fp8")
+
+
+@triton.jit
+def _block_sums(x_ptr, q, lo, hi, m, blk, mask_b, M, stride_xm, FORMAT: tl.constexpr):
+    """Row ``m`` of x against the tile: (per-block sum of q * x [BLOCK_N, BLOCKS], sum of x
+    per block [BLOCKS]); the second is only used by the 4-bit formats."""
+    offs_half = tl.arange(0, 16)
+    x_row = x_ptr + m * stride_xm + blk[:, None] * 32
+    x_mask = (mask_b & (blk * 0 + m < M))[:, None]  # padding rows of x read nothing
+    if FORMAT == 0 or FORMAT == 5:  # q8_0, fp8: [BLOCKS, 32]
+        x = tl.load(x_row + tl.arange(0, 32)[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        sums = tl.sum(q * x[None, :, :], axis=2)
+        x_sums = tl.sum(x, axis=1)
+    else:  # q4_0, q4_1: the block's first and second halves [BLOCKS, 16]
+        x_lo = tl.load(x_row + offs_half[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_row + 16 + offs_half[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        sums = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
+        x_sums = tl.sum(x_lo + x_hi, axis=1)
+    return sums, x_sums
+
+
+@triton.jit
+def _quant_gemv_blocked_kernel(
+    x_ptr, out_ptr, p0, p1, p2, s0, s1, s2,
+    M, N, K,
+    stride_xm,  # x: [M, K], last stride 1
+    stride_om,  # out: [M, N], last stride 1
+    FORMAT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    mask_n = offs_n < N
+    num_blocks = K // 32
+    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
+    first_block = pid_k * blocks_per_split
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
+        blk = b0 + tl.arange(0, BLOCKS)
+        mask_b = blk < num_blocks
+        mask_nb = mask_n[:, None] & mask_b[None, :]  # [BLOCK_N, BLOCKS]
+        mask_3d = mask_nb[:, :, None]
+        rows = offs_n[:, None, None]
+        # 1. the tile's quants: [BLOCK_N, BLOCKS, 32] (8-bit) or two [BLOCK_N, BLOCKS, 16]
+        q = tl.zeros((1, 1, 1), dtype=tl.float32)
+        lo = q
+        hi = q
+        if FORMAT == 5:  # fp8: w is plane 0
+            offs = rows * s0 + blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+            q = tl.load(p0 + offs, mask=mask_3d, other=0.0).to(tl.float32)
+        elif FORMAT == 0:  # q8_0: d, qs
+            offs = rows * s1 + blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+            q = tl.load(p1 + offs, mask=mask_3d, other=0).to(tl.float32)
+        else:  # q4_0: d, qs / q4_1: d, qs, m
+            offs = rows * s1 + blk[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+            byte = tl.load(p1 + offs, mask=mask_3d, other=0).to(tl.int32)
+            lo = (byte & 0xF).to(tl.float32)
+            hi = (byte >> 4).to(tl.float32)
+        d = tl.zeros((1, 1), dtype=tl.float32)
+        mins = d
+        if FORMAT != 5:
+            d = tl.load(p0 + offs_n[:, None] * s0 + blk[None, :], mask=mask_nb, other=0.0)
+            d = d.to(tl.float32)  # [BLOCK_N, BLOCKS]
+        if FORMAT == 2:
+            mins = tl.load(p2 + offs_n[:, None] * s2 + blk[None, :], mask=mask_nb, other=0.0)
+            mins = mins.to(tl.float32)
+        # 2. per row of x: block sums, scaled once per block
+        for m in tl.static_range(M_PAD):
+            sums, x_sums = _block_sums(x_ptr, q, lo, hi, m, blk, mask_b, M, stride_xm, FORMAT)
+            if FORMAT == 5:
+                scaled = sums
+            elif FORMAT == 0:
+                scaled = d * sums
+            elif FORMAT == 1:
+                scaled = d * (sums - 8.0 * x_sums[None, :])
+            else:
+                scaled = d * sums + mins * x_sums[None, :]
+            acc += tl.where(offs_m[:, None] == m, tl.sum(scaled, axis=1)[None, :], 0.0)
+    if FORMAT == 5:  # 3. fp8: the row scale, once
+        acc *= tl.load(p1 + offs_n * s1, mask=mask_n, other=0.0)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = (offs_m[:, None] < M) & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+
+
+def quant_gemv_blocked(
+    x: torch.Tensor,  # [M, K], M <= 8
+    out: torch.Tensor,  # [M, N] (fp32 and zeroed when split_k > 1)
+    fmt: QuantFormat,
+    planes: list[torch.Tensor],  # in the format's kernel order (kernels/quant.py)
+    size_k: int,
+    *,
+    block_n: int,
+    blocks: int,  # 32-element blocks per K step
+    split_k: int,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> None:
+    """``out = x @ dequantize(w).T`` for a format of BLOCKED_FORMATS; K a multiple of 32."""
+    if fmt.name not in BLOCKED_FORMATS or size_k % QK:
+        raise ValueError(f"quant_gemv_blocked: {fmt.name} with K={size_k} is not blocked")
+    num_cols = planes[0].shape[0]
+    padded = planes + [planes[0]] * (3 - len(planes))
+    grid = (triton.cdiv(num_cols, block_n), split_k)
+    _quant_gemv_blocked_kernel[grid](
+        x, out, *padded, *(p.stride(0) for p in padded), x.shape[0], num_cols, size_k,
+        x.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
+        M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
+        SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip

@@ -1,0 +1,344 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""Matmul against quantized weights in Triton: ``out = x @ dequantize(w).T``.
+
+The weight never exists in float outside registers: each program loads its tile's quants and
+scales from the format's planes (kernels/quant.py) and dequantizes them where the products
+are formed, so a step reads the packed bytes only (4.5 bits a weight for q4_0 against 16).
+
+``_weight_tile`` turns element coordinates ``(n, k)`` (any broadcastable shapes) into float32
+weights for every format, from ggml's per-block layout. Two kernels use it:
+
+* GEMV (``M <= MAX_GEMV_ROWS``, decode): a program owns ``BLOCK_N`` output columns for all
+  rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
+  atomically); memory-bound, it streams the planes once. q8_0, q4_0, q4_1 and fp8 take
+  kernels/quant_gemv_triton.py instead, which applies each block's scale once to a block sum,
+  and q4_k/q6_k kernels/quant_gemv_kquant_triton.py, which loads their super-blocks in
+  contiguous groups (``QuantMatmulConfig.blocked``; off, every format dequantizes element
+  by element here).
+* GEMM (prefill): ``BLOCK_M x BLOCK_N`` output tiles; each ``K`` step dequantizes a
+  ``[BLOCK_K, BLOCK_N]`` weight tile into the activation dtype and feeds ``tl.dot``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant import QK, QuantFormat, fp8_scaled_mm
+from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, quant_gemv_kquant
+from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
+
+MAX_GEMV_ROWS = 8
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_PLANES = 4
+SCALED_MM_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm with row-wise scales
+SCALED_MM_ALIGNMENT = 16  # its N and K must be multiples of this
+
+
+@dataclass(frozen=True)
+class QuantMatmulConfig:
+    """Launch shape: output tile, K step, K split (GEMV only), warps, stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through kernels/quant_gemv_triton.py
+
+
+# -- dequantizing a tile ----------------------------------------------------------------------
+
+
+@triton.jit
+def _weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask, FORMAT: tl.constexpr):
+    """float32 weights at rows ``n``, columns ``k`` (broadcast together); planes in the order
+    of kernels/quant.py's FORMATS, ``s*`` their row strides."""
+    if FORMAT == 0:  # q8_0: d, qs
+        d = tl.load(p0 + n * s0 + k // 32, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(p1 + n * s1 + k, mask=mask, other=0).to(tl.float32)
+        w = q * d
+    elif FORMAT <= 2:  # q4_0: d, qs / q4_1: d, qs, m
+        block = k // 32
+        d = tl.load(p0 + n * s0 + block, mask=mask, other=0.0).to(tl.float32)
+        byte = tl.load(p1 + n * s1 + block * 16 + k % 16, mask=mask, other=0).to(tl.int32)
+        q = ((byte >> ((k % 32) // 16 * 4)) & 0xF).to(tl.float32)
+        if FORMAT == 1:
+            w = (q - 8.0) * d
+        else:
+            w = q * d + tl.load(p2 + n * s2 + block, mask=mask, other=0.0).to(tl.float32)
+    elif FORMAT == 3:  # q4_k: d, dmin, scales, qs
+        w = _q4_k_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask)
+    elif FORMAT == 4:  # q6_k: d, scales, ql, qh
+        w = _q6_k_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask)
+    else:  # fp8: w, scale
+        q = tl.load(p0 + n * s0 + k, mask=mask, other=0.0).to(tl.float32)
+        w = q * tl.load(p1 + n * s1 + k * 0, mask=mask, other=0.0)  # the row's scale
+    return w
+
+
+@triton.jit
+def _q4_k_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask):
+    sblock = k // 256
+    e = k % 256
+    sub = e // 32  # 8 sub-blocks of 32, each with a 6-bit scale and min
+    # the three bytes that hold sub-block sub's scale and min (kernels/quant.py spells it out)
+    scales_ptr = p2 + n * s2 + sblock * 12 + sub % 4
+    a = tl.load(scales_ptr, mask=mask, other=0).to(tl.int32)
+    b = tl.load(scales_ptr + 4, mask=mask, other=0).to(tl.int32)
+    c = tl.load(scales_ptr + 8, mask=mask, other=0).to(tl.int32)
+    low_half = sub < 4
+    sc = tl.where(low_half, a & 63, (c & 0xF) | ((a >> 6) << 4)).to(tl.float32)
+    mn = tl.where(low_half, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+    d = tl.load(p0 + n * s0 + sblock, mask=mask, other=0.0).to(tl.float32)
+    dmin = tl.load(p1 + n * s1 + sblock, mask=mask, other=0.0).to(tl.float32)
+    # each 64 elements are 32 bytes: element e's nibble is in byte 32 (e // 64) + e % 32
+    byte = tl.load(p3 + n * s3 + sblock * 128 + (e // 64) * 32 + e % 32, mask=mask, other=0)
+    q = ((byte.to(tl.int32) >> (sub % 2 * 4)) & 0xF).to(tl.float32)
+    return d * sc * q - dmin * mn
+
+
+@triton.jit
+def _q6_k_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask):
+    sblock = k // 256
+    e = k % 256
+    half = e // 128  # e = 128 half + 32 quarter + lane
+    quarter = (e % 128) // 32
+    lane = e % 32
+    low = tl.load(p2 + n * s2 + sblock * 128 + half * 64 + (quarter % 2) * 32 + lane, mask=mask,
+                  other=0).to(tl.int32)  # fmt: skip
+    high = tl.load(p3 + n * s3 + sblock * 64 + half * 32 + lane, mask=mask, other=0).to(tl.int32)
+    q = ((low >> (quarter // 2 * 4)) & 0xF) | (((high >> (quarter * 2)) & 3) << 4)
+    d = tl.load(p0 + n * s0 + sblock, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(p1 + n * s1 + k // 16, mask=mask, other=0).to(tl.float32)
+    return d * scale * (q - 32).to(tl.float32)
+
+
+# -- kernels ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quant_gemv_kernel(
+    x_ptr, out_ptr, p0, p1, p2, p3, s0, s1, s2, s3,
+    M, N, K,
+    stride_xm,  # x: [M, K], last stride 1
+    stride_om,  # out: [M, N], last stride 1
+    FORMAT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        # 1. the dequantized weight tile [BLOCK_N, BLOCK_K]
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w = _weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, offs_n[:, None], offs_k[None, :],
+                         w_mask, FORMAT)  # fmt: skip
+        # 2. the activations [M_PAD, BLOCK_K]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        # 3. acc[m, n] += x[m, :] . w[n, :]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+
+
+@triton.jit
+def _quant_gemm_kernel(
+    x_ptr, out_ptr, p0, p1, p2, p3, s0, s1, s2, s3,
+    M, N, K,
+    stride_xm,  # x: [M, K], last stride 1
+    stride_om,  # out: [M, N], last stride 1
+    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        # the weight tile transposed, [BLOCK_K, BLOCK_N], rounded to x's dtype for the dot
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        w = _weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, offs_n[None, :], offs_k[:, None],
+                         w_mask, FORMAT).to(x.dtype)  # fmt: skip
+        if IEEE_FP32:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# -- launcher ---------------------------------------------------------------------------------
+
+
+def quant_matmul(
+    x: torch.Tensor,  # [M, K]
+    fmt: QuantFormat,
+    planes: dict[str, torch.Tensor],  # the weight's planes, each [N, ...]
+    size_k: int,
+    *,
+    config: QuantMatmulConfig | None = None,
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype
+) -> torch.Tensor:  # [M, N]
+    """``x @ dequantize(fmt, planes).T``: the GEMV for up to ``MAX_GEMV_ROWS`` rows, else the
+    GEMM (fp8 on Hopper+ in bf16: ``torch._scaled_mm``, activations quantized per row)."""
+    pointers = _plane_arguments(fmt, planes)
+    num_rows = x.shape[0]
+    num_cols = pointers[0].shape[0]
+    _check(x, size_k)
+    if num_rows > MAX_GEMV_ROWS and config is None and uses_scaled_mm(x, fmt, num_cols, size_k):
+        y = fp8_scaled_mm(x, planes)  # prefill on fp8 tensor cores
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    strides = [p.stride(0) for p in pointers]
+    if num_rows <= MAX_GEMV_ROWS:
+        cfg = config or default_gemv_config(num_cols, size_k, fmt)
+        _launch_gemv(x, out, pointers, strides, fmt, num_cols, size_k, cfg)
+    else:
+        cfg = config or default_gemm_config(num_rows, num_cols)
+        grid = (triton.cdiv(num_rows, cfg.block_m), triton.cdiv(num_cols, cfg.block_n))
+        _quant_gemm_kernel[grid](
+            x, out, *pointers, *strides, num_rows, num_cols, size_k, x.stride(0), out.stride(0),
+            FORMAT=fmt.kernel_id, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, IEEE_FP32=x.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out
+
+
+def uses_scaled_mm(x: torch.Tensor, fmt: QuantFormat, num_cols: int, size_k: int) -> bool:
+    """Whether fp8 rows beyond the GEMV take ``torch._scaled_mm`` (Hopper+, bf16, aligned)."""
+    if fmt.name != "fp8" or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    aligned = num_cols % SCALED_MM_ALIGNMENT == 0 and size_k % SCALED_MM_ALIGNMENT == 0
+    return aligned and torch.cuda.get_device_capability(x.device) >= SCALED_MM_MIN_CAPABILITY
+
+
+def _launch_gemv(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    pointers: list[torch.Tensor],
+    strides: list[int],
+    fmt: QuantFormat,
+    num_cols: int,
+    size_k: int,
+    cfg: QuantMatmulConfig,
+) -> None:
+    target = out
+    if cfg.split_k > 1:  # partial sums meet in fp32, then round once
+        target = torch.zeros(out.shape, dtype=torch.float32, device=x.device)
+    group_size = KQUANT_FORMATS.get(fmt.name)
+    if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
+        num_planes = len(fmt.planes) + (fmt.name == "fp8")
+        quant_gemv_blocked(
+            x, target, fmt, pointers[:num_planes], size_k, block_n=cfg.block_n,
+            blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+    elif cfg.blocked and group_size is not None and cfg.block_k % group_size == 0:
+        quant_gemv_kquant(
+            x, target, fmt, pointers, size_k, block_n=cfg.block_n, block_k=cfg.block_k,
+            split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    else:
+        _launch_elementwise_gemv(x, target, pointers, strides, fmt, num_cols, size_k, cfg)
+    if target is not out:
+        out.copy_(target)
+
+
+def _launch_elementwise_gemv(
+    x: torch.Tensor,
+    target: torch.Tensor,
+    pointers: list[torch.Tensor],
+    strides: list[int],
+    fmt: QuantFormat,
+    num_cols: int,
+    size_k: int,
+    cfg: QuantMatmulConfig,
+) -> None:
+    grid = (triton.cdiv(num_cols, cfg.block_n), cfg.split_k)
+    _quant_gemv_kernel[grid](
+        x, target, *pointers, *strides, x.shape[0], num_cols, size_k, x.stride(0),
+        target.stride(0), FORMAT=fmt.kernel_id,
+        M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
+
+
+def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMatmulConfig:
+    """Enough programs to give every SM two, by narrower column tiles before splitting K:
+    a split costs a zeroed fp32 buffer and a copy (two more kernels per linear). A step of
+    ``BLOCK_N`` rows reads 2 KiB of 4-bit quants, 16 bytes a thread of 4 warps."""
+    block_n = 16 if triton.cdiv(num_cols, 16) >= 2 * GEMV_MIN_PROGRAMS else 8
+    block_k = min(256 * 16 // block_n, max(triton.next_power_of_2(size_k), 16))
+    split_k = 1
+    while (triton.cdiv(num_cols, block_n) * split_k < GEMV_MIN_PROGRAMS
+           and size_k // (split_k * 2) >= 1024):  # fmt: skip
+        split_k *= 2
+    return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def default_gemm_config(num_rows: int, num_cols: int) -> QuantMatmulConfig:
+    """Row tiles as tall as the batch needs (each weight tile is dequantized once per row
+    tile), up to 128 rows for prefill where the dequantization must hide behind ``tl.dot``;
+    column tiles narrow enough that a decode batch still gives every SM work."""
+    block_m = min(128, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 128 if block_m == 128 else 64
+    while block_n > 32 and triton.cdiv(num_rows, block_m) * triton.cdiv(num_cols, block_n) < 264:
+        block_n //= 2
+    return QuantMatmulConfig(block_m=block_m, block_n=block_n, block_k=64,
+                             num_warps=8 if block_m * block_n >= 128 * 64 else 4)  # fmt: skip
+
+
+def _plane_arguments(fmt: QuantFormat, planes: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The planes in kernel order, padded to MAX_PLANES with the first (never read)."""
+    names = [p.name for p in fmt.planes] + (["scale"] if fmt.name == "fp8" else [])
+    try:
+        ordered = [planes[name] for name in names]
+    except KeyError as error:
+        raise ValueError(f"quant_matmul: {fmt.name} needs planes {names}") from error
+    for plane in ordered:
+        if plane.stride(-1) != 1:
+            raise ValueError("quant_matmul: planes need a contiguous last dimension")
+    return ordered + [ordered[0]] * (MAX_PLANES - len(ordered))
+
+
+def _check(x: torch.Tensor, size_k: int) -> None:
+    if x.dim() != 2 or x.shape[1] != size_k:
+        raise ValueError(f"quant_matmul: x [M, {size_k}] expected, got {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"quant_matmul: x in one of {SUPPORTED_DTYPES}, got {x.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError("quant_matmul: x needs a contiguous last dimension")

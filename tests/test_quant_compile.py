@@ -1,0 +1,107 @@
+"""The quantized matmul kernels compile for Hopper (sm_90) through Triton's own compiler and
+ptxas, with no GPU: the interpreter that runs them on the CPU checks their arithmetic, not
+whether the GPU compiler accepts them. Integer arguments carry the divisibility by 16 that
+Triton specializes at launch, as on the device.
+
+The compiles run in one subprocess without ``TRITON_INTERPRET`` (under it, ``@triton.jit``
+makes interpreted functions that cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.quant import FORMATS
+from kernels.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
+from kernels.quant_gemv_triton import _quant_gemv_blocked_kernel
+from kernels.quant_matmul_triton import _quant_gemm_kernel, _quant_gemv_kernel
+
+HOPPER = GPUTarget("cuda", 90, 32)
+POINTER_TYPES = {"q8_0": ["*fp16", "*i8"], "q4_1": ["*fp16", "*u8", "*fp16"],
+                 "q4_k": ["*fp16", "*fp16", "*u8", "*u8"], "q6_k": ["*fp16", "*i8", "*u8", "*u8"],
+                 "fp8": ["*fp8e4nv", "*fp32"]}  # fmt: skip
+FOUR_PLANES = ["x_ptr", "out_ptr", "p0", "p1", "p2", "p3", "s0", "s1", "s2", "s3", "M", "N", "K",
+               "stride_xm", "stride_om"]  # fmt: skip
+THREE_PLANES = [name for name in FOUR_PLANES if name not in ("p3", "s3")]
+GEMV = {"M_PAD": 4, "BLOCK_N": 16, "SPLIT_K": 2}
+CASES = [  # (kernel, format, argument names, constexprs)
+    (_quant_gemm_kernel, "q4_k", FOUR_PLANES,
+     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "IEEE_FP32": False}),
+    (_quant_gemm_kernel, "fp8", FOUR_PLANES,
+     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "IEEE_FP32": False}),
+    (_quant_gemv_kernel, "q6_k", FOUR_PLANES, {**GEMV, "BLOCK_K": 256}),
+    (_quant_gemv_blocked_kernel, "q4_1", THREE_PLANES, {**GEMV, "BLOCKS": 8}),
+    (_quant_gemv_blocked_kernel, "fp8", THREE_PLANES, {**GEMV, "BLOCKS": 8}),
+    (_quant_gemv_kquant_kernel, "q4_k", FOUR_PLANES, {**GEMV, "GROUPS": 4, "GROUP_SIZE": 64}),
+    (_quant_gemv_kquant_kernel, "q6_k", FOUR_PLANES, {**GEMV, "GROUPS": 2, "GROUP_SIZE": 128}),
+]  # fmt: skip
+
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPILE_TIMEOUT_S = 300
+
+
+def case_id(index: int) -> str:
+    kernel, name, _, _ = CASES[index]
+    return f"{kernel.fn.__name__}-{name}"  # jit and interpreted functions both keep .fn
+
+
+def compile_case(index: int) -> dict[str, Any]:
+    """Compile case ``index`` for sm_90: whether it assembled and used 16-byte loads."""
+    kernel, name, arguments, constants = CASES[index]
+    num_planes = sum(arg.startswith("p") for arg in arguments)
+    planes = (POINTER_TYPES[name] * num_planes)[:num_planes]
+    types = ["*bf16", "*fp32", *planes] + ["i32"] * (len(arguments) - 2 - num_planes)
+    signature = dict(zip(arguments, types, strict=True))
+    constexprs = {"FORMAT": FORMATS[name].kernel_id, **constants}
+    signature |= {key: "constexpr" for key in constexprs}
+    divisible = [i for i, arg in enumerate(arguments) if arg not in ("M", "N")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=HOPPER,
+        options={"num_warps": 8 if constants.get("BLOCK_M") == 128 else 4},
+    )
+    return {"cubin": bool(compiled.asm["cubin"]), "vector": "ld.global.v4" in compiled.asm["ptx"]}
+
+
+def main() -> None:
+    results: dict[str, Any] = {}
+    for index in range(len(CASES)):
+        try:
+            results[case_id(index)] = compile_case(index)
+        except Exception as error:  # reported per case by the test
+            results[case_id(index)] = {"error": repr(error)[:2000]}
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, Any]:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", "import tests.test_quant_compile as t; t.main()"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(i) for i in range(len(CASES))])
+def test_kernel_compiles_for_hopper(compiled: dict[str, Any], index: int) -> None:
+    kernel = CASES[index][0]
+    result = compiled[case_id(index)]
+    assert "error" not in result, result.get("error")
+    assert result["cubin"]  # ptxas assembled it
+    if kernel is not _quant_gemm_kernel:  # the GEMVs stream their quants with 16-byte loads
+        assert result["vector"]

@@ -1,0 +1,261 @@
+"""Quantized weight formats: the torch reference against gguf-py, the quantizers against
+ggml's rounding, and the Triton matmuls against the reference (interpreter on CPU, real
+sizes on a GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from kernels.quant import (
+    FORMATS,
+    GGML_BLOCK_FIELDS,
+    IN_SITU_FORMATS,
+    QuantFormat,
+    dequantize,
+    fp8_scaled_mm,
+    planes_from_ggml,
+    quantize,
+    quantize_rows_fp8,
+)
+from kernels.quant_gemv_triton import BLOCKED_FORMATS
+from kernels.quant_matmul_triton import (
+    MAX_GEMV_ROWS,
+    QuantMatmulConfig,
+    default_gemm_config,
+    default_gemv_config,
+    quant_matmul,
+    uses_scaled_mm,
+)
+
+GGML_TYPES = {
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q4_k": GGMLQuantizationType.Q4_K,
+    "q6_k": GGMLQuantizationType.Q6_K,
+}
+SCALE_FIELDS = ("d", "dmin", "m")
+# The small cases run where the kernels can: the interpreter on a CPU-only machine, the GPU
+# where there is one (Triton cannot launch on CPU tensors without the interpreter).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_ggml_blocks(name: str, num_rows: int, size_k: int, seed: int = 0) -> np.ndarray:
+    """Random ggml blocks: fp16 scales of a weight's size, every other byte uniform."""
+    rng = np.random.default_rng(seed)
+    num_blocks = size_k // FORMATS[name].block_size
+    fields = []
+    for field, size in GGML_BLOCK_FIELDS[name]:
+        if field in SCALE_FIELDS:
+            scale = rng.standard_normal((num_rows, num_blocks, 1)) * 0.01
+            fields.append(scale.astype(np.float16).view(np.uint8))
+        else:
+            fields.append(rng.integers(0, 256, (num_rows, num_blocks, size), dtype=np.uint8))
+    return np.concatenate(fields, axis=-1).reshape(num_rows, -1)
+
+
+def random_planes(
+    fmt: QuantFormat, num_rows: int, size_k: int, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    if fmt.name == "fp8":
+        gen = torch.Generator().manual_seed(seed)
+        return quantize(torch.randn(num_rows, size_k, generator=gen), fmt)
+    return planes_from_ggml(random_ggml_blocks(fmt.name, num_rows, size_k, seed), fmt)
+
+
+# -- the reference and the quantizers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(GGML_TYPES))
+def test_reference_dequantizes_like_gguf_py(name: str) -> None:
+    size_k = 512
+    raw = random_ggml_blocks(name, 6, size_k)
+    expected = gguf_dequantize(raw, GGML_TYPES[name]).reshape(6, size_k)
+    got = dequantize(FORMATS[name], planes_from_ggml(raw, FORMATS[name]))
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+def test_quantize_writes_ggml_bits(name: str) -> None:
+    weights = np.random.default_rng(1).standard_normal((5, 256)).astype(np.float32)
+    weights[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    expected = planes_from_ggml(gguf_quantize(weights, GGML_TYPES[name]), FORMATS[name])
+    got = quantize(torch.from_numpy(weights), FORMATS[name])
+    assert got.keys() == expected.keys()
+    for plane, values in expected.items():
+        assert torch.equal(got[plane].view(torch.uint8), values.view(torch.uint8)), plane
+
+
+def test_fp8_keeps_each_row_within_its_scale() -> None:
+    weights = torch.randn(4, 64) * torch.tensor([[1e-3], [1.0], [30.0], [0.0]])
+    planes = quantize(weights, FORMATS["fp8"])
+    assert planes["scale"].shape == (4, 1)
+    error = (dequantize(FORMATS["fp8"], planes) - weights).abs()
+    # e4m3 keeps 3 mantissa bits: half a step is 1/16 of a value, at most amax/16 per row
+    assert (error <= weights.abs().amax(dim=1, keepdim=True) / 16 + 1e-12).all()
+    assert planes["w"][3].float().abs().sum() == 0
+
+
+def test_bits_per_weight_match_ggml() -> None:
+    bits = {name: FORMATS[name].bits_per_weight() for name in GGML_TYPES}
+    assert bits == {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q4_k": 4.5, "q6_k": 6.5625}
+
+
+def test_quantize_refuses_k_quants_and_ragged_rows() -> None:
+    assert "q4_k" not in IN_SITU_FORMATS
+    with pytest.raises(ValueError, match="only from GGUF"):
+        quantize(torch.zeros(2, 256), FORMATS["q4_k"])
+    with pytest.raises(ValueError, match="whole blocks"):
+        quantize(torch.zeros(2, 48), FORMATS["q8_0"])
+
+
+# -- the Triton kernels (interpreted on CPU) ---------------------------------------------------
+
+
+def run_kernel(
+    x: torch.Tensor, fmt: QuantFormat, planes: dict[str, torch.Tensor], size_k: int,
+    config: QuantMatmulConfig,
+) -> torch.Tensor:  # fmt: skip
+    """``quant_matmul`` on DEVICE, the result back on the CPU."""
+    on_device = {name: plane.to(DEVICE) for name, plane in planes.items()}
+    return quant_matmul(x.to(DEVICE), fmt, on_device, size_k, config=config).cpu()
+
+
+CPU_CASES = [  # (rows of x, config): both GEMVs, a K split, the GEMM with ragged tiles
+    (1, QuantMatmulConfig(block_n=8, block_k=256)),
+    (2, QuantMatmulConfig(block_n=8, block_k=256, blocked=False)),
+    (3, QuantMatmulConfig(block_n=16, block_k=128, split_k=2)),
+    (20, QuantMatmulConfig(block_m=16, block_n=16, block_k=32)),
+]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize(("num_rows", "config"), CPU_CASES)
+def test_quant_matmul_matches_the_reference(
+    name: str, num_rows: int, config: QuantMatmulConfig
+) -> None:
+    fmt = FORMATS[name]
+    num_cols, size_k = 24, 512  # 24 columns: a ragged last tile of 16
+    planes = random_planes(fmt, num_cols, size_k, seed=num_rows)
+    x = torch.randn(num_rows, size_k, generator=torch.Generator().manual_seed(num_rows))
+    expected = x @ dequantize(fmt, planes).T
+    got = run_kernel(x, fmt, planes, size_k, config)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("name", BLOCKED_FORMATS)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_blocked_gemv_takes_k_in_partial_steps(name: str, split_k: int) -> None:
+    fmt = FORMATS[name]
+    size_k = 160  # 5 blocks of 32, in steps of 2 blocks
+    planes = random_planes(fmt, 12, size_k, seed=split_k)
+    x = torch.randn(5, size_k, generator=torch.Generator().manual_seed(7))
+    expected = x @ dequantize(fmt, planes).T
+    config = QuantMatmulConfig(block_n=8, block_k=64, split_k=split_k)
+    got = run_kernel(x, fmt, planes, size_k, config)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_k_quant_gemv_takes_super_blocks_in_partial_steps(name: str, split_k: int) -> None:
+    fmt = FORMATS[name]
+    size_k = 768  # 3 super-blocks, in steps of 2
+    planes = random_planes(fmt, 12, size_k, seed=split_k)
+    x = torch.randn(3, size_k, generator=torch.Generator().manual_seed(8))
+    expected = x @ dequantize(fmt, planes).T
+    config = QuantMatmulConfig(block_n=8, block_k=512, split_k=split_k)
+    got = run_kernel(x, fmt, planes, size_k, config)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+def test_fp8_scaled_mm_rounds_only_the_activations_beyond_the_weights() -> None:
+    gen = torch.Generator().manual_seed(5)
+    planes = quantize(torch.randn(48, 64, generator=gen), FORMATS["fp8"])
+    x = torch.randn(32, 64, generator=gen).bfloat16()
+    x_fp8, x_scale = quantize_rows_fp8(x)
+    assert x_scale.shape == (32, 1)
+    expected = (x_fp8.float() * x_scale) @ dequantize(FORMATS["fp8"], planes).T
+    got = fp8_scaled_mm(x, planes)  # torch's CPU _scaled_mm: the op the GPU path calls
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max())
+    assert not uses_scaled_mm(x, FORMATS["fp8"], 48, 64)  # CPU tensors: the Triton path
+
+
+def test_quant_matmul_writes_a_given_buffer_in_bf16() -> None:
+    fmt = FORMATS["q4_0"]
+    planes = random_planes(fmt, 16, 64)
+    x = torch.randn(2, 64).bfloat16()
+    out = torch.empty(2, 16, dtype=torch.bfloat16, device=DEVICE)
+    config = QuantMatmulConfig(block_n=8, block_k=64)
+    planes = {name: plane.to(DEVICE) for name, plane in planes.items()}
+    got = quant_matmul(x.to(DEVICE), fmt, planes, 64, config=config, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    planes = {name: plane.cpu() for name, plane in planes.items()}
+    expected = x.float() @ dequantize(fmt, planes).T
+    torch.testing.assert_close(
+        out.cpu().float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max()
+    )
+
+
+def test_quant_matmul_refuses_a_wrong_width_and_missing_planes() -> None:
+    fmt = FORMATS["q8_0"]
+    planes = random_planes(fmt, 8, 64)
+    with pytest.raises(ValueError, match=r"x \[M, 64\]"):
+        quant_matmul(torch.zeros(1, 32), fmt, planes, 64)
+    with pytest.raises(ValueError, match="needs planes"):
+        quant_matmul(torch.zeros(1, 64), FORMATS["q4_1"], planes, 64)
+
+
+def test_default_configs_fill_the_gpu() -> None:
+    o_proj = default_gemv_config(4096, 4096, FORMATS["q4_0"])  # 512 programs of 8 columns
+    assert (o_proj.block_n, o_proj.block_k, o_proj.split_k) == (8, 512, 1)
+    assert default_gemv_config(128256, 4096, FORMATS["q4_0"]).block_n == 16
+    assert default_gemv_config(1024, 2048, FORMATS["q4_0"]).split_k == 2  # 128 programs
+    decode = default_gemm_config(16, 4096)  # a batch of 16: 128 column tiles, not 64
+    assert (decode.block_m, decode.block_n) == (16, 32)
+    prefill = default_gemm_config(8192, 4096)
+    assert (prefill.block_m, prefill.block_n, prefill.num_warps) == (128, 128, 8)
+
+
+# -- real sizes on a GPU -----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("num_rows", [1, 4, 8, 9, 300])
+@pytest.mark.parametrize(("num_cols", "size_k"), [(6144, 4096), (4096, 14336), (1536, 576)])
+def test_quant_matmul_on_gpu_at_real_sizes(
+    name: str, num_rows: int, num_cols: int, size_k: int
+) -> None:
+    if size_k % FORMATS[name].block_size:
+        pytest.skip(f"{name} needs K in whole {FORMATS[name].block_size}-blocks")
+    if name == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9+")
+    fmt = FORMATS[name]
+    planes = {k: v.cuda() for k, v in random_planes(fmt, num_cols, size_k).items()}
+    x = torch.randn(num_rows, size_k, device="cuda").bfloat16()
+    x_used = x.float()
+    if num_rows > MAX_GEMV_ROWS and uses_scaled_mm(x, fmt, num_cols, size_k):
+        x_fp8, x_scale = quantize_rows_fp8(x)  # W8A8: the activations are rounded too
+        x_used = x_fp8.float() * x_scale
+    expected = x_used @ dequantize(fmt, planes).T
+    # bf16 output rounding and bf16 weight tiles in the GEMM, relative to the sums' scale
+    scale = expected.abs().max().item()
+    got = quant_matmul(x, fmt, planes, size_k).float()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
+    if num_rows <= MAX_GEMV_ROWS:  # the element-wise GEMV too (the k-quants' only one)
+        config = dataclasses.replace(default_gemv_config(num_cols, size_k, fmt), blocked=False)
+    else:  # the Triton GEMM (fp8 included: a given config never takes _scaled_mm)
+        config = default_gemm_config(num_rows, num_cols)
+        expected = x.float() @ dequantize(fmt, planes).T
+    got = quant_matmul(x, fmt, planes, size_k, config=config).float()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
