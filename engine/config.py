@@ -14,6 +14,7 @@ PagedAttnMode = Literal["auto", "on", "off"]
 PreemptionMode = Literal["recompute", "swap"]
 DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
 CacheTypeName = Literal["auto", "fp8_e4m3"]
+SpeculativeMode = Literal["off", "ngram"]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -21,6 +22,7 @@ DEFAULT_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_POOL_MB = 1024
 CUDA_GRAPHS_ENV = "PAGESTREAM_CUDA_GRAPHS"
 DEVICE_ENV = "PAGESTREAM_DEVICE"  # what device=auto means, e.g. cpu on a GPU host
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -51,17 +53,24 @@ class EngineConfig:
     async_scheduling: bool | None = None
     tenant_page_quotas: Mapping[str, int] = field(default_factory=dict)
     seed: int = 0
+    # Speculative decoding: "ngram" drafts tokens by prompt lookup, verified in one forward.
+    speculative: SpeculativeMode = "off"
+    num_speculative_tokens: int | None = None  # drafts per step; None = 4 when speculating
+    speculative_ngram_min: int = 1  # shortest suffix that prompt lookup matches
+    speculative_ngram_max: int = 4  # longest suffix, tried first
 
     def __post_init__(self) -> None:
         self._check_choices()
         self._check_budget()
         self._check_sizes()
+        self._check_speculative()
 
     def _check_choices(self) -> None:
         _choice("paged_attn", self.paged_attn, ("auto", "on", "off"))
         _choice("preemption", self.preemption, ("recompute", "swap"))
         _choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _choice("pa_cache_type", self.pa_cache_type, ("auto", "fp8_e4m3"))
+        _choice("speculative", self.speculative, ("off", "ngram"))
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r} is not one of auto, cpu, cuda[:N]")
 
@@ -101,7 +110,39 @@ class EngineConfig:
             if quota < 1:
                 raise ConfigError(f"tenant_page_quotas[{tenant!r}] must be >= 1 page")
 
+    def _check_speculative(self) -> None:
+        k = self.num_speculative_tokens
+        if self.speculative == "off":
+            if k is not None:
+                raise ConfigError(
+                    "num_speculative_tokens needs speculative decoding: add --speculative ngram"
+                )
+            return
+        if k is not None and k < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {k}")
+        if self.speculative_tokens() + 1 > self.max_batched_tokens:
+            raise ConfigError(
+                f"num_speculative_tokens ({self.speculative_tokens()}) + 1 must fit in "
+                f"max_batched_tokens ({self.max_batched_tokens}): a step verifies them together"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ConfigError(
+                f"speculative_ngram_min ({self.speculative_ngram_min}) and speculative_ngram_max "
+                f"({self.speculative_ngram_max}) need 1 <= min <= max"
+            )
+        if self.async_scheduling:
+            raise ConfigError(
+                "async_scheduling does not combine with speculative decoding: drafts are made "
+                "from the previous step's tokens on the host; use --async-scheduling off"
+            )
+
     # -- derived settings -------------------------------------------------------------------
+
+    def speculative_tokens(self) -> int:
+        """Draft tokens verified per sequence and step (0 = speculative decoding off)."""
+        if self.speculative == "off":
+            return 0
+        return self.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -124,7 +165,10 @@ class EngineConfig:
 
     def async_scheduling_wanted(self, device_type: str) -> bool:
         """On for CUDA unless ``--async-scheduling off``; on the CPU only when asked for (its
-        forward runs on the host thread, so there is nothing to overlap)."""
+        forward runs on the host thread, so there is nothing to overlap). Off when speculating:
+        drafts are built from the tokens of the step before."""
+        if self.speculative != "off":
+            return False
         if self.async_scheduling is not None:
             return self.async_scheduling
         return device_type == "cuda"
@@ -277,6 +321,38 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--seed", type=int, default=0, help="seed of the sampler's default generator (default 0)"
+    )
+    _add_speculative_args(parser)
+
+
+def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative",
+        default="off",
+        choices=["off", "ngram"],
+        help="ngram = draft tokens by prompt lookup and verify them in one forward (default off)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"draft tokens per sequence and step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})",
+    )
+    g.add_argument(
+        "--speculative-ngram-min",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shortest suffix prompt lookup matches (default 1)",
+    )
+    g.add_argument(
+        "--speculative-ngram-max",
+        type=int,
+        default=4,
+        metavar="N",
+        help="longest suffix prompt lookup matches, tried first (default 4)",
     )
 
 

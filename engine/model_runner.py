@@ -18,6 +18,7 @@ from engine.sampler import DeviceSample, Sampler, SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import PENDING_TOKEN, Sequence
+from engine.spec_decode.verify import DraftVerifier, VerifiedDrafts
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class SampledToken:
     seq: Sequence
     token_id: int
     logprobs: TokenLogprobs | None
+    # Draft tokens verified before ``token_id``, in order: they come first, KV already cached
+    accepted_draft_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -33,23 +36,30 @@ class LaunchedStep:
     picks alone. Until then the picks feed the next step straight from device memory."""
 
     scheduled: list[ScheduledSeq]
-    sampling_entries: list[ScheduledSeq]
-    sample: DeviceSample | None  # None when only partial prefill chunks ran
+    sampling_entries: list[ScheduledSeq]  # rows without drafts that sample
+    sample: DeviceSample | None  # None when no such row ran
+    verified: VerifiedDrafts | None = None  # rows that ran with draft tokens
 
     def row_of(self) -> dict[int, int]:
         """``id(seq)`` -> its row in ``sample.token_ids``."""
         return {id(entry.seq): row for row, entry in enumerate(self.sampling_entries)}
 
     def resolve(self) -> list[SampledToken]:
-        if self.sample is None:
-            return []
-        out = self.sample.resolve()
-        return [
-            SampledToken(entry.seq, token_id, logprobs)
-            for entry, token_id, logprobs in zip(
-                self.sampling_entries, out.token_ids, out.logprobs, strict=True
-            )
-        ]
+        tokens = []
+        if self.sample is not None:
+            out = self.sample.resolve()
+            tokens = [
+                SampledToken(entry.seq, token_id, logprobs)
+                for entry, token_id, logprobs in zip(
+                    self.sampling_entries, out.token_ids, out.logprobs, strict=True
+                )
+            ]
+        if self.verified is not None:
+            for entry, token_ids in zip(
+                self.verified.entries, self.verified.resolve(), strict=True
+            ):
+                tokens.append(SampledToken(entry.seq, token_ids[-1], None, tuple(token_ids[:-1])))
+        return tokens
 
 
 @dataclass(frozen=True)
@@ -57,9 +67,11 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    # [S]: last token of each sequence that samples; None when every token samples (decode)
+    # [S + N]: last token of each sequence that samples, then every position of the rows
+    # with drafts; None when every token samples in that order (decode)
     logits_indices: torch.Tensor | None
     sampling_entries: list[ScheduledSeq]
+    draft_entries: list[ScheduledSeq]  # rows with draft tokens: N = their tokens
 
 
 class ModelRunner:
@@ -71,6 +83,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
+        self.verifier = DraftVerifier(sampler)
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.graphs: DecodeGraphs | None = None
@@ -131,13 +144,19 @@ class ModelRunner:
         entries = inputs.sampling_entries
         if logits is None:
             return LaunchedStep(batch.scheduled, entries, None)  # only partial prefill chunks
+        verified = None
+        if inputs.draft_entries:
+            verified = self.verifier.verify(logits[len(entries) :], inputs.draft_entries)
+            logits = logits[: len(entries)]
+        if not entries:
+            return LaunchedStep(batch.scheduled, entries, None, verified)
         if all([_plain_greedy(entry.seq) for entry in entries]):  # a list: cheaper than a genexpr
             sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
         else:
             rows = [self._sampling_row(e.seq) for e in entries]
             sample = self.sampler.sample_on_device(logits, rows)
         sample.start_copy()
-        return LaunchedStep(batch.scheduled, entries, sample)
+        return LaunchedStep(batch.scheduled, entries, sample, verified)
 
     def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
         """[S, V] logits of the sampling rows: a graph replay for decode-only steps, piecewise
@@ -151,12 +170,13 @@ class ModelRunner:
             # one token per row, so a row's token index is its row (a 1-token chunk of a
             # longer prompt does not sample)
             return logits[inputs.logits_indices] if inputs.sampling_entries else None
+        num_sampling = len(inputs.sampling_entries) + len(inputs.draft_entries)
         piecewise = self.piecewise
         if piecewise is not None and piecewise.bucket_for(inputs.input_ids.shape[0]):
             hidden = piecewise.forward(inputs.input_ids, inputs.positions, meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
-        if not inputs.sampling_entries:
+        if not num_sampling:
             return None
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
@@ -173,11 +193,19 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling_entries: list[ScheduledSeq] = []
+        draft_indices: list[int] = []
+        draft_entries: list[ScheduledSeq] = []
         bs = self.block_size
         for entry in batch.scheduled:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
-            if end - start == 1:  # a decode step (most rows): no lists to build
+            if entry.draft_token_ids:  # its last token, then drafts: logits at every position
+                token_ids += [seq.token_id(start), *entry.draft_token_ids]
+                positions += range(start, end)
+                slots += self._slots(seq.block_table, start, end)
+                draft_indices += range(len(token_ids) - entry.num_new_tokens, len(token_ids))
+                draft_entries.append(entry)
+            elif end - start == 1:  # a decode step (most rows): no lists to build
                 token_id = seq.token_id(start)
                 if token_id == PENDING_TOKEN:
                     pending.append((len(token_ids), seq))
@@ -190,9 +218,10 @@ class ModelRunner:
                 slots += self._slots(seq.block_table, start, end)
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
-            if entry.samples:
+            if entry.samples and not entry.draft_token_ids:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_entries.append(entry)
+        logits_indices += draft_indices
         tables = [entry.seq.block_table for entry in batch.scheduled]
         meta = self._metadata(tables, slots, seq_lens, query_start_loc)
         input_ids = self._tensor(token_ids, torch.int64)
@@ -204,10 +233,11 @@ class ModelRunner:
             meta=meta,
             logits_indices=(
                 None
-                if len(logits_indices) == len(token_ids)
+                if _is_identity(logits_indices, len(token_ids), bool(draft_entries))
                 else self._tensor(logits_indices, torch.int64)
             ),
             sampling_entries=sampling_entries,
+            draft_entries=draft_entries,
         )
 
     def _fill_pending(
@@ -335,3 +365,11 @@ def _plain_greedy(seq: Sequence) -> bool:
     """Whether ``seq``'s next token is the argmax of its logits (see ``_sampling_row``)."""
     params = seq.sampling
     return params.is_plain_greedy and len(seq.output_token_ids) >= params.min_tokens
+
+
+def _is_identity(logits_indices: list[int], num_tokens: int, has_drafts: bool) -> bool:
+    """Whether the logits rows are every token in order (then no gather is needed)."""
+    if len(logits_indices) != num_tokens:
+        return False
+    # without drafts the rows are in batch order; draft rows come after the others
+    return not has_drafts or logits_indices == list(range(num_tokens))

@@ -79,6 +79,8 @@ class Sequence:
     length_limit: int = 1 << 62
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    # Guessed next tokens (speculative decoding), set before each schedule; verified with it
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,97 @@
+"""Verifies a step's draft tokens against the target's logits at every draft position."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampler import Sampler, SamplingRow, draw_noise
+from engine.scheduler import ScheduledSeq
+from engine.spec_decode.rejection import DraftLayout, rejection_sample, verify_greedy
+
+
+@dataclass
+class VerifiedDrafts:
+    """Each row's accepted drafts and the token after them, still on the device."""
+
+    entries: list[ScheduledSeq]
+    layout: DraftLayout
+    num_accepted: torch.Tensor  # [R]
+    # greedy: [N], the argmax at every position; else [R], the token drawn after the drafts
+    token_ids: torch.Tensor
+    greedy: bool
+
+    def resolve(self) -> list[list[int]]:
+        """Per row, the tokens it gains this step: accepted drafts, then one more (waits)."""
+        num_accepted = self.num_accepted.tolist()
+        token_ids = self.token_ids.tolist()
+        if self.greedy:  # accepted drafts equal the argmax there: read them off the targets
+            starts = self.layout.starts.tolist()
+            return [
+                token_ids[start : start + n + 1]
+                for start, n in zip(starts, num_accepted, strict=True)
+            ]
+        return [
+            [*entry.draft_token_ids[:n], token_id]
+            for entry, n, token_id in zip(self.entries, num_accepted, token_ids, strict=True)
+        ]
+
+
+class DraftVerifier:
+    """Rejection sampling over the logits of decode rows that ran with draft tokens."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def verify(self, logits: torch.Tensor, entries: list[ScheduledSeq]) -> VerifiedDrafts:
+        """``logits``: [N, >= V], each entry's ``k + 1`` positions in order (its last real
+        token, then its drafts)."""
+        device = logits.device
+        layout = DraftLayout.build([entry.draft_token_ids for entry in entries], device)
+        if all(_plain_greedy(entry) for entry in entries):
+            target_ids = logits[:, : self.sampler.vocab_size].argmax(dim=-1)  # [N]
+            return VerifiedDrafts(
+                entries, layout, verify_greedy(target_ids, layout), target_ids, True
+            )
+        rows = [row for entry in entries for row in position_rows(entry)]
+        probs = self.sampler.target_probs(logits, rows)  # [N, V]
+        last_rows = [position_rows(entry)[-1] for entry in entries]
+        noise = draw_noise(last_rows, probs.shape[1], device)  # [R, V]
+        result = rejection_sample(probs, layout, _uniforms(entries, device), noise)
+        return VerifiedDrafts(entries, layout, result.num_accepted, result.next_token_ids, False)
+
+
+def _plain_greedy(entry: ScheduledSeq) -> bool:
+    params = entry.seq.sampling
+    return params.is_plain_greedy and entry.seq.num_output_tokens >= params.min_tokens
+
+
+def position_rows(entry: ScheduledSeq) -> list[SamplingRow]:
+    """The sampling row at each of the entry's positions: position ``j`` follows the first
+    ``j`` drafts, which then count as output (penalties, ``min_tokens``)."""
+    seq, drafts = entry.seq, entry.draft_token_ids
+    params = seq.sampling
+    rows = []
+    for j in range(len(drafts) + 1):
+        output = seq.output_token_ids + drafts[:j] if params.has_penalties else seq.output_token_ids
+        num_output = seq.num_output_tokens + j
+        suppressed: tuple[int, ...] = ()
+        if num_output < params.min_tokens:
+            suppressed = (*seq.eos_token_ids, *params.stop_token_ids)
+        rows.append(SamplingRow(params, seq.prompt_token_ids, output, seq.generator, suppressed))
+    return rows
+
+
+def _uniforms(entries: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
+    """[N] uniform draws, one per position; a seeded sequence draws from its own generator."""
+    sizes = [len(entry.draft_token_ids) + 1 for entry in entries]
+    uniforms = torch.rand(sum(sizes), device=device)
+    start = 0
+    for entry, size in zip(entries, sizes, strict=True):
+        generator = entry.seq.generator
+        if generator is not None:
+            draws = torch.rand(size, generator=generator, device=generator.device)
+            uniforms[start : start + size] = draws.to(device)
+        start += size
+    return uniforms

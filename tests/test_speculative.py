@@ -1,0 +1,121 @@
+"""Speculative decoding through the engine: greedy tokens equal plain decoding exactly.
+
+Prompts repeat a short run of tokens, and the tiny random model falls into loops of its own,
+so prompt lookup proposes drafts that are often right and often wrong: both paths run. The
+settings force chunked prefill, prefix-cache hits and preemption (a pool smaller than the
+requests need), and the page accounting is checked after every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.conftest import TINY_COMMON, random_prompts
+
+VOCAB_SIZE = TINY_COMMON["vocab_size"]
+MAX_STEPS = 2_000
+# 16 pages of 8 tokens for 6 requests of up to 32 + 48 tokens: they cannot all run at once
+TIGHT = dict(
+    device="cpu", pa_block_size=8, pa_context_len=128, max_model_len=128, max_seqs=6,
+    max_batched_tokens=40, prefill_chunk=12, swap_space_mb=8,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dirs: dict[str, Path]) -> Path:
+    return tiny_model_dirs["llama"]
+
+
+def repetitive_prompts(num: int, seed: int) -> list[list[int]]:
+    """Prompts that share a prefix (prefix-cache hits) and repeat a run of 6 tokens."""
+    shared = random_prompts([16], VOCAB_SIZE, seed=seed)[0]
+    runs = random_prompts([6] * num, VOCAB_SIZE, seed=seed + 1)
+    return [shared + run * (2 + index % 3) for index, run in enumerate(runs)]
+
+
+def run(
+    model: Path, prompts: list[list[int]], params: list[SamplingParams], **settings: Any
+) -> tuple[list[list[int]], LLMEngine]:
+    """Every request's tokens, stepping one engine to the end and checking its pages."""
+    engine = LLMEngine(EngineConfig(model=str(model), **settings))
+    tokens: dict[str, list[int]] = {}
+    for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
+        tokens[f"r{index}"] = []
+        engine.add_request(f"r{index}", prompt_token_ids=prompt, sampling=sampling)
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        engine.block_manager.check_invariants(engine.scheduler.running)
+    assert not engine.has_unfinished_requests()
+    return list(tokens.values()), engine
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_greedy_tokens_equal_plain_decoding_under_preemption(llama: Path, preemption: str) -> None:
+    prompts = repetitive_prompts(6, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True) for i in range(6)]
+    settings = dict(TIGHT, preemption=preemption)
+    plain, _ = run(llama, prompts, params, **settings)
+    spec, engine = run(
+        llama, prompts, params, speculative="ngram", num_speculative_tokens=3, **settings
+    )
+    assert spec == plain
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_hit_rate > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_steps < sum(len(t) for t in plain)  # fewer steps than tokens: it paid off
+
+
+def test_stop_conditions_apply_to_each_accepted_token(llama: Path) -> None:
+    """A stop token or max_tokens inside the accepted drafts ends the request right there."""
+    prompts = repetitive_prompts(4, seed=9)
+    free = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4
+    plain, _ = run(llama, prompts, free, **TIGHT)
+    stops = [tokens[10 + i] for i, tokens in enumerate(plain)]  # a token each stops on
+    params = [
+        SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, stop_token_ids=(stop,))
+        for stop in stops
+    ]
+    expected, _ = run(llama, prompts, params, **TIGHT)
+    spec, _ = run(llama, prompts, params, speculative="ngram", num_speculative_tokens=5, **TIGHT)
+    assert spec == expected
+    assert all(tokens[-1] in stops or len(tokens) == 37 for tokens in spec)
+
+
+def test_penalties_and_min_tokens_take_the_rejection_path_unchanged(llama: Path) -> None:
+    """Greedy rows with penalties or EOS suppression verify drafts against one-hot target
+    distributions (the rejection-sampling path), not the argmax shortcut: same tokens.
+    (Strong penalties make the model avoid repeats, so drafts would never be accepted.)"""
+    prompts = repetitive_prompts(4, seed=13)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.02, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=30),
+        SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.05, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, presence_penalty=0.1, ignore_eos=True),
+    ]
+    plain, _ = run(llama, prompts, params, **TIGHT)
+    settings = dict(TIGHT, speculative="ngram", num_speculative_tokens=4)
+    spec, engine = run(llama, prompts, params, **settings)
+    assert spec == plain
+    assert engine.stats().num_accepted_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_with_drafts(llama: Path) -> None:
+    prompts = repetitive_prompts(3, seed=17)
+    params = [
+        SamplingParams(temperature=0.7, top_k=20, max_tokens=30, seed=i, ignore_eos=True)
+        for i in range(3)
+    ]
+    settings = dict(TIGHT, speculative="ngram", num_speculative_tokens=3)
+    first, engine = run(llama, prompts, params, **settings)
+    second, _ = run(llama, prompts, params, **settings)
+    assert first == second
+    assert all(len(tokens) == 30 for tokens in first)
+    assert engine.stats().num_draft_tokens > 0
