@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bench.records import machine_info, percentiles
+from bench.records import machine_info, percentiles, speculative_counts
 from bench.workloads import BenchPrompt, ThroughputWorkload, make_random_prompts, warmup_prompts
 from engine.errors import ConfigError
 from engine.llm import LLM
@@ -81,7 +81,7 @@ class _Tally:
 
 def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> dict[str, Any]:
     _warm_up(engine, prompts)
-    preemptions_before = engine.stats().num_preemptions
+    stats_before = engine.stats()
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.step_profiler = profiler = StepProfiler()  # two device events per step
@@ -102,7 +102,7 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
         "total_tok_s": (num_input_tokens + tally.num_output_tokens) / elapsed_s,
         "mean_ttft_s": sum(tally.ttft_s.values()) / max(len(tally.ttft_s), 1),
         "tpot_s": percentiles(tally.tpot_s()),
-        "num_preemptions": engine.stats().num_preemptions - preemptions_before,
+        "num_preemptions": engine.stats().num_preemptions - stats_before.num_preemptions,
         # Of this run's prompt tokens (the engine's own rate counts its whole life).
         "prefix_hit_rate": tally.num_cached_prompt_tokens / num_input_tokens,
         "num_steps": tally.num_steps,
@@ -112,6 +112,8 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
         "peak_memory_bytes": _peak_memory_bytes(engine.device),
         # per step kind: host and GPU milliseconds, and how busy the GPU was overall
         "step_profile": profiler.summary(elapsed_s),
+        # speculative decoding (random prompts give prompt lookup little to find)
+        "speculative": speculative_counts(stats_before, engine.stats()),
     }
 
 

@@ -95,7 +95,8 @@ def _measure_peaks(
     """Bytes above steady state of the largest step, and of the largest graphed decode."""
     num_tokens = config.max_batched_tokens
     seq_len = min(config.prefill_chunk, max_model_len, num_tokens)
-    num_sampled = min(config.max_seqs, num_tokens)
+    # a decode row verifying K drafts samples at each of its K + 1 positions
+    num_sampled = min(config.max_seqs * (1 + config.speculative_tokens()), num_tokens)
     # A scratch pool just big enough for the dummy prompts, freed before the real one. Its
     # pages are --pa-block-size long even with paging off: no temporary depends on page size.
     scratch_spec = dataclasses.replace(spec, block_size=min(config.pa_block_size, seq_len))

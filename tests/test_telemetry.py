@@ -277,7 +277,19 @@ def test_future_enqueue_time_counts_as_now(harness: Harness) -> None:
 def test_engine_gauges_read_the_callback(harness: Harness) -> None:
     readings = iter(
         [
-            EngineGauges(3, 4, 100, 28, 0.25, 7, 11, num_swapped=1),
+            EngineGauges(
+                3,
+                4,
+                100,
+                28,
+                0.25,
+                7,
+                11,
+                num_swapped=1,
+                spec_acceptance_rate=0.6,
+                num_draft_tokens=50,
+                num_accepted_tokens=30,
+            ),
             EngineGauges(0, 0, 0, 128, 0.5, 9, 0),
         ]
     )
@@ -292,6 +304,9 @@ def test_engine_gauges_read_the_callback(harness: Harness) -> None:
         "pagestream.engine.prefix_cache.hit_rate": (0.25, "1"),
         "pagestream.engine.preemptions": (7, "{preemption}"),
         "pagestream.queue.depth": (11, "{request}"),
+        "pagestream.engine.spec_decode.acceptance_rate": (0.6, "1"),
+        "pagestream.engine.spec_decode.draft_tokens": (50, "{token}"),
+        "pagestream.engine.spec_decode.accepted_tokens": (30, "{token}"),
     }
     for name, (value, unit) in expected.items():
         metric = harness.metric(name)

@@ -332,6 +332,9 @@ class WorkerService:
             num_preemptions=stats.num_preemptions,
             queue_depth=self._queue_depth,
             num_swapped=stats.num_swapped,
+            spec_acceptance_rate=stats.acceptance_rate,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
         )
 
 

@@ -81,6 +81,9 @@ class EngineGauges:
     num_preemptions: int  # cumulative since the engine started
     queue_depth: int  # requests in the Redis stream not yet read by this worker
     num_swapped: int = 0
+    spec_acceptance_rate: float = 0.0  # speculative decoding: accepted over verified drafts
+    num_draft_tokens: int = 0  # cumulative
+    num_accepted_tokens: int = 0  # cumulative
 
 
 # Gauge name, EngineGauges field, unit, description. Preemptions is cumulative: a counter.
@@ -92,8 +95,17 @@ _ENGINE_GAUGES = (
     ("pagestream.engine.pages.free", "num_pages_free", "{page}", "KV-cache pages free."),
     ("pagestream.engine.prefix_cache.hit_rate", "prefix_hit_rate", "1", "Prefix-cache hit rate."),
     ("pagestream.queue.depth", "queue_depth", "{request}", "Requests queued in the stream."),
-)
-_PREEMPTIONS = ("pagestream.engine.preemptions", "num_preemptions", "{preemption}")
+    ("pagestream.engine.spec_decode.acceptance_rate", "spec_acceptance_rate", "1",
+     "Share of verified draft tokens accepted."),
+)  # fmt: skip
+# Counter name, EngineGauges field, unit, description: cumulative since the engine started.
+_COUNTERS = (
+    ("pagestream.engine.preemptions", "num_preemptions", "{preemption}", "Preemptions so far."),
+    ("pagestream.engine.spec_decode.draft_tokens", "num_draft_tokens", "{token}",
+     "Draft tokens verified so far."),
+    ("pagestream.engine.spec_decode.accepted_tokens", "num_accepted_tokens", "{token}",
+     "Draft tokens accepted so far."),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -218,10 +230,10 @@ class Telemetry:
             self._meter.create_observable_gauge(
                 name, [self._gauge_callback(field)], unit=unit, description=description
             )
-        name, field, unit = _PREEMPTIONS
-        self._meter.create_observable_counter(
-            name, [self._gauge_callback(field)], unit=unit, description="Preemptions so far."
-        )
+        for name, field, unit, description in _COUNTERS:
+            self._meter.create_observable_counter(
+                name, [self._gauge_callback(field)], unit=unit, description=description
+            )
 
     def _gauge_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
