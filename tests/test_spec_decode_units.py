@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.proposer import TokenBuffer
 from engine.spec_decode.rejection import DraftLayout, rejection_sample, verify_greedy
 from engine.spec_decode.verify import position_rows
 
@@ -50,6 +51,15 @@ def test_ngram_falls_back_to_shorter_suffixes_and_may_find_nothing() -> None:
     assert proposer.propose([1, 2, 3, 4, 1], k=2) == []  # [1] recurs, but min_n is 2
     assert NgramProposer(1, 4).propose([1, 2, 3, 4, 1], k=2) == [2, 3]
     assert proposer.propose([7, 7], k=3) == []  # too short for any 2-gram before the suffix
+
+
+def test_token_buffer_follows_a_growing_sequence() -> None:
+    seq = Sequence("r", [1, 2, 3], SamplingParams(), 0.0)
+    buffer = TokenBuffer(seq.prompt_token_ids)
+    assert buffer.sync(seq).tolist() == [1, 2, 3]
+    for step in range(10):  # grows past its first capacity several times
+        seq.output_token_ids += [10 + step] * (step % 3)
+        assert buffer.sync(seq).tolist() == seq.prompt_token_ids + seq.output_token_ids
 
 
 # -- greedy verification

@@ -23,7 +23,7 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, token_ids: list[int] | np.ndarray, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the suffix."""
         if k < 1 or len(token_ids) <= self.min_n:
             return []

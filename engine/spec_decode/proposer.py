@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.spec_decode.ngram import NgramProposer
+
+
+class TokenBuffer:
+    """A sequence's prompt + output tokens as a growing int64 array, so that each step copies
+    only the tokens added since the last (a sequence's tokens never change once known)."""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self._array = np.asarray(prompt_token_ids, dtype=np.int64)
+        self.num_prompt_tokens = self.length = len(prompt_token_ids)
+
+    def sync(self, seq: Sequence) -> np.ndarray:
+        """The tokens of ``seq`` (whose prompt this buffer holds), as a view."""
+        new = seq.output_token_ids[self.length - self.num_prompt_tokens :]
+        if new:
+            needed = self.length + len(new)
+            if needed > len(self._array):
+                grown = np.empty(max(needed, 2 * len(self._array)), dtype=np.int64)
+                grown[: self.length] = self._array[: self.length]
+                self._array = grown
+            self._array[self.length : needed] = new
+            self.length = needed
+        return self._array[: self.length]
 
 
 class DraftProposer:
@@ -17,18 +41,26 @@ class DraftProposer:
     def __init__(self, config: EngineConfig) -> None:
         self.num_tokens = config.speculative_tokens()
         self.ngram = NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+        self._buffers: dict[Sequence, TokenBuffer] = {}
 
-    def propose(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            seq.draft_token_ids = self._drafts(seq)
+    def propose(self, running: list[Sequence]) -> None:
+        """Drafts for every running sequence (empty for those that get none)."""
+        buffers = {seq: self._buffers.get(seq) for seq in running}
+        for seq in running:
+            seq.draft_token_ids = []
+            k = self._max_drafts(seq)
+            if k == 0:
+                continue
+            buffer = buffers[seq] or TokenBuffer(seq.prompt_token_ids)
+            buffers[seq] = buffer
+            seq.draft_token_ids = self.ngram.propose(buffer.sync(seq), k)
+        # sequences that left the running queue drop their buffers
+        self._buffers = {seq: buffer for seq, buffer in buffers.items() if buffer is not None}
 
-    def _drafts(self, seq: Sequence) -> list[int]:
+    def _max_drafts(self, seq: Sequence) -> int:
         if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
-            return []  # it prefills, or its last token is not known yet
+            return 0  # it prefills, or its last token is not known yet
         if seq.sampling.logprobs is not None:
-            return []
+            return 0
         # this step adds at most k + 1 tokens
-        k = min(self.num_tokens, seq.length_limit - seq.num_tokens - 1)
-        if k < 1:
-            return []
-        return self.ngram.propose(seq.prompt_token_ids + seq.output_token_ids, k)
+        return max(0, min(self.num_tokens, seq.length_limit - seq.num_tokens - 1))
