@@ -1,7 +1,7 @@
 """Speculative decoding's speedup: the same greedy requests with and without drafts.
 
 Each batch size runs ``batch`` requests together, once on an engine without speculative
-decoding and once with it (``--speculative ngram`` unless the flags already ask for it), and
+decoding and once with it (``--speculative ngram`` unless the flags ask for a draft model), and
 records time per output token, output tok/s, their ratio, the acceptance rate and whether
 the greedy outputs came out the same.
 
@@ -98,9 +98,11 @@ def run_speculative(
 ) -> dict[str, Any]:
     """Both engines, one after the other (one model in memory at a time); the record."""
     spec_config = config
-    if config.speculative == "off":
+    if config.speculative_method() == "off":
         spec_config = dataclasses.replace(config, speculative="ngram")
-    plain_config = dataclasses.replace(config, speculative="off", num_speculative_tokens=None)
+    plain_config = dataclasses.replace(
+        config, speculative="off", speculative_model=None, num_speculative_tokens=None
+    )
     created_utc = datetime.now(timezone.utc)
     plain, plain_info = _run_engine(plain_config, workload, use_tqdm)
     spec, spec_info = _run_engine(spec_config, workload, use_tqdm)
@@ -124,7 +126,7 @@ def _run_engine(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One result per batch size, and what the engine resolved (then it is freed)."""
     engine = LLMEngine(config)
-    label = "speculative" if config.speculative != "off" else "plain"
+    label = config.speculative_method()
     prompts, kind = make_prompts(engine, 1, workload.seed)
     _run_batch(engine, prompts, 16)  # warm-up: kernel compiles stay out of the timing
     results = []

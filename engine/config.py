@@ -55,6 +55,8 @@ class EngineConfig:
     seed: int = 0
     # Speculative decoding: "ngram" drafts tokens by prompt lookup, verified in one forward.
     speculative: SpeculativeMode = "off"
+    # or drafts from a small model of the same vocabulary, with its own page pool
+    speculative_model: str | None = None
     num_speculative_tokens: int | None = None  # drafts per step; None = 4 when speculating
     speculative_ngram_min: int = 1  # shortest suffix that prompt lookup matches
     speculative_ngram_max: int = 4  # longest suffix, tried first
@@ -112,12 +114,20 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         k = self.num_speculative_tokens
-        if self.speculative == "off":
+        if self.speculative != "off" and self.speculative_model is not None:
+            raise ConfigError(
+                "speculative and speculative_model are two ways to draft tokens: give "
+                "--speculative ngram (prompt lookup) or --speculative-model M, not both"
+            )
+        if self.speculative_method() == "off":
             if k is not None:
                 raise ConfigError(
-                    "num_speculative_tokens needs speculative decoding: add --speculative ngram"
+                    "num_speculative_tokens needs speculative decoding: add --speculative ngram "
+                    "or --speculative-model M"
                 )
             return
+        if self.speculative_model == "":
+            raise ConfigError("speculative_model: give a model name or path")
         if k is not None and k < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {k}")
         if self.speculative_tokens() + 1 > self.max_batched_tokens:
@@ -138,9 +148,15 @@ class EngineConfig:
 
     # -- derived settings -------------------------------------------------------------------
 
+    def speculative_method(self) -> Literal["off", "ngram", "model"]:
+        """How draft tokens are made: not at all, by prompt lookup, or by a draft model."""
+        if self.speculative_model is not None:
+            return "model"
+        return self.speculative
+
     def speculative_tokens(self) -> int:
         """Draft tokens verified per sequence and step (0 = speculative decoding off)."""
-        if self.speculative == "off":
+        if self.speculative_method() == "off":
             return 0
         return self.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
 
@@ -167,7 +183,7 @@ class EngineConfig:
         """On for CUDA unless ``--async-scheduling off``; on the CPU only when asked for (its
         forward runs on the host thread, so there is nothing to overlap). Off when speculating:
         drafts are built from the tokens of the step before."""
-        if self.speculative != "off":
+        if self.speculative_method() != "off":
             return False
         if self.async_scheduling is not None:
             return self.async_scheduling
@@ -332,6 +348,13 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
         default="off",
         choices=["off", "ngram"],
         help="ngram = draft tokens by prompt lookup and verify them in one forward (default off)",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        metavar="M",
+        help="draft tokens with this small model (same vocabulary as --model; its own KV pool "
+        "takes a share of the budget)",
     )
     g.add_argument(
         "--num-speculative-tokens",

@@ -158,6 +158,15 @@ class ModelRunner:
         sample.start_copy()
         return LaunchedStep(batch.scheduled, entries, sample, verified)
 
+    @torch.inference_mode()
+    def sampling_logits(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor | None, list[ScheduledSeq]]:
+        """[S, V] logits of the batch's rows that reach their last token, and those rows
+        (no sampling: a draft model samples from them itself)."""
+        inputs = self.prepare_inputs(batch)
+        return self._logits(inputs), inputs.sampling_entries
+
     def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
         """[S, V] logits of the sampling rows: a graph replay for decode-only steps, piecewise
         graphs around eager attention for the others (when captured)."""

@@ -1,5 +1,6 @@
 """Builds what runs the model once the weights are loaded: the page pool sized by the memory
-plan, the block manager over it, and the model runner with its decode CUDA graphs."""
+plan, the block manager over it, and the model runner with its decode CUDA graphs (and, with
+a draft model, the draft's own pool, block manager and runner)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class Runtime:
     runner: ModelRunner
     plan: PoolPlan
     profile: MemoryProfile | None
+    draft_runner: ModelRunner | None = None  # --speculative-model: eager, its own pool
+    draft_block_manager: BlockManager | None = None
 
 
 def cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -53,7 +56,9 @@ def build_runtime(
     dtype: torch.dtype,
     max_model_len: int,
     device: torch.device,
+    draft: LoadedModel | None = None,
 ) -> Runtime:
+    """``draft``: a draft model, loaded already (so that its weights count as used memory)."""
     paged = config.use_paged_attention()
     # Paging off = one contiguous slot of max_model_len tokens per sequence: the same pool
     # with a page as long as the context, reserved in full when a sequence starts.
@@ -67,6 +72,11 @@ def build_runtime(
         # read after the scratch pool is gone: what is used from here on stays used
         profile = read_device_memory(device, loaded.weights_bytes, *peaks)
     plan = plan_pool(config, spec, device, max_model_len, profile)
+    draft_spec = None
+    if draft is not None:
+        draft_spec = KVCacheSpec.for_model(draft.arch, block_size, cache_dtype(config, dtype))
+        if config.pa_context_len is None:  # a budget in tokens holds them in each pool
+            plan = _share_with_draft(plan, spec, draft_spec, max_model_len)
     log_plan(plan, spec, profile, max_model_len)
     kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device)
     block_manager = BlockManager(
@@ -78,9 +88,43 @@ def build_runtime(
     runner = ModelRunner(loaded.model, kv_cache, sampler, device)
     if use_graphs:
         runner.capture_cuda_graphs(config.max_seqs, max_model_len, config.piecewise_graph_tokens())
-    return Runtime(
+    runtime = Runtime(
         kv_cache, block_manager, HostBlockPool(plan.num_host_blocks), runner, plan, profile
     )
+    if draft is None or draft_spec is None:
+        return runtime
+    # The draft's largest step (a catch-up of --max-batched-tokens) runs alone, on a smaller
+    # model than the target's profiled one, so the activation reserve covers it.
+    draft_runner = ModelRunner(
+        draft.model,
+        KVCache(draft_spec, plan.num_blocks, 0, device),
+        Sampler(draft.arch.vocab_size),
+        device,
+    )
+    if use_graphs:  # its one-token drafting passes replay decode graphs (no piecewise ones)
+        draft_runner.capture_cuda_graphs(config.max_seqs, max_model_len, 0)
+    draft_manager = BlockManager(plan.num_blocks, block_size, enable_prefix_caching=False)
+    return dataclasses.replace(
+        runtime, draft_runner=draft_runner, draft_block_manager=draft_manager
+    )
+
+
+def _share_with_draft(
+    plan: PoolPlan, spec: KVCacheSpec, draft_spec: KVCacheSpec, max_model_len: int
+) -> PoolPlan:
+    """Split a pool budget in bytes so that the model's and the draft's pools hold as many
+    pages each (a shadow holds the same tokens as its sequence)."""
+    pair_bytes = spec.bytes_per_block + draft_spec.bytes_per_block
+    num_blocks = min(plan.num_blocks, plan.budget_bytes // pair_bytes)
+    blocks_per_seq = -(-max_model_len // spec.block_size)
+    if num_blocks < blocks_per_seq:
+        raise ConfigError(
+            f"the KV budget ({plan.source}) shared with the draft model's pool holds "
+            f"{num_blocks} pages, less than one sequence of {max_model_len} tokens "
+            f"({blocks_per_seq} pages): raise the budget or lower --max-model-len"
+        )
+    num_host_blocks = min(plan.num_host_blocks, num_blocks)
+    return PoolPlan(num_blocks, num_host_blocks, num_blocks * spec.bytes_per_block, plan.source)
 
 
 def _measure_peaks(

@@ -50,3 +50,20 @@ def test_cuda_bf16_sampled_speculation_is_seeded_and_frees_every_page() -> None:
         assert engine.stats().num_draft_tokens > 0
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 64 for tokens in outputs[0])
+
+
+def test_cuda_fp32_draft_model_gives_plain_tokens_and_its_own_drafts_all_pass(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    """The model as its own draft on the GPU: the draft's decode graphs and pool follow the
+    sequences exactly, so (but for a rounding near-tie between the decode and the verify
+    kernels) every greedy draft is accepted."""
+    model = tiny_model_dirs["llama"]
+    prompts = repetitive_prompts(6, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True) for i in range(6)]
+    cpu, _ = run(model, prompts, params, **TIGHT)
+    settings = {**CUDA_TIGHT, "speculative_model": str(model), "num_speculative_tokens": 3}
+    gpu, engine = run(model, prompts, params, **settings)
+    assert gpu == cpu
+    stats = engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.95

@@ -1,6 +1,8 @@
-"""Which sequences get draft tokens this step, and how many."""
+"""Which sequences get draft tokens this step, and how many; prompt lookup makes them."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
@@ -31,12 +33,27 @@ class TokenBuffer:
         return self._array[: self.length]
 
 
-class DraftProposer:
-    """Sets ``draft_token_ids`` of each decoding sequence before the scheduler runs.
+class Proposer(Protocol):
+    def propose(self, running: list[Sequence]) -> None:
+        """Set ``draft_token_ids`` (and ``draft_probs``) of every running sequence."""
 
-    A sequence gets no drafts while it prefills, when it asks for logprobs (those describe one
-    token per step), or when fewer than two tokens are left before its length limit.
+
+def max_drafts(seq: Sequence, num_tokens: int) -> int:
+    """How many drafts ``seq`` may verify in its next step (at most ``num_tokens``).
+
+    None while it prefills, when it asks for logprobs (those describe one token per step), or
+    when fewer than two tokens are left before its length limit.
     """
+    if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
+        return 0  # it prefills, or its last token is not known yet
+    if seq.sampling.logprobs is not None:
+        return 0
+    # this step adds at most k + 1 tokens
+    return max(0, min(num_tokens, seq.length_limit - seq.num_tokens - 1))
+
+
+class PromptLookupProposer:
+    """Drafts by prompt lookup (``--speculative ngram``) before the scheduler runs."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.num_tokens = config.speculative_tokens()
@@ -48,7 +65,7 @@ class DraftProposer:
         buffers = {seq: self._buffers.get(seq) for seq in running}
         for seq in running:
             seq.draft_token_ids = []
-            k = self._max_drafts(seq)
+            k = max_drafts(seq, self.num_tokens)
             if k == 0:
                 continue
             buffer = buffers[seq] or TokenBuffer(seq.prompt_token_ids)
@@ -56,11 +73,3 @@ class DraftProposer:
             seq.draft_token_ids = self.ngram.propose(buffer.sync(seq), k)
         # sequences that left the running queue drop their buffers
         self._buffers = {seq: buffer for seq, buffer in buffers.items() if buffer is not None}
-
-    def _max_drafts(self, seq: Sequence) -> int:
-        if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
-            return 0  # it prefills, or its last token is not known yet
-        if seq.sampling.logprobs is not None:
-            return 0
-        # this step adds at most k + 1 tokens
-        return max(0, min(self.num_tokens, seq.length_limit - seq.num_tokens - 1))

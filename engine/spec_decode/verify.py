@@ -58,7 +58,8 @@ class DraftVerifier:
         probs = self.sampler.target_probs(logits, rows)  # [N, V]
         last_rows = [position_rows(entry)[-1] for entry in entries]
         noise = draw_noise(last_rows, probs.shape[1], device)  # [R, V]
-        result = rejection_sample(probs, layout, _uniforms(entries, device), noise)
+        draft_probs = _draft_probs(entries, probs.shape[1], device)
+        result = rejection_sample(probs, layout, _uniforms(entries, device), noise, draft_probs)
         return VerifiedDrafts(entries, layout, result.num_accepted, result.next_token_ids, False)
 
 
@@ -81,6 +82,24 @@ def position_rows(entry: ScheduledSeq) -> list[SamplingRow]:
             suppressed = (*seq.eos_token_ids, *params.stop_token_ids)
         rows.append(SamplingRow(params, seq.prompt_token_ids, output, seq.generator, suppressed))
     return rows
+
+
+def _draft_probs(
+    entries: list[ScheduledSeq], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """[N, V] the draft distribution at each position (a point mass where the proposer kept
+    none; zeros at each row's last position, which has no draft), or None when every draft is
+    a point mass."""
+    if all(entry.seq.draft_probs is None for entry in entries):
+        return None
+    parts = []
+    for entry in entries:
+        drafts, q = entry.draft_token_ids, entry.seq.draft_probs
+        if q is None:
+            ids = torch.tensor(drafts, dtype=torch.int64, device=device)
+            q = torch.nn.functional.one_hot(ids, vocab_size).float()
+        parts += [q[: len(drafts)].to(device), torch.zeros(1, vocab_size, device=device)]
+    return torch.cat(parts)
 
 
 def _uniforms(entries: list[ScheduledSeq], device: torch.device) -> torch.Tensor:

@@ -130,8 +130,8 @@ def _run_bench_speculative(args: argparse.Namespace) -> int:
     try:
         workload = SpeculativeWorkload(args.batch_sizes, args.output_len, args.seed)
         # --num-speculative-tokens alone means prompt lookup here
-        mode = "ngram" if args.speculative == "off" else args.speculative
-        config = engine_config_from_args(args, speculative=mode)
+        lookup = args.speculative == "off" and args.speculative_model is None
+        config = engine_config_from_args(args, speculative="ngram" if lookup else args.speculative)
         record = run_speculative(config, workload, use_tqdm=not args.no_progress)
     except PagestreamError as exc:
         raise CommandError(str(exc)) from exc
