@@ -94,7 +94,8 @@ def build_runtime(
     if draft is None or draft_spec is None:
         return runtime
     # The draft's largest step (a catch-up of --max-batched-tokens) runs alone, on a smaller
-    # model than the target's profiled one, so the activation reserve covers it.
+    # model than the target's profiled one, so the activation reserve covers it; its decode
+    # graphs' pool is not planned for (small beside the target's).
     draft_runner = ModelRunner(
         draft.model,
         KVCache(draft_spec, plan.num_blocks, 0, device),
