@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import TINY_COMMON, random_prompts
 
 VOCAB_SIZE = TINY_COMMON["vocab_size"]
@@ -73,8 +73,7 @@ def test_greedy_tokens_equal_plain_decoding_under_preemption(llama: Path, preemp
     assert stats.num_steps < sum(len(t) for t in plain)  # fewer steps than tokens: it paid off
 
 
-def test_stop_conditions_apply_to_each_accepted_token(llama: Path) -> None:
-    """A stop token or max_tokens inside the accepted drafts ends the request right there."""
+def test_stop_tokens_and_max_tokens_end_requests_as_in_plain_decoding(llama: Path) -> None:
     prompts = repetitive_prompts(4, seed=9)
     free = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4
     plain, _ = run(llama, prompts, free, **TIGHT)
@@ -119,3 +118,27 @@ def test_seeded_sampling_is_reproducible_with_drafts(llama: Path) -> None:
     assert first == second
     assert all(len(tokens) == 30 for tokens in first)
     assert engine.stats().num_draft_tokens > 0
+
+
+def test_stop_strings_and_the_context_end_cut_accepted_drafts(text_model_dir: Path) -> None:
+    """Text, finish and stop reasons equal plain decoding's with stop strings and the model's
+    context ending requests (test_speculative_draft_model forces a stop inside a step)."""
+    settings = dict(device="cpu", pa_block_size=8, max_seqs=4, max_batched_tokens=48,
+                    prefill_chunk=32, max_model_len=48)  # fmt: skip
+    words = [f"w{i}" for i in (10, 11, 12, 13, 200, 7, 9, 42)]
+    prompts = [" ".join(words[i : i + 4] * 3) for i in range(4)]  # about 13 tokens each
+    free = SamplingParams(temperature=0, max_tokens=40)  # the 48-token context ends them
+    plain_llm = LLM(str(text_model_dir), **settings)
+    spec_llm = LLM(str(text_model_dir), speculative="ngram", num_speculative_tokens=4, **settings)
+    unstopped = plain_llm.generate(prompts, free, use_tqdm=False)
+    stops = [out.text.split()[8 + i] for i, out in enumerate(unstopped)]
+    params = [free] * 2 + [
+        SamplingParams(temperature=0, max_tokens=40, stop=[s]) for s in stops[2:]
+    ]
+    results = [llm.generate(prompts, params, use_tqdm=False) for llm in (plain_llm, spec_llm)]
+    plain, spec = (
+        [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs] for outs in results
+    )
+    assert spec == plain
+    assert [reason for _, _, reason, _ in plain] == ["length", "length", "stop", "stop"]
+    assert spec_llm.engine.stats().num_accepted_tokens > 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
 from tests.test_speculative import TIGHT, repetitive_prompts, run
 
@@ -99,3 +99,31 @@ def test_a_draft_model_with_a_shorter_context_is_refused(llama: Path) -> None:
 def test_lookup_and_a_draft_model_are_not_both_allowed() -> None:
     with pytest.raises(ConfigError, match="not both"):
         EngineConfig(speculative="ngram", speculative_model="dummy:tiny")
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(text_model_dir: Path) -> None:
+    """The model drafting for itself gains K + 1 tokens a step, so each stop below falls
+    inside a step's tokens: what follows it must never be output."""
+    settings = dict(device="cpu", pa_block_size=8, max_seqs=4, max_batched_tokens=48)
+    prompts = ["w10 w11 w12 w13", "w200 w7 w9", "w42 w43", "w5 w6 w7 w8 w9"]
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain_llm = LLM(str(text_model_dir), **settings)
+    spec_llm = LLM(
+        str(text_model_dir), speculative_model=str(text_model_dir), num_speculative_tokens=4,
+        **settings,
+    )  # fmt: skip
+    unstopped = plain_llm.generate(prompts, free, use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(unstopped[0].token_ids[7],)),
+        SamplingParams(temperature=0, max_tokens=30, stop=[unstopped[1].text.split()[8]]),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=30),
+    ]
+    results = [llm.generate(prompts, params, use_tqdm=False) for llm in (plain_llm, spec_llm)]
+    plain, spec = (
+        [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs] for outs in results
+    )
+    assert spec == plain
+    assert [len(tokens) for tokens, *_ in spec][2:] == [13, 30]
+    stats = spec_llm.engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
