@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionBackend, get_attention_backend
+from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, InvalidRequestError
@@ -26,13 +26,12 @@ from engine.inputs import PromptEncoder, check_request_fields
 from engine.loader import LoadedModel, load_model
 from engine.memory import prefer_expandable_segments
 from engine.model_runner import LaunchedStep, SampledToken
-from engine.runtime import Runtime, build_runtime
+from engine.runtime import build_runtime
 from engine.sampler import TokenLogprobs, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus, Usage
-from engine.spec_decode.draft_model import DraftModelProposer, check_draft_model
-from engine.spec_decode.proposer import PromptLookupProposer, Proposer
+from engine.spec_decode.draft_model import load_draft_model
 from engine.step_profile import StepProfiler
 
 logger = logging.getLogger("pagestream.engine")
@@ -101,7 +100,9 @@ class LLMEngine:
             config.model, self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len
         )
         self.eos_token_ids = self.loaded.eos_token_ids
-        self.draft_loaded = self._load_draft_model(backend)
+        self.draft_loaded = load_draft_model(
+            config, self.loaded, self.dtype, self.device, backend, self.max_model_len
+        )
         runtime = build_runtime(
             config, self.loaded, backend, self.dtype, self.max_model_len, self.device,
             draft=self.draft_loaded,
@@ -112,7 +113,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
         self._inbox = _Inbox()
         self.async_scheduling = config.async_scheduling_wanted(self.device.type)
-        self.proposer = _make_proposer(config, runtime)
+        self.proposer = runtime.proposer
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
         self._in_flight: LaunchedStep | None = None  # launched, picks not yet seen
@@ -126,16 +127,6 @@ class LLMEngine:
             config.model, self.device, self.dtype, backend.name, self.runner.uses_cuda_graphs,
             self.loaded.load_s,
         )  # fmt: skip
-
-    def _load_draft_model(self, backend: AttentionBackend) -> LoadedModel | None:
-        name = self.config.speculative_model
-        if name is None:
-            return None
-        draft = load_model(
-            name, self.dtype, self.device, backend, self.max_model_len, self.config.seed
-        )
-        check_draft_model(self.loaded, draft, name, self.max_model_len)
-        return draft
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -412,21 +403,6 @@ class LLMEngine:
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self.scheduler.find(request_id)
-
-
-def _make_proposer(config: EngineConfig, runtime: Runtime) -> Proposer | None:
-    method = config.speculative_method()
-    if method == "ngram":
-        return PromptLookupProposer(config)
-    if method == "model":
-        assert runtime.draft_runner is not None and runtime.draft_block_manager is not None
-        return DraftModelProposer(
-            runtime.draft_runner,
-            runtime.draft_block_manager,
-            config.speculative_tokens(),
-            config.max_batched_tokens,
-        )
-    return None
 
 
 def _drop_pending(seq: Sequence) -> None:

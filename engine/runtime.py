@@ -27,6 +27,8 @@ from engine.memory import (
 from engine.model_runner import ModelRunner
 from engine.piecewise_graphs import activation_buffer_bytes
 from engine.sampler import Sampler
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.proposer import PromptLookupProposer, Proposer
 
 logger = logging.getLogger("pagestream.engine")
 
@@ -41,8 +43,7 @@ class Runtime:
     runner: ModelRunner
     plan: PoolPlan
     profile: MemoryProfile | None
-    draft_runner: ModelRunner | None = None  # --speculative-model: eager, its own pool
-    draft_block_manager: BlockManager | None = None
+    proposer: Proposer | None = None  # speculative decoding's drafts
 
 
 def cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -88,25 +89,33 @@ def build_runtime(
     runner = ModelRunner(loaded.model, kv_cache, sampler, device)
     if use_graphs:
         runner.capture_cuda_graphs(config.max_seqs, max_model_len, config.piecewise_graph_tokens())
-    runtime = Runtime(
-        kv_cache, block_manager, HostBlockPool(plan.num_host_blocks), runner, plan, profile
-    )
-    if draft is None or draft_spec is None:
-        return runtime
+    host_pool = HostBlockPool(plan.num_host_blocks)
+    proposer: Proposer | None = None
+    if config.speculative_method() == "ngram":
+        proposer = PromptLookupProposer(config)
+    if draft is not None and draft_spec is not None:
+        proposer = _draft_proposer(config, draft, draft_spec, plan.num_blocks, device)
+        if use_graphs:  # its one-token drafting passes replay decode graphs (no piecewise ones)
+            proposer.runner.capture_cuda_graphs(config.max_seqs, max_model_len, 0)
+    return Runtime(kv_cache, block_manager, host_pool, runner, plan, profile, proposer)
+
+
+def _draft_proposer(
+    config: EngineConfig,
+    draft: LoadedModel,
+    draft_spec: KVCacheSpec,
+    num_blocks: int,
+    device: torch.device,
+) -> DraftModelProposer:
+    """The draft model's runner over its own pool of ``num_blocks`` pages."""
     # The draft's largest step (a catch-up of --max-batched-tokens) runs alone, on a smaller
     # model than the target's profiled one, so the activation reserve covers it; its decode
     # graphs' pool is not planned for (small beside the target's).
-    draft_runner = ModelRunner(
-        draft.model,
-        KVCache(draft_spec, plan.num_blocks, 0, device),
-        Sampler(draft.arch.vocab_size),
-        device,
-    )
-    if use_graphs:  # its one-token drafting passes replay decode graphs (no piecewise ones)
-        draft_runner.capture_cuda_graphs(config.max_seqs, max_model_len, 0)
-    draft_manager = BlockManager(plan.num_blocks, block_size, enable_prefix_caching=False)
-    return dataclasses.replace(
-        runtime, draft_runner=draft_runner, draft_block_manager=draft_manager
+    kv_cache = KVCache(draft_spec, num_blocks, 0, device)
+    runner = ModelRunner(draft.model, kv_cache, Sampler(draft.arch.vocab_size), device)
+    block_manager = BlockManager(num_blocks, draft_spec.block_size, enable_prefix_caching=False)
+    return DraftModelProposer(
+        runner, block_manager, config.speculative_tokens(), config.max_batched_tokens
     )
 
 

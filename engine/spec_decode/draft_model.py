@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import AttentionBackend
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import SamplingRow, draw_noise, exponential_race
 from engine.scheduler import ScheduledBatch, ScheduledSeq
@@ -24,6 +26,23 @@ from engine.sequence import Sequence
 from engine.spec_decode.proposer import max_drafts
 
 SHADOW_TENANT = "draft"
+
+
+def load_draft_model(
+    config: EngineConfig,
+    target: LoadedModel,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_model_len: int,
+) -> LoadedModel | None:
+    """The ``--speculative-model``, checked against the target (None without one)."""
+    name = config.speculative_model
+    if name is None:
+        return None
+    draft = load_model(name, dtype, device, backend, max_model_len, config.seed)
+    check_draft_model(target, draft, name, max_model_len)
+    return draft
 
 
 def check_draft_model(
