@@ -299,22 +299,23 @@ class LLMEngine:
         ends the sequence; the tokens after it were never produced."""
         seq = sampled.seq
         new_token_ids = [*sampled.accepted_draft_ids, sampled.token_id]
+        logprobs = [*sampled.draft_logprobs, sampled.logprobs]
         text_delta = ""
         for index, token_id in enumerate(new_token_ids):
             if index:  # the token before was a draft run in this step: its KV is cached
                 seq.num_computed_tokens += 1
                 seq.output_token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
-            text_delta += self._append_token(seq, token_id, sampled.logprobs)
+            text_delta += self._append_token(seq, token_id, logprobs[index])
             if seq.is_finished:
-                del new_token_ids[index + 1 :]
+                del new_token_ids[index + 1 :], logprobs[index + 1 :]
                 break
         finished = seq.is_finished
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
             text_delta=text_delta,
-            logprobs=[sampled.logprobs] * len(new_token_ids),
+            logprobs=logprobs,
             finished=finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

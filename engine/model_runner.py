@@ -28,6 +28,7 @@ class SampledToken:
     logprobs: TokenLogprobs | None
     # Draft tokens verified before ``token_id``, in order: they come first, KV already cached
     accepted_draft_ids: tuple[int, ...] = ()
+    draft_logprobs: tuple[TokenLogprobs | None, ...] = ()  # theirs, when asked for
 
 
 @dataclass
@@ -55,10 +56,13 @@ class LaunchedStep:
                 )
             ]
         if self.verified is not None:
-            for entry, token_ids in zip(
+            for entry, (ids, logprobs) in zip(
                 self.verified.entries, self.verified.resolve(), strict=True
             ):
-                tokens.append(SampledToken(entry.seq, token_ids[-1], None, tuple(token_ids[:-1])))
+                token = SampledToken(
+                    entry.seq, ids[-1], logprobs[-1], tuple(ids[:-1]), tuple(logprobs[:-1])
+                )
+                tokens.append(token)
         return tokens
 
 

@@ -79,6 +79,14 @@ class Sampler:
         token_ids = self._pick_tokens(logits, rows)  # [num_rows]
         return DeviceSample(token_ids, _logprob_tensors(raw_logprobs, token_ids, rows))
 
+    def picked_on_device(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> DeviceSample:
+        """Tokens ``token_ids`` [num_rows] picked elsewhere (rejection sampling of drafts),
+        with the raw logprobs of the rows that ask for them."""
+        raw_logprobs = _raw_logprobs(logits[:, : self.vocab_size].float(), rows)
+        return DeviceSample(token_ids, _logprob_tensors(raw_logprobs, token_ids, rows))
+
     def greedy_on_device(self, logits: torch.Tensor) -> DeviceSample:
         return DeviceSample(logits[:, : self.vocab_size].argmax(dim=-1), None)
 

@@ -142,3 +142,24 @@ def test_stop_strings_and_the_context_end_cut_accepted_drafts(text_model_dir: Pa
     assert spec == plain
     assert [reason for _, _, reason, _ in plain] == ["length", "length", "stop", "stop"]
     assert spec_llm.engine.stats().num_accepted_tokens > 0
+
+
+def test_logprobs_of_accepted_drafts_are_the_plain_ones(llama: Path) -> None:
+    prompts = repetitive_prompts(3, seed=29)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+    settings = dict(TIGHT, max_batched_tokens=64)
+    plain = LLM(str(llama), **settings).generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(str(llama), speculative="ngram", num_speculative_tokens=3, **settings)
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert spec_llm.engine.stats().num_accepted_tokens > 0
+    for mine, theirs in zip(spec, plain, strict=True):
+        assert mine.token_ids == theirs.token_ids
+        assert len(mine.logprobs) == len(mine.token_ids)
+        for got, want in zip(mine.logprobs, theirs.logprobs, strict=True):
+            assert got is not None and want is not None
+            assert (got.token_id, [t for t, _ in got.top]) == (
+                want.token_id,
+                [t for t, _ in want.top],
+            )
+            # a verify chunk and a decode step round differently in the last bits
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)

@@ -41,13 +41,10 @@ class Proposer(Protocol):
 def max_drafts(seq: Sequence, num_tokens: int) -> int:
     """How many drafts ``seq`` may verify in its next step (at most ``num_tokens``).
 
-    None while it prefills, when it asks for logprobs (those describe one token per step), or
-    when fewer than two tokens are left before its length limit.
+    None while it prefills, or when fewer than two tokens are left before its length limit.
     """
     if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
         return 0  # it prefills, or its last token is not known yet
-    if seq.sampling.logprobs is not None:
-        return 0
     # this step adds at most k + 1 tokens
     return max(0, min(num_tokens, seq.length_limit - seq.num_tokens - 1))
 

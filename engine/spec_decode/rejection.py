@@ -33,6 +33,7 @@ class DraftLayout:
     # last one past k_r (those entries are masked out)
     padded_index: torch.Tensor
     draft_token_ids: torch.Tensor  # [N] int64: d_{j+1} at position j; 0 at a row's last one
+    row_index: torch.Tensor  # [N] int64: the row each position belongs to
 
     @classmethod
     def build(cls, drafts: list[list[int]], device: torch.device) -> DraftLayout:
@@ -40,22 +41,33 @@ class DraftLayout:
         starts: list[int] = []
         index_rows: list[list[int]] = []
         flat_ids: list[int] = []
+        row_index: list[int] = []
         max_drafts = max(len(row) for row in drafts)
-        for row in drafts:
+        for index, row in enumerate(drafts):
             start = len(flat_ids)
             starts.append(start)
             index_rows.append([start + min(j, len(row)) for j in range(max_drafts + 1)])
             flat_ids += [*row, 0]
+            row_index += [index] * (len(row) + 1)
         return cls(
             starts=torch.tensor(starts, dtype=torch.int64, device=device),
             num_drafts=torch.tensor([len(row) for row in drafts], dtype=torch.int64, device=device),
             padded_index=torch.tensor(index_rows, dtype=torch.int64, device=device),
             draft_token_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
+            row_index=torch.tensor(row_index, dtype=torch.int64, device=device),
         )
 
     @property
     def num_positions(self) -> int:
         return int(self.draft_token_ids.shape[0])
+
+    def emitted(self, num_accepted: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """[N]: the token each position puts out: its draft while accepted, then the row's
+        next token (positions past it are never read)."""
+        offset = torch.arange(self.num_positions, device=num_accepted.device)
+        offset = offset - self.starts[self.row_index]
+        is_draft = offset < num_accepted[self.row_index]
+        return torch.where(is_draft, self.draft_token_ids, next_token_ids[self.row_index])
 
     def num_accepted(self, accepted: torch.Tensor) -> torch.Tensor:
         """[R]: how many leading drafts of each row are accepted, from ``accepted`` [N] bool."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import Sampler, SamplingRow, draw_noise
+from engine.sampler import DeviceSample, Sampler, SamplingRow, TokenLogprobs, draw_noise
 from engine.scheduler import ScheduledSeq
 from engine.spec_decode.rejection import DraftLayout, rejection_sample, verify_greedy
 
@@ -18,23 +18,18 @@ class VerifiedDrafts:
     entries: list[ScheduledSeq]
     layout: DraftLayout
     num_accepted: torch.Tensor  # [R]
-    # greedy: [N], the argmax at every position; else [R], the token drawn after the drafts
-    token_ids: torch.Tensor
-    greedy: bool
+    # [N]: the token each position puts out (and the raw logprobs of rows that ask)
+    emitted: DeviceSample
 
-    def resolve(self) -> list[list[int]]:
-        """Per row, the tokens it gains this step: accepted drafts, then one more (waits)."""
+    def resolve(self) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """Per row, the tokens it gains this step (accepted drafts, then one more) and their
+        logprobs; waits for the device."""
         num_accepted = self.num_accepted.tolist()
-        token_ids = self.token_ids.tolist()
-        if self.greedy:  # accepted drafts equal the argmax there: read them off the targets
-            starts = self.layout.starts.tolist()
-            return [
-                token_ids[start : start + n + 1]
-                for start, n in zip(starts, num_accepted, strict=True)
-            ]
+        out = self.emitted.resolve()
+        starts = self.layout.starts.tolist()
         return [
-            [*entry.draft_token_ids[:n], token_id]
-            for entry, n, token_id in zip(self.entries, num_accepted, token_ids, strict=True)
+            (out.token_ids[start : start + n + 1], out.logprobs[start : start + n + 1])
+            for start, n in zip(starts, num_accepted, strict=True)
         ]
 
 
@@ -50,17 +45,19 @@ class DraftVerifier:
         device = logits.device
         layout = DraftLayout.build([entry.draft_token_ids for entry in entries], device)
         if all(_plain_greedy(entry) for entry in entries):
+            # accepted drafts equal the argmax there, and the argmax follows them
             target_ids = logits[:, : self.sampler.vocab_size].argmax(dim=-1)  # [N]
-            return VerifiedDrafts(
-                entries, layout, verify_greedy(target_ids, layout), target_ids, True
-            )
+            num_accepted = verify_greedy(target_ids, layout)
+            return VerifiedDrafts(entries, layout, num_accepted, DeviceSample(target_ids, None))
         rows = [row for entry in entries for row in position_rows(entry)]
         probs = self.sampler.target_probs(logits, rows)  # [N, V]
         last_rows = [position_rows(entry)[-1] for entry in entries]
         noise = draw_noise(last_rows, probs.shape[1], device)  # [R, V]
         draft_probs = _draft_probs(entries, probs.shape[1], device)
         result = rejection_sample(probs, layout, _uniforms(entries, device), noise, draft_probs)
-        return VerifiedDrafts(entries, layout, result.num_accepted, result.next_token_ids, False)
+        emitted = layout.emitted(result.num_accepted, result.next_token_ids)
+        sample = self.sampler.picked_on_device(logits, emitted, rows)
+        return VerifiedDrafts(entries, layout, result.num_accepted, sample)
 
 
 def _plain_greedy(entry: ScheduledSeq) -> bool:
