@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|tests]...
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|offload|tests]...
 #   (default: all)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
@@ -75,12 +75,26 @@ vllm() {  # vLLM 0.26 in a subprocess, on the same prompts, in the same run
         --compare vllm --no-progress --output-json "$OUT/latency-llama3-8b-vs-vllm.json"
 }
 
+offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: host tier off/on
+    log multiturn qwen3-0.6b
+    "${PS[@]}" bench multiturn --model dummy:qwen3-0.6b --num-sessions 64 --num-turns 4 \
+        --system-len 1024 --user-len 32-128 --output-len 64 --concurrency 8 \
+        --max-model-len 2048 --pa-memory-mb 2048 --kv-offload-mb 8192 --no-progress \
+        --output-json "$OUT/multiturn-qwen3-0.6b.json"
+    log multiturn llama3-8b
+    "${PS[@]}" bench multiturn --model dummy:llama3-8b --num-sessions 128 --num-turns 4 \
+        --system-len 1024 --user-len 32-128 --output-len 64 --concurrency 16 \
+        --max-model-len 2048 --pa-memory-mb 6144 --kv-offload-mb 16384 --no-progress \
+        --output-json "$OUT/multiturn-llama3-8b.json"
+}
+
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
-        tests/test_triton_paged_attention.py tests/test_gpu_speculative.py
+        tests/test_triton_paged_attention.py tests/test_kv_offload.py \
+        tests/test_gpu_speculative.py
 }
 
-for part in "${@:-benchmarks fp8 speculative peers serve gateway tests}"; do
+for part in "${@:-benchmarks fp8 speculative peers serve gateway offload tests}"; do
     for step in $part; do "$step"; done
 done

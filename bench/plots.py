@@ -26,6 +26,8 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "latency": _latency,
         "kernels": _kernels,
         "serve": _serve,
+        "multiturn": _multiturn,
+        "serve-fleet": _serve_fleet,
     }
     draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table
@@ -156,6 +158,38 @@ def _serve(plt: Any, record: dict[str, Any]) -> Any:
     return fig
 
 
+def _serve_fleet(plt: Any, record: dict[str, Any]) -> Any:
+    """Throughput against the number of workers with the ideal line (N x one worker's),
+    efficiency annotated; p50 TTFT and TPOT against the number of workers."""
+    rows = record["results"]
+    counts = [row["num_workers"] for row in rows]
+    cores = record["machine"]["cores_available"]
+    fig, (rate, latency) = plt.subplots(1, 2, figsize=(10, 3.5))
+    rates = [row["output_tok_s"] for row in rows]
+    rate.plot(counts, [row["ideal_output_tok_s"] for row in rows], "k--", label="ideal")
+    rate.plot(counts, rates, "o-", color="tab:blue", label="measured")
+    for count, value, row in zip(counts, rates, rows, strict=True):
+        rate.annotate(f"{row['scaling_efficiency']:.2f}", (count, value), textcoords="offset points",
+                      xytext=(0, -14), ha="center", fontsize=8)  # fmt: skip
+    if cores < counts[-1]:
+        rate.axvline(cores, color="tab:red", linewidth=0.8, label=f"{cores} cores")
+    rate.set_xticks(counts, [str(c) for c in counts])
+    rate.set_ylim(0, max(*rates, rows[-1]["ideal_output_tok_s"]) * 1.15)
+    rate.set_xlabel("workers on one stream")
+    rate.set_ylabel("output tokens / s")
+    rate.set_title(f"{record['settings']['concurrency']} streams per worker; "
+                   "scaling efficiency annotated", fontsize=9)  # fmt: skip
+    rate.legend(fontsize=8)
+    for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
+        latency.plot(counts, [(row[name]["p50"] or 0) * 1e3 for row in rows], "o-", label=label)
+    latency.set_xticks(counts, [str(c) for c in counts])
+    latency.set_yscale("log")
+    latency.set_xlabel("workers on one stream")
+    latency.set_ylabel("p50 (ms)")
+    latency.legend(fontsize=8)
+    return fig
+
+
 def _sweep(plt: Any, record: dict[str, Any]) -> Any:
     """Output tok/s against prompt count, one line per engine, ratios annotated."""
     rows = record["results"]
@@ -178,4 +212,42 @@ def _sweep(plt: Any, record: dict[str, Any]) -> Any:
     settings = record["settings"]
     ax.set_title(f"input {settings['input_len']}, output {settings['output_len']}", fontsize=9)
     ax.legend(fontsize=8)
+    return fig
+
+
+def _multiturn(plt: Any, record: dict[str, Any]) -> Any:
+    """Host tier off against on: TTFT percentiles, throughput, prompt tokens by cache tier."""
+    results = record["results"]
+    runs = [("offload off", results["offload_off"], "tab:gray"),
+            ("offload on", results["offload_on"], "tab:blue")]  # fmt: skip
+    fig, (ttft, rate, tiers) = plt.subplots(1, 3, figsize=(12, 3.5))
+    labels = ["p50", "p90"]
+    for index, (name, run, color) in enumerate(runs):
+        xs = [i + (index - 0.5) * 0.4 for i in range(len(labels))]
+        values = [(run["ttft_s"][key] or 0) * 1e3 for key in labels]
+        ttft.bar(xs, values, 0.4, label=name, color=color)
+    ttft.set_xticks(range(len(labels)), labels)
+    ttft.set_ylabel("ms")
+    settings = record["settings"]
+    ttft.set_title(f"TTFT: {settings['num_sessions']} sessions x {settings['num_turns']} turns, "
+                   f"{settings['concurrency']} at once", fontsize=9)  # fmt: skip
+    ttft.legend(fontsize=8)
+    rate.bar([name for name, _, _ in runs], [run["total_tok_s"] for _, run, _ in runs],
+             color=[color for _, _, color in runs])  # fmt: skip
+    rate.set_ylabel("prompt + output tokens / s")
+    rate.set_title(f"x{results['total_tok_s_ratio']:.2f} with the host tier", fontsize=9)
+    names = [name for name, _, _ in runs]
+    device = [run["prefix_cache"]["device_hit_tokens"] for _, run, _ in runs]
+    host = [run["prefix_cache"]["host_hit_tokens"] for _, run, _ in runs]
+    computed = [
+        run["input_tokens"] - d - h for (_, run, _), d, h in zip(runs, device, host, strict=True)
+    ]
+    tiers.bar(names, device, label="GPU prefix cache", color="tab:green")
+    tiers.bar(names, host, bottom=device, label="host tier", color="tab:orange")
+    tops = [d + h for d, h in zip(device, host, strict=True)]
+    tiers.bar(names, computed, bottom=tops, label="computed", color="tab:gray")
+    tiers.set_ylabel("prompt tokens")
+    tiers.set_ylim(0, max(top + c for top, c in zip(tops, computed, strict=True)) * 1.4)
+    tiers.set_title(f"prompt KV source (host tier {settings['kv_offload_mb']} MiB)", fontsize=9)
+    tiers.legend(fontsize=7, loc="upper center", ncol=3)
     return fig

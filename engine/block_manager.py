@@ -3,7 +3,9 @@
 Pure accounting, no tensors: the KV cache tensors live in ``engine.kv_cache`` and are indexed
 by the block ids handed out here. A block is *owned* while its reference count is > 0. Blocks
 with count 0 sit in one LRU free queue; those that still hold a full, hashed block of tokens
-can be revived by a prefix-cache hit until they are handed out again (evicted).
+can be revived by a prefix-cache hit until they are handed out again (evicted). With a host
+tier (``engine.kv_offload``) an evicted block's page is saved there first, and a prefix that
+misses the device cache goes on matching in the host tier.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 
+from engine.kv_offload import HostPrefixCache, PageTransfer, PrefixHit
 from engine.sequence import Sequence
 
 ROOT_HASH = b"pagestream-prefix-root"
@@ -33,6 +36,7 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         tenant_page_quotas: Mapping[str, int] | None = None,
+        host_cache: HostPrefixCache | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -45,7 +49,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tenant_pages: Counter[str] = Counter()
         self.num_prefix_queries = 0  # blocks looked up in the prefix cache
-        self.num_prefix_hits = 0  # of those, found
+        self.num_prefix_hits = 0  # of those, found (on the device or in the host tier)
+        self.host_cache = host_cache
+        self._transfers: list[PageTransfer] = []  # decided since the last take_transfers()
 
     # -- queries --------------------------------------------------------------------------
 
@@ -75,27 +81,40 @@ class BlockManager:
 
     # -- allocation -----------------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks of ``seq``'s leading full blocks; returns tokens reused.
+    def match_prefix(self, seq: Sequence) -> PrefixHit:
+        """Attach cached blocks of ``seq``'s leading full blocks; returns the tokens reused.
 
-        At least one token is left to compute, since the step must produce logits.
+        Each block is looked up on the device, then in the host tier, whose hits get a fresh
+        page and a restore copy (see ``take_transfers``). At least one token is left to
+        compute, since the step must produce logits.
         """
         if not self.enable_prefix_caching or seq.block_table:
-            return 0
+            return PrefixHit()
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
+        num_host_blocks = 0
         for block_hash in seq.block_hashes[:max_blocks]:
             self.num_prefix_queries += 1
             block = self._block_of_hash.get(block_hash)
-            if block is None:
-                break
+            if block is not None:
+                self._acquire(block)
+            else:
+                block = self._restore_from_host(block_hash)
+                if block is None:
+                    break
+                num_host_blocks += 1
             self.num_prefix_hits += 1
-            self._acquire(block)
             seq.block_table.append(block)
         self.tenant_pages[seq.tenant] += len(seq.block_table)
         seq.num_registered_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        return seq.num_computed_tokens
+        host_tokens = num_host_blocks * self.block_size
+        return PrefixHit(seq.num_computed_tokens - host_tokens, host_tokens)
+
+    def take_transfers(self) -> list[PageTransfer]:
+        """Host-tier copies decided since the last call, in the order they must run."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens, if pages allow."""
@@ -176,7 +195,32 @@ class BlockManager:
         if evicted is not None:
             del self._block_of_hash[evicted]
             self._hash_of[block] = None
+            slot = self.host_cache.save(evicted) if self.host_cache is not None else None
+            if slot is not None:  # copied out before the page's next owner writes it
+                self._transfers.append(PageTransfer(block, slot, to_host=True))
         self.ref_counts[block] = 1
+        return block
+
+    def _restore_from_host(self, block_hash: bytes) -> int | None:
+        """A fresh page that will hold ``block_hash``'s KV from the host tier, or None."""
+        if self.host_cache is None or not self._free:
+            return None
+        slot = self.host_cache.lookup(block_hash)  # now the most recently used entry
+        if slot is None:
+            return None
+        block = self._pop_free()
+        if block_hash not in self.host_cache:
+            # Saving the popped page's old block took this very slot (a one-slot tier): the
+            # slot now holds that block, and the page goes back unused.
+            self.ref_counts[block] = 0
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+            return None
+        self._transfers.append(PageTransfer(block, slot, to_host=False))
+        # Published at once: the copy runs before this step's forward, so a sequence that
+        # matches it in the same step reads restored contents.
+        self._block_of_hash[block_hash] = block
+        self._hash_of[block] = block_hash
         return block
 
     def check_invariants(self, seqs: list[Sequence]) -> None:

@@ -45,6 +45,8 @@ class EngineConfig:
     prefix_caching: bool = True
     preemption: PreemptionMode = "recompute"
     swap_space_mb: int = 4096
+    # Host memory for prefix-cache pages evicted from the device pool; 0 = no host tier.
+    kv_offload_mb: int = 0
     cuda_graphs: bool | None = None  # None = on for CUDA unless PAGESTREAM_CUDA_GRAPHS=0
     # Steps of up to this many tokens that are not decode-only replay piecewise graphs around
     # eager attention; None = max_batched_tokens, 0 = such steps run eagerly.
@@ -66,6 +68,7 @@ class EngineConfig:
         self._check_budget()
         self._check_sizes()
         self._check_speculative()
+        self._check_offload()
 
     def _check_choices(self) -> None:
         _choice("paged_attn", self.paged_attn, ("auto", "on", "off"))
@@ -144,6 +147,24 @@ class EngineConfig:
             raise ConfigError(
                 "async_scheduling does not combine with speculative decoding: drafts are made "
                 "from the previous step's tokens on the host; use --async-scheduling off"
+            )
+
+    def _check_offload(self) -> None:
+        if self.kv_offload_mb < 0:
+            raise ConfigError(
+                f"kv_offload_mb must be >= 0 (0 = no host tier), got {self.kv_offload_mb}"
+            )
+        if self.kv_offload_mb == 0:
+            return
+        if not self.prefix_caching:
+            raise ConfigError(
+                "--kv-offload-mb needs --prefix-caching on: the host tier holds evicted "
+                "prefix-cache pages"
+            )
+        if self.paged_attn == "off":
+            raise ConfigError(
+                "--kv-offload-mb needs paged attention: with --paged-attn off there is no "
+                "prefix cache to offload"
             )
 
     # -- derived settings -------------------------------------------------------------------
@@ -303,6 +324,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="host memory for swapped-out pages, MiB (default 4096)",
+    )
+    g.add_argument(
+        "--kv-offload-mb",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pinned host memory (MiB) for prefix-cache pages evicted from the GPU pool; a "
+        "later prompt with that prefix copies them back instead of recomputing (default 0 = off)",
     )
     g.add_argument(
         "--cuda-graphs",

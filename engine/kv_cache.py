@@ -1,13 +1,17 @@
-"""The KV page pool on the device, its host mirror for swapping, and how big to make it."""
+"""The KV page pool on the device, its host mirror for swapping, the host tier of the prefix
+cache, and how big to make them."""
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import LayerCache
+from engine.errors import ConfigError
+from engine.kv_offload import PageTransfer
 from engine.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
@@ -50,11 +54,17 @@ class KVCache:
 
     fp8 pages have ``scales: [layers, 2, num_blocks, block_size, kv_heads]`` float32 beside
     them. Zero-initialised: pages past a sequence's length are read (masked) by batched
-    attention, and masked garbage could be NaN.
+    attention, and masked garbage could be NaN. ``num_host_blocks`` pages of host memory hold
+    swapped-out sequences; ``num_offload_blocks`` pages hold evicted prefix-cache blocks.
     """
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int, device: torch.device
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        num_host_blocks: int,
+        device: torch.device,
+        num_offload_blocks: int = 0,
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
@@ -69,6 +79,13 @@ class KVCache:
             torch.zeros(_with_blocks(shape[:-1], num_host_blocks), pin_memory=pin)
             if spec.is_fp8
             else None
+        )
+        # Host tier, a slot per page with every layer in it: [slots, layers, 2, block, heads,
+        # dim], so each copy is one contiguous host range.
+        slot_shape = (num_offload_blocks, spec.num_layers, 2, *shape[3:])
+        self.offload_pages = _host_tensor(slot_shape, spec.dtype, pin)
+        self.offload_scales = (
+            _host_tensor(slot_shape[:-1], torch.float32, pin) if spec.is_fp8 else None
         )
         self.layers = [self._layer(i) for i in range(spec.num_layers)]
 
@@ -97,6 +114,44 @@ class KVCache:
             self.pages[layer, :, dst] = self.host_pages[layer, :, src].to(device)
             if self.scales is not None and self.host_scales is not None:
                 self.scales[layer, :, dst] = self.host_scales[layer, :, src].to(device)
+
+    def transfer(self, transfers: list[PageTransfer]) -> None:
+        """Run host-tier copies in their order, queued on the current stream: the host side
+        is pinned, so nothing waits, and stream order puts each copy after the steps that
+        wrote its source and before the forward that reuses a saved page.
+
+        Not on a side stream: a page may be cached while the forward that wrote it still runs
+        (a step of partial prefill chunks is never waited for), so a save must follow every
+        forward before it anyway, and a restore must precede the next one."""
+        for transfer in transfers:
+            pairs = [(self.pages, self.offload_pages)]
+            if self.scales is not None and self.offload_scales is not None:
+                pairs.append((self.scales, self.offload_scales))
+            for device_tensor, host_tensor in pairs:
+                device_page = device_tensor[:, :, transfer.device_block]  # [layers, 2, block, ...]
+                host_page = host_tensor[transfer.host_slot]
+                if transfer.to_host:
+                    host_page.copy_(device_page, non_blocking=True)
+                else:
+                    device_page.copy_(host_page, non_blocking=True)
+
+
+def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Uninitialised host memory, page-locked in place when ``pin`` so that copies to and from
+    the device run asynchronously. Registered rather than taken from torch's pinned-memory
+    allocator, which rounds each allocation up to a power of two (20 GiB would pin 32)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    num_bytes = tensor.numel() * tensor.element_size()
+    if pin and num_bytes:
+        cudart = torch.cuda.cudart()
+        ptr = tensor.data_ptr()
+        status = int(cudart.cudaHostRegister(ptr, num_bytes, 1))  # 1: portable
+        if status != 0:
+            raise ConfigError(f"cannot page-lock {num_bytes / (1 << 20):.0f} MiB of host memory "
+                              f"(CUDA error {status}): lower --kv-offload-mb")  # fmt: skip
+        unregister = weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
+        unregister.atexit = False  # the process's memory goes at exit, and CUDA may go first
+    return tensor
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

@@ -64,6 +64,12 @@ class EngineStats:
     num_preemptions: int
     num_steps: int = 0
     step_time_s: float = 0.0  # wall time spent inside step(), summed
+    # Tokens not recomputed at admission (prompts, and the tokens of sequences preempted by
+    # recompute), by the cache tier their KV came from
+    num_device_hit_tokens: int = 0
+    num_host_hit_tokens: int = 0
+    num_offloaded_pages: int = 0  # evicted device pages saved to the host tier
+    num_offload_evictions: int = 0  # host-tier pages dropped to make room
     num_draft_tokens: int = 0  # speculative decoding: drafts verified
     num_accepted_tokens: int = 0  # of those, accepted
 
@@ -391,6 +397,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        host = bm.host_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -403,6 +410,10 @@ class LLMEngine:
             step_time_s=self._step_time_s,
             num_draft_tokens=self._num_draft_tokens,
             num_accepted_tokens=self._num_accepted_tokens,
+            num_device_hit_tokens=self.scheduler.num_device_hit_tokens,
+            num_host_hit_tokens=self.scheduler.num_host_hit_tokens,
+            num_offloaded_pages=host.num_offloaded_pages if host is not None else 0,
+            num_offload_evictions=host.num_evictions if host is not None else 0,
         )
 
     def sequence(self, request_id: str) -> Sequence | None:

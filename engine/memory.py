@@ -65,6 +65,7 @@ class PoolPlan:
     num_host_blocks: int
     budget_bytes: int
     source: str  # which setting decided the size
+    num_offload_blocks: int = 0  # host tier of the prefix cache (--kv-offload-mb)
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,23 @@ def plan_pool(
     if config.preemption == "swap":
         # Swapped pages came from the device pool: more host pages than that are never used.
         num_host_blocks = min(config.swap_space_mb * MIB // spec.bytes_per_block, num_blocks)
-    return PoolPlan(num_blocks, num_host_blocks, num_blocks * spec.bytes_per_block, source)
+    return PoolPlan(
+        num_blocks,
+        num_host_blocks,
+        num_blocks * spec.bytes_per_block,
+        source,
+        num_offload_blocks=_offload_blocks(config, spec),
+    )
+
+
+def _offload_blocks(config: EngineConfig, spec: KVCacheSpec) -> int:
+    num_slots = config.kv_offload_mb * MIB // spec.bytes_per_block
+    if config.kv_offload_mb > 0 and num_slots == 0:
+        raise ConfigError(
+            f"--kv-offload-mb {config.kv_offload_mb} holds no page: one page of this model "
+            f"takes {spec.bytes_per_block / MIB:.2f} MiB; raise it or give 0 (no host tier)"
+        )
+    return num_slots
 
 
 def _check_fits_device(pool_bytes: int, profile: MemoryProfile, source: str) -> None:
@@ -187,9 +204,16 @@ def log_plan(
             f"{profile.activation_peak_bytes / GIB:.2f} GiB, CUDA graphs "
             f"{profile.graph_reserve_bytes / GIB:.2f} GiB, device {profile.total_bytes / GIB:.1f} GiB; "
         )
+    host_part = ""
+    if plan.num_offload_blocks:
+        host_part = (
+            f"; host prefix tier {plan.num_offload_blocks} pages = "
+            f"{plan.num_offload_blocks * spec.block_size} tokens "
+            f"({plan.num_offload_blocks * spec.bytes_per_block / GIB:.2f} GiB of host memory)"
+        )
     logger.info(
         "KV pool: %s%d pages x %d tokens = %d tokens (%.2f GiB, %s, %s): %d sequences of "
-        "%d tokens fit at once",
+        "%d tokens fit at once%s",
         device_part, plan.num_blocks, spec.block_size, num_tokens, plan.budget_bytes / GIB,
-        spec.dtype, plan.source, num_tokens // max_model_len, max_model_len,
+        spec.dtype, plan.source, num_tokens // max_model_len, max_model_len, host_part,
     )  # fmt: skip

@@ -139,6 +139,9 @@ class ModelRunner:
         # Swap-outs first: their pages may be handed to other sequences in this very step.
         if batch.swap_out:
             self.kv_cache.swap_out(*map(list, zip(*batch.swap_out, strict=True)))
+        # Then evicted prefix pages to the host tier and host hits back, before any write.
+        if batch.page_transfers:
+            self.kv_cache.transfer(batch.page_transfers)
         if batch.swap_in:
             self.kv_cache.swap_in(*map(list, zip(*batch.swap_in, strict=True)))
         if batch.is_empty:

@@ -15,6 +15,7 @@ from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_offload import HostPrefixCache
 from engine.loader import LoadedModel
 from engine.memory import (
     MemoryProfile,
@@ -79,12 +80,14 @@ def build_runtime(
         if config.pa_context_len is None:  # a budget in tokens holds them in each pool
             plan = _share_with_draft(plan, spec, draft_spec, max_model_len)
     log_plan(plan, spec, profile, max_model_len)
-    kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device)
+    kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device, plan.num_offload_blocks)
+    host_cache = HostPrefixCache(plan.num_offload_blocks) if plan.num_offload_blocks else None
     block_manager = BlockManager(
         plan.num_blocks,
         block_size,
         enable_prefix_caching=paged and config.prefix_caching,
         tenant_page_quotas=config.tenant_page_quotas,
+        host_cache=host_cache,
     )
     runner = ModelRunner(loaded.model, kv_cache, sampler, device)
     if use_graphs:
@@ -133,8 +136,12 @@ def _share_with_draft(
             f"{num_blocks} pages, less than one sequence of {max_model_len} tokens "
             f"({blocks_per_seq} pages): raise the budget or lower --max-model-len"
         )
-    num_host_blocks = min(plan.num_host_blocks, num_blocks)
-    return PoolPlan(num_blocks, num_host_blocks, num_blocks * spec.bytes_per_block, plan.source)
+    return dataclasses.replace(
+        plan,
+        num_blocks=num_blocks,
+        num_host_blocks=min(plan.num_host_blocks, num_blocks),
+        budget_bytes=num_blocks * spec.bytes_per_block,
+    )
 
 
 def _measure_peaks(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
+from engine.kv_offload import PageTransfer
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -35,6 +36,8 @@ class ScheduledBatch:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) pages
+    # host prefix-tier copies, in the order decided (run between swap_out and swap_in)
+    page_transfers: list[PageTransfer] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # timed out this step
     num_preempted: int = 0
 
@@ -60,6 +63,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
+        # Tokens not recomputed at admission (re-admissions too), by where their KV was found.
+        self.num_device_hit_tokens = 0
+        self.num_host_hit_tokens = 0
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -129,6 +135,7 @@ class Scheduler:
             self._admit_waiting(budget, batch)
         # Decodes first: the attention backend batches the leading single-token queries.
         batch.scheduled.sort(key=lambda entry: entry.num_new_tokens > 1)
+        batch.page_transfers = self.block_manager.take_transfers()
         return batch
 
     def _expire_deadlines(self, now_s: float, batch: ScheduledBatch) -> None:
@@ -241,9 +248,9 @@ class Scheduler:
         for seq in sorted(self.waiting, key=_order):
             if budget == 0 or len(self.running) >= self.config.max_seqs:
                 break
-            cached = self.block_manager.match_prefix(seq)
+            hit = self.block_manager.match_prefix(seq)
             if seq.num_preemptions == 0 and not seq.output_token_ids:
-                seq.num_cached_tokens = cached
+                seq.num_cached_tokens = hit.num_tokens
             num_new = self._chunk(seq, budget)
             needed = self.block_manager.num_blocks_needed(seq, num_new)
             over_quota = self.block_manager.tenant_over_quota(seq.tenant, needed)
@@ -254,6 +261,8 @@ class Scheduler:
                 self._unadmit(seq)
                 break  # pool full: later arrivals must not overtake this one
             self._start_running(seq, self.waiting)
+            self.num_device_hit_tokens += hit.device_tokens
+            self.num_host_hit_tokens += hit.host_tokens
             batch.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 

@@ -38,7 +38,7 @@ from kernels.paged_attention_prefill_triton import launch_prefill
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the head group is padded to this
 MAX_KV_SPLITS = 64
-TARGET_PROGRAMS_PER_SM = 4  # default split count: enough programs to hide gather latency
+TARGET_PROGRAMS_PER_SM = 2  # default split count: enough programs to hide gather latency
 NOMINAL_CPU_SMS = 4  # the interpreter has no SMs; any small count exercises the split path
 DECODE_TILE_BYTES = 16384  # bytes of one K (or V) tile: 64 tokens of bf16 D=128, 128 of fp8
 DECODE_NUM_WARPS = 4

@@ -114,3 +114,58 @@ def test_plot_of_an_unreadable_record_is_a_clear_error(
     (tmp_path / "bad.json").write_text("{not json")
     code, _, err = run_cli(["bench", "plot", str(tmp_path / "bad.json")], capsys)
     assert code == 1 and "cannot read benchmark record" in err
+
+
+MULTITURN_ARGS = [
+    "bench", "multiturn", "--model", "dummy:tiny", "--num-sessions", "6", "--num-turns", "3",
+    "--system-len", "64", "--user-len", "8-16", "--output-len", "4", "--concurrency", "2",
+    "--pa-block-size", "16", "--pa-context-len", "256", "--max-model-len", "128", "--no-progress",
+]  # fmt: skip
+
+
+def test_multiturn_serves_evicted_histories_from_the_host_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 16-page pool holds the system prompt and two chats at once; six chats' histories do
+    # not stay on the GPU between their turns.
+    path = tmp_path / "multiturn.json"
+    code, out, _ = run_cli([*MULTITURN_ARGS, "--kv-offload-mb", "1", "--output-json", str(path)],
+                           capsys)  # fmt: skip
+    assert code == 0 and "host hit tokens" in out
+    record = json.loads(path.read_text())
+    assert record["kind"] == "multiturn" and record["settings"]["kv_offload_mb"] == 1
+    results = record["results"]
+    off, on = results["offload_off"], results["offload_on"]
+    for run in (off, on):
+        assert run["num_requests"] == 18 and run["output_tokens"] == 72
+        assert run["ttft_s"]["p50"] > 0 and run["ttft_later_turns_s"]["p90"] > 0
+        # every turn but the first two (admitted together) finds the system prompt on the GPU
+        assert run["prefix_cache"]["device_hit_tokens"] >= 16 * 64
+    assert off["prefix_cache"]["host_hit_tokens"] == 0
+    assert on["prefix_cache"]["host_hit_tokens"] > 0 and on["prefix_cache"]["offloaded_pages"] > 0
+    assert on["prefix_hit_rate"] > off["prefix_hit_rate"]
+    assert results["same_replies"] == 1.0  # fp32: restored pages are the computed ones
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multiturn_without_a_host_tier_to_compare_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run_cli(MULTITURN_ARGS, capsys)
+    assert code == 1 and "give --kv-offload-mb N" in err
+    code, _, err = run_cli([*MULTITURN_ARGS, "--kv-offload-mb", "1", "--num-turns", "9"], capsys)
+    assert code == 1 and "past the context of 128" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-offload-mb", "64", "--prefix-caching", "off"], "needs --prefix-caching on"),
+        (["--kv-offload-mb", "-1"], "kv_offload_mb must be >= 0"),
+    ],
+)
+def test_bad_offload_flags_are_clear_errors(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run_cli([*BENCH_ARGS, *flags], capsys)
+    assert code == 1 and message in err

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.serve import StreamTiming, summarize
+from bench.streams import StreamTiming, summarize
 from worker.cli import main as cli_main
 from worker.local_stack import engine_flags
 

@@ -48,7 +48,7 @@ def test_prefix_cache_shares_full_blocks_and_counts_references() -> None:
     first.num_computed_tokens = 10
     bm.register_full_blocks(first)  # blocks 0-1 full, block 2 partial
     second = make_seq("b", [*range(8), 99, 98, 97])
-    assert bm.match_prefix(second) == 8
+    assert bm.match_prefix(second).num_tokens == 8
     assert second.block_table == first.block_table[:2]
     assert [bm.ref_counts[b] for b in second.block_table] == [2, 2]
     bm.free(first)
@@ -66,13 +66,13 @@ def test_freed_cached_blocks_are_revived_then_evicted_lru() -> None:
     bm.free(seq)
     assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 4
     again = make_seq("b", [1, 2, 3, 4, 5, 6])
-    assert bm.match_prefix(again) == 4 and again.block_table == cached
+    assert bm.match_prefix(again).num_tokens == 4 and again.block_table == cached
     bm.free(again)
     # Taking every page evicts the cached ones: a later lookup misses.
     hog = make_seq("c", list(range(100, 108)))
     assert bm.allocate_slots(hog, 8)
     assert bm.num_cached_blocks == 0
-    assert bm.match_prefix(make_seq("d", [1, 2, 3, 4, 5])) == 0
+    assert bm.match_prefix(make_seq("d", [1, 2, 3, 4, 5])).num_tokens == 0
 
 
 def test_match_leaves_at_least_one_token_to_compute() -> None:
@@ -82,7 +82,7 @@ def test_match_leaves_at_least_one_token_to_compute() -> None:
     seq.num_computed_tokens = 8
     bm.register_full_blocks(seq)
     same = make_seq("b", list(range(8)))
-    assert bm.match_prefix(same) == 4  # the second page is recomputed to get logits
+    assert bm.match_prefix(same).num_tokens == 4  # the second page is recomputed to get logits
 
 
 def test_hash_chain_depends_on_the_whole_prefix() -> None:

@@ -277,19 +277,7 @@ def test_future_enqueue_time_counts_as_now(harness: Harness) -> None:
 def test_engine_gauges_read_the_callback(harness: Harness) -> None:
     readings = iter(
         [
-            EngineGauges(
-                3,
-                4,
-                100,
-                28,
-                0.25,
-                7,
-                11,
-                num_swapped=1,
-                spec_acceptance_rate=0.6,
-                num_draft_tokens=50,
-                num_accepted_tokens=30,
-            ),
+            EngineGauges(3, 4, 100, 28, 0.25, 7, 11, 1, 640, 96, 5, 2, 0.6, 50, 30),
             EngineGauges(0, 0, 0, 128, 0.5, 9, 0),
         ]
     )
@@ -303,6 +291,10 @@ def test_engine_gauges_read_the_callback(harness: Harness) -> None:
         "pagestream.engine.pages.free": (28, "{page}"),
         "pagestream.engine.prefix_cache.hit_rate": (0.25, "1"),
         "pagestream.engine.preemptions": (7, "{preemption}"),
+        "pagestream.engine.prefix_cache.device_hit_tokens": (640, "{token}"),
+        "pagestream.engine.prefix_cache.host_hit_tokens": (96, "{token}"),
+        "pagestream.engine.kv_offload.pages_offloaded": (5, "{page}"),
+        "pagestream.engine.kv_offload.evictions": (2, "{page}"),
         "pagestream.queue.depth": (11, "{request}"),
         "pagestream.engine.spec_decode.acceptance_rate": (0.6, "1"),
         "pagestream.engine.spec_decode.draft_tokens": (50, "{token}"),

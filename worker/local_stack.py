@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,14 @@ class WorkerProcess:
     """``pagestream worker --redis-url URL --name NAME FLAGS`` as a subprocess."""
 
     def __init__(
-        self, redis_url: str, prefix: str, flags: list[str], *, name: str, supervised: bool = False
+        self,
+        redis_url: str,
+        prefix: str,
+        flags: list[str],
+        *,
+        name: str,
+        supervised: bool = False,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.prefix = prefix
@@ -136,18 +143,28 @@ class WorkerProcess:
         self.command = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url,
                         "--prefix", prefix, "--name", name, *flags]  # fmt: skip
         self.supervised = supervised
+        self.env = dict(env or {})  # on top of this process's environment
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> None:
         """Start it and wait for its first heartbeat (model loaded, graphs captured)."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (then :meth:`wait_ready`)."""
+        options = supervised_options() if self.supervised else {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.process = subprocess.Popen(self.command, env=env, **options)
+
+    def wait_ready(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> None:
+        """Wait for the launched worker's first heartbeat."""
         import redis
 
         from clients.protocol import Keys
 
-        options = supervised_options() if self.supervised else {}
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(self.command, env=env, **options)
-        self.process = process
+        process = self.process
+        assert process is not None, "launch() first"
         heartbeat = Keys(self.prefix).worker(self.name)
         client = redis.Redis.from_url(self.redis_url)
 
@@ -165,12 +182,17 @@ class WorkerProcess:
         """SIGTERM (it drains: ``--grace-s``) and wait up to ``timeout_s``; its exit code."""
         if self.process is None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            self.process.terminate()
+        self.terminate()
         try:
             return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return self.kill()
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting: it starts to drain."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.terminate()
 
     def kill(self) -> int | None:
         """SIGKILL and reap: what it held goes back to the others after ``--lease-s``."""
@@ -247,6 +269,30 @@ def spawned_worker(redis_url: str, prefix: str, flags: list[str]) -> Iterator[No
         yield
     finally:
         worker.stop()
+
+
+@contextlib.contextmanager
+def running_workers(workers: list[WorkerProcess], *, one_at_a_time: bool) -> Iterator[None]:
+    """``workers`` until the block ends (then SIGTERM to all, and wait for each).
+
+    Started all at once, or ``one_at_a_time``: each after the one before has beaten, as
+    workers sharing a GPU must start, since each sizes its KV pool from what the GPU holds.
+    """
+    launched: list[WorkerProcess] = []
+    try:
+        for worker in workers:
+            worker.launch()
+            launched.append(worker)
+            if one_at_a_time:
+                worker.wait_ready()
+        for worker in launched:
+            worker.wait_ready()
+        yield
+    finally:
+        for worker in launched:  # all drain at once
+            worker.terminate()
+        for worker in launched:
+            worker.stop()
 
 
 def supervised_options() -> dict[str, Any]:

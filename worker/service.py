@@ -335,6 +335,10 @@ class WorkerService:
             spec_acceptance_rate=stats.acceptance_rate,
             num_draft_tokens=stats.num_draft_tokens,
             num_accepted_tokens=stats.num_accepted_tokens,
+            num_device_hit_tokens=stats.num_device_hit_tokens,
+            num_host_hit_tokens=stats.num_host_hit_tokens,
+            num_offloaded_pages=stats.num_offloaded_pages,
+            num_offload_evictions=stats.num_offload_evictions,
         )
 
 

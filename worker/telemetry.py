@@ -81,12 +81,17 @@ class EngineGauges:
     num_preemptions: int  # cumulative since the engine started
     queue_depth: int  # requests in the Redis stream not yet read by this worker
     num_swapped: int = 0
+    # Cumulative: tokens admitted from each prefix-cache tier, and the host tier's traffic
+    num_device_hit_tokens: int = 0
+    num_host_hit_tokens: int = 0
+    num_offloaded_pages: int = 0
+    num_offload_evictions: int = 0
     spec_acceptance_rate: float = 0.0  # speculative decoding: accepted over verified drafts
     num_draft_tokens: int = 0  # cumulative
     num_accepted_tokens: int = 0  # cumulative
 
 
-# Gauge name, EngineGauges field, unit, description. Preemptions is cumulative: a counter.
+# Gauge name, EngineGauges field, unit, description; cumulative ones are counters below.
 _ENGINE_GAUGES = (
     ("pagestream.engine.requests.running", "num_running", "{request}", "Requests being decoded."),
     ("pagestream.engine.requests.waiting", "num_waiting", "{request}", "Requests waiting to run."),
@@ -98,9 +103,24 @@ _ENGINE_GAUGES = (
     ("pagestream.engine.spec_decode.acceptance_rate", "spec_acceptance_rate", "1",
      "Share of verified draft tokens accepted."),
 )  # fmt: skip
-# Counter name, EngineGauges field, unit, description: cumulative since the engine started.
-_COUNTERS = (
+_ENGINE_COUNTERS = (
     ("pagestream.engine.preemptions", "num_preemptions", "{preemption}", "Preemptions so far."),
+    (
+        "pagestream.engine.prefix_cache.device_hit_tokens", "num_device_hit_tokens", "{token}",
+        "Tokens admitted with their KV found in the GPU pool's prefix cache.",
+    ),
+    (
+        "pagestream.engine.prefix_cache.host_hit_tokens", "num_host_hit_tokens", "{token}",
+        "Tokens admitted with their KV copied back from the host tier (--kv-offload-mb).",
+    ),
+    (
+        "pagestream.engine.kv_offload.pages_offloaded", "num_offloaded_pages", "{page}",
+        "Evicted prefix-cache pages saved to the host tier.",
+    ),
+    (
+        "pagestream.engine.kv_offload.evictions", "num_offload_evictions", "{page}",
+        "Host-tier pages dropped to make room.",
+    ),
     ("pagestream.engine.spec_decode.draft_tokens", "num_draft_tokens", "{token}",
      "Draft tokens verified so far."),
     ("pagestream.engine.spec_decode.accepted_tokens", "num_accepted_tokens", "{token}",
@@ -230,7 +250,7 @@ class Telemetry:
             self._meter.create_observable_gauge(
                 name, [self._gauge_callback(field)], unit=unit, description=description
             )
-        for name, field, unit, description in _COUNTERS:
+        for name, field, unit, description in _ENGINE_COUNTERS:
             self._meter.create_observable_counter(
                 name, [self._gauge_callback(field)], unit=unit, description=description
             )

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from worker.arg_types import int_list, int_range
+from worker.arg_types import int_list, int_range, positive_int
 from worker.cli.parser import CommandError, LazyParser, Subparsers
 
 
 def register(subparsers: Subparsers) -> None:
     subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, kernels, serve; plot a record",
+        help="benchmarks: throughput, latency, kernels, serve, multiturn; plot a record",
         description="Benchmarks of the engine; each writes a JSON record of its results.",
         configure=_configure_bench,
     )
@@ -72,6 +72,14 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         configure=_configure_bench_serve,
     )
     kinds.add_parser(
+        "multiturn",
+        help="multi-turn chat (shared system prompt, many sessions) with the host KV tier off and on",
+        description="Sessions that share a long system prompt come back for several turns (each "
+        "prompt = system + history + a new user turn); run once without and once with "
+        "--kv-offload-mb and report TTFT, throughput and the prompt tokens each cache tier served.",
+        configure=_configure_bench_multiturn,
+    )
+    kinds.add_parser(
         "plot",
         help="draw the PNG plot of a benchmark JSON record",
         description="Draw a PNG beside each given benchmark record (needs matplotlib).",
@@ -129,6 +137,47 @@ def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(parser)  # its --seed also seeds the random prompts
     parser.set_defaults(handler=_run_bench_throughput, command_prog=parser.prog)
+
+
+def _configure_bench_multiturn(parser: argparse.ArgumentParser) -> None:
+    from engine.config import add_engine_args
+
+    w = parser.add_argument_group("workload")
+    w.add_argument("--num-sessions", type=positive_int, default=64, help="chats (default 64)")
+    w.add_argument("--num-turns", type=positive_int, default=4, help="turns per chat (default 4)")
+    w.add_argument("--system-len", type=positive_int, default=1024,
+                   help="tokens of the shared system prompt (default 1024)")  # fmt: skip
+    w.add_argument("--user-len", type=int_range, default=(32, 128), metavar="MIN-MAX",
+                   help="tokens per user turn, drawn uniformly (default 32-128)")  # fmt: skip
+    w.add_argument("--output-len", type=positive_int, default=64,
+                   help="tokens per reply, EOS ignored (default 64)")  # fmt: skip
+    w.add_argument("--concurrency", type=positive_int, default=16,
+                   help="sessions with a turn in flight at once (default 16)")  # fmt: skip
+    w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(parser)  # --kv-offload-mb is the tier of the second run; --seed the prompts'
+    parser.set_defaults(handler=_run_bench_multiturn, command_prog=parser.prog)
+
+
+def _run_bench_multiturn(args: argparse.Namespace) -> int:
+    from bench.multiturn import MultiTurnWorkload, format_results, run_multiturn
+    from bench.records import save
+    from engine import PagestreamError
+    from engine.config import engine_config_from_args
+
+    try:
+        workload = MultiTurnWorkload(
+            args.num_sessions, args.num_turns, args.system_len, args.user_len, args.output_len,
+            args.concurrency, args.seed,
+        )  # fmt: skip
+        record = run_multiturn(
+            engine_config_from_args(args), workload, use_tqdm=not args.no_progress
+        )
+    except PagestreamError as exc:
+        raise CommandError(str(exc)) from exc
+    print(format_results(record["results"]))
+    save(record, args.output_json)
+    return 0
 
 
 def _baselines(text: str) -> tuple[str, ...]:

@@ -1,0 +1,89 @@
+"""``pagestream bench serve --workers 1,2`` at a tiny size on the CPU: worker processes on one
+stream, a scaling record. No speed is asserted (the CPU is shared): the record's shape, the load
+scaled by N, and every worker's consumer serving part of it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.fleet import TARGET_EFFICIENCY, _add_efficiency, available_cores, fleet_workers
+from worker.cli import main as cli_main
+from worker.errors import EXIT_USAGE
+
+NUM_PROMPTS = 8  # per worker
+CONCURRENCY = 4  # per worker
+
+
+def test_fleet_sweep_scales_the_load_and_every_worker_serves(tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    code = cli_main([
+        "bench", "serve", "--model", "dummy:tiny", "--device", "cpu", "--workers", "1,2",
+        "--concurrency", str(CONCURRENCY), "--num-prompts", str(NUM_PROMPTS),
+        "--input-len", "4-8", "--output-len", "3-6", "--max-seqs", "8",
+        "--no-offline", "--vocab-size", "100", "--output-json", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["kind"] == "serve-fleet" and record["settings"]["redis"] == "embedded"
+    cores = record["machine"]["cores_available"]
+    assert cores == available_cores() >= 1
+    rows = record["results"]
+    assert [row["num_workers"] for row in rows] == [1, 2]
+    for row in rows:
+        n = row["num_workers"]
+        assert row["concurrency"] == n * CONCURRENCY
+        assert row["num_requests"] == n * NUM_PROMPTS
+        # Greedy, EOS ignored: every request produced its drawn 3-6 tokens.
+        assert 3 * n * NUM_PROMPTS <= row["output_tokens"] <= 6 * n * NUM_PROMPTS
+        assert row["threads_per_worker"] == max(1, cores // n)
+        assert row["memory_fractions"] is None  # a CPU pool is not a share of a GPU
+        # Each of the N consumers on the one stream finished some of the requests.
+        served = row["requests_by_worker"]
+        assert len(served) == n and all(count > 0 for count in served.values())
+        assert sum(served.values()) == row["num_requests"]
+        for name in ("ttft_s", "tpot_s"):
+            assert 0 < row[name]["p50"] <= row[name]["p90"] <= row[name]["p99"]
+        assert row["requests_per_s"] == pytest.approx(row["num_requests"] / row["elapsed_s"])
+        assert row["workers"]["num_steps"] > 0
+        expected = row["output_tok_s"] / (n * rows[0]["output_tok_s"])
+        assert row["scaling_efficiency"] == pytest.approx(expected)
+    names = [set(row["requests_by_worker"]) for row in rows]
+    assert not names[0] & names[1], "each count starts workers of its own"
+    assert rows[0]["scaling_efficiency"] == 1.0
+    assert record["targets"]["efficiency_at_least"] == TARGET_EFFICIENCY
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_efficiency_target_applies_up_to_the_core_count() -> None:
+    rows = [{"num_workers": n, "output_tok_s": rate} for n, rate in ((1, 100.0), (2, 190.0), (4, 200.0))]  # fmt: skip
+    _add_efficiency(rows, num_cores=2)
+    assert [row["scaling_efficiency"] for row in rows] == [1.0, 0.95, 0.5]
+    assert [row["ideal_output_tok_s"] for row in rows] == [100.0, 200.0, 400.0]
+    assert [row["target_met"] for row in rows] == [True, True, None]
+
+
+def test_workers_sharing_a_gpu_split_its_memory_and_cpu_workers_its_cores() -> None:
+    from engine.config import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "dummy:tiny", "--pa-memory-fraction", "0.8"])
+    args.prefix = "p"
+    gpu = fleet_workers(args, "redis://127.0.0.1:1/0", 4, "cuda", num_cores=16)
+    # Each fraction counts the workers started before it: about 0.2 of the GPU each.
+    fractions = [w.command[w.command.index("--pa-memory-fraction") + 1] for w in gpu]
+    assert fractions == ["0.2", "0.4", "0.6", "0.8"]
+    assert len({w.name for w in gpu}) == 4 and all(w.env == {} for w in gpu)
+    cpu = fleet_workers(args, "redis://127.0.0.1:1/0", 2, "cpu", num_cores=16)
+    assert all(w.env == {"OMP_NUM_THREADS": "8"} for w in cpu)
+    assert all(w.command[w.command.index("--pa-memory-fraction") + 1] == "0.8" for w in cpu)
+
+
+def test_fleet_refuses_workers_it_does_not_spawn(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(["bench", "serve", "--model", "dummy:tiny", "--workers", "2",
+                     "--redis-url", "redis://127.0.0.1:1/0"])  # fmt: skip
+    assert code == EXIT_USAGE and "--spawn-worker" in capsys.readouterr().err
