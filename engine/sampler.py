@@ -84,6 +84,8 @@ class Sampler:
     ) -> DeviceSample:
         """Tokens ``token_ids`` [num_rows] picked elsewhere (rejection sampling of drafts),
         with the raw logprobs of the rows that ask for them."""
+        if not _rows_wanting_logprobs(rows):
+            return DeviceSample(token_ids, None)
         raw_logprobs = _raw_logprobs(logits[:, : self.vocab_size].float(), rows)
         return DeviceSample(token_ids, _logprob_tensors(raw_logprobs, token_ids, rows))
 
