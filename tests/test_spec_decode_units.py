@@ -40,8 +40,10 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     # suffix [1, 2, 3] occurs at 1 and 6: the latest (6) is followed by 7, 1, 2
     assert proposer.propose(text, k=3) == [7, 1, 2]
     assert proposer.propose(text, k=1) == [7]
-    # a match near the end proposes only the tokens there are
-    assert proposer.propose([4, 6, 4], k=5) == [6, 4]
+    # a match running into the end goes on with the period it found: [4, 6] repeats
+    assert proposer.propose([4, 6, 4], k=5) == [6, 4, 6, 4, 6]
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3], k=6) == [9, 1, 2, 3, 9, 1]
+    assert proposer.propose([7, 7, 7], k=3) == [7, 7, 7]
 
 
 def test_ngram_falls_back_to_shorter_suffixes_and_may_find_nothing() -> None:
@@ -51,6 +53,7 @@ def test_ngram_falls_back_to_shorter_suffixes_and_may_find_nothing() -> None:
     assert proposer.propose([1, 2, 3, 4, 1], k=2) == []  # [1] recurs, but min_n is 2
     assert NgramProposer(1, 4).propose([1, 2, 3, 4, 1], k=2) == [2, 3]
     assert proposer.propose([7, 7], k=3) == []  # too short for any 2-gram before the suffix
+    assert proposer.propose([7, 7, 7], k=2) == [7, 7]
 
 
 def test_token_buffer_follows_a_growing_sequence() -> None:

@@ -12,7 +12,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
-    """Proposes up to ``k`` tokens from the most recent earlier match of the text's suffix.
+    """Proposes ``k`` tokens from the most recent earlier match of the text's suffix.
 
     The suffix is tried from ``max_n`` tokens down to ``min_n``: a longer match is more
     likely to continue the same way.
@@ -24,15 +24,27 @@ class NgramProposer:
         self.max_n = max_n
 
     def propose(self, token_ids: list[int] | np.ndarray, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the suffix."""
+        """``k`` tokens that followed the latest earlier occurrence of the suffix (none when
+        it does not recur)."""
         if k < 1 or len(token_ids) <= self.min_n:
             return []
         text = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, len(text) - 1), self.min_n - 1, -1):
             start = _latest_match(text, n)
             if start is not None:
-                return text[start + n : start + n + k].tolist()
+                return _continuation(text, start + n, k)
         return []
+
+
+def _continuation(text: np.ndarray, begin: int, k: int) -> list[int]:
+    """``k`` tokens from ``begin`` on; where the text ends first, it is taken to repeat with
+    the period between the match and the suffix (a loop goes on looping)."""
+    proposal = text[begin : begin + k].tolist()
+    period = len(text) - begin  # the suffix sits this far after the match
+    while len(proposal) < k:
+        index = len(text) + len(proposal) - period
+        proposal.append(int(text[index]) if index < len(text) else proposal[index - len(text)])
+    return proposal
 
 
 def _latest_match(text: np.ndarray, n: int) -> int | None:
