@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.attention.backend import ATTN_BACKEND_ENV, get_attention_backend
 from tests.conftest import TINY_COMMON, random_prompts
 
 VOCAB_SIZE = TINY_COMMON["vocab_size"]
@@ -163,3 +165,21 @@ def test_logprobs_of_accepted_drafts_are_the_plain_ones(llama: Path) -> None:
             )
             # a verify chunk and a decode step round differently in the last bits
             assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test (GPU: test_gpu_*)")
+def test_the_triton_kernels_verify_drafts_as_the_torch_references_do(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verify rows are multi-token queries over paged context behind single-token decodes:
+    the Triton kernels (under the interpreter) give plain decoding's tokens too."""
+    prompts = repetitive_prompts(3, seed=31)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 3
+    plain, _ = run(llama, prompts, params, **TIGHT)
+    monkeypatch.setenv(ATTN_BACKEND_ENV, "triton")
+    spec, engine = run(
+        llama, prompts, params, speculative="ngram", num_speculative_tokens=3, **TIGHT
+    )
+    assert get_attention_backend(engine.device).name == "triton"  # what the engine got
+    assert spec == plain
+    assert engine.stats().num_accepted_tokens > 0
