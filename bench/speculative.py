@@ -57,6 +57,7 @@ PASSAGES = (
     "found crabs, a starfish, small silver fish that darted under the weed and a shell as "
     "big as a hand, which they carried home and kept on the kitchen windowsill all summer.",
 )
+WARMUP_OUTPUT_LEN = 16
 PASSAGES_PER_PROMPT = 3  # about 180 tokens to copy
 RUN_TOKENS = 32  # token-id prompts: a random run of this many tokens ...
 RUN_REPEATS = 4  # ... repeated this many times
@@ -127,8 +128,10 @@ def _run_engine(
     """One result per batch size, and what the engine resolved (then it is freed)."""
     engine = LLMEngine(config)
     label = config.speculative_method()
-    prompts, kind = make_prompts(engine, 1, workload.seed)
-    _run_batch(engine, prompts, 16)  # warm-up: kernel compiles stay out of the timing
+    for batch in workload.batch_sizes:  # warm-up: kernel compiles stay out of the timing
+        prompts, kind = make_prompts(engine, batch, workload.seed)
+        # reversed: the timed run must not find its prompts in the prefix cache
+        _run_batch(engine, [prompt[::-1] for prompt in prompts], WARMUP_OUTPUT_LEN)
     results = []
     for batch in tqdm(workload.batch_sizes, desc=label, unit="batch", disable=not use_tqdm):
         prompts, kind = make_prompts(engine, batch, workload.seed)
