@@ -144,7 +144,7 @@ class DraftModelProposer:
                 budget -= num_new
         num_wanted = {self._shadows[seq].seq: k for seq, k in wanted.items()}
         drafting = self._step(batch)
-        probs: dict[Sequence, list[torch.Tensor]] = {shadow: [] for shadow in drafting}
+        probs: dict[Sequence, list[torch.Tensor | None]] = {shadow: [] for shadow in drafting}
         while drafting:
             for shadow, (token_id, q) in drafting.items():
                 shadow.output_token_ids.append(token_id)
@@ -155,11 +155,13 @@ class DraftModelProposer:
         for seq in wanted:
             shadow = self._shadows[seq].seq
             if probs.get(shadow):
-                self._hand_over(seq, shadow, probs[shadow])
+                seq.draft_token_ids = shadow.output_token_ids[-len(probs[shadow]) :]
+                seq.draft_probs = _stack(probs[shadow])
 
-    def _step(self, batch: ScheduledBatch) -> dict[Sequence, tuple[int, torch.Tensor]]:
+    def _step(self, batch: ScheduledBatch) -> dict[Sequence, tuple[int, torch.Tensor | None]]:
         """Run the draft model over ``batch``; each row that reaches its last token draws
-        one token: shadow -> (token, [V] the distribution it was drawn from)."""
+        one token: shadow -> (token, [V] the distribution it was drawn from; None for a
+        greedy row, whose draft is a point mass)."""
         if batch.is_empty:
             return {}
         logits, entries = self.runner.sampling_logits(batch)
@@ -170,16 +172,18 @@ class DraftModelProposer:
         rows = [_row(entry.seq) for entry in entries]
         probs = self.runner.sampler.target_probs(logits, rows)  # [R, V]; greedy rows one-hot
         token_ids = exponential_race(probs, draw_noise(rows, probs.shape[1], probs.device))
-        return {
-            entry.seq: (token_id, probs[row])
-            for row, (entry, token_id) in enumerate(zip(entries, token_ids.tolist(), strict=True))
-        }
+        drawn = {}
+        for row, (entry, token_id) in enumerate(zip(entries, token_ids.tolist(), strict=True)):
+            # a copy: a view would keep the whole [R, V] table alive until the drafts end
+            q = None if entry.seq.sampling.is_greedy else probs[row].clone()
+            drawn[entry.seq] = (token_id, q)
+        return drawn
 
-    def _hand_over(self, seq: Sequence, shadow: Sequence, probs: list[torch.Tensor]) -> None:
-        num_drafts = len(probs)
-        seq.draft_token_ids = shadow.output_token_ids[-num_drafts:]
-        if not seq.sampling.is_greedy:  # a greedy draft is a point mass: no need to keep it
-            seq.draft_probs = torch.stack(probs)  # [k, V]
+
+def _stack(probs: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """[k, V] the distributions a sampled request's drafts came from; None when greedy."""
+    kept = [q for q in probs if q is not None]
+    return torch.stack(kept) if len(kept) == len(probs) else None
 
 
 def _sync(shadow: _Shadow, seq: Sequence) -> None:
