@@ -61,7 +61,7 @@ def run(
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_greedy_tokens_equal_plain_decoding_under_preemption(llama: Path, preemption: str) -> None:
     prompts = repetitive_prompts(6, seed=5)
-    params = [SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=32 + i, ignore_eos=True) for i in range(6)]
     settings = dict(TIGHT, preemption=preemption)
     plain, _ = run(llama, prompts, params, **settings)
     spec, engine = run(
@@ -148,7 +148,7 @@ def test_stop_strings_and_the_context_end_cut_accepted_drafts(text_model_dir: Pa
 
 def test_logprobs_of_accepted_drafts_are_the_plain_ones(llama: Path) -> None:
     prompts = repetitive_prompts(3, seed=29)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     settings = dict(TIGHT, max_batched_tokens=64)
     plain = LLM(str(llama), **settings).generate(prompts, params, use_tqdm=False)
     spec_llm = LLM(str(llama), speculative="ngram", num_speculative_tokens=3, **settings)
