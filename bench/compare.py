@@ -43,6 +43,7 @@ def run_with_baselines(
     engine = LLMEngine(config)
     record = run_throughput(engine, workload, use_tqdm=use_tqdm)
     vocab_size, dtype, device = engine.loaded.arch.vocab_size, engine.dtype, engine.device
+    engine.shutdown()  # its tensor-parallel ranks, if any: the next engine starts its own
     del engine
     release_device_memory()
     ours = record["results"]["output_tok_s"]
@@ -77,6 +78,7 @@ def _paged_off(
     )
     engine = LLMEngine(off_config)
     record = run_throughput(engine, workload, use_tqdm=use_tqdm)
+    engine.shutdown()
     del engine
     release_device_memory()
     results: dict[str, Any] = record["results"]

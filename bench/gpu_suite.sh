@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|offload|tests]...
-#   (default: all)
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|offload|tests|tp]...
+# (default: all but tp, which needs two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
 set -uo pipefail
@@ -86,6 +86,24 @@ offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: h
         --system-len 1024 --user-len 32-128 --output-len 64 --concurrency 16 \
         --max-model-len 2048 --pa-memory-mb 6144 --kv-offload-mb 16384 --no-progress \
         --output-json "$OUT/multiturn-llama3-8b.json"
+}
+
+tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
+    log gpu tests, tensor parallel
+    python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tensor_parallel.py || return 1
+    log latency llama3-8b on two GPUs, against latency-llama3-8b.json on one
+    "${PS[@]}" bench latency --model dummy:llama3-8b --tensor-parallel-size 2 \
+        --batch-sizes 1,8,32,64 --max-model-len 4096 --no-progress \
+        --output-json "$OUT/latency-llama3-8b-tp2.json"
+    log latency llama3-70b on two GPUs
+    "${PS[@]}" bench latency --model dummy:llama3-70b --tensor-parallel-size 2 \
+        --batch-sizes 1,8,32 --max-model-len 4096 --no-progress \
+        --output-json "$OUT/latency-llama3-70b-tp2.json"
+    log throughput llama3-70b and qwen2.5-32b on two GPUs
+    "${PS[@]}" bench throughput --model dummy:llama3-70b --tensor-parallel-size 2 \
+        --max-model-len 4096 --no-progress --output-json "$OUT/throughput-llama3-70b-tp2.json"
+    "${PS[@]}" bench throughput --model dummy:qwen2.5-32b --tensor-parallel-size 2 \
+        --max-model-len 4096 --no-progress --output-json "$OUT/throughput-qwen2.5-32b-tp2.json"
 }
 
 tests() {

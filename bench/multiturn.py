@@ -111,6 +111,7 @@ def run_multiturn(
         runs[name], replies[name] = _measure(engine, workload, use_tqdm, desc=name)
         settings = {**dataclasses.asdict(config), **dataclasses.asdict(workload),
                     "resolved": resolved_settings(engine)}  # fmt: skip
+        engine.shutdown()  # its tensor-parallel ranks, if any
         del engine  # one model in memory at a time
         release_device_memory()
     off, on = runs["offload_off"], runs["offload_on"]

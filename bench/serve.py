@@ -136,6 +136,7 @@ def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | 
     results = record["results"]
     results["step_s"] = results["elapsed_s"] / max(results["num_steps"], 1)
     results["settings"] = record["settings"]
+    engine.shutdown()  # its tensor-parallel ranks, if any: the worker starts its own
     del engine  # one engine in memory at a time: the worker loads its own
     release_device_memory()
     return results, vocab_size

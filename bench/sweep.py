@@ -39,6 +39,7 @@ def run_sweep(
     created_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     runs = [run_throughput(engine, w, use_tqdm=use_tqdm)["results"] for w in workloads]
     machine = machine_info(engine.device)
+    engine.shutdown()
     del engine
     release_device_memory()
     rows = []

@@ -114,6 +114,8 @@ def _engine_args(config: EngineConfig) -> list[str]:
             f"--compare vllm needs a dummy:<shape> or a Hugging Face directory, not {config.model!r}"
         )
     args = ["--model", model, "--max-seqs", str(config.max_seqs)]
+    if config.tensor_parallel_size > 1:  # vLLM on as many GPUs
+        args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     if config.max_model_len is not None:
         args += ["--max-model-len", str(config.max_model_len)]
     return args
@@ -149,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-prompts", type=_ints, default=(256,))
     parser.add_argument("--input-len", type=_range, default=(100, 1024))
     parser.add_argument("--output-len", type=_range, default=(100, 1024))
@@ -181,6 +184,7 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
         "skip_tokenizer_init": True,
         "dtype": "bfloat16",
         "max_num_seqs": args.max_seqs,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "seed": args.seed,
         "max_model_len": args.max_model_len,
         # latency repeats the same prompts: cached prefixes would skip the prefill it times

@@ -62,6 +62,8 @@ class EngineConfig:
     num_speculative_tokens: int | None = None  # drafts per step; None = 4 when speculating
     speculative_ngram_min: int = 1  # shortest suffix that prompt lookup matches
     speculative_ngram_max: int = 4  # longest suffix, tried first
+    # Ranks (one process and device each) that split every layer; 1 = no tensor parallelism.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -99,7 +101,8 @@ class EngineConfig:
         bs = self.pa_block_size
         if bs < 1 or bs & (bs - 1):
             raise ConfigError(f"pa_block_size must be a power of two, got {bs}")
-        for name in ("max_seqs", "max_batched_tokens", "prefill_chunk", "swap_space_mb"):
+        names = ("max_seqs", "max_batched_tokens", "prefill_chunk", "swap_space_mb")
+        for name in (*names, "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.max_batched_tokens < self.max_seqs:
@@ -131,6 +134,11 @@ class EngineConfig:
             return
         if self.speculative_model == "":
             raise ConfigError("speculative_model: give a model name or path")
+        if self.speculative_model is not None and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "--speculative-model needs --tensor-parallel-size 1 (the draft model runs on "
+                "one device); --speculative ngram works with tensor parallelism"
+            )
         if k is not None and k < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {k}")
         if self.speculative_tokens() + 1 > self.max_batched_tokens:
@@ -366,6 +374,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--seed", type=int, default=0, help="seed of the sampler's default generator (default 0)"
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N devices, one process each (default 1)",
     )
     _add_speculative_args(parser)
 

@@ -24,6 +24,12 @@ SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16  # above the small buckets, every multiple of this up to max_seqs
 
 
+def capture_mode(model: LlamaForCausalLM) -> str:
+    """``thread_local`` under tensor parallelism: NCCL's watchdog thread may query events of
+    collectives enqueued before the capture, which ``global`` mode would count against it."""
+    return "thread_local" if model.group.size > 1 else "global"
+
+
 def batch_size_buckets(max_seqs: int) -> list[int]:
     """1, 2, 4, 8, 16, 32, 48, ... up to and including ``max_seqs``."""
     buckets = [size for size in SMALL_BUCKETS if size < max_seqs]
@@ -90,9 +96,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer for every graph (each writes its leading rows), so that the graphs
         # share one pool of intermediates and keep no per-bucket outputs alive.
-        weight = model.lm_head.weight
+        # (the whole vocabulary: under tensor parallelism the graph gathers every rank's part)
+        dtype = model.lm_head.weight.dtype
         self.logits = torch.empty(
-            self.buckets[-1], weight.shape[0], dtype=weight.dtype, device=device
+            self.buckets[-1], model.arch.vocab_size, dtype=dtype, device=device
         )
         self.capture_s = 0.0
 
@@ -105,7 +112,7 @@ class DecodeGraphs:
             self._forward(bucket)  # compiles kernels and settles autotuning outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode(self.model)):
                 self._forward(bucket, out=self.logits[:bucket])
             pool = graph.pool()
             self.graphs[bucket] = graph

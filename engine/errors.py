@@ -26,3 +26,7 @@ class ModelLoadError(PagestreamError):
 
 class UnsupportedModelError(ModelLoadError):
     """The model's architecture is not one the native model implements."""
+
+
+class EngineDeadError(PagestreamError, RuntimeError):
+    """The engine cannot go on (a tensor-parallel rank died): close it and start a new one."""

@@ -64,6 +64,16 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (nothing to do without them)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],

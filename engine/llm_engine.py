@@ -7,10 +7,12 @@ runs the model once and returns what every sequence that advanced produced.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -18,25 +20,24 @@ from typing import Any
 
 import torch
 
-from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ConfigError, InvalidRequestError
+from engine.distributed.group import TensorParallelGroup
+from engine.distributed.ranks import RankProcesses, check_devices, rank_device
+from engine.distributed.shard import ShardPlan
+from engine.errors import InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
-from engine.loader import LoadedModel, load_model
+from engine.loader import find_model
 from engine.memory import prefer_expandable_segments
 from engine.model_runner import LaunchedStep, SampledToken
-from engine.runtime import build_runtime
+from engine.runtime import RankSetup, setup_rank
 from engine.sampler import TokenLogprobs, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus, Usage
-from engine.spec_decode.draft_model import load_draft_model
 from engine.step_profile import StepProfiler
 
 logger = logging.getLogger("pagestream.engine")
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(slots=True)
@@ -90,29 +91,47 @@ class _Inbox:
 
 
 class LLMEngine:
+    """The engine of one process; with ``tensor_parallel_size`` N > 1 it is rank 0 of N: it
+    starts the other ranks, schedules and samples, and sends them each step. ``shutdown``
+    stops them."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.resolved_device())
+        self.device = rank_device(config, 0)
         if self.device.type == "cuda":
             prefer_expandable_segments()
-        self.dtype = _resolve_dtype(config, self.device)
-        backend = get_attention_backend(self.device)
-        self.loaded: LoadedModel = load_model(
-            config.model, self.dtype, self.device, backend, config.max_model_len, config.seed
-        )
-        self.max_model_len = _resolve_max_model_len(config, self.loaded)
+        self.ranks: RankProcesses | None = None
+        self.group = TensorParallelGroup()
+        self._stop_ranks: weakref.finalize[Any, Any] | None = None
+        if config.tensor_parallel_size > 1:
+            check_devices(config)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self.ranks = RankProcesses(config)
+        try:
+            source = find_model(config.model)  # once, before any rank starts
+            ShardPlan.for_arch(source.arch, 0, config.tensor_parallel_size)  # a size that fits
+            with self._collectives():
+                if self.ranks is not None:
+                    self.group = self.ranks.start(self.device, source)
+                setup = setup_rank(config, self.device, self.group, source)
+        except BaseException:
+            if self.ranks is not None:  # failing or stuck in the start: they are not told
+                self.ranks.stop(self.group if self.group.size > 1 else None, serving=False)
+            raise
+        self._take_setup(setup)
+        if self.ranks is not None:  # at shutdown(), or at exit if it is never called
+            self._stop_ranks = weakref.finalize(self, self.ranks.stop, self.group, True)
+
+    def _take_setup(self, setup: RankSetup) -> None:
+        config, runtime, backend = self.config, setup.runtime, setup.backend
+        self.dtype, self.loaded = setup.dtype, setup.loaded
+        self.max_model_len = setup.max_model_len
         self.tokenizer = self.loaded.tokenizer
         self.prompt_encoder = PromptEncoder(
             config.model, self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len
         )
         self.eos_token_ids = self.loaded.eos_token_ids
-        self.draft_loaded = load_draft_model(
-            config, self.loaded, self.dtype, self.device, backend, self.max_model_len
-        )
-        runtime = build_runtime(
-            config, self.loaded, backend, self.dtype, self.max_model_len, self.device,
-            draft=self.draft_loaded,
-        )  # fmt: skip
         self.kv_cache, self.block_manager = runtime.kv_cache, runtime.block_manager
         self.host_pool, self.runner = runtime.host_pool, runtime.runner
         self.pool_source = runtime.plan.source
@@ -129,10 +148,17 @@ class LLMEngine:
         self._request_counter = itertools.count()
         torch.manual_seed(config.seed)
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s backend=%s cuda_graphs=%s load=%.1fs",
+            "engine ready: model=%s device=%s dtype=%s backend=%s cuda_graphs=%s "
+            "tensor_parallel=%d load=%.1fs",
             config.model, self.device, self.dtype, backend.name, self.runner.uses_cuda_graphs,
-            self.loaded.load_s,
+            self.group.size, self.loaded.load_s,
         )  # fmt: skip
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave their group (nothing to do at
+        tensor_parallel_size 1). The engine cannot step afterwards."""
+        if self._stop_ranks is not None:
+            self._stop_ranks()  # runs once
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -214,7 +240,14 @@ class LLMEngine:
         it looks at the picks of the one before, which is still on the device: each decode
         row's input comes from the device, and the returned outputs are that earlier step's.
         The host's work (scheduling, inputs, stop checks, detokenizing) then overlaps the GPU's.
+
+        Under tensor parallelism a rank that died raises ``EngineDeadError`` here.
         """
+        # the whole step: a dead peer can also leave this rank waiting for its picks
+        with self._collectives():
+            return self._step(while_gpu_busy)
+
+    def _step(self, while_gpu_busy: Callable[[], None] | None) -> list[StepOutput]:
         start_s = time.perf_counter()
         profiler = self.step_profiler
         profiler.begin_step()
@@ -243,6 +276,9 @@ class LLMEngine:
         self._num_steps += 1
         self._step_time_s += time.perf_counter() - start_s
         return outputs
+
+    def _collectives(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.ranks is None else self.ranks.collectives()
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self._in_flight = self._in_flight, None
@@ -425,23 +461,6 @@ def _drop_pending(seq: Sequence) -> None:
     if seq.num_pending_tokens:
         del seq.output_token_ids[-seq.num_pending_tokens :]
         seq.num_pending_tokens = 0
-
-
-def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[config.dtype]
-
-
-def _resolve_max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
-    model_len = loaded.arch.max_position_embeddings
-    if config.max_model_len is None:
-        return model_len
-    if config.max_model_len > model_len:
-        raise ConfigError(
-            f"max_model_len {config.max_model_len} exceeds the model's context ({model_len})"
-        )
-    return config.max_model_len
 
 
 __all__ = ["EngineStats", "LLMEngine", "SequenceStatus", "StepOutput"]

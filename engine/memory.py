@@ -193,13 +193,19 @@ def _host_available_bytes() -> int:
 
 
 def log_plan(
-    plan: PoolPlan, spec: KVCacheSpec, profile: MemoryProfile | None, max_model_len: int
+    plan: PoolPlan,
+    spec: KVCacheSpec,
+    profile: MemoryProfile | None,
+    max_model_len: int,
+    rank: int = 0,
+    num_ranks: int = 1,
 ) -> None:
-    """One line a person can size a deployment from."""
+    """One line a person can size a deployment from (per rank under tensor parallelism:
+    its weights' share, its KV heads' pages)."""
     num_tokens = plan.num_blocks * spec.block_size
-    device_part = ""
+    device_part = "" if num_ranks == 1 else f"rank {rank} of {num_ranks}: "
     if profile is not None:
-        device_part = (
+        device_part += (
             f"weights {profile.weights_bytes / GIB:.2f} GiB, activation peak "
             f"{profile.activation_peak_bytes / GIB:.2f} GiB, CUDA graphs "
             f"{profile.graph_reserve_bytes / GIB:.2f} GiB, device {profile.total_bytes / GIB:.1f} GiB; "

@@ -11,13 +11,17 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed.group import TensorParallelGroup
+from engine.errors import ConfigError
+from engine.host_inputs import HostBatch, HostInputs, StepMessage, slots_of
 from engine.kv_cache import KVCache
+from engine.kv_offload import PageTransfer
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.sampler import DeviceSample, Sampler, SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSeq
-from engine.sequence import PENDING_TOKEN, Sequence
+from engine.sequence import Sequence
 from engine.spec_decode.verify import DraftVerifier, VerifiedDrafts
 
 
@@ -74,17 +78,28 @@ class ModelInputs:
     # [S + N]: last token of each sequence that samples, then every position of the rows
     # with drafts; None when every token samples in that order (decode)
     logits_indices: torch.Tensor | None
-    sampling_entries: list[ScheduledSeq]
-    draft_entries: list[ScheduledSeq]  # rows with draft tokens: N = their tokens
+    sampling_entries: list[ScheduledSeq]  # empty on ranks other than 0
+    host: HostInputs  # what the tensors were built from
+    draft_entries: list[ScheduledSeq]  # rows with draft tokens, on rank 0
 
 
 class ModelRunner:
-    """The only place that builds device tensors from sequences."""
+    """The only place that builds device tensors from sequences.
+
+    Under tensor parallelism rank 0's runner sends each step to the other ranks' runners
+    (``run_peer_step``) before it runs its own share of the forward.
+    """
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        sampler: Sampler,
+        device: torch.device,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model
+        self.group = group or TensorParallelGroup()
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.verifier = DraftVerifier(sampler)
@@ -136,17 +151,13 @@ class ModelRunner:
         ``previous``: the step before, if its picks are not resolved yet; rows whose input is
         one of them (``PENDING_TOKEN`` on the host) read it from its device tensor.
         """
-        # Swap-outs first: their pages may be handed to other sequences in this very step.
-        if batch.swap_out:
-            self.kv_cache.swap_out(*map(list, zip(*batch.swap_out, strict=True)))
-        # Then evicted prefix pages to the host tier and host hits back, before any write.
-        if batch.page_transfers:
-            self.kv_cache.transfer(batch.page_transfers)
-        if batch.swap_in:
-            self.kv_cache.swap_in(*map(list, zip(*batch.swap_in, strict=True)))
-        if batch.is_empty:
+        inputs = None if batch.is_empty else self.prepare_inputs(batch, previous)
+        pages_move = batch.swap_out or batch.page_transfers or batch.swap_in
+        if self.group.size > 1 and (inputs is not None or pages_move):
+            self._send_step(batch, inputs)
+        self._move_pages(batch.swap_out, batch.page_transfers, batch.swap_in)
+        if inputs is None:
             return None
-        inputs = self.prepare_inputs(batch, previous)
         logits = self._logits(inputs)
         entries = inputs.sampling_entries
         if logits is None:
@@ -174,6 +185,42 @@ class ModelRunner:
         inputs = self.prepare_inputs(batch)
         return self._logits(inputs), inputs.sampling_entries
 
+    def _send_step(self, batch: ScheduledBatch, inputs: ModelInputs | None) -> None:
+        """Rank 0: tell the other ranks what this step runs (they wait in ``run_peer_step``)."""
+        host = None if inputs is None else inputs.host
+        message = StepMessage(batch.swap_out, batch.page_transfers, batch.swap_in, host)
+        self.group.broadcast_object(message)
+        if inputs is not None and inputs.host.has_pending:
+            self.group.broadcast_tensor(inputs.input_ids)  # the picks exist on this rank only
+
+    @torch.inference_mode()
+    def run_peer_step(self, message: StepMessage) -> None:
+        """On a rank other than 0: this rank's share of the step rank 0 sent (its logits are
+        gathered here too, and dropped: rank 0 samples)."""
+        self._move_pages(message.swap_out, message.page_transfers, message.swap_in)
+        host = message.inputs
+        if host is None:
+            return
+        inputs = self._device_inputs(host, [], [])
+        if host.has_pending:
+            self.group.broadcast_tensor(inputs.input_ids)
+        self._logits(inputs)
+
+    def _move_pages(
+        self,
+        swap_out: list[tuple[int, int]],
+        transfers: list[PageTransfer],
+        swap_in: list[tuple[int, int]],
+    ) -> None:
+        # Swap-outs first: their pages may be handed to other sequences in this very step.
+        if swap_out:
+            self.kv_cache.swap_out(*map(list, zip(*swap_out, strict=True)))
+        # Then evicted prefix pages to the host tier and host hits back, before any write.
+        if transfers:
+            self.kv_cache.transfer(transfers)
+        if swap_in:
+            self.kv_cache.swap_in(*map(list, zip(*swap_in, strict=True)))
+
     def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
         """[S, V] logits of the sampling rows: a graph replay for decode-only steps, piecewise
         graphs around eager attention for the others (when captured)."""
@@ -185,14 +232,13 @@ class ModelRunner:
                 return logits  # the graph's buffer: sampled before the next replay writes it
             # one token per row, so a row's token index is its row (a 1-token chunk of a
             # longer prompt does not sample)
-            return logits[inputs.logits_indices] if inputs.sampling_entries else None
-        num_sampling = len(inputs.sampling_entries) + len(inputs.draft_entries)
+            return logits[inputs.logits_indices] if inputs.host.num_samples else None
         piecewise = self.piecewise
         if piecewise is not None and piecewise.bucket_for(inputs.input_ids.shape[0]):
             hidden = piecewise.forward(inputs.input_ids, inputs.positions, meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, meta)
-        if not num_sampling:
+        if not inputs.host.num_samples:
             return None
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
@@ -201,59 +247,31 @@ class ModelRunner:
     def prepare_inputs(
         self, batch: ScheduledBatch, previous: LaunchedStep | None = None
     ) -> ModelInputs:
-        token_ids: list[int] = []
-        pending: list[tuple[int, Sequence]] = []  # rows whose input token is still on the device
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampling_entries: list[ScheduledSeq] = []
-        draft_indices: list[int] = []
-        draft_entries: list[ScheduledSeq] = []
-        bs = self.block_size
-        for entry in batch.scheduled:
-            seq, start = entry.seq, entry.seq.num_computed_tokens
-            end = start + entry.num_new_tokens
-            if entry.draft_token_ids:  # its last token, then drafts: logits at every position
-                token_ids += [seq.token_id(start), *entry.draft_token_ids]
-                positions += range(start, end)
-                slots += self._slots(seq.block_table, start, end)
-                draft_indices += range(len(token_ids) - entry.num_new_tokens, len(token_ids))
-                draft_entries.append(entry)
-            elif end - start == 1:  # a decode step (most rows): no lists to build
-                token_id = seq.token_id(start)
-                if token_id == PENDING_TOKEN:
-                    pending.append((len(token_ids), seq))
-                token_ids.append(token_id)
-                positions.append(start)
-                slots.append(seq.block_table[start // bs] * bs + start % bs)
-            else:
-                token_ids += seq.token_ids(start, end)
-                positions += range(start, end)
-                slots += self._slots(seq.block_table, start, end)
-            query_start_loc.append(len(token_ids))
-            seq_lens.append(end)
-            if entry.samples and not entry.draft_token_ids:
-                logits_indices.append(len(token_ids) - 1)
-                sampling_entries.append(entry)
-        logits_indices += draft_indices
-        tables = [entry.seq.block_table for entry in batch.scheduled]
-        meta = self._metadata(tables, slots, seq_lens, query_start_loc)
-        input_ids = self._tensor(token_ids, torch.int64)
-        if pending:
-            self._fill_pending(input_ids, pending, previous)
+        host = HostBatch.of(batch, self.block_size)
+        inputs = self._device_inputs(host.inputs, host.sampling_entries, host.draft_entries)
+        if host.pending:
+            self._fill_pending(inputs.input_ids, host.pending, previous)
+        return inputs
+
+    def _device_inputs(
+        self,
+        host: HostInputs,
+        sampling_entries: list[ScheduledSeq],
+        draft_entries: list[ScheduledSeq],
+    ) -> ModelInputs:
+        meta = self._metadata(host.tables, host.slots, host.seq_lens, host.query_start_loc)
         return ModelInputs(
-            input_ids=input_ids,
-            positions=self._tensor(positions, torch.int64),
+            input_ids=self._tensor(host.token_ids, torch.int64),
+            positions=self._tensor(host.positions, torch.int64),
             meta=meta,
             logits_indices=(
                 None
-                if _is_identity(logits_indices, len(token_ids), bool(draft_entries))
-                else self._tensor(logits_indices, torch.int64)
+                if host.logits_indices is None
+                else self._tensor(host.logits_indices, torch.int64)
             ),
             sampling_entries=sampling_entries,
             draft_entries=draft_entries,
+            host=host,
         )
 
     def _fill_pending(
@@ -297,6 +315,8 @@ class ModelRunner:
         writes (and, with fp8 pages, quantizes) its K/V into pages 0.. of the pool first.
         For measuring a cache format's effect on an idle engine that is then thrown away:
         the block manager is not told, so its prefix cache may still name those pages."""
+        if self.group.size > 1:  # the other ranks wait for steps, not for this
+            raise ConfigError("teacher-forced logits need tensor_parallel_size 1")
         input_ids = self._tensor(token_ids, torch.int64)
         hidden = self._forward_fresh(input_ids, [len(token_ids)])
         return self.model.compute_logits(hidden).float()
@@ -319,8 +339,7 @@ class ModelRunner:
         return self.model(input_ids, positions_t, self.kv_cache.layers, meta)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+        return slots_of(block_table, start, end, self.block_size)
 
     def _metadata(
         self,
@@ -381,11 +400,3 @@ def _plain_greedy(seq: Sequence) -> bool:
     """Whether ``seq``'s next token is the argmax of its logits (see ``_sampling_row``)."""
     params = seq.sampling
     return params.is_plain_greedy and len(seq.output_token_ids) >= params.min_tokens
-
-
-def _is_identity(logits_indices: list[int], num_tokens: int, has_drafts: bool) -> bool:
-    """Whether the logits rows are every token in order (then no gather is needed)."""
-    if len(logits_indices) != num_tokens:
-        return False
-    # without drafts the rows are in batch order; draft rows come after the others
-    return not has_drafts or logits_indices == list(range(num_tokens))

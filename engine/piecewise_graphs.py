@@ -27,6 +27,7 @@ from typing import cast
 import torch
 
 from engine.attention import AttentionMetadata, LayerCache
+from engine.cuda_graphs import capture_mode
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,9 @@ class PiecewiseGraphs:
             graphs = []
             for piece in range(self.num_pieces):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(
+                    graph, pool=pool, capture_error_mode=capture_mode(self.model)
+                ):
                     self._run_piece(piece, bucket)
                 pool = graph.pool()
                 graphs.append(graph)

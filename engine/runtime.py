@@ -10,14 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, get_attention_backend
 from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
+from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_offload import HostPrefixCache
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, ModelSource, load_model
 from engine.memory import (
+    GIB,
     MemoryProfile,
     PoolPlan,
     log_plan,
@@ -28,12 +30,13 @@ from engine.memory import (
 from engine.model_runner import ModelRunner
 from engine.piecewise_graphs import activation_buffer_bytes
 from engine.sampler import Sampler
-from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from engine.spec_decode.proposer import PromptLookupProposer, Proposer
 
 logger = logging.getLogger("pagestream.engine")
 
 CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,58 @@ class Runtime:
     proposer: Proposer | None = None  # speculative decoding's drafts
 
 
+@dataclass(frozen=True)
+class RankSetup:
+    """What one rank builds before it serves steps: the same on every tensor-parallel rank."""
+
+    loaded: LoadedModel
+    runtime: Runtime
+    backend: AttentionBackend
+    dtype: torch.dtype
+    max_model_len: int
+
+
 def cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     return CACHE_DTYPES.get(config.pa_cache_type, model_dtype)
+
+
+def setup_rank(
+    config: EngineConfig,
+    device: torch.device,
+    group: TensorParallelGroup | None = None,
+    source: ModelSource | None = None,
+) -> RankSetup:
+    """Load this rank's model and build its runtime. Every rank of a tensor-parallel group
+    runs this at once: loading, profiling and graph capture take part in collectives."""
+    dtype = resolve_dtype(config, device)
+    backend = get_attention_backend(device)
+    loaded = load_model(
+        config.model, dtype, device, backend, config.max_model_len, config.seed, group, source
+    )
+    max_model_len = resolve_max_model_len(config, loaded)
+    # a draft model (never with tensor parallelism) before the pool is planned
+    draft = load_draft_model(config, loaded, dtype, device, backend, max_model_len)
+    runtime = build_runtime(
+        config, loaded, backend, dtype, max_model_len, device, group, draft=draft
+    )
+    return RankSetup(loaded, runtime, backend, dtype, max_model_len)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[config.dtype]
+
+
+def resolve_max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
+    model_len = loaded.arch.max_position_embeddings
+    if config.max_model_len is None:
+        return model_len
+    if config.max_model_len > model_len:
+        raise ConfigError(
+            f"max_model_len {config.max_model_len} exceeds the model's context ({model_len})"
+        )
+    return config.max_model_len
 
 
 def build_runtime(
@@ -58,14 +111,17 @@ def build_runtime(
     dtype: torch.dtype,
     max_model_len: int,
     device: torch.device,
+    group: TensorParallelGroup | None = None,
     draft: LoadedModel | None = None,
 ) -> Runtime:
     """``draft``: a draft model, loaded already (so that its weights count as used memory)."""
+    group = group or TensorParallelGroup()
     paged = config.use_paged_attention()
     # Paging off = one contiguous slot of max_model_len tokens per sequence: the same pool
     # with a page as long as the context, reserved in full when a sequence starts.
     block_size = config.pa_block_size if paged else max_model_len
-    spec = KVCacheSpec.for_model(loaded.arch, block_size, cache_dtype(config, dtype))
+    # this rank's KV heads (the model's own arch is this rank's shard)
+    spec = KVCacheSpec.for_model(loaded.model.arch, block_size, cache_dtype(config, dtype))
     sampler = Sampler(loaded.arch.vocab_size)
     use_graphs = _graphs_enabled(config, backend, device)
     profile = None
@@ -79,7 +135,9 @@ def build_runtime(
         draft_spec = KVCacheSpec.for_model(draft.arch, block_size, cache_dtype(config, dtype))
         if config.pa_context_len is None:  # a budget in tokens holds them in each pool
             plan = _share_with_draft(plan, spec, draft_spec, max_model_len)
-    log_plan(plan, spec, profile, max_model_len)
+    if group.size > 1:
+        plan = _agree_on_pool(plan, group)
+    log_plan(plan, spec, profile, max_model_len, group.rank, group.size)
     kv_cache = KVCache(spec, plan.num_blocks, plan.num_host_blocks, device, plan.num_offload_blocks)
     host_cache = HostPrefixCache(plan.num_offload_blocks) if plan.num_offload_blocks else None
     block_manager = BlockManager(
@@ -89,7 +147,7 @@ def build_runtime(
         tenant_page_quotas=config.tenant_page_quotas,
         host_cache=host_cache,
     )
-    runner = ModelRunner(loaded.model, kv_cache, sampler, device)
+    runner = ModelRunner(loaded.model, kv_cache, sampler, device, group)
     if use_graphs:
         runner.capture_cuda_graphs(config.max_seqs, max_model_len, config.piecewise_graph_tokens())
     host_pool = HostBlockPool(plan.num_host_blocks)
@@ -141,6 +199,29 @@ def _share_with_draft(
         num_blocks=num_blocks,
         num_host_blocks=min(plan.num_host_blocks, num_blocks),
         budget_bytes=num_blocks * spec.bytes_per_block,
+    )
+
+
+def _agree_on_pool(plan: PoolPlan, group: TensorParallelGroup) -> PoolPlan:
+    """Every rank's pool holds as many pages as the smallest one: the scheduler on rank 0
+    hands out page numbers that must exist on every rank."""
+    plans = group.gather_objects(plan)
+    num_blocks = min(p.num_blocks for p in plans)
+    num_host_blocks = min(p.num_host_blocks for p in plans)
+    num_offload_blocks = min(p.num_offload_blocks for p in plans)
+    if group.is_driver:
+        shares = ", ".join(
+            f"rank {rank} {p.num_blocks} pages ({p.budget_bytes / GIB:.2f} GiB)"
+            for rank, p in enumerate(plans)
+        )
+        logger.info("KV pool per rank of %d: %s; each uses %d", group.size, shares, num_blocks)
+    bytes_per_block = plan.budget_bytes // max(plan.num_blocks, 1)
+    return dataclasses.replace(
+        plan,
+        num_blocks=num_blocks,
+        num_host_blocks=num_host_blocks,
+        num_offload_blocks=num_offload_blocks,
+        budget_bytes=num_blocks * bytes_per_block,
     )
 
 

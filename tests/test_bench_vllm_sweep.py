@@ -75,6 +75,8 @@ def test_the_peer_gets_the_engines_workload_and_limits(tmp_path: Path) -> None:
         "--model", "dummy:qwen3-0.6b", "--max-seqs", "128", "--max-model-len", "4096",
         "--num-prompts", "64,256", "--input-len", "10-20", "--output-len", "5-9", "--seed", "3",
     ]  # fmt: skip
+    sharded = EngineConfig(model="dummy:llama3-70b", tensor_parallel_size=4)
+    assert throughput_peer_args(sharded, workloads)[4:6] == ["--tensor-parallel-size", "4"]
     local = EngineConfig(model=str(tmp_path))
     latency = latency_peer_args(local, LatencyWorkload((1, 8), 128, 64))
     assert latency[:2] == ["--model", str(tmp_path.resolve())]

@@ -204,6 +204,10 @@ def test_each_position_samples_as_if_the_drafts_before_it_were_output() -> None:
             "must fit in max_batched_tokens",
         ),
         (dict(speculative="eagle"), "is not one of off, ngram"),
+        (
+            dict(speculative_model="dummy:tiny", tensor_parallel_size=2),
+            "--speculative-model needs --tensor-parallel-size 1",
+        ),
     ],
 )
 def test_bad_speculative_settings_are_refused(settings: dict[str, object], message: str) -> None:

@@ -183,3 +183,17 @@ def test_the_triton_kernels_verify_drafts_as_the_torch_references_do(
     assert get_attention_backend(engine.device).name == "triton"  # what the engine got
     assert spec == plain
     assert engine.stats().num_accepted_tokens > 0
+
+
+def test_two_tensor_parallel_ranks_verify_drafts_as_one(llama: Path) -> None:
+    """Rank 0 sends each verify step (the drafts in its token list) to the other rank, which
+    computes its share of every draft position's logits."""
+    prompts = repetitive_prompts(3, seed=33)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 3
+    plain, _ = run(llama, prompts, params, **TIGHT)
+    settings = dict(TIGHT, speculative="ngram", num_speculative_tokens=3, tensor_parallel_size=2)
+    with LLM(str(llama), **settings) as sharded:
+        outputs = sharded.generate(prompts, params, use_tqdm=False)
+        stats = sharded.engine.stats()
+    assert [out.token_ids for out in outputs] == plain
+    assert stats.num_accepted_tokens > 0

@@ -16,12 +16,15 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionBackend
+from engine.distributed.group import TensorParallelGroup
+from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.loader.dummy import DUMMY_PREFIX, dummy_hf_config, init_dummy_weights
 from engine.models.arch import ModelArch
 from engine.models.llama import LlamaForCausalLM
 
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DUMMY_RANK_SEED_STRIDE = 1_000_003  # rank r of a sharded dummy model draws from seed + r * this
 
 
 @dataclass
@@ -71,16 +74,19 @@ def _download_from_hub(repo_id: str) -> Path:
         raise ModelLoadError(f"could not fetch {repo_id!r} from the hub: {exc}") from exc
 
 
-def load_model(
-    name: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    backend: AttentionBackend,
-    max_positions: int | None = None,
-    seed: int = 0,
-) -> LoadedModel:
-    """Build the model for ``name`` on ``device`` in ``dtype`` with its tokenizer."""
-    start_s = time.perf_counter()
+@dataclass(frozen=True)
+class ModelSource:
+    """A found model: its shape and where its weights are. What every tensor-parallel rank
+    needs to build its shard; rank 0 finds it and hands it to the others (they never import
+    transformers)."""
+
+    name: str
+    arch: ModelArch
+    model_dir: Path | None  # None: dummy weights
+
+
+def find_model(name: str) -> ModelSource:
+    """Resolve ``name`` (downloading or converting it as needed) and read its shape."""
     if name.startswith(DUMMY_PREFIX):
         hf_config, model_dir = dummy_hf_config(name.removeprefix(DUMMY_PREFIX)), None
     else:
@@ -88,21 +94,56 @@ def load_model(
 
         model_dir = resolve_model_dir(name)
         hf_config = AutoConfig.from_pretrained(model_dir)
-    arch = ModelArch.from_hf_config(hf_config)
-    model = _build(arch, backend, dtype, device, max_positions)
+    return ModelSource(name, ModelArch.from_hf_config(hf_config), model_dir)
+
+
+def load_model(
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_positions: int | None = None,
+    seed: int = 0,
+    group: TensorParallelGroup | None = None,
+    source: ModelSource | None = None,
+) -> LoadedModel:
+    """Build the model for ``name`` on ``device`` in ``dtype`` with its tokenizer.
+
+    With a tensor-parallel ``group`` of more than one rank, only this rank's shard is built
+    and read: each checkpoint tensor is sliced as it is read, never held whole. Dummy
+    weights are drawn per shard (``seed`` + rank), so they differ from the unsharded model's.
+    Only rank 0 loads the tokenizer and EOS ids (``source``: ``find_model(name)`` already
+    done).
+    """
+    group = group or TensorParallelGroup()
+    start_s = time.perf_counter()
+    source = source or find_model(name)
+    arch, model_dir = source.arch, source.model_dir
+    plan = ShardPlan.for_arch(arch, group.rank, group.size)
+    model = _build(arch, backend, dtype, device, max_positions, plan, group)
     if model_dir is None:
-        init_dummy_weights(model, seed)
-        tokenizer, eos_ids = None, _eos_ids_from(hf_config, None, None)
+        init_dummy_weights(model, seed + DUMMY_RANK_SEED_STRIDE * group.rank)
     else:
         with torch.no_grad():
-            model.load_weights(_iter_safetensors(model_dir))
-        tokenizer = _load_tokenizer(model_dir)
-        eos_ids = _eos_ids_from(hf_config, _read_generation_config(model_dir), tokenizer)
+            model.load_weights(_iter_safetensors(model_dir, plan))
     model.tie_weights()
+    tokenizer, eos_ids = _tokenizer_and_eos(source) if group.is_driver else (None, frozenset())
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return LoadedModel(
         name, model, arch, tokenizer, eos_ids, weights_bytes, time.perf_counter() - start_s
     )
+
+
+def _tokenizer_and_eos(source: ModelSource) -> tuple[Any | None, frozenset[int]]:
+    if source.model_dir is None:
+        hf_config = dummy_hf_config(source.name.removeprefix(DUMMY_PREFIX))
+        return None, _eos_ids_from(hf_config, None, None)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(source.model_dir)
+    tokenizer = _load_tokenizer(source.model_dir)
+    generation_config = _read_generation_config(source.model_dir)
+    return tokenizer, _eos_ids_from(hf_config, generation_config, tokenizer)
 
 
 def _build(
@@ -111,16 +152,19 @@ def _build(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None,
+    plan: ShardPlan,
+    group: TensorParallelGroup,
 ) -> LlamaForCausalLM:
     # Build on the meta device: no time spent on random init that loading overwrites.
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend)
+        model = LlamaForCausalLM(arch, backend, plan, group)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope(max_positions or arch.max_position_embeddings, device)
     return model.eval().requires_grad_(False)
 
 
-def _iter_safetensors(model_dir: Path) -> Any:
+def _iter_safetensors(model_dir: Path, plan: ShardPlan) -> Any:
+    """(HF name, this rank's part of the tensor), reading from disk only that part."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -129,7 +173,11 @@ def _iter_safetensors(model_dir: Path) -> Any:
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield key, handle.get_tensor(key)
+                if plan.size == 1:
+                    yield key, handle.get_tensor(key)
+                    continue
+                part = handle.get_slice(key)
+                yield key, plan.read(key, tuple(part.get_shape()), part.__getitem__)
 
 
 def _load_tokenizer(model_dir: Path) -> Any | None:

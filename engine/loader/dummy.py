@@ -45,6 +45,16 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=8192),
     ),
+    "llama3-70b": dict(
+        architectures=["LlamaForCausalLM"], hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+    ),
+    "qwen2.5-32b": dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=5120, intermediate_size=27648,
+        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    ),
     "mistral-7b": dict(
         architectures=["MistralForCausalLM"], hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,

@@ -3,6 +3,10 @@
 Tokens of all sequences of a step are packed into one ``[T]`` batch (no padding); attention
 finds each sequence's context through ``AttentionMetadata``. q/k/v and gate/up projections
 are fused into one matmul each; weights are loaded from HF names into the fused layout.
+
+Under tensor parallelism each rank builds its shard (``ShardPlan``): its heads and MLP
+columns, its slice of the vocabulary; o_proj, down_proj and the embedding end in an
+all-reduce, and the logits are gathered so that every rank holds the whole row.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, LayerCache, LayerOps
+from engine.distributed.group import TensorParallelGroup
+from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
 from kernels.gemv_triton import gemv
@@ -39,9 +45,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_index: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,  # this rank's shape: its heads
+        layer_index: int,
+        backend: AttentionBackend,
+        group: TensorParallelGroup,
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.group = group
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads,
             arch.num_kv_heads,
@@ -67,7 +80,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.project(x, positions, rope)
-        return self.o_proj(self.attend(q, k, v, kv_cache, meta).flatten(1))
+        return self.output(self.attend(q, k, v, kv_cache, meta).flatten(1))
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:  # [T, Hq * D] -> [T, hidden]
+        """o_proj, summed over the ranks' heads."""
+        return self.group.all_reduce(self.o_proj(attn))
 
     def project(
         self,
@@ -101,24 +118,31 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: LayerOps) -> None:
+    def __init__(self, arch: ModelArch, ops: LayerOps, group: TensorParallelGroup) -> None:
         super().__init__()
         self.ops = ops
+        self.group = group
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.group.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_index: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer_index: int,
+        backend: AttentionBackend,
+        group: TensorParallelGroup,
+    ) -> None:
         super().__init__()
         ops = backend.ops
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, layer_index, backend)
+        self.self_attn = Attention(arch, layer_index, backend, group)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops)
+        self.mlp = MLP(arch, ops, group)
 
     def forward(
         self,
@@ -154,23 +178,59 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,  # [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output and the new residual
         x, residual = self.post_attention_layernorm.add_and_norm(
-            self.self_attn.o_proj(attn), residual
+            self.self_attn.output(attn), residual
         )
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """One class for the whole family; ``ModelArch`` switches biases, q/k norm, windows."""
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows ``[start, start + rows)`` of the embedding; ids outside them give
+    zeros, and the all-reduce fills each row in from the rank that holds it."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(
+        self, num_rows: int, hidden_size: int, start: int, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
+        self.start = start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.group.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class LlamaForCausalLM(nn.Module):
+    """One class for the whole family; ``ModelArch`` switches biases, q/k norm, windows.
+
+    ``arch`` is the whole model's shape; ``self.arch`` is this rank's (its heads and MLP
+    width under tensor parallelism, the whole vocabulary).
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        backend: AttentionBackend,
+        plan: ShardPlan | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.plan = plan or ShardPlan(arch)
+        self.group = group or TensorParallelGroup()
+        self.arch = local = self.plan.local_arch()
+        vocab_rows = self.plan.vocab_per_rank
+        self.embed_tokens = VocabParallelEmbedding(
+            vocab_rows, arch.hidden_size, self.plan.vocab_start, self.group
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, index, backend) for index in range(arch.num_layers)
+            DecoderLayer(local, index, backend, self.group) for index in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend.ops)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
 
@@ -199,6 +259,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        if self.group.size == 1:
+            return self._local_logits(hidden, out)
+        # every rank gets the whole row: the gather is one collective all ranks take part in
+        return self.group.gather_vocab(self._local_logits(hidden), self.arch.vocab_size, out)
+
+    def _local_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [N, hidden] -> [N, this rank's vocabulary rows]
         weight = self.lm_head.weight
         if hidden.is_cuda and hidden.shape[0] <= GEMV_MAX_ROWS and weight.dtype in GEMV_DTYPES:
             # batch-1 decode: the LM head is the largest single read of the step, and the GEMV

@@ -60,6 +60,7 @@ def _run_bench_latency(args: argparse.Namespace) -> int:
         record = run_latency(
             engine, workload, copy_bytes_per_s=copy_bw, use_tqdm=not args.no_progress
         )
+        engine.shutdown()
         del engine  # one model in memory at a time
         if args.compare == "hf":
             release_device_memory()

@@ -147,11 +147,14 @@ def run(args: argparse.Namespace) -> int:
     items = read_requests(args.input, defaults, chat=args.chat) if args.input else None
     with user_errors():
         engine = LLMEngine(engine_config_from_args(args))
-    if items is None:
-        request = chat_request(args.prompt) if args.chat else {"prompt": args.prompt}
-        return stream_one(engine, request, SamplingParams(**defaults))
-    with _open_output(args.output) as out:
-        return run_file(engine, items, out, show_progress=not args.no_progress)
+    try:
+        if items is None:
+            request = chat_request(args.prompt) if args.chat else {"prompt": args.prompt}
+            return stream_one(engine, request, SamplingParams(**defaults))
+        with _open_output(args.output) as out:
+            return run_file(engine, items, out, show_progress=not args.no_progress)
+    finally:
+        engine.shutdown()  # the other tensor-parallel ranks, if any
 
 
 # -- one prompt, streamed --------------------------------------------------------------------

@@ -95,6 +95,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """Handler of ``pagestream worker``: serve until SIGTERM/SIGINT, then drain and exit 0."""
     from engine import LLMEngine, PagestreamError
     from engine.config import engine_config_from_args
+    from engine.errors import EngineDeadError
     from worker.batch import BatchSettings
     from worker.batch_runner import BatchRunner, serve_with_batches
     from worker.engine_thread import EngineThread
@@ -128,7 +129,12 @@ def run_worker(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, request_stop)
         await serve_with_batches(service, batches)
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except EngineDeadError as exc:  # a tensor-parallel rank died: its requests go elsewhere
+        raise CommandError(str(exc), EXIT_ERROR) from exc
+    finally:
+        engine.shutdown()  # the other tensor-parallel ranks, if any
     return 0
 
 

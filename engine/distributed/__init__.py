@@ -1,0 +1,6 @@
+"""Tensor parallelism: one process per device, each holding a Megatron-style shard.
+
+``shard.py`` says which slice of every weight a rank holds; ``group.py`` wraps the
+collectives the model runs (all-reduce, vocab all-gather) and the step broadcast;
+``ranks.py`` starts the other ranks and runs their step loop.
+"""

@@ -1,0 +1,99 @@
+"""The collectives of a tensor-parallel group, and how a group of size 1 skips them.
+
+Two process groups: the device group (NCCL on CUDA, gloo on the CPU) carries the model's
+all-reduces and gathers, also inside CUDA graphs; the control group (always gloo) carries
+rank 0's step messages, which are Python objects on the host.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TensorParallelGroup:
+    """Rank ``rank`` of ``size``; with ``size == 1`` every collective returns its input."""
+
+    rank: int = 0
+    size: int = 1
+    device_group: Any = None  # dist.ProcessGroup
+    control_group: Any = None
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: schedules, samples, and tells the others what to run."""
+        return self.rank == 0
+
+    @classmethod
+    def join(
+        cls, rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float
+    ) -> TensorParallelGroup:
+        """Form the group with the other ranks, all of whom have reached ``store``."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        device_group = dist.group.WORLD
+        control = dist.new_group(backend="gloo") if backend != "gloo" else device_group
+        return cls(rank, size, device_group, control)
+
+    @staticmethod
+    def ready_key(rank: int) -> str:
+        """The store key a rank sets once it has started (rank 0 waits for all of them)."""
+        return f"pagestream-rank-{rank}-ready"
+
+    def leave(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- the model's collectives -------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's ``x``, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def gather_vocab(
+        self, local: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[N, V/size] per rank -> [N, V] on every rank (the last shard's padding dropped)."""
+        if self.size == 1:
+            return local if out is None else out.copy_(local)
+        gathered = local.new_empty(self.size, *local.shape)  # [size, N, V/size]
+        if local.is_cuda:
+            dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.device_group)
+        else:  # gloo has no all_gather_into_tensor
+            dist.all_gather(list(gathered.unbind(0)), local.contiguous(), group=self.device_group)
+        logits = gathered.permute(1, 0, 2).reshape(local.shape[0], -1)[:, :vocab_size]
+        return logits.contiguous() if out is None else out.copy_(logits)
+
+    # -- control -----------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (the others pass nothing)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
+        return box[0]
+
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype), on the device."""
+        dist.broadcast(x, src=0, group=self.device_group)
+        return x
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.control_group)
+        return out

@@ -1,0 +1,67 @@
+"""A tensor-parallel rank other than 0: ``python -m engine.distributed.rank_main``, its
+``RankSpec`` pickled on stdin (started by ``RankProcesses``; not imported by the engine)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+
+import torch
+
+from engine.distributed.ranks import (
+    WATCH_INTERVAL_S,
+    RankSpec,
+    join_ranks,
+    rank_device,
+    serve_steps,
+)
+from engine.errors import PagestreamError
+from engine.runtime import setup_rank
+
+logger = logging.getLogger("pagestream.engine")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """A rank outlives rank 0 by at most a moment (it may be stuck in a collective)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def rank_main(spec: RankSpec) -> int:
+    """Join the group, build this rank's shard and runtime, serve steps; the exit code."""
+    logging.basicConfig(
+        level=spec.log_level, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s"
+    )
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    config = spec.config
+    device = rank_device(config, spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # the ranks share the host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
+    group = join_ranks(spec.rank, config.tensor_parallel_size, spec.port, device)
+    try:
+        setup = setup_rank(config, device, group, spec.source)
+        serve_steps(setup.runtime.runner, group)
+    except PagestreamError as exc:  # rank 0 meets the same error and reports it
+        logger.error("rank %d: %s", spec.rank, exc)
+        return 1
+    except RuntimeError:  # a collective with a rank that is gone, or this device's own failure
+        logger.exception("rank %d failed; exiting", spec.rank)
+        return 1
+    group.leave()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_code = rank_main(pickle.loads(sys.stdin.buffer.read()))
+    logging.shutdown()
+    # no interpreter teardown (a second of unloading torch that rank 0 waits on), as
+    # multiprocessing's own children end
+    os._exit(exit_code)
