@@ -126,14 +126,24 @@ def _generate(
 
 
 def _chi_square_excess(tokens: torch.Tensor, target: torch.Tensor) -> float:
-    """Chi-square statistic over its 99.99% critical value (Wilson-Hilferty); < 1 passes."""
-    cells = VOCAB**SEQ_LEN
+    """Chi-square statistic of the first tokens against the bigram chain, over its 99.99%
+    critical value; < 1 passes."""
     index = tokens[:, 0] * VOCAB**2 + tokens[:, 1] * VOCAB + tokens[:, 2]
-    observed = torch.bincount(index, minlength=cells).double()
+    observed = torch.bincount(index, minlength=VOCAB**SEQ_LEN).double()
     a, b, c = torch.meshgrid(*[torch.arange(VOCAB)] * 3, indexing="ij")
     expected = (target[0, a] * target[a, b] * target[b, c]).reshape(-1).double() * len(tokens)
+    return chi_square_excess(observed, expected)
+
+
+def chi_square_excess(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's statistic over its 99.99% critical value (Wilson-Hilferty); < 1 passes.
+    Cells expecting fewer than 5 counts are pooled into one."""
+    small = expected < 5
+    if small.any():
+        observed = torch.cat([observed[~small], observed[small].sum().reshape(1)])
+        expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
     statistic = float(((observed - expected) ** 2 / expected).sum())
-    dof, z = cells - 1, 3.72
+    dof, z = len(expected) - 1, 3.72
     critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     return statistic / critical
 

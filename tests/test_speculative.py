@@ -17,6 +17,7 @@ import torch
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.attention.backend import ATTN_BACKEND_ENV, get_attention_backend
 from tests.conftest import TINY_COMMON, random_prompts
+from tests.test_spec_decode_units import chi_square_excess
 
 VOCAB_SIZE = TINY_COMMON["vocab_size"]
 MAX_STEPS = 2_000
@@ -197,3 +198,67 @@ def test_two_tensor_parallel_ranks_verify_drafts_as_one(llama: Path) -> None:
         stats = sharded.engine.stats()
     assert [out.token_ids for out in outputs] == plain
     assert stats.num_accepted_tokens > 0
+
+
+SMALL_VOCAB = 6
+NUM_SAMPLED_REQUESTS = 3000
+
+
+@pytest.fixture(scope="module")
+def small_vocab_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama over 6 tokens: the joint law of 3 sampled tokens has 216 cells."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**TINY_COMMON, "vocab_size": SMALL_VOCAB})
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.1)
+    directory = tmp_path_factory.mktemp("small-vocab")
+    model.save_pretrained(directory)
+    return directory
+
+
+def exact_three_token_law(model_dir: Path, prompt: list[int], temperature: float) -> torch.Tensor:
+    """[V**3] the probability of each (t1, t2, t3) after ``prompt``, from transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    law = torch.zeros(SMALL_VOCAB**3, dtype=torch.float64)
+    with torch.no_grad():
+        for first in range(SMALL_VOCAB):
+            for second in range(SMALL_VOCAB):
+                ids = torch.tensor([[*prompt, first, second]])
+                logits = model(ids).logits[0, -3:].double() / temperature  # [3, V]
+                probs = torch.softmax(logits, dim=-1)
+                p12 = probs[0, first] * probs[1, second]
+                law[(first * SMALL_VOCAB + second) * SMALL_VOCAB :][:SMALL_VOCAB] = p12 * probs[2]
+    return law
+
+
+def test_sampled_tokens_with_drafts_follow_the_models_law(small_vocab_llama: Path) -> None:
+    """Prompt lookup proposes the prompt's loop for the second token; accepting, resampling
+    and the bonus token must leave the joint law of the first tokens exactly the model's.
+    (Resampling from p instead of max(0, p - q) fails this: 2.9 times the critical value.)"""
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3]
+    temperature = 1.3
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, seed=seed)
+        for seed in range(NUM_SAMPLED_REQUESTS)
+    ]
+    settings = dict(device="cpu", max_seqs=128, max_batched_tokens=512, max_model_len=64)
+    llm = LLM(str(small_vocab_llama), speculative="ngram", num_speculative_tokens=2, **settings)
+    outputs = llm.generate([prompt] * NUM_SAMPLED_REQUESTS, params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths ran, often
+    cells = torch.tensor([(a * SMALL_VOCAB + b) * SMALL_VOCAB + c for a, b, c in
+                          (out.token_ids for out in outputs)])  # fmt: skip
+    observed = torch.bincount(cells, minlength=SMALL_VOCAB**3).double()
+    expected = exact_three_token_law(small_vocab_llama, prompt, temperature)
+    expected *= NUM_SAMPLED_REQUESTS
+    assert chi_square_excess(observed, expected) < 1
+    # the first two tokens alone: fewer cells, more power where the drafts are verified
+    pairs = SMALL_VOCAB**2, SMALL_VOCAB
+    assert chi_square_excess(observed.view(pairs).sum(1), expected.view(pairs).sum(1)) < 1
