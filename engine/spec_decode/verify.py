@@ -48,16 +48,21 @@ class DraftVerifier:
             # accepted drafts equal the argmax there, and the argmax follows them
             target_ids = logits[:, : self.sampler.vocab_size].argmax(dim=-1)  # [N]
             num_accepted = verify_greedy(target_ids, layout)
-            return VerifiedDrafts(entries, layout, num_accepted, DeviceSample(target_ids, None))
-        rows = [row for entry in entries for row in position_rows(entry)]
-        probs = self.sampler.target_probs(logits, rows)  # [N, V]
-        last_rows = [position_rows(entry)[-1] for entry in entries]
-        noise = draw_noise(last_rows, probs.shape[1], device)  # [R, V]
-        draft_probs = _draft_probs(entries, probs.shape[1], device)
-        result = rejection_sample(probs, layout, _uniforms(entries, device), noise, draft_probs)
-        emitted = layout.emitted(result.num_accepted, result.next_token_ids)
-        sample = self.sampler.picked_on_device(logits, emitted, rows)
-        return VerifiedDrafts(entries, layout, result.num_accepted, sample)
+            sample = DeviceSample(target_ids, None)
+        else:
+            per_entry = [position_rows(entry) for entry in entries]
+            rows = [row for entry_rows in per_entry for row in entry_rows]
+            probs = self.sampler.target_probs(logits, rows)  # [N, V]
+            # each row draws one token, after its last position's settings
+            noise = draw_noise([r[-1] for r in per_entry], probs.shape[1], device)  # [R, V]
+            draft_probs = _draft_probs(entries, probs.shape[1], device)
+            uniforms = _uniforms(entries, device)
+            result = rejection_sample(probs, layout, uniforms, noise, draft_probs)
+            num_accepted = result.num_accepted
+            emitted = layout.emitted(num_accepted, result.next_token_ids)
+            sample = self.sampler.picked_on_device(logits, emitted, rows)
+        sample.start_copy()
+        return VerifiedDrafts(entries, layout, num_accepted, sample)
 
 
 def _plain_greedy(entry: ScheduledSeq) -> bool:
