@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|peers|vllm|serve|gateway|offload|quant|tests|tp]...
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|offload|quant|tests|tp]...
 # (default: all but tp, which needs two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
@@ -31,6 +31,15 @@ fp8() {
     "${PS[@]}" bench kv-quality --model dummy:qwen3-0.6b --output-json "$OUT/kv-quality-qwen3-0.6b.json"
     "${PS[@]}" bench throughput --model dummy:qwen3-0.6b --no-progress --pa-cache-type fp8_e4m3 \
         --output-json "$OUT/throughput-qwen3-0.6b-fp8.json"
+}
+
+speculative() {  # with and without drafts, on the same greedy requests, at batch 1 and 8
+    log speculative smollm2-135m: prompt lookup on copy-a-passage prompts
+    "${PS[@]}" bench speculative --model smollm2-135m --batch-sizes 1,8 --no-progress \
+        --output-json "$OUT/speculative-ngram-smollm2-135m.json"
+    log speculative llama3-8b: random weights copy nothing, so this is the cost of failed drafts
+    "${PS[@]}" bench speculative --model dummy:llama3-8b --batch-sizes 1,8 --max-model-len 4096 \
+        --no-progress --output-json "$OUT/speculative-ngram-llama3-8b-random.json"
 }
 
 peers() {  # transformers in the same process: minutes each
@@ -113,9 +122,9 @@ tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
         tests/test_triton_paged_attention.py tests/test_kv_offload.py tests/test_quant_kernels.py \
-        tests/test_quant_model.py
+        tests/test_quant_model.py tests/test_gpu_speculative.py
 }
 
-for part in "${@:-benchmarks fp8 peers serve gateway offload quant tests}"; do
+for part in "${@:-benchmarks fp8 speculative peers serve gateway offload quant tests}"; do
     for step in $part; do "$step"; done
 done

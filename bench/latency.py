@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.peers import load_hf_model, run_hf_generate
-from bench.records import machine_info
+from bench.records import machine_info, speculative_counts
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.memory import release_device_memory
@@ -59,8 +59,11 @@ def run_latency(
     _run_batch(engine, workload.prompts(1, vocab_size), workload.output_len)  # warm-up
     results = []
     for batch in tqdm(workload.batch_sizes, desc="latency", unit="batch", disable=not use_tqdm):
+        stats_before = engine.stats()
         timings = _run_batch(engine, workload.prompts(batch, vocab_size), workload.output_len)
-        results.append(_summarize(engine, workload, batch, timings, copy_bytes_per_s))
+        result = _summarize(engine, workload, batch, timings, copy_bytes_per_s)
+        result["speculative"] = speculative_counts(stats_before, engine.stats())
+        results.append(result)
     return {
         "kind": "latency",
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),

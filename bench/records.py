@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.llm_engine import EngineStats
+
 RESULTS_DIR = Path("bench/results")
 
 PERCENTILES = (50, 90, 99)
@@ -30,6 +32,17 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
         return dict.fromkeys(names)
     points = [*np.percentile(np.asarray(values), PERCENTILES), np.mean(values)]
     return {name: float(point) for name, point in zip(names, points, strict=True)}
+
+
+def speculative_counts(before: EngineStats, after: EngineStats) -> dict[str, Any]:
+    """Draft tokens verified and accepted between two readings of the engine's stats."""
+    num_draft = after.num_draft_tokens - before.num_draft_tokens
+    num_accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return {
+        "num_draft_tokens": num_draft,
+        "num_accepted_tokens": num_accepted,
+        "acceptance_rate": num_accepted / num_draft if num_draft else None,
+    }
 
 
 def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:

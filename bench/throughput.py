@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bench.records import machine_info, percentiles
+from bench.records import machine_info, percentiles, speculative_counts
 from bench.workloads import BenchPrompt, ThroughputWorkload, make_random_prompts, warmup_prompts
 from engine.errors import ConfigError
 from engine.llm import LLM
@@ -113,6 +113,8 @@ def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> d
         "peak_memory_bytes": _peak_memory_bytes(engine.device),
         # per step kind: host and GPU milliseconds, and how busy the GPU was overall
         "step_profile": profiler.summary(elapsed_s),
+        # speculative decoding (random prompts give prompt lookup little to find)
+        "speculative": speculative_counts(stats_before, engine.stats()),
     }
 
 

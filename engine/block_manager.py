@@ -141,6 +141,14 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Free ``seq``'s trailing blocks past its tokens: pages taken for draft tokens that
+        were rejected. Such blocks hold no full block of computed tokens, so none is cached."""
+        num_kept = -(-seq.num_tokens // self.block_size)
+        if len(seq.block_table) > num_kept:
+            self.release_blocks(seq.tenant, seq.block_table[num_kept:])
+            del seq.block_table[num_kept:]
+
     def release_blocks(self, tenant: str, blocks: list[int]) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so they
         # should be evicted before its head blocks.

@@ -16,6 +16,7 @@ DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
 CacheTypeName = Literal["auto", "fp8_e4m3"]
 QuantizationName = Literal["auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "fp8"]
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "fp8")
+SpeculativeMode = Literal["off", "ngram"]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -23,6 +24,7 @@ DEFAULT_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_POOL_MB = 1024
 CUDA_GRAPHS_ENV = "PAGESTREAM_CUDA_GRAPHS"
 DEVICE_ENV = "PAGESTREAM_DEVICE"  # what device=auto means, e.g. cpu on a GPU host
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,13 @@ class EngineConfig:
     async_scheduling: bool | None = None
     tenant_page_quotas: Mapping[str, int] = field(default_factory=dict)
     seed: int = 0
+    # Speculative decoding: "ngram" drafts tokens by prompt lookup, verified in one forward.
+    speculative: SpeculativeMode = "off"
+    # or drafts from a small model of the same vocabulary, with its own page pool
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None  # drafts per step; None = 4 when speculating
+    speculative_ngram_min: int = 1  # shortest suffix that prompt lookup matches
+    speculative_ngram_max: int = 4  # longest suffix, tried first
     # Ranks (one process and device each) that split every layer; 1 = no tensor parallelism.
     tensor_parallel_size: int = 1
 
@@ -64,6 +73,7 @@ class EngineConfig:
         self._check_choices()
         self._check_budget()
         self._check_sizes()
+        self._check_speculative()
         self._check_offload()
 
     def _check_choices(self) -> None:
@@ -78,6 +88,7 @@ class EngineConfig:
                 "weights are not sharded yet); use --quantization none or auto with tensor "
                 "parallelism"
             )
+        _choice("speculative", self.speculative, ("off", "ngram"))
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError(f"device: {self.device!r} is not one of auto, cpu, cuda[:N]")
 
@@ -118,6 +129,45 @@ class EngineConfig:
             if quota < 1:
                 raise ConfigError(f"tenant_page_quotas[{tenant!r}] must be >= 1 page")
 
+    def _check_speculative(self) -> None:
+        k = self.num_speculative_tokens
+        if self.speculative != "off" and self.speculative_model is not None:
+            raise ConfigError(
+                "speculative and speculative_model are two ways to draft tokens: give "
+                "--speculative ngram (prompt lookup) or --speculative-model M, not both"
+            )
+        if self.speculative_method() == "off":
+            if k is not None:
+                raise ConfigError(
+                    "num_speculative_tokens needs speculative decoding: add --speculative ngram "
+                    "or --speculative-model M"
+                )
+            return
+        if self.speculative_model == "":
+            raise ConfigError("speculative_model: give a model name or path")
+        if self.speculative_model is not None and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "--speculative-model needs --tensor-parallel-size 1 (the draft model runs on "
+                "one device); --speculative ngram works with tensor parallelism"
+            )
+        if k is not None and k < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {k}")
+        if self.speculative_tokens() + 1 > self.max_batched_tokens:
+            raise ConfigError(
+                f"num_speculative_tokens ({self.speculative_tokens()}) + 1 must fit in "
+                f"max_batched_tokens ({self.max_batched_tokens}): a step verifies them together"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ConfigError(
+                f"speculative_ngram_min ({self.speculative_ngram_min}) and speculative_ngram_max "
+                f"({self.speculative_ngram_max}) need 1 <= min <= max"
+            )
+        if self.async_scheduling:
+            raise ConfigError(
+                "async_scheduling does not combine with speculative decoding: drafts are made "
+                "from the previous step's tokens on the host; use --async-scheduling off"
+            )
+
     def _check_offload(self) -> None:
         if self.kv_offload_mb < 0:
             raise ConfigError(
@@ -137,6 +187,18 @@ class EngineConfig:
             )
 
     # -- derived settings -------------------------------------------------------------------
+
+    def speculative_method(self) -> Literal["off", "ngram", "model"]:
+        """How draft tokens are made: not at all, by prompt lookup, or by a draft model."""
+        if self.speculative_model is not None:
+            return "model"
+        return self.speculative
+
+    def speculative_tokens(self) -> int:
+        """Draft tokens verified per sequence and step (0 = speculative decoding off)."""
+        if self.speculative_method() == "off":
+            return 0
+        return self.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -159,7 +221,10 @@ class EngineConfig:
 
     def async_scheduling_wanted(self, device_type: str) -> bool:
         """On for CUDA unless ``--async-scheduling off``; on the CPU only when asked for (its
-        forward runs on the host thread, so there is nothing to overlap)."""
+        forward runs on the host thread, so there is nothing to overlap). Off when speculating:
+        drafts are built from the tokens of the step before."""
+        if self.speculative_method() != "off":
+            return False
         if self.async_scheduling is not None:
             return self.async_scheduling
         return device_type == "cuda"
@@ -334,6 +399,45 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="split the model over N devices, one process each (default 1)",
+    )
+    _add_speculative_args(parser)
+
+
+def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative",
+        default="off",
+        choices=["off", "ngram"],
+        help="ngram = draft tokens by prompt lookup and verify them in one forward (default off)",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        metavar="M",
+        help="draft tokens with this small model (same vocabulary as --model; its own KV pool "
+        "takes a share of the budget)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"draft tokens per sequence and step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})",
+    )
+    g.add_argument(
+        "--speculative-ngram-min",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shortest suffix prompt lookup matches (default 1)",
+    )
+    g.add_argument(
+        "--speculative-ngram-max",
+        type=int,
+        default=4,
+        metavar="N",
+        help="longest suffix prompt lookup matches, tried first (default 4)",
     )
 
 

@@ -23,8 +23,10 @@ class HostInputs:
     tables: list[list[int]]
     seq_lens: list[int]
     query_start_loc: list[int]
-    logits_indices: list[int] | None  # the sampling rows; None when every token samples
-    num_samples: int
+    # the sampling rows, then every position of rows with draft tokens; None when every token
+    # samples in that order
+    logits_indices: list[int] | None
+    num_samples: int  # logits rows
     has_pending: bool
 
 
@@ -44,7 +46,8 @@ class HostBatch:
     """``HostInputs`` and, on rank 0, the sequences behind its rows."""
 
     inputs: HostInputs
-    sampling_entries: list[ScheduledSeq]
+    sampling_entries: list[ScheduledSeq]  # rows without drafts that sample
+    draft_entries: list[ScheduledSeq]  # rows with draft tokens (their logits rows come last)
     pending: list[tuple[int, Sequence]]  # rows whose input token is still on the device
 
     @classmethod
@@ -57,11 +60,19 @@ class HostBatch:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling_entries: list[ScheduledSeq] = []
+        draft_indices: list[int] = []
+        draft_entries: list[ScheduledSeq] = []
         bs = block_size
         for entry in batch.scheduled:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
-            if end - start == 1:  # a decode step (most rows): no lists to build
+            if entry.draft_token_ids:  # its last token, then drafts: logits at every position
+                token_ids += [seq.token_id(start), *entry.draft_token_ids]
+                positions += range(start, end)
+                slots += slots_of(seq.block_table, start, end, bs)
+                draft_indices += range(len(token_ids) - entry.num_new_tokens, len(token_ids))
+                draft_entries.append(entry)
+            elif end - start == 1:  # a decode step (most rows): no lists to build
                 token_id = seq.token_id(start)
                 if token_id == PENDING_TOKEN:
                     pending.append((len(token_ids), seq))
@@ -74,9 +85,10 @@ class HostBatch:
                 slots += slots_of(seq.block_table, start, end, bs)
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
-            if entry.samples:
+            if entry.samples and not entry.draft_token_ids:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_entries.append(entry)
+        logits_indices += draft_indices
         inputs = HostInputs(
             token_ids=token_ids,
             positions=positions,
@@ -84,14 +96,25 @@ class HostBatch:
             tables=[entry.seq.block_table for entry in batch.scheduled],
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            logits_indices=None if len(logits_indices) == len(token_ids) else logits_indices,
-            num_samples=len(sampling_entries),
+            logits_indices=(
+                None if _is_identity(logits_indices, len(token_ids), bool(draft_entries))
+                else logits_indices
+            ),
+            num_samples=len(logits_indices),
             has_pending=bool(pending),
-        )
-        return cls(inputs, sampling_entries, pending)
+        )  # fmt: skip
+        return cls(inputs, sampling_entries, draft_entries, pending)
 
 
 def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """The pool slots of positions ``[start, end)`` of a sequence with ``block_table``."""
     bs = block_size
     return [block_table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+
+def _is_identity(logits_indices: list[int], num_tokens: int, has_drafts: bool) -> bool:
+    """Whether the logits rows are every token in order (then no gather is needed)."""
+    if len(logits_indices) != num_tokens:
+        return False
+    # without drafts the rows are in batch order; draft rows come after the others
+    return not has_drafts or logits_indices == list(range(num_tokens))

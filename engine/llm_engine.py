@@ -71,6 +71,13 @@ class EngineStats:
     num_host_hit_tokens: int = 0
     num_offloaded_pages: int = 0  # evicted device pages saved to the host tier
     num_offload_evictions: int = 0  # host-tier pages dropped to make room
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of verified draft tokens accepted (0 without speculative decoding)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass
@@ -131,6 +138,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
         self._inbox = _Inbox()
         self.async_scheduling = config.async_scheduling_wanted(self.device.type)
+        self.proposer = runtime.proposer
+        self._num_draft_tokens = 0
+        self._num_accepted_tokens = 0
         self._in_flight: LaunchedStep | None = None  # launched, picks not yet seen
         self.step_profiler = StepProfiler(enabled=False)  # benchmarks turn it on
         self._num_steps = 0
@@ -244,6 +254,8 @@ class LLMEngine:
         outputs = self._apply_inbox()
         if self._in_flight is not None and self._in_flight_needs_history():
             outputs += self._process(self._take_in_flight())  # its picks feed penalties
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule(time.monotonic())
         outputs += [self._finished_output(seq) for seq in batch.finished]
         profiler.before_launch(self.device)
@@ -257,7 +269,10 @@ class LLMEngine:
             outputs += self._process(previous)
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._process(self._take_in_flight())
-        profiler.end_step([entry.num_new_tokens for entry in batch.scheduled])
+        num_verify_rows = 0
+        if self.proposer is not None:
+            num_verify_rows = sum(1 for entry in batch.scheduled if entry.draft_token_ids)
+        profiler.end_step([entry.num_new_tokens for entry in batch.scheduled], num_verify_rows)
         self._num_steps += 1
         self._step_time_s += time.perf_counter() - start_s
         return outputs
@@ -294,7 +309,8 @@ class LLMEngine:
         """The batch's tokens are computed; each sampling row gets a pending output token."""
         for entry in batch.scheduled:
             seq = entry.seq
-            seq.num_computed_tokens += entry.num_new_tokens
+            # drafts count once accepted (see _append_sampled)
+            seq.num_computed_tokens += entry.num_new_tokens - len(entry.draft_token_ids)
             if seq.num_computed_tokens == seq.num_tokens:  # it samples
                 seq.output_token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
@@ -304,10 +320,14 @@ class LLMEngine:
         wait_start_s = time.perf_counter()
         tokens = launched.resolve()  # waits for the device's picks
         self.step_profiler.add_wait(time.perf_counter() - wait_start_s)
-        outputs = [self._append_token(token) for token in tokens if not token.seq.is_finished]
+        if self.proposer is not None:
+            self._count_drafts(launched, tokens)
+        outputs = [self._append_sampled(token) for token in tokens if not token.seq.is_finished]
         bm = self.block_manager
         for entry in launched.scheduled:
             seq = entry.seq
+            if entry.draft_token_ids and not seq.is_finished:
+                bm.trim(seq)  # pages taken for rejected drafts
             # every computed token is known now: a filled block can be published for sharing
             if not seq.is_finished and seq.num_computed_tokens // bm.block_size > (
                 seq.num_registered_blocks
@@ -315,12 +335,44 @@ class LLMEngine:
                 bm.register_full_blocks(seq)
         return outputs
 
-    def _append_token(self, sampled: SampledToken) -> StepOutput:
-        seq, token_id = sampled.seq, sampled.token_id
+    def _count_drafts(self, launched: LaunchedStep, tokens: list[SampledToken]) -> None:
+        self._num_draft_tokens += sum(len(entry.draft_token_ids) for entry in launched.scheduled)
+        self._num_accepted_tokens += sum(len(token.accepted_draft_ids) for token in tokens)
+
+    def _append_sampled(self, sampled: SampledToken) -> StepOutput:
+        """Append a row's accepted drafts and its sampled token, stopping at the first that
+        ends the sequence; the tokens after it were never produced."""
+        seq = sampled.seq
+        new_token_ids = [*sampled.accepted_draft_ids, sampled.token_id]
+        logprobs = [*sampled.draft_logprobs, sampled.logprobs]
+        text_delta = ""
+        for index, token_id in enumerate(new_token_ids):
+            if index:  # the token before was a draft run in this step: its KV is cached
+                seq.num_computed_tokens += 1
+                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens += 1
+            text_delta += self._append_token(seq, token_id, logprobs[index])
+            if seq.is_finished:
+                del new_token_ids[index + 1 :], logprobs[index + 1 :]
+                break
+        finished = seq.is_finished
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            text_delta=text_delta,
+            logprobs=logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            usage=seq.usage() if finished else None,
+        )
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> str:
+        """Fill ``seq``'s oldest pending token and check its stop conditions; the text delta."""
         index = len(seq.output_token_ids) - seq.num_pending_tokens  # its oldest pending token
         seq.output_token_ids[index] = token_id
         seq.num_pending_tokens -= 1
-        seq.output_logprobs.append(sampled.logprobs)
+        seq.output_logprobs.append(logprobs)
         text_delta = ""
         if seq.detokenizer is not None:
             delta = seq.detokenizer.add_tokens([token_id])
@@ -332,17 +384,7 @@ class LLMEngine:
             reason = self._stop_reason(seq, token_id, num_output=index + 1)
             if reason is not None:
                 text_delta += self._finish(seq, reason)
-        finished = seq.is_finished
-        return StepOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token_id],
-            text_delta=text_delta,
-            logprobs=[sampled.logprobs],
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            usage=seq.usage() if finished else None,
-        )
+        return text_delta
 
     def _stop_reason(self, seq: Sequence, token_id: int, num_output: int) -> FinishReason | None:
         """Why ``seq`` ends with ``token_id``, its ``num_output``-th output token, if it does."""
@@ -402,6 +444,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
             step_time_s=self._step_time_s,
+            num_draft_tokens=self._num_draft_tokens,
+            num_accepted_tokens=self._num_accepted_tokens,
             num_device_hit_tokens=self.scheduler.num_device_hit_tokens,
             num_host_hit_tokens=self.scheduler.num_host_hit_tokens,
             num_offloaded_pages=host.num_offloaded_pages if host is not None else 0,

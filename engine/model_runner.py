@@ -22,6 +22,7 @@ from engine.sampler import DeviceSample, Sampler, SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import Sequence
+from engine.spec_decode.verify import DraftVerifier, VerifiedDrafts
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class SampledToken:
     seq: Sequence
     token_id: int
     logprobs: TokenLogprobs | None
+    # Draft tokens verified before ``token_id``, in order: they come first, KV already cached
+    accepted_draft_ids: tuple[int, ...] = ()
+    draft_logprobs: tuple[TokenLogprobs | None, ...] = ()  # theirs, when asked for
 
 
 @dataclass
@@ -37,23 +41,33 @@ class LaunchedStep:
     picks alone. Until then the picks feed the next step straight from device memory."""
 
     scheduled: list[ScheduledSeq]
-    sampling_entries: list[ScheduledSeq]
-    sample: DeviceSample | None  # None when only partial prefill chunks ran
+    sampling_entries: list[ScheduledSeq]  # rows without drafts that sample
+    sample: DeviceSample | None  # None when no such row ran
+    verified: VerifiedDrafts | None = None  # rows that ran with draft tokens
 
     def row_of(self) -> dict[int, int]:
         """``id(seq)`` -> its row in ``sample.token_ids``."""
         return {id(entry.seq): row for row, entry in enumerate(self.sampling_entries)}
 
     def resolve(self) -> list[SampledToken]:
-        if self.sample is None:
-            return []
-        out = self.sample.resolve()
-        return [
-            SampledToken(entry.seq, token_id, logprobs)
-            for entry, token_id, logprobs in zip(
-                self.sampling_entries, out.token_ids, out.logprobs, strict=True
-            )
-        ]
+        tokens = []
+        if self.sample is not None:
+            out = self.sample.resolve()
+            tokens = [
+                SampledToken(entry.seq, token_id, logprobs)
+                for entry, token_id, logprobs in zip(
+                    self.sampling_entries, out.token_ids, out.logprobs, strict=True
+                )
+            ]
+        if self.verified is not None:
+            for entry, (ids, logprobs) in zip(
+                self.verified.entries, self.verified.resolve(), strict=True
+            ):
+                token = SampledToken(
+                    entry.seq, ids[-1], logprobs[-1], tuple(ids[:-1]), tuple(logprobs[:-1])
+                )
+                tokens.append(token)
+        return tokens
 
 
 @dataclass(frozen=True)
@@ -61,10 +75,12 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    # [S]: last token of each sequence that samples; None when every token samples (decode)
+    # [S + N]: last token of each sequence that samples, then every position of the rows
+    # with drafts; None when every token samples in that order (decode)
     logits_indices: torch.Tensor | None
     sampling_entries: list[ScheduledSeq]  # empty on ranks other than 0
     host: HostInputs  # what the tensors were built from
+    draft_entries: list[ScheduledSeq]  # rows with draft tokens, on rank 0
 
 
 class ModelRunner:
@@ -86,6 +102,7 @@ class ModelRunner:
         self.group = group or TensorParallelGroup()
         self.kv_cache = kv_cache
         self.sampler = sampler
+        self.verifier = DraftVerifier(sampler)
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.graphs: DecodeGraphs | None = None
@@ -145,13 +162,28 @@ class ModelRunner:
         entries = inputs.sampling_entries
         if logits is None:
             return LaunchedStep(batch.scheduled, entries, None)  # only partial prefill chunks
+        verified = None
+        if inputs.draft_entries:
+            verified = self.verifier.verify(logits[len(entries) :], inputs.draft_entries)
+            logits = logits[: len(entries)]
+        if not entries:
+            return LaunchedStep(batch.scheduled, entries, None, verified)
         if all([_plain_greedy(entry.seq) for entry in entries]):  # a list: cheaper than a genexpr
             sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
         else:
             rows = [self._sampling_row(e.seq) for e in entries]
             sample = self.sampler.sample_on_device(logits, rows)
         sample.start_copy()
-        return LaunchedStep(batch.scheduled, entries, sample)
+        return LaunchedStep(batch.scheduled, entries, sample, verified)
+
+    @torch.inference_mode()
+    def sampling_logits(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor | None, list[ScheduledSeq]]:
+        """[S, V] logits of the batch's rows that reach their last token, and those rows
+        (no sampling: a draft model samples from them itself)."""
+        inputs = self.prepare_inputs(batch)
+        return self._logits(inputs), inputs.sampling_entries
 
     def _send_step(self, batch: ScheduledBatch, inputs: ModelInputs | None) -> None:
         """Rank 0: tell the other ranks what this step runs (they wait in ``run_peer_step``)."""
@@ -169,7 +201,7 @@ class ModelRunner:
         host = message.inputs
         if host is None:
             return
-        inputs = self._device_inputs(host, [])
+        inputs = self._device_inputs(host, [], [])
         if host.has_pending:
             self.group.broadcast_tensor(inputs.input_ids)
         self._logits(inputs)
@@ -216,12 +248,17 @@ class ModelRunner:
         self, batch: ScheduledBatch, previous: LaunchedStep | None = None
     ) -> ModelInputs:
         host = HostBatch.of(batch, self.block_size)
-        inputs = self._device_inputs(host.inputs, host.sampling_entries)
+        inputs = self._device_inputs(host.inputs, host.sampling_entries, host.draft_entries)
         if host.pending:
             self._fill_pending(inputs.input_ids, host.pending, previous)
         return inputs
 
-    def _device_inputs(self, host: HostInputs, sampling_entries: list[ScheduledSeq]) -> ModelInputs:
+    def _device_inputs(
+        self,
+        host: HostInputs,
+        sampling_entries: list[ScheduledSeq],
+        draft_entries: list[ScheduledSeq],
+    ) -> ModelInputs:
         meta = self._metadata(host.tables, host.slots, host.seq_lens, host.query_start_loc)
         return ModelInputs(
             input_ids=self._tensor(host.token_ids, torch.int64),
@@ -233,6 +270,7 @@ class ModelRunner:
                 else self._tensor(host.logits_indices, torch.int64)
             ),
             sampling_entries=sampling_entries,
+            draft_entries=draft_entries,
             host=host,
         )
 

@@ -1,5 +1,6 @@
 """Builds what runs the model once the weights are loaded: the page pool sized by the memory
-plan, the block manager over it, and the model runner with its decode CUDA graphs."""
+plan, the block manager over it, and the model runner with its decode CUDA graphs (and, with
+a draft model, the draft's own pool, block manager and runner)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from engine.memory import (
 from engine.model_runner import ModelRunner
 from engine.piecewise_graphs import activation_buffer_bytes
 from engine.sampler import Sampler
+from engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from engine.spec_decode.proposer import PromptLookupProposer, Proposer
 
 logger = logging.getLogger("pagestream.engine")
 
@@ -44,6 +47,7 @@ class Runtime:
     runner: ModelRunner
     plan: PoolPlan
     profile: MemoryProfile | None
+    proposer: Proposer | None = None  # speculative decoding's drafts
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,11 @@ def setup_rank(
         quantization=config.quantization,
     )
     max_model_len = resolve_max_model_len(config, loaded)
-    runtime = build_runtime(config, loaded, backend, dtype, max_model_len, device, group)
+    # a draft model (never with tensor parallelism) before the pool is planned
+    draft = load_draft_model(config, loaded, dtype, device, backend, max_model_len)
+    runtime = build_runtime(
+        config, loaded, backend, dtype, max_model_len, device, group, draft=draft
+    )
     return RankSetup(loaded, runtime, backend, dtype, max_model_len)
 
 
@@ -112,7 +120,9 @@ def build_runtime(
     max_model_len: int,
     device: torch.device,
     group: TensorParallelGroup | None = None,
+    draft: LoadedModel | None = None,
 ) -> Runtime:
+    """``draft``: a draft model, loaded already (so that its weights count as used memory)."""
     group = group or TensorParallelGroup()
     paged = config.use_paged_attention()
     # Paging off = one contiguous slot of max_model_len tokens per sequence: the same pool
@@ -128,6 +138,11 @@ def build_runtime(
         # read after the scratch pool is gone: what is used from here on stays used
         profile = read_device_memory(device, loaded.weights_bytes, *peaks)
     plan = plan_pool(config, spec, device, max_model_len, profile)
+    draft_spec = None
+    if draft is not None:
+        draft_spec = KVCacheSpec.for_model(draft.arch, block_size, cache_dtype(config, dtype))
+        if config.pa_context_len is None:  # a budget in tokens holds them in each pool
+            plan = _share_with_draft(plan, spec, draft_spec, max_model_len)
     if group.size > 1:
         plan = _agree_on_pool(plan, group)
     log_plan(plan, spec, profile, max_model_len, group.rank, group.size)
@@ -143,8 +158,55 @@ def build_runtime(
     runner = ModelRunner(loaded.model, kv_cache, sampler, device, group)
     if use_graphs:
         runner.capture_cuda_graphs(config.max_seqs, max_model_len, config.piecewise_graph_tokens())
-    return Runtime(
-        kv_cache, block_manager, HostBlockPool(plan.num_host_blocks), runner, plan, profile
+    host_pool = HostBlockPool(plan.num_host_blocks)
+    proposer: Proposer | None = None
+    if config.speculative_method() == "ngram":
+        proposer = PromptLookupProposer(config)
+    if draft is not None and draft_spec is not None:
+        proposer = _draft_proposer(config, draft, draft_spec, plan.num_blocks, device)
+        if use_graphs:  # its one-token drafting passes replay decode graphs (no piecewise ones)
+            proposer.runner.capture_cuda_graphs(config.max_seqs, max_model_len, 0)
+    return Runtime(kv_cache, block_manager, host_pool, runner, plan, profile, proposer)
+
+
+def _draft_proposer(
+    config: EngineConfig,
+    draft: LoadedModel,
+    draft_spec: KVCacheSpec,
+    num_blocks: int,
+    device: torch.device,
+) -> DraftModelProposer:
+    """The draft model's runner over its own pool of ``num_blocks`` pages."""
+    # The draft's largest step (a catch-up of --max-batched-tokens) runs alone, on a smaller
+    # model than the target's profiled one, so the activation reserve covers it; its decode
+    # graphs' pool is not planned for (small beside the target's).
+    kv_cache = KVCache(draft_spec, num_blocks, 0, device)
+    runner = ModelRunner(draft.model, kv_cache, Sampler(draft.arch.vocab_size), device)
+    block_manager = BlockManager(num_blocks, draft_spec.block_size, enable_prefix_caching=False)
+    return DraftModelProposer(
+        runner, block_manager, config.speculative_tokens(), config.max_batched_tokens
+    )
+
+
+def _share_with_draft(
+    plan: PoolPlan, spec: KVCacheSpec, draft_spec: KVCacheSpec, max_model_len: int
+) -> PoolPlan:
+    """Split a pool budget in bytes so that the model's and the draft's pools hold as many
+    pages each (a shadow holds the same tokens as its sequence)."""
+    pair_bytes = spec.bytes_per_block + draft_spec.bytes_per_block
+    num_blocks = min(plan.num_blocks, plan.budget_bytes // pair_bytes)
+    blocks_per_seq = -(-max_model_len // spec.block_size)
+    if num_blocks < blocks_per_seq:
+        raise ConfigError(
+            f"the KV budget ({plan.source}) shared with the draft model's pool holds "
+            f"{num_blocks} pages, less than one sequence of {max_model_len} tokens "
+            f"({blocks_per_seq} pages): raise the budget or lower --max-model-len"
+        )
+    return dataclasses.replace(
+        plan,
+        num_blocks=num_blocks,
+        num_host_blocks=min(plan.num_host_blocks, num_blocks),
+        budget_bytes=num_blocks * spec.bytes_per_block,
     )
 
 
@@ -183,7 +245,8 @@ def _measure_peaks(
     """Bytes above steady state of the largest step, and of the largest graphed decode."""
     num_tokens = config.max_batched_tokens
     seq_len = min(config.prefill_chunk, max_model_len, num_tokens)
-    num_sampled = min(config.max_seqs, num_tokens)
+    # a decode row verifying K drafts samples at each of its K + 1 positions
+    num_sampled = min(config.max_seqs * (1 + config.speculative_tokens()), num_tokens)
     # A scratch pool just big enough for the dummy prompts, freed before the real one. Its
     # pages are --pa-block-size long even with paging off: no temporary depends on page size.
     scratch_spec = dataclasses.replace(spec, block_size=min(config.pa_block_size, seq_len))

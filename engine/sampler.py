@@ -79,6 +79,16 @@ class Sampler:
         token_ids = self._pick_tokens(logits, rows)  # [num_rows]
         return DeviceSample(token_ids, _logprob_tensors(raw_logprobs, token_ids, rows))
 
+    def picked_on_device(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> DeviceSample:
+        """Tokens ``token_ids`` [num_rows] picked elsewhere (rejection sampling of drafts),
+        with the raw logprobs of the rows that ask for them."""
+        if not _rows_wanting_logprobs(rows):
+            return DeviceSample(token_ids, None)
+        raw_logprobs = _raw_logprobs(logits[:, : self.vocab_size].float(), rows)
+        return DeviceSample(token_ids, _logprob_tensors(raw_logprobs, token_ids, rows))
+
     def greedy_on_device(self, logits: torch.Tensor) -> DeviceSample:
         return DeviceSample(logits[:, : self.vocab_size].argmax(dim=-1), None)
 
@@ -90,6 +100,23 @@ class Sampler:
             index = torch.tensor(penalized, device=logits.device)
             logits[index] = _penalize(logits[index], [rows[i] for i in penalized])
         return logits
+
+    def target_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[num_rows, vocab] float32: the distribution ``sample`` draws each row from (after
+        suppression, penalties, temperature and filters); a greedy row is one-hot on its
+        argmax. What rejection sampling of draft tokens must preserve."""
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)
+        logits = self.process_logits(logits, rows)
+        probs = torch.zeros_like(logits)
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            probs[index] = F.one_hot(logits[index].argmax(dim=-1), self.vocab_size).float()
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            probs[index] = _random_probs(logits[index], [rows[i] for i in random_rows])
+        return probs
 
     def _pick_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """[num_rows] token ids: argmax for greedy rows, a random draw for the others."""
@@ -271,6 +298,12 @@ def apply_penalties(
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """[num_rows] token ids drawn after temperature and the top-k/top-p/min-p filters."""
+    probs = _random_probs(logits, rows)
+    return exponential_race(probs, draw_noise(rows, logits.shape[1], logits.device))
+
+
+def _random_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[num_rows, vocab]: softmax after temperature and the top-k/top-p/min-p filters."""
     device = logits.device
     params = [row.params for row in rows]
     logits = logits / _column([p.temperature for p in params], device)
@@ -281,8 +314,7 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         top_p=_per_row([p.top_p for p in params], off=1.0, device=device),
         min_p=_per_row([p.min_p for p in params], off=0.0, device=device),
     )
-    probs = torch.softmax(logits, dim=-1)
-    return exponential_race(probs, _draw_noise(rows, logits.shape[1], device))
+    return torch.softmax(logits, dim=-1)
 
 
 def apply_filters(
@@ -354,7 +386,7 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return torch.argmax(probs / noise, dim=-1)
 
 
-def _draw_noise(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
+def draw_noise(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[num_rows, vocab] Exp(1) noise: one batch draw, then seeded rows from their generators.
 
     A seeded row's noise depends only on its generator, so the same seed gives the same

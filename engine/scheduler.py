@@ -20,12 +20,15 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
+    # Draft tokens run after the sequence's last token (a decode step that verifies them)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the sequence's last token, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        num_real = self.num_new_tokens - len(self.draft_token_ids)
+        return self.seq.num_computed_tokens + num_real == self.seq.num_tokens
 
 
 @dataclass
@@ -109,11 +112,18 @@ class Scheduler:
         # The common decode step needs no page (the last one has room) and no quota check.
         fast = not self.block_manager.tenant_page_quotas
         page = self.block_manager.block_size
+        # Draft tokens only take budget that every decode's own token leaves over.
+        spare = budget - len(decodes)
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step to make room
+            if seq.draft_token_ids and spare > 0 and self._schedule_drafts(seq, spare, batch):
+                num_drafts = len(batch.scheduled[-1].draft_token_ids)
+                spare -= num_drafts
+                budget -= 1 + num_drafts
+                continue
             room = seq.num_computed_tokens < len(seq.block_table) * page
             if fast and room and seq.num_uncomputed_tokens == 1:
                 batch.scheduled.append(ScheduledSeq(seq, 1))
@@ -146,6 +156,18 @@ class Scheduler:
                 return 0
         batch.scheduled.append(ScheduledSeq(seq, num_new))
         return num_new
+
+    def _schedule_drafts(self, seq: Sequence, spare: int, batch: ScheduledBatch) -> bool:
+        """Schedule a decode with up to ``spare`` of its drafts, if their pages are free;
+        never preempts for drafts (the caller then schedules a plain decode)."""
+        drafts = seq.draft_token_ids[:spare]
+        num_new = 1 + len(drafts)
+        if seq.num_uncomputed_tokens != 1 or not self._try_allocate(
+            seq, num_new, allow_over_quota=False
+        ):
+            return False
+        batch.scheduled.append(ScheduledSeq(seq, num_new, drafts))
+        return True
 
     def _try_allocate(self, seq: Sequence, num_new: int, allow_over_quota: bool) -> bool:
         if not self.block_manager.tenant_page_quotas:  # no quotas: only the pool can say no

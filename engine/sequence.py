@@ -79,6 +79,11 @@ class Sequence:
     length_limit: int = 1 << 62
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    # Guessed next tokens (speculative decoding), set before each schedule; verified with it
+    draft_token_ids: list[int] = field(default_factory=list)
+    # [k, V] the draft model's distribution at each draft (a sampled request's drafts from a
+    # draft model); None = each draft is a point mass (prompt lookup, greedy drafting)
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,16 +18,18 @@ from typing import Any
 
 import torch
 
-STEP_KINDS = ("decode", "mixed", "prefill")
+STEP_KINDS = ("decode", "verify", "mixed", "prefill")
 
 
-def step_kind(num_new_tokens: list[int]) -> str | None:
-    """``decode`` (one token per row), ``prefill`` (chunks only), ``mixed``, or None (empty)."""
+def step_kind(num_new_tokens: list[int], num_verify_rows: int = 0) -> str | None:
+    """``decode`` (one token per row), ``verify`` (decode rows, some of them with draft
+    tokens), ``prefill`` (chunks only), ``mixed``, or None (empty). ``num_verify_rows``: rows
+    whose tokens are a decode's one and its drafts."""
     if not num_new_tokens:
         return None
-    num_decodes = sum(1 for n in num_new_tokens if n == 1)
+    num_decodes = sum(1 for n in num_new_tokens if n == 1) + num_verify_rows
     if num_decodes == len(num_new_tokens):
-        return "decode"
+        return "verify" if num_verify_rows else "decode"
     return "mixed" if num_decodes else "prefill"
 
 
@@ -68,8 +70,8 @@ class StepProfiler:
     def add_wait(self, wait_s: float) -> None:
         self._wait_s += wait_s
 
-    def end_step(self, num_new_tokens: list[int]) -> None:
-        kind = step_kind(num_new_tokens) if self.enabled else None
+    def end_step(self, num_new_tokens: list[int], num_verify_rows: int = 0) -> None:
+        kind = step_kind(num_new_tokens, num_verify_rows) if self.enabled else None
         if kind is None:
             return
         wall_s = time.perf_counter() - self._start_s

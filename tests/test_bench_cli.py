@@ -32,6 +32,38 @@ def test_latency_record_has_every_batch_size_and_no_limit_on_cpu(
     assert "TPOT ms" in out
 
 
+def test_speculative_record_compares_both_engines_on_the_same_requests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "speculative.json"
+    args = [
+        "bench", "speculative", "--model", "dummy:tiny", "--batch-sizes", "1,3",
+        "--output-len", "12", "--num-speculative-tokens", "3", "--no-progress",
+        "--output-json", str(path), *SMALL_POOL,
+    ]  # fmt: skip
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0
+    record = json.loads(path.read_text())
+    assert record["kind"] == "speculative"
+    assert record["settings"]["speculative"] == "ngram"  # implied by --num-speculative-tokens
+    assert record["settings"]["prompts"].startswith("token ids")  # dummy: has no tokenizer
+    assert [r["batch"] for r in record["results"]] == [1, 3]
+    for r in record["results"]:
+        assert r["plain"]["num_draft_tokens"] == 0 and r["speculative"]["num_draft_tokens"] > 0
+        assert r["num_identical_outputs"] == r["num_requests"] == r["batch"]  # fp32 greedy
+        assert r["plain"]["output_tokens"] == r["speculative"]["output_tokens"] == 12 * r["batch"]
+        assert r["speedup_tok_s"] > 0
+    assert "speedup" in out
+
+
+def test_speculative_with_async_scheduling_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["bench", "speculative", "--model", "dummy:tiny", "--async-scheduling", "on"]
+    code, _, err = run_cli([*args, *SMALL_POOL], capsys)
+    assert code == 1 and "async_scheduling does not combine with speculative decoding" in err
+
+
 def test_batch_sizes_above_max_seqs_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "latency", "--model", "dummy:tiny", "--batch-sizes", "8", "--max-seqs", "4"]
     code, _, err = run_cli([*args, *SMALL_POOL], capsys)

@@ -14,6 +14,8 @@ def test_step_kinds() -> None:
     assert step_kind([1, 1, 1]) == "decode"
     assert step_kind([1, 40]) == "mixed"
     assert step_kind([40, 7]) == "prefill"
+    assert step_kind([1, 4, 5], num_verify_rows=2) == "verify"  # decodes with drafts
+    assert step_kind([4, 40], num_verify_rows=1) == "mixed"
 
 
 def test_profile_of_a_run_has_every_kind_and_adds_up(tiny_model_dirs: dict[str, Path]) -> None:

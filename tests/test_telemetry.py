@@ -277,7 +277,7 @@ def test_future_enqueue_time_counts_as_now(harness: Harness) -> None:
 def test_engine_gauges_read_the_callback(harness: Harness) -> None:
     readings = iter(
         [
-            EngineGauges(3, 4, 100, 28, 0.25, 7, 11, 1, 640, 96, 5, 2),
+            EngineGauges(3, 4, 100, 28, 0.25, 7, 11, 1, 640, 96, 5, 2, 0.6, 50, 30),
             EngineGauges(0, 0, 0, 128, 0.5, 9, 0),
         ]
     )
@@ -296,6 +296,9 @@ def test_engine_gauges_read_the_callback(harness: Harness) -> None:
         "pagestream.engine.kv_offload.pages_offloaded": (5, "{page}"),
         "pagestream.engine.kv_offload.evictions": (2, "{page}"),
         "pagestream.queue.depth": (11, "{request}"),
+        "pagestream.engine.spec_decode.acceptance_rate": (0.6, "1"),
+        "pagestream.engine.spec_decode.draft_tokens": (50, "{token}"),
+        "pagestream.engine.spec_decode.accepted_tokens": (30, "{token}"),
     }
     for name, (value, unit) in expected.items():
         metric = harness.metric(name)

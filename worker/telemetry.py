@@ -86,6 +86,9 @@ class EngineGauges:
     num_host_hit_tokens: int = 0
     num_offloaded_pages: int = 0
     num_offload_evictions: int = 0
+    spec_acceptance_rate: float = 0.0  # speculative decoding: accepted over verified drafts
+    num_draft_tokens: int = 0  # cumulative
+    num_accepted_tokens: int = 0  # cumulative
 
 
 # Gauge name, EngineGauges field, unit, description; cumulative ones are counters below.
@@ -97,7 +100,9 @@ _ENGINE_GAUGES = (
     ("pagestream.engine.pages.free", "num_pages_free", "{page}", "KV-cache pages free."),
     ("pagestream.engine.prefix_cache.hit_rate", "prefix_hit_rate", "1", "Prefix-cache hit rate."),
     ("pagestream.queue.depth", "queue_depth", "{request}", "Requests queued in the stream."),
-)
+    ("pagestream.engine.spec_decode.acceptance_rate", "spec_acceptance_rate", "1",
+     "Share of verified draft tokens accepted."),
+)  # fmt: skip
 _ENGINE_COUNTERS = (
     ("pagestream.engine.preemptions", "num_preemptions", "{preemption}", "Preemptions so far."),
     (
@@ -116,6 +121,10 @@ _ENGINE_COUNTERS = (
         "pagestream.engine.kv_offload.evictions", "num_offload_evictions", "{page}",
         "Host-tier pages dropped to make room.",
     ),
+    ("pagestream.engine.spec_decode.draft_tokens", "num_draft_tokens", "{token}",
+     "Draft tokens verified so far."),
+    ("pagestream.engine.spec_decode.accepted_tokens", "num_accepted_tokens", "{token}",
+     "Draft tokens accepted so far."),
 )  # fmt: skip
 
 

@@ -41,6 +41,15 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         configure=bench_device.configure_latency,
     )
     kinds.add_parser(
+        "speculative",
+        help="speculative decoding's speedup at batch 1 and 8, on prompts it suits",
+        description="Run the same greedy requests without and with speculative decoding "
+        "(--speculative ngram unless given): TPOT, tok/s, speedup, acceptance rate and "
+        "whether the outputs match. The prompts ask to repeat a passage (copying suits "
+        "prompt lookup); the record says so.",
+        configure=bench_device.configure_speculative,
+    )
+    kinds.add_parser(
         "kernels",
         help="paged-attention kernel bandwidth against measured copy bandwidth (CUDA)",
         description="Time the Triton paged-attention decode kernel across batch sizes, context "

@@ -1,5 +1,6 @@
-"""``pagestream bench latency | kernels | kv-quality | quant | plot``: latency against the
-hardware limit, kernel bandwidth, fp8 KV quality, quantized weights against float, and plots
+"""``pagestream bench latency | speculative | kernels | kv-quality | quant | plot``: latency
+against the hardware limit, speculative decoding's speedup, kernel bandwidth, fp8 KV quality,
+quantized weights against float, and plots
 of any record. ``worker/bench_cli.py``
 registers them beside ``throughput`` and ``serve``."""
 
@@ -98,6 +99,47 @@ def _latency_table(results: list[dict[str, Any]]) -> str:
             f"{r['output_tok_s']:5.0f}  {limit}{vllm}"
         )
     return "\n".join(lines)
+
+
+# -- speculative decoding --------------------------------------------------------------------
+
+
+def configure_speculative(parser: argparse.ArgumentParser) -> None:
+    from engine.config import add_engine_args
+
+    w = parser.add_argument_group("workload")
+    w.add_argument(
+        "--batch-sizes",
+        type=int_list,
+        default=(1, 8),
+        metavar="N,N,...",
+        help="batch sizes to run (default 1,8)",
+    )
+    w.add_argument(
+        "--output-len", type=positive_int, default=256, help="most tokens a request makes"
+    )
+    w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(parser)
+    parser.set_defaults(handler=_run_bench_speculative, command_prog=parser.prog)
+
+
+def _run_bench_speculative(args: argparse.Namespace) -> int:
+    from bench.speculative import SpeculativeWorkload, format_results, run_speculative
+    from engine import PagestreamError
+    from engine.config import engine_config_from_args
+
+    try:
+        workload = SpeculativeWorkload(args.batch_sizes, args.output_len, args.seed)
+        # --num-speculative-tokens alone means prompt lookup here
+        lookup = args.speculative == "off" and args.speculative_model is None
+        config = engine_config_from_args(args, speculative="ngram" if lookup else args.speculative)
+        record = run_speculative(config, workload, use_tqdm=not args.no_progress)
+    except PagestreamError as exc:
+        raise CommandError(str(exc)) from exc
+    print(format_results(record["results"]))
+    save(record, args.output_json)
+    return 0
 
 
 # -- kernels ---------------------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""Drafts from a small model (``--speculative-model``) with its own page pool.
+
+Each target sequence that decodes has a shadow sequence in the draft model's pool: the same
+tokens, its own pages and its own count of computed tokens. A step first lets the draft model
+catch up on the tokens it has not seen (the prompt at first, then the accepted tokens), then
+samples ``k`` tokens one at a time with the request's own sampling settings, keeping the
+distribution of each (what rejection sampling divides by). Draft KV of rejected drafts is
+dropped by rolling the shadow back to the tokens both models agree on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import SamplingRow, draw_noise, exponential_race
+from engine.scheduler import ScheduledBatch, ScheduledSeq
+from engine.sequence import Sequence
+from engine.spec_decode.proposer import max_drafts
+
+SHADOW_TENANT = "draft"
+
+
+def load_draft_model(
+    config: EngineConfig,
+    target: LoadedModel,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_model_len: int,
+) -> LoadedModel | None:
+    """The ``--speculative-model``, checked against the target (None without one)."""
+    name = config.speculative_model
+    if name is None:
+        return None
+    draft = load_model(name, dtype, device, backend, max_model_len, config.seed)
+    check_draft_model(target, draft, name, max_model_len)
+    return draft
+
+
+def check_draft_model(
+    target: LoadedModel, draft: LoadedModel, draft_name: str, max_model_len: int
+) -> None:
+    """Refuse a draft model whose token ids mean something else than the target's, or whose
+    context is shorter than the sequences it must follow."""
+    if draft.arch.max_position_embeddings < max_model_len:
+        raise ConfigError(
+            f"speculative_model {draft_name!r} has a context of "
+            f"{draft.arch.max_position_embeddings} tokens, shorter than max_model_len "
+            f"({max_model_len}): lower --max-model-len"
+        )
+    if draft.arch.vocab_size != target.arch.vocab_size:
+        raise ConfigError(
+            f"speculative_model {draft_name!r} has a vocabulary of {draft.arch.vocab_size} "
+            f"tokens, the model {target.arch.vocab_size}: a draft model must share the "
+            "model's tokenizer"
+        )
+    mine, theirs = target.tokenizer, draft.tokenizer
+    if mine is not None and theirs is not None and mine.get_vocab() != theirs.get_vocab():
+        raise ConfigError(
+            f"speculative_model {draft_name!r} has another tokenizer than the model: the "
+            "same ids would be other tokens"
+        )
+
+
+@dataclass(eq=False)
+class _Shadow:
+    seq: Sequence  # in the draft pool: the target's tokens, then this step's drafts
+    num_synced_outputs: int = 0  # target output tokens copied at the last sync
+
+
+class DraftModelProposer:
+    """Sets ``draft_token_ids`` and ``draft_probs`` by running the draft model."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        num_tokens: int,
+        max_batched_tokens: int,
+    ) -> None:
+        self.runner = runner
+        self.block_manager = block_manager
+        self.num_tokens = num_tokens
+        self.max_batched_tokens = max_batched_tokens
+        self._shadows: dict[Sequence, _Shadow] = {}
+
+    def propose(self, running: list[Sequence]) -> None:
+        live = set(running)
+        for seq in [seq for seq in self._shadows if seq not in live]:
+            self._drop(seq)  # finished or preempted: its draft pages go back
+        wanted: dict[Sequence, int] = {}
+        for seq in running:
+            seq.draft_token_ids, seq.draft_probs = [], None
+            k = max_drafts(seq, self.num_tokens)
+            if k and self._prepare(seq, k):
+                wanted[seq] = k
+        if wanted:
+            self._draft(wanted)
+
+    # -- shadows -------------------------------------------------------------------------------
+
+    def _prepare(self, seq: Sequence, k: int) -> bool:
+        """Sync ``seq``'s shadow with its tokens and take pages for catching up and ``k``
+        drafts; False (shadow dropped) when the draft pool is full."""
+        shadow = self._shadows.get(seq)
+        if shadow is None:
+            shadow = _Shadow(
+                Sequence(
+                    seq.request_id, seq.prompt_token_ids, seq.sampling, seq.arrival_s,
+                    tenant=SHADOW_TENANT, eos_token_ids=seq.eos_token_ids, generator=seq.generator,
+                )
+            )  # fmt: skip
+            self._shadows[seq] = shadow
+        _sync(shadow, seq)
+        # the last of the k drafts is sampled but never run
+        num_new = shadow.seq.num_uncomputed_tokens + k - 1
+        if not self.block_manager.allocate_slots(shadow.seq, num_new):
+            self._drop(seq)
+            return False
+        return True
+
+    def _drop(self, seq: Sequence) -> None:
+        shadow = self._shadows.pop(seq)
+        self.block_manager.free(shadow.seq)
+
+    # -- drafting ------------------------------------------------------------------------------
+
+    def _draft(self, wanted: dict[Sequence, int]) -> None:
+        """Catch up (within the token budget), then sample one draft per pass."""
+        batch, budget = ScheduledBatch(), self.max_batched_tokens
+        for seq in wanted:
+            shadow = self._shadows[seq].seq
+            num_new = min(shadow.num_uncomputed_tokens, budget)
+            if num_new:
+                batch.scheduled.append(ScheduledSeq(shadow, num_new))
+                budget -= num_new
+        num_wanted = {self._shadows[seq].seq: k for seq, k in wanted.items()}
+        drafting = self._step(batch)
+        probs: dict[Sequence, list[torch.Tensor | None]] = {shadow: [] for shadow in drafting}
+        while drafting:
+            for shadow, (token_id, q) in drafting.items():
+                shadow.output_token_ids.append(token_id)
+                probs[shadow].append(q)
+            # the drafts just drawn are the next inputs, for rows that want more
+            more = [s for s in drafting if len(probs[s]) < num_wanted[s]]
+            drafting = self._step(ScheduledBatch([ScheduledSeq(s, 1) for s in more]))
+        for seq in wanted:
+            shadow = self._shadows[seq].seq
+            if probs.get(shadow):
+                seq.draft_token_ids = shadow.output_token_ids[-len(probs[shadow]) :]
+                seq.draft_probs = _stack(probs[shadow])
+
+    def _step(self, batch: ScheduledBatch) -> dict[Sequence, tuple[int, torch.Tensor | None]]:
+        """Run the draft model over ``batch``; each row that reaches its last token draws
+        one token: shadow -> (token, [V] the distribution it was drawn from; None for a
+        greedy row, whose draft is a point mass)."""
+        if batch.is_empty:
+            return {}
+        logits, entries = self.runner.sampling_logits(batch)
+        for entry in batch.scheduled:
+            entry.seq.num_computed_tokens += entry.num_new_tokens
+        if logits is None:
+            return {}
+        rows = [_row(entry.seq) for entry in entries]
+        probs = self.runner.sampler.target_probs(logits, rows)  # [R, V]; greedy rows one-hot
+        token_ids = exponential_race(probs, draw_noise(rows, probs.shape[1], probs.device))
+        drawn = {}
+        for row, (entry, token_id) in enumerate(zip(entries, token_ids.tolist(), strict=True)):
+            # a copy: a view would keep the whole [R, V] table alive until the drafts end
+            q = None if entry.seq.sampling.is_greedy else probs[row].clone()
+            drawn[entry.seq] = (token_id, q)
+        return drawn
+
+
+def _stack(probs: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """[k, V] the distributions a sampled request's drafts came from; None when greedy."""
+    kept = [q for q in probs if q is not None]
+    return torch.stack(kept) if len(kept) == len(probs) else None
+
+
+def _sync(shadow: _Shadow, seq: Sequence) -> None:
+    """Give the shadow the target's tokens; KV of drafts the target rejected is dropped."""
+    mine, theirs = shadow.seq.output_token_ids, seq.output_token_ids
+    common = shadow.num_synced_outputs
+    while common < min(len(mine), len(theirs)) and mine[common] == theirs[common]:
+        common += 1
+    del mine[common:]
+    mine += theirs[common:]
+    shadow.num_synced_outputs = len(theirs)
+    num_valid = len(seq.prompt_token_ids) + common
+    shadow.seq.num_computed_tokens = min(shadow.seq.num_computed_tokens, num_valid)
+
+
+def _row(shadow: Sequence) -> SamplingRow:
+    """The request's own sampling settings, over its tokens and the drafts so far."""
+    params = shadow.sampling
+    suppressed: tuple[int, ...] = ()
+    if shadow.num_output_tokens < params.min_tokens:
+        suppressed = (*shadow.eos_token_ids, *params.stop_token_ids)
+    return SamplingRow(
+        params, shadow.prompt_token_ids, shadow.output_token_ids, shadow.generator, suppressed
+    )

@@ -1,0 +1,129 @@
+"""Speculative decoding with a draft model (``--speculative-model``): its own pool and shadows.
+
+A draft that is the target itself must have every greedy draft accepted (its KV follows the
+sequence exactly); a perturbed copy agrees only in part, so rejected drafts' KV must be rolled
+back; a sampled request drafting from itself keeps (almost) every draft, which only happens
+when the verifier divides by the draft's own distribution.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ConfigError
+from tests.test_speculative import TIGHT, repetitive_prompts, run
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dirs: dict[str, Path]) -> Path:
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def perturbed(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with noise on every weight: a draft that is often, not always, right."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.01)
+    directory = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(directory)
+    return directory
+
+
+def greedy_params(num: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=36 + i, ignore_eos=True) for i in range(num)]
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_a_perturbed_draft_gives_plain_greedy_tokens(
+    llama: Path, perturbed: Path, preemption: str
+) -> None:
+    prompts, params = repetitive_prompts(5, seed=21), greedy_params(5)
+    settings = dict(TIGHT, preemption=preemption)
+    plain, _ = run(llama, prompts, params, **settings)
+    spec, engine = run(
+        llama, prompts, params, speculative_model=str(perturbed), num_speculative_tokens=3,
+        **settings,
+    )  # fmt: skip
+    assert spec == plain
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert 0.2 < stats.acceptance_rate < 1  # both accepted and rejected drafts ran
+
+
+def test_the_model_as_its_own_draft_has_every_greedy_draft_accepted(llama: Path) -> None:
+    prompts, params = repetitive_prompts(4, seed=23), greedy_params(4)
+    plain, _ = run(llama, prompts, params, **TIGHT)
+    spec, engine = run(
+        llama, prompts, params, speculative_model=str(llama), num_speculative_tokens=4, **TIGHT
+    )
+    assert spec == plain
+    stats = engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.num_steps < sum(len(tokens) for tokens in plain) / 2
+
+
+def test_sampled_drafts_are_verified_against_their_own_distribution(llama: Path) -> None:
+    """p == q: min(1, p/q) accepts every draft; a verifier that took the draft for a point
+    mass would accept it only with probability p(d)."""
+    prompts = repetitive_prompts(4, seed=25)
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=30, seed=i, ignore_eos=True) for i in range(4)
+    ]
+    settings = dict(TIGHT, speculative_model=str(llama), num_speculative_tokens=3)
+    first, engine = run(llama, prompts, params, **settings)
+    assert engine.stats().acceptance_rate > 0.97
+    second, _ = run(llama, prompts, params, **settings)
+    assert first == second  # seeded requests stay reproducible
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(llama: Path) -> None:
+    with pytest.raises(ConfigError, match="vocabulary of 512 tokens, the model 320"):
+        LLMEngine(EngineConfig(model=str(llama), device="cpu", speculative_model="dummy:tiny"))
+
+
+def test_a_draft_model_with_a_shorter_context_is_refused(llama: Path) -> None:
+    config = EngineConfig(model="dummy:tiny", device="cpu", speculative_model=str(llama))
+    with pytest.raises(ConfigError, match="context of 256 tokens, shorter than max_model_len"):
+        LLMEngine(config)
+
+
+def test_lookup_and_a_draft_model_are_not_both_allowed() -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        EngineConfig(speculative="ngram", speculative_model="dummy:tiny")
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(text_model_dir: Path) -> None:
+    """The model drafting for itself gains K + 1 tokens a step, so each stop below falls
+    inside a step's tokens: what follows it must never be output."""
+    settings = dict(device="cpu", pa_block_size=8, max_seqs=4, max_batched_tokens=48)
+    prompts = ["w10 w11 w12 w13", "w200 w7 w9", "w42 w43", "w5 w6 w7 w8 w9"]
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain_llm = LLM(str(text_model_dir), **settings)
+    spec_llm = LLM(
+        str(text_model_dir), speculative_model=str(text_model_dir), num_speculative_tokens=4,
+        **settings,
+    )  # fmt: skip
+    unstopped = plain_llm.generate(prompts, free, use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(unstopped[0].token_ids[7],)),
+        SamplingParams(temperature=0, max_tokens=30, stop=[unstopped[1].text.split()[8]]),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=30),
+    ]
+    results = [llm.generate(prompts, params, use_tqdm=False) for llm in (plain_llm, spec_llm)]
+    plain, spec = (
+        [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs] for outs in results
+    )
+    assert spec == plain
+    assert [len(tokens) for tokens, *_ in spec][2:] == [13, 30]
+    stats = spec_llm.engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
