@@ -96,6 +96,9 @@ def _run_point(
         "threads_per_worker": _threads_per_worker(num_workers, device_type, num_cores),
         "memory_fractions": _memory_fractions(args, num_workers, device_type),
         **results,
+        # the host's 1-minute load average (these processes included) right after the run:
+        # on a shared machine, whether others competed for its cores
+        "load_avg_1m": os.getloadavg()[0],
     }
 
 
