@@ -87,17 +87,19 @@ def _run_point(
     warmup = [prompt for block in blocks for prompt in warmup_prompts(block)]
     concurrency = args.concurrency * num_workers
     with running_workers(workers, one_at_a_time=device_type == "cuda"):
+        pids = [worker.process.pid for worker in workers if worker.process is not None]
         results = asyncio.run(run_load(redis_url, args.prefix, prompts, warmup=warmup,
                                        concurrency=concurrency, warmup_runs=args.warmup_runs,
-                                       timeout_s=args.timeout_s))  # fmt: skip
+                                       timeout_s=args.timeout_s, worker_pids=pids))  # fmt: skip
     return {
         "num_workers": num_workers,
         "concurrency": concurrency,
         "threads_per_worker": _threads_per_worker(num_workers, device_type, num_cores),
         "memory_fractions": _memory_fractions(args, num_workers, device_type),
         **results,
-        # the host's 1-minute load average (these processes included) right after the run:
-        # on a shared machine, whether others competed for its cores
+        # the host's 1-minute load average (these processes included) right after the run;
+        # with busy_cores' "other" (Redis and everything else on the host), whether other
+        # processes competed for the cores
         "load_avg_1m": os.getloadavg()[0],
     }
 
@@ -196,4 +198,7 @@ def format_fleet(record: dict[str, Any]) -> str:
             f"TPOT p50 {row['tpot_s']['p50'] * 1e3:.2f} ms; requests per worker: {by_worker}"
             + (" (more workers than cores)" if row["num_workers"] > cores else "")
         )
+        busy = row.get("busy_cores")
+        if busy:
+            lines.append("  cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()))
     return "\n".join(lines)
