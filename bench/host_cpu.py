@@ -1,5 +1,5 @@
-"""Where a host's CPU time went during a run (Linux ``/proc``): the whole host, given worker
-processes, and this process. On a shared machine this says whether a CPU benchmark had the
+"""Where a host's CPU time went during a run (Linux ``/proc``): the whole host, named groups
+of processes (the workers, Redis), and this process. On a shared machine this says whether a CPU benchmark had the
 cores to itself, and which part of the service used them."""
 
 from __future__ import annotations
@@ -18,31 +18,32 @@ class CpuTimes:
 
     wall_s: float
     host_busy_s: float  # all processes, all cores
-    pids_s: float  # the given processes
+    groups_s: dict[str, float]  # each named group of processes
     self_s: float  # this process
 
 
-def read_cpu_times(pids: list[int]) -> CpuTimes | None:
-    """The counters now; None where ``/proc`` is missing (not Linux)."""
+def read_cpu_times(groups: dict[str, list[int]]) -> CpuTimes | None:
+    """The counters now, for the host, each group of processes and this process; None where
+    ``/proc`` is missing (not Linux)."""
     if not (PROC / "stat").is_file():
         return None
-    return CpuTimes(time.perf_counter(), _host_busy_s(), sum(map(_process_s, pids)),
-                    sum(os.times()[:2]))  # fmt: skip
+    times_s = {name: sum(map(_process_s, pids)) for name, pids in groups.items()}
+    return CpuTimes(time.perf_counter(), _host_busy_s(), times_s, sum(os.times()[:2]))
 
 
 def busy_cores(before: CpuTimes | None, after: CpuTimes | None) -> dict[str, float] | None:
-    """Average cores busy between two readings: the host, the given processes, this process,
-    and the rest (Redis, other processes on the host)."""
+    """Average cores busy between two readings: the host, each group, this process
+    (``client``), and the rest (``other``: every other process on the host)."""
     if before is None or after is None:
         return None
     wall_s = after.wall_s - before.wall_s
-    host, pids = after.host_busy_s - before.host_busy_s, after.pids_s - before.pids_s
-    own = after.self_s - before.self_s
+    host_s = after.host_busy_s - before.host_busy_s
+    parts_s = {name: after.groups_s[name] - before.groups_s[name] for name in after.groups_s}
+    parts_s["client"] = after.self_s - before.self_s
+    other_s = max(host_s - sum(parts_s.values()), 0.0)
     return {
-        "host": host / wall_s,
-        "workers": pids / wall_s,
-        "client": own / wall_s,
-        "other": max(host - pids - own, 0.0) / wall_s,
+        name: value / wall_s
+        for name, value in {"host": host_s, **parts_s, "other": other_s}.items()
     }
 
 

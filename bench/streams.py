@@ -51,12 +51,13 @@ async def run_load(
     concurrency: int,
     warmup_runs: int = 0,
     timeout_s: float = 3600.0,
-    worker_pids: list[int] | None = None,
+    cpu_groups: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
     """``prompts`` streamed by ``concurrency`` client tasks, after the ``warmup`` prompts (all
     at once) and ``warmup_runs`` untimed runs of the whole list: the summary, the requests
-    each worker finished, and the workers' engine steps from their heartbeats; with the
-    ``worker_pids`` (local workers), the cores each part used during the timed run."""
+    each worker finished, and the workers' engine steps from their heartbeats; with
+    ``cpu_groups`` (name: pids of local processes), the cores each group, this client and
+    the rest of the host used during the timed run."""
     from bench.host_cpu import busy_cores, read_cpu_times
     from clients import AsyncClient
 
@@ -65,15 +66,15 @@ async def run_load(
         for _ in range(warmup_runs):
             await _stream_all(client, prompts, concurrency)
         before = await _engine_counters(client, time.time())
-        cpu_before = read_cpu_times(worker_pids or [])
+        cpu_before = read_cpu_times(cpu_groups or {})
         start_s = time.perf_counter()
         timings = await _stream_all(client, prompts, concurrency)
         elapsed_s = time.perf_counter() - start_s
-        cpu_after = read_cpu_times(worker_pids or [])
+        cpu_after = read_cpu_times(cpu_groups or {})
         after = await _engine_counters(client, time.time())
     results = summarize(timings, elapsed_s)
     results["requests_by_worker"] = dict(sorted(Counter(t.worker for t in timings).items()))
-    if worker_pids is not None:
+    if cpu_groups is not None:
         results["busy_cores"] = busy_cores(cpu_before, cpu_after)
     if before is not None and after is not None:
         num_steps, step_time_s = after[0] - before[0], after[1] - before[1]

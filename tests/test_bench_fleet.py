@@ -49,8 +49,9 @@ def test_fleet_sweep_scales_the_load_and_every_worker_serves(tmp_path: Path) -> 
             assert 0 < row[name]["p50"] <= row[name]["p90"] <= row[name]["p99"]
         assert row["requests_per_s"] == pytest.approx(row["num_requests"] / row["elapsed_s"])
         assert row["workers"]["num_steps"] > 0
-        busy = row["busy_cores"]  # the workers' CPU time, read from /proc around the run
-        assert set(busy) == {"host", "workers", "client", "other"} and busy["workers"] > 0
+        busy = row["busy_cores"]  # CPU time read from /proc around the run
+        assert set(busy) == {"host", "workers", "redis", "client", "other"}
+        assert busy["workers"] > 0 and busy["redis"] > 0 and busy["client"] > 0
         expected = row["output_tok_s"] / (n * rows[0]["output_tok_s"])
         assert row["scaling_efficiency"] == pytest.approx(expected)
     names = [set(row["requests_by_worker"]) for row in rows]
