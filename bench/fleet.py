@@ -26,6 +26,7 @@ import dataclasses
 import os
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import urlsplit
 
 from worker.errors import EXIT_USAGE, CommandError
 from worker.local_stack import WorkerProcess, engine_flags, running_workers
@@ -87,16 +88,36 @@ def _run_point(
     warmup = [prompt for block in blocks for prompt in warmup_prompts(block)]
     concurrency = args.concurrency * num_workers
     with running_workers(workers, one_at_a_time=device_type == "cuda"):
+        groups = {"workers": [w.process.pid for w in workers if w.process is not None],
+                  "redis": _local_redis_pids(redis_url)}  # fmt: skip
         results = asyncio.run(run_load(redis_url, args.prefix, prompts, warmup=warmup,
                                        concurrency=concurrency, warmup_runs=args.warmup_runs,
-                                       timeout_s=args.timeout_s))  # fmt: skip
+                                       timeout_s=args.timeout_s, cpu_groups=groups))  # fmt: skip
     return {
         "num_workers": num_workers,
         "concurrency": concurrency,
         "threads_per_worker": _threads_per_worker(num_workers, device_type, num_cores),
         "memory_fractions": _memory_fractions(args, num_workers, device_type),
         **results,
+        # the host's 1-minute load average (these processes included) right after the run;
+        # with busy_cores' "other" (every process outside this benchmark), whether other
+        # processes competed for the cores
+        "load_avg_1m": os.getloadavg()[0],
     }
+
+
+def _local_redis_pids(redis_url: str) -> list[int]:
+    """The redis-server's process id when it runs on this host (``INFO server``), else none."""
+    import redis
+
+    if urlsplit(redis_url).hostname not in ("127.0.0.1", "localhost", "::1"):
+        return []
+    client = redis.Redis.from_url(redis_url)
+    try:
+        info: dict[str, Any] = client.info("server")  # type: ignore[assignment]
+        return [int(info["process_id"])]
+    finally:
+        client.close()
 
 
 def fleet_workers(
@@ -193,4 +214,7 @@ def format_fleet(record: dict[str, Any]) -> str:
             f"TPOT p50 {row['tpot_s']['p50'] * 1e3:.2f} ms; requests per worker: {by_worker}"
             + (" (more workers than cores)" if row["num_workers"] > cores else "")
         )
+        busy = row.get("busy_cores")
+        if busy:
+            lines.append("  cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()))
     return "\n".join(lines)

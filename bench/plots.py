@@ -164,7 +164,9 @@ def _serve_fleet(plt: Any, record: dict[str, Any]) -> Any:
     rows = record["results"]
     counts = [row["num_workers"] for row in rows]
     cores = record["machine"]["cores_available"]
-    fig, (rate, latency) = plt.subplots(1, 2, figsize=(10, 3.5))
+    with_cpu = all(row.get("busy_cores") for row in rows)
+    fig, axes = plt.subplots(1, 3 if with_cpu else 2, figsize=(15 if with_cpu else 10, 3.5))
+    rate, latency = axes[0], axes[1]
     rates = [row["output_tok_s"] for row in rows]
     rate.plot(counts, [row["ideal_output_tok_s"] for row in rows], "k--", label="ideal")
     rate.plot(counts, rates, "o-", color="tab:blue", label="measured")
@@ -187,7 +189,26 @@ def _serve_fleet(plt: Any, record: dict[str, Any]) -> Any:
     latency.set_xlabel("workers on one stream")
     latency.set_ylabel("p50 (ms)")
     latency.legend(fontsize=8)
+    if with_cpu:
+        _busy_cores(axes[2], rows, cores)
     return fig
+
+
+def _busy_cores(ax: Any, rows: list[dict[str, Any]], cores: int) -> None:
+    """Stacked bars: the cores the workers, the client, Redis and everything else used."""
+    labels = [str(row["num_workers"]) for row in rows]
+    bottoms = [0.0] * len(rows)
+    parts = (("workers", "tab:blue"), ("client", "tab:orange"), ("redis", "tab:red"),
+             ("other", "tab:gray"))  # fmt: skip
+    for part, color in parts:
+        heights = [row["busy_cores"].get(part, 0.0) for row in rows]
+        ax.bar(labels, heights, bottom=bottoms, label=part, color=color)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.axhline(cores, color="k", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("workers on one stream")
+    ax.set_ylabel("cores busy during the run")
+    ax.set_title("other = every other process on the host", fontsize=9)
+    ax.legend(fontsize=8)
 
 
 def _sweep(plt: Any, record: dict[str, Any]) -> Any:

@@ -51,10 +51,14 @@ async def run_load(
     concurrency: int,
     warmup_runs: int = 0,
     timeout_s: float = 3600.0,
+    cpu_groups: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
     """``prompts`` streamed by ``concurrency`` client tasks, after the ``warmup`` prompts (all
     at once) and ``warmup_runs`` untimed runs of the whole list: the summary, the requests
-    each worker finished, and the workers' engine steps from their heartbeats."""
+    each worker finished, and the workers' engine steps from their heartbeats; with
+    ``cpu_groups`` (name: pids of local processes), the cores each group, this client and
+    the rest of the host used during the timed run."""
+    from bench.host_cpu import busy_cores, read_cpu_times
     from clients import AsyncClient
 
     async with AsyncClient(redis_url, prefix=prefix, timeout_s=timeout_s) as client:
@@ -62,12 +66,16 @@ async def run_load(
         for _ in range(warmup_runs):
             await _stream_all(client, prompts, concurrency)
         before = await _engine_counters(client, time.time())
+        cpu_before = read_cpu_times(cpu_groups or {})
         start_s = time.perf_counter()
         timings = await _stream_all(client, prompts, concurrency)
         elapsed_s = time.perf_counter() - start_s
+        cpu_after = read_cpu_times(cpu_groups or {})
         after = await _engine_counters(client, time.time())
     results = summarize(timings, elapsed_s)
     results["requests_by_worker"] = dict(sorted(Counter(t.worker for t in timings).items()))
+    if cpu_groups is not None:
+        results["busy_cores"] = busy_cores(cpu_before, cpu_after)
     if before is not None and after is not None:
         num_steps, step_time_s = after[0] - before[0], after[1] - before[1]
         results["workers"] = {

@@ -49,6 +49,9 @@ def test_fleet_sweep_scales_the_load_and_every_worker_serves(tmp_path: Path) -> 
             assert 0 < row[name]["p50"] <= row[name]["p90"] <= row[name]["p99"]
         assert row["requests_per_s"] == pytest.approx(row["num_requests"] / row["elapsed_s"])
         assert row["workers"]["num_steps"] > 0
+        busy = row["busy_cores"]  # CPU time read from /proc around the run
+        assert set(busy) == {"host", "workers", "redis", "client", "other"}
+        assert busy["workers"] > 0 and busy["redis"] > 0 and busy["client"] > 0
         expected = row["output_tok_s"] / (n * rows[0]["output_tok_s"])
         assert row["scaling_efficiency"] == pytest.approx(expected)
     names = [set(row["requests_by_worker"]) for row in rows]
@@ -87,3 +90,24 @@ def test_fleet_refuses_workers_it_does_not_spawn(capsys: pytest.CaptureFixture[s
     code = cli_main(["bench", "serve", "--model", "dummy:tiny", "--workers", "2",
                      "--redis-url", "redis://127.0.0.1:1/0"])  # fmt: skip
     assert code == EXIT_USAGE and "--spawn-worker" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_two_workers_share_one_gpu_by_memory_fraction(tmp_path: Path) -> None:
+    """Two workers on one GPU, started in turn with 0.25 and 0.5 of it (half of 0.5 each):
+    the second one's pool fits beside the first one, and both serve the stream."""
+    out = tmp_path / "fleet-gpu.json"
+    code = cli_main([
+        "bench", "serve", "--model", "dummy:qwen3-0.6b", "--device", "cuda", "--workers", "2",
+        "--pa-memory-fraction", "0.5", "--max-model-len", "2048", "--concurrency", "16",
+        "--num-prompts", "32", "--input-len", "16-64", "--output-len", "16-64",
+        "--no-offline", "--vocab-size", "1000", "--output-json", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    record = json.loads(out.read_text())
+    (row,) = record["results"]
+    assert row["memory_fractions"] == [0.25, 0.5] and row["threads_per_worker"] is None
+    assert row["num_requests"] == 2 * 32
+    served = row["requests_by_worker"]
+    assert len(served) == 2 and all(count > 0 for count in served.values())
+    assert record["machine"]["device"].startswith("cuda")
