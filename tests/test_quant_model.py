@@ -175,6 +175,7 @@ def write_kquant_gguf(path: Path) -> Path:
     writer.add_token_types([1] * (len(TINY_TOKENS) - 3) + [3, 3, 3])
     writer.add_token_merges(["a b", "c d"])
     writer.add_eos_token_id(TINY_TOKENS.index("<|endoftext|>"))
+    writer.add_bos_token_id(TINY_TOKENS.index("<|endoftext|>"))  # transformers 5.17 reads it
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
     head_dim = KQUANT_HIDDEN // KQUANT_HEADS
     rows = {"attn_q": KQUANT_HIDDEN, "attn_k": KQUANT_KV_HEADS * head_dim,
