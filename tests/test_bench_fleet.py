@@ -90,6 +90,9 @@ def test_fleet_refuses_workers_it_does_not_spawn(capsys: pytest.CaptureFixture[s
     code = cli_main(["bench", "serve", "--model", "dummy:tiny", "--workers", "2",
                      "--redis-url", "redis://127.0.0.1:1/0"])  # fmt: skip
     assert code == EXIT_USAGE and "--spawn-worker" in capsys.readouterr().err
+    code = cli_main(["bench", "serve", "--model", "dummy:tiny", "--workers", "1,2",
+                     "--tensor-parallel-size", "2"])  # fmt: skip
+    assert code == EXIT_USAGE and "tensor-parallel" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
