@@ -41,6 +41,13 @@ def check_fleet_args(args: argparse.Namespace) -> None:
         raise CommandError("--workers spawns the workers: add --spawn-worker", EXIT_USAGE)
     if args.through != "redis":
         raise CommandError("--workers runs the load through Redis only", EXIT_USAGE)
+    if args.tensor_parallel_size > 1:
+        raise CommandError(
+            "--workers puts every worker on the same devices, and tensor-parallel workers "
+            "would share theirs: measure one TP group per set of GPUs with workers started "
+            "by hand (docs/operations.md) and --redis-url",
+            EXIT_USAGE,
+        )
 
 
 def available_cores() -> int:

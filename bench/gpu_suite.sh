@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|offload|quant|tests|tp]...
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp]...
 # (default: all but tp, which needs two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
@@ -61,6 +61,15 @@ gateway() {  # the same load through the OpenAI gateway (4 processes), against t
         --num-prompts 512 --input-len 100-1024 --output-len 100-1024 --warmup-runs 1 \
         --through gateway --gateway-workers 4 \
         --output-json "$OUT/serve-gateway-qwen3-0.6b-256.json"
+}
+
+fleet() {  # 1, then 2 workers sharing one GPU (0.9 of it split by --pa-memory-fraction), one stream
+    log gpu test, two workers on one GPU
+    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_bench_fleet.py || return 1
+    log serve fleet qwen3-0.6b, 256 streams and 512 prompts per worker
+    "${PS[@]}" bench serve --model dummy:qwen3-0.6b --workers 1,2 --concurrency 256 \
+        --num-prompts 512 --input-len 100-1024 --output-len 100-1024 --no-offline \
+        --vocab-size 151936 --output-json "$OUT/serve-fleet-qwen3-0.6b.json"
 }
 
 vllm() {  # vLLM 0.26 in a subprocess, on the same prompts, in the same run
@@ -125,6 +134,6 @@ tests() {
         tests/test_quant_model.py tests/test_gpu_speculative.py
 }
 
-for part in "${@:-benchmarks fp8 speculative peers serve gateway offload quant tests}"; do
+for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant tests}"; do
     for step in $part; do "$step"; done
 done

@@ -35,7 +35,8 @@ DOCKERIGNORE_PATH = ROOT / ".dockerignore"
 PACKAGES = ("engine", "kernels", "worker", "clients")  # what `pip install .` needs in the image
 MIN_START_PERIOD_S = 300  # a model download, its load and the CUDA-graph capture
 OBSERVABILITY = "observability"
-OPTIONAL_PROFILES = ("observability", "multi-gpu")
+OPTIONAL_PROFILES = ("observability", "multi-gpu", "tp2")
+TENSOR_PARALLEL_VAR = "PAGESTREAM_TENSOR_PARALLEL_SIZE"
 COMPOSE_TIMEOUT_S = 30
 
 
@@ -102,13 +103,24 @@ def services() -> dict[str, dict[str, Any]]:
 
 
 def worker_services() -> dict[str, dict[str, Any]]:
-    """The services made from the `x-worker` template (YAML merge copies its keys into them)."""
+    """The services made from the `x-worker` template (YAML merge copies its keys into them;
+    one may add variables to the template's environment, as the tensor-parallel one does)."""
     compose = load_compose()
     template: dict[str, Any] = compose["x-worker"]
+
+    def made_from_template(service: dict[str, Any]) -> bool:
+        for key, value in template.items():
+            if key == "environment":
+                if not as_mapping(value).keys() <= as_mapping(service.get(key)).keys():
+                    return False
+            elif service.get(key) != value:
+                return False
+        return True
+
     return {
         name: service
         for name, service in compose["services"].items()
-        if all(service.get(key) == value for key, value in template.items())
+        if made_from_template(service)
     }
 
 
@@ -215,11 +227,29 @@ def gpu_device_ids(worker: dict[str, Any]) -> list[str]:
     return [str(device_id) for device_id in gpus[0]["device_ids"]]
 
 
-def test_each_worker_reserves_its_own_gpu() -> None:
-    device_ids = [gpu_device_ids(worker) for worker in worker_services().values()]
-    flat = [device_id for ids in device_ids for device_id in ids]
-    assert all(len(ids) == 1 for ids in device_ids), device_ids
+def test_each_worker_reserves_its_own_gpus() -> None:
+    """One GPU per worker, or one per rank of a tensor-parallel worker; none twice."""
+    device_ids = {name: gpu_device_ids(worker) for name, worker in worker_services().items()}
+    for name, worker in worker_services().items():
+        num_ranks = int(container_env(worker, {}).get(TENSOR_PARALLEL_VAR) or 1)
+        assert len(device_ids[name]) == num_ranks, f"{name}: a GPU per rank, {device_ids}"
+    flat = [device_id for ids in device_ids.values() for device_id in ids]
     assert len(set(flat)) == len(flat), f"workers share a GPU: {device_ids}"
+
+
+def test_tensor_parallel_worker_is_opt_in_and_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TP=2 example: a profile of its own (a one-GPU host runs `docker compose up`), the
+    template's variables plus the TP size, which `pagestream worker` reads as its flag."""
+    workers = worker_services()
+    groups = {n: w for n, w in workers.items() if TENSOR_PARALLEL_VAR in container_env(w, {})}
+    assert "worker-tp2" in groups
+    for name, worker in groups.items():
+        assert worker.get("profiles"), f"{name} needs several GPUs: it must be opt-in"
+        env = container_env(worker, {})
+        args = parse_worker_args(monkeypatch, env)
+        assert args["tensor_parallel_size"] == len(gpu_device_ids(worker)) >= 2, name
+        # Requests name no model: every worker on the stream runs the same one.
+        assert env["PAGESTREAM_MODEL"] == container_env(workers["worker-0"], {})["PAGESTREAM_MODEL"]
 
 
 def test_workers_mount_the_caches_where_the_image_looks() -> None:
