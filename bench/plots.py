@@ -6,6 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from bench import plots_features
 from engine.errors import ConfigError
 
 
@@ -28,6 +29,8 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "serve": _serve,
         "multiturn": _multiturn,
         "serve-fleet": _serve_fleet,
+        "quant": plots_features.quant,
+        "speculative": plots_features.speculative,
     }
     draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table

@@ -116,6 +116,25 @@ def test_plot_of_an_unreadable_record_is_a_clear_error(
     assert code == 1 and "cannot read benchmark record" in err
 
 
+def test_plot_of_a_record_kind_without_a_plot_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({"kind": "kv_quality", "machine": {}, "settings": {}}))
+    code, _, err = run_cli(["bench", "plot", str(path)], capsys)
+    assert code == 1 and "no plot for a record of kind 'kv_quality'" in err
+
+
+@pytest.mark.parametrize("name", ["quant-smollm2-135m-h100", "speculative-ngram-smollm2-135m-h100"])
+def test_plot_draws_the_feature_records(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / f"{name}.json"
+    path.write_text((Path(__file__).parent.parent / "bench/results" / f"{name}.json").read_text())
+    assert run_cli(["bench", "plot", str(path)], capsys)[0] == 0
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 MULTITURN_ARGS = [
     "bench", "multiturn", "--model", "dummy:tiny", "--num-sessions", "6", "--num-turns", "3",
     "--system-len", "64", "--user-len", "8-16", "--output-len", "4", "--concurrency", "2",

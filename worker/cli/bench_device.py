@@ -265,6 +265,7 @@ def _run_bench_plot(args: argparse.Namespace) -> int:
     import json
 
     from bench.plots import plot_record
+    from engine.errors import ConfigError
 
     for name in args.records:
         path = Path(name)
@@ -272,6 +273,9 @@ def _run_bench_plot(args: argparse.Namespace) -> int:
             record = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise CommandError(f"cannot read benchmark record {name}: {exc}") from exc
-        png = plot_record(record, path.with_suffix(".png"), required=True)
+        try:
+            png = plot_record(record, path.with_suffix(".png"), required=True)
+        except ConfigError as exc:  # no matplotlib, or a kind that has no plot
+            raise CommandError(f"{name}: {exc}") from exc
         print(f"wrote {png}", file=sys.stderr)
     return 0

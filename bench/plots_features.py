@@ -1,0 +1,62 @@
+"""Plots of the feature benchmarks: quantized weights (``quant``) and speculative decoding
+(``speculative``) against the plain engine. Called by ``bench.plots.plot_record``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def quant(plt: Any, record: dict[str, Any]) -> Any:
+    """Per format: weights, batch-1 time per token and throughput, each beside the float one."""
+    results = record["results"]
+    names = list(results)
+    colors = ["tab:gray"] + ["tab:blue"] * (len(names) - 1)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    panels = [
+        ("weights (GB)", [r["weights_gb"] for r in results.values()]),
+        ("batch-1 time per output token (ms)",
+         [r["batch1"]["mean_tpot_s"] * 1e3 for r in results.values()]),
+        ("output tokens / s", [(r.get("throughput") or {}).get("output_tok_s", 0.0)
+                               for r in results.values()]),
+    ]  # fmt: skip
+    reference = names[0]
+    for ax, (label, values) in zip(axes, panels, strict=True):
+        bars = ax.bar(names, values, color=colors)
+        for bar, value in zip(bars, values, strict=True):
+            ratio = value / values[0] if values[0] else 0.0
+            text = f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+            ax.annotate(f"{text}\n(x{ratio:.2f})", (bar.get_x() + bar.get_width() / 2, value),
+                        ha="center", va="bottom", fontsize=7)  # fmt: skip
+        ax.set_ylim(0, max(values) * 1.3 or 1)
+        ax.set_title(label, fontsize=9)
+    axes[0].set_ylabel(f"against {reference}")
+    return fig
+
+
+def speculative(plt: Any, record: dict[str, Any]) -> Any:
+    """Per batch size: output tok/s without and with drafts, and the acceptance rate."""
+    rows = record["results"]
+    batches = [str(row["batch"]) for row in rows]
+    fig, (rate, accepted) = plt.subplots(1, 2, figsize=(9, 3.5))
+    width = 0.4
+    xs = range(len(rows))
+    rate.bar([x - width / 2 for x in xs], [row["plain"]["output_tok_s"] for row in rows],
+             width, label="plain", color="tab:gray")  # fmt: skip
+    rate.bar([x + width / 2 for x in xs], [row["speculative"]["output_tok_s"] for row in rows],
+             width, label="speculative", color="tab:blue")  # fmt: skip
+    for x, row in zip(xs, rows, strict=True):
+        top = max(row["plain"]["output_tok_s"], row["speculative"]["output_tok_s"])
+        rate.annotate(f"x{row['speedup_tok_s']:.2f}", (x, top), ha="center", va="bottom",
+                      fontsize=8)  # fmt: skip
+    rate.set_xticks(list(xs), batches)
+    rate.set_xlabel("batch size")
+    rate.set_ylabel("output tokens / s")
+    rate.legend(fontsize=8)
+    k = record["settings"].get("num_speculative_tokens_resolved")
+    rate.set_title(f"{record['settings'].get('speculative', '')} drafts, K={k}", fontsize=9)
+    accepted.bar(batches, [100 * (row["acceptance_rate"] or 0.0) for row in rows],
+                 color="tab:green")  # fmt: skip
+    accepted.set_xlabel("batch size")
+    accepted.set_ylabel("% of draft tokens accepted")
+    accepted.set_ylim(0, 105)
+    return fig
