@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.kv_quality import _greedy_agreement, measure_kv_quality
+from bench.kv_quality import greedy_agreement, measure_kv_quality
 
 
 def test_fp8_cache_stays_close_to_full_precision(tiny_model_dirs: dict[str, Path]) -> None:
@@ -25,8 +25,8 @@ def test_fp8_cache_stays_close_to_full_precision(tiny_model_dirs: dict[str, Path
     assert record["settings"]["cache_type"] == "fp8_e4m3"
 
 
-def test_greedy_agreement_counts_the_common_prefix() -> None:
-    shares = _greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 0, 4], [5, 6, 7, 8]])
+def testgreedy_agreement_counts_the_common_prefix() -> None:
+    shares = greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 0, 4], [5, 6, 7, 8]])
     assert shares["greedy_identical_share"] == 0.5
     assert shares["greedy_mean_prefix_share"] == pytest.approx((0.5 + 1.0) / 2)
 
