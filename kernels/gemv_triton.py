@@ -41,6 +41,16 @@ class GemvConfig:
 
 
 @triton.jit
+def store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K: tl.constexpr):
+    """A GEMV program's fp32 tile of ``out``: stored when the program covered all of K, else
+    added atomically (the launcher zeroed ``out``, and the K splits sum into it)."""
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -88,10 +98,7 @@ def _gemv_kernel(
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
 
 
 def gemv(

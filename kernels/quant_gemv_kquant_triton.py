@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv_triton import store_split_k
 from kernels.quant import QK_K, QuantFormat
 
 KQUANT_FORMATS = {"q4_k": 64, "q6_k": 128}  # format -> elements of a group
@@ -137,10 +138,7 @@ def _quant_gemv_kquant_kernel(
             acc += tl.where(offs_m[:, None] == m, tl.sum(part, axis=1)[None, :], 0.0)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
 
 
 def quant_gemv_kquant(

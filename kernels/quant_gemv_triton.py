@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv_triton import store_split_k
 from kernels.quant import QK, QuantFormat
 
 BLOCKED_FORMATS = ("q8_0", "q4_0", "q4_1", "fp8")
@@ -111,10 +112,7 @@ def _quant_gemv_blocked_kernel(
         acc *= tl.load(p1 + offs_n * s1, mask=mask_n, other=0.0)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
 
 
 def quant_gemv_blocked(

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv_triton import store_split_k
 from kernels.quant import QK, QuantFormat, fp8_scaled_mm
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
@@ -154,10 +155,7 @@ def _quant_gemv_kernel(
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
 
 
 @triton.jit
