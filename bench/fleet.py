@@ -66,7 +66,7 @@ def run_fleet(
 ) -> dict[str, Any]:
     """Each count of ``--workers`` in turn, on the Redis at ``redis_url``: the record."""
     from bench.workloads import make_random_prompts
-    from engine.config import engine_config_from_args
+    from engine.config_flags import engine_config_from_args
 
     counts = sorted(set(args.workers))
     blocks = [make_random_prompts(dataclasses.replace(workload, seed=workload.seed + index),

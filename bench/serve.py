@@ -33,7 +33,7 @@ TARGET_ADDED_TPOT_MS = 2.0  # p50 time per output token above the offline engine
 def configure(parser: argparse.ArgumentParser) -> None:
     """The flags of ``pagestream bench serve``."""
     from bench.gateway import add_arguments as add_gateway_arguments
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
 
     w = parser.add_argument_group("workload")
     w.add_argument("--concurrency", type=positive_int, default=256, help="streams at once (256)")
@@ -121,7 +121,7 @@ def _offline(args: argparse.Namespace, workload: Any) -> tuple[dict[str, Any] | 
     seed from the same vocabulary), and the model's vocabulary size."""
     from bench.throughput import run_throughput
     from engine import LLMEngine
-    from engine.config import engine_config_from_args
+    from engine.config_flags import engine_config_from_args
     from engine.memory import release_device_memory
 
     if args.no_offline:

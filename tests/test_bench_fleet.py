@@ -74,7 +74,7 @@ def test_efficiency_target_applies_up_to_the_core_count() -> None:
 
 
 def test_workers_sharing_a_gpu_split_its_memory_and_cpu_workers_its_cores() -> None:
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

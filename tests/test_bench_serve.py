@@ -56,7 +56,7 @@ def test_summarize_percentiles_and_tpot() -> None:
 
 
 def test_engine_flags_round_trip_through_the_worker_parser() -> None:
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

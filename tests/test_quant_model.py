@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, ConfigError, EngineConfig, ModelLoadError, SamplingParams
-from engine.config import add_engine_args, engine_config_from_args
+from engine.config_flags import add_engine_args, engine_config_from_args
 from engine.loader.dummy import dummy_hf_config
 from engine.loader.quantized import resolve_quant_load
 from engine.models.arch import ModelArch

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import add_engine_args
+from engine.config_flags import add_engine_args
 from worker.cli import build_parser
 from worker.cli.parser import LazyParser
 from worker.env_flags import ENV_PREFIX, env_var, flag_actions

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from engine.config import EngineConfig, add_engine_args, engine_config_from_args
+from engine.config import EngineConfig
+from engine.config_flags import add_engine_args, engine_config_from_args
 from engine.errors import ConfigError
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams

@@ -314,7 +314,7 @@ def _terminate_with_parent() -> None:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of ``args`` as command-line text for ``pagestream worker``."""
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
     from worker.env_flags import flag_actions
 
     parser = argparse.ArgumentParser()

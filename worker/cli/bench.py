@@ -102,7 +102,7 @@ def _configure_bench_serve(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
 
     w = parser.add_argument_group("workload")
     w.add_argument(
@@ -148,7 +148,7 @@ def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_bench_multiturn(parser: argparse.ArgumentParser) -> None:
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
 
     w = parser.add_argument_group("workload")
     w.add_argument("--num-sessions", type=positive_int, default=64, help="chats (default 64)")
@@ -171,7 +171,7 @@ def _run_bench_multiturn(args: argparse.Namespace) -> int:
     from bench.multiturn import MultiTurnWorkload, format_results, run_multiturn
     from bench.records import save
     from engine import PagestreamError
-    from engine.config import engine_config_from_args
+    from engine.config_flags import engine_config_from_args
 
     try:
         workload = MultiTurnWorkload(
@@ -207,7 +207,7 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
     from bench.vllm_peer import PeerError, check_vllm_importable
     from bench.workloads import ThroughputWorkload
     from engine import PagestreamError
-    from engine.config import engine_config_from_args
+    from engine.config_flags import engine_config_from_args
 
     sweep = len(args.num_prompts) > 1
     if sweep and set(args.compare) - {"vllm"}:

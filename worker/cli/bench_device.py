@@ -19,7 +19,7 @@ from worker.cli.parser import CommandError
 
 
 def configure_latency(parser: argparse.ArgumentParser) -> None:
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
 
     w = parser.add_argument_group("workload")
     w.add_argument(
@@ -47,7 +47,7 @@ def _run_bench_latency(args: argparse.Namespace) -> int:
     from bench.latency import LatencyWorkload, add_hf_peer, run_latency
     from bench.vllm_peer import PeerError, add_vllm_latency, latency_peer_args, run_vllm_peer
     from engine import LLMEngine, PagestreamError
-    from engine.config import engine_config_from_args
+    from engine.config_flags import engine_config_from_args
     from engine.memory import release_device_memory
 
     try:
@@ -105,7 +105,7 @@ def _latency_table(results: list[dict[str, Any]]) -> str:
 
 
 def configure_speculative(parser: argparse.ArgumentParser) -> None:
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
 
     w = parser.add_argument_group("workload")
     w.add_argument(
@@ -127,7 +127,7 @@ def configure_speculative(parser: argparse.ArgumentParser) -> None:
 def _run_bench_speculative(args: argparse.Namespace) -> int:
     from bench.speculative import SpeculativeWorkload, format_results, run_speculative
     from engine import PagestreamError
-    from engine.config import engine_config_from_args
+    from engine.config_flags import engine_config_from_args
 
     try:
         workload = SpeculativeWorkload(args.batch_sizes, args.output_len, args.seed)

@@ -26,7 +26,7 @@ from engine import (
     RequestOutput,
     SamplingParams,
 )
-from engine.config import add_engine_args, engine_config_from_args
+from engine.config_flags import add_engine_args, engine_config_from_args
 from worker.cli.parser import EXIT_USAGE, CommandError
 from worker.defaults import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from worker.jsonl_lines import (

@@ -50,7 +50,7 @@ def _add_redis_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_worker(parser: argparse.ArgumentParser) -> None:
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
     from worker.batch import add_batch_args
 
     _add_redis_args(parser)
@@ -94,7 +94,7 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
 def run_worker(args: argparse.Namespace) -> int:
     """Handler of ``pagestream worker``: serve until SIGTERM/SIGINT, then drain and exit 0."""
     from engine import LLMEngine, PagestreamError
-    from engine.config import engine_config_from_args
+    from engine.config_flags import engine_config_from_args
     from engine.errors import EngineDeadError
     from worker.batch import BatchSettings
     from worker.batch_runner import BatchRunner, serve_with_batches

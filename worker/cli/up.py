@@ -55,7 +55,7 @@ def default_data_dir() -> Path:
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    from engine.config import add_engine_args
+    from engine.config_flags import add_engine_args
 
     g = parser.add_argument_group("local stack")
     g.add_argument("--port", type=int, default=DEFAULT_PORT,
