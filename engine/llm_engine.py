@@ -30,54 +30,16 @@ from engine.inputs import PromptEncoder, check_request_fields
 from engine.loader import find_model
 from engine.memory import prefer_expandable_segments
 from engine.model_runner import LaunchedStep, SampledToken
+from engine.output_processor import OutputProcessor
+from engine.outputs import EngineStats, StepOutput
 from engine.runtime import RankSetup, setup_rank
-from engine.sampler import TokenLogprobs, make_generator
+from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus, Usage
+from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from engine.step_profile import StepProfiler
 
 logger = logging.getLogger("pagestream.engine")
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one sequence produced in one step (new tokens, or its end)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    logprobs: list[TokenLogprobs | None]
-    finished: bool
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_pages_used: int
-    num_pages_free: int
-    prefix_hit_rate: float
-    num_preemptions: int
-    num_steps: int = 0
-    step_time_s: float = 0.0  # wall time spent inside step(), summed
-    # Tokens not recomputed at admission (prompts, and the tokens of sequences preempted by
-    # recompute), by the cache tier their KV came from
-    num_device_hit_tokens: int = 0
-    num_host_hit_tokens: int = 0
-    num_offloaded_pages: int = 0  # evicted device pages saved to the host tier
-    num_offload_evictions: int = 0  # host-tier pages dropped to make room
-    num_draft_tokens: int = 0  # speculative decoding: drafts verified
-    num_accepted_tokens: int = 0  # of those, accepted
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Share of verified draft tokens accepted (0 without speculative decoding)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass
@@ -137,6 +99,7 @@ class LLMEngine:
         self.pool_source = runtime.plan.source
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
         self._inbox = _Inbox()
+        self.outputs = OutputProcessor(self.scheduler, self.max_model_len, self._forget)
         self.async_scheduling = config.async_scheduling_wanted(self.device.type)
         self.proposer = runtime.proposer
         self._num_draft_tokens = 0
@@ -257,7 +220,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule(time.monotonic())
-        outputs += [self._finished_output(seq) for seq in batch.finished]
+        outputs += [self.outputs.finished_output(seq) for seq in batch.finished]
         profiler.before_launch(self.device)
         launched = self.runner.launch(batch, self._in_flight)
         profiler.after_launch()
@@ -302,14 +265,14 @@ class LLMEngine:
             seq = self.scheduler.find(request_id)
             if seq is not None:
                 self.scheduler.finish(seq, FinishReason.CANCELLED)
-                outputs.append(self._finished_output(seq))
+                outputs.append(self.outputs.finished_output(seq))
         return outputs
 
     def _advance(self, batch: ScheduledBatch) -> None:
         """The batch's tokens are computed; each sampling row gets a pending output token."""
         for entry in batch.scheduled:
             seq = entry.seq
-            # drafts count once accepted (see _append_sampled)
+            # drafts count once accepted (see OutputProcessor.append_sampled)
             seq.num_computed_tokens += entry.num_new_tokens - len(entry.draft_token_ids)
             if seq.num_computed_tokens == seq.num_tokens:  # it samples
                 seq.output_token_ids.append(PENDING_TOKEN)
@@ -322,7 +285,9 @@ class LLMEngine:
         self.step_profiler.add_wait(time.perf_counter() - wait_start_s)
         if self.proposer is not None:
             self._count_drafts(launched, tokens)
-        outputs = [self._append_sampled(token) for token in tokens if not token.seq.is_finished]
+        outputs = [
+            self.outputs.append_sampled(token) for token in tokens if not token.seq.is_finished
+        ]
         bm = self.block_manager
         for entry in launched.scheduled:
             seq = entry.seq
@@ -339,95 +304,10 @@ class LLMEngine:
         self._num_draft_tokens += sum(len(entry.draft_token_ids) for entry in launched.scheduled)
         self._num_accepted_tokens += sum(len(token.accepted_draft_ids) for token in tokens)
 
-    def _append_sampled(self, sampled: SampledToken) -> StepOutput:
-        """Append a row's accepted drafts and its sampled token, stopping at the first that
-        ends the sequence; the tokens after it were never produced."""
-        seq = sampled.seq
-        new_token_ids = [*sampled.accepted_draft_ids, sampled.token_id]
-        logprobs = [*sampled.draft_logprobs, sampled.logprobs]
-        text_delta = ""
-        for index, token_id in enumerate(new_token_ids):
-            if index:  # the token before was a draft run in this step: its KV is cached
-                seq.num_computed_tokens += 1
-                seq.output_token_ids.append(PENDING_TOKEN)
-                seq.num_pending_tokens += 1
-            text_delta += self._append_token(seq, token_id, logprobs[index])
-            if seq.is_finished:
-                del new_token_ids[index + 1 :], logprobs[index + 1 :]
-                break
-        finished = seq.is_finished
-        return StepOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_token_ids,
-            text_delta=text_delta,
-            logprobs=logprobs,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            usage=seq.usage() if finished else None,
-        )
-
-    def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> str:
-        """Fill ``seq``'s oldest pending token and check its stop conditions; the text delta."""
-        index = len(seq.output_token_ids) - seq.num_pending_tokens  # its oldest pending token
-        seq.output_token_ids[index] = token_id
-        seq.num_pending_tokens -= 1
-        seq.output_logprobs.append(logprobs)
-        text_delta = ""
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.add_tokens([token_id])
-            text_delta = delta.text
-            if delta.stopped:
-                seq.stop_reason = delta.stop_reason
-                self._finish(seq, FinishReason.STOP)
-        if not seq.is_finished:
-            reason = self._stop_reason(seq, token_id, num_output=index + 1)
-            if reason is not None:
-                text_delta += self._finish(seq, reason)
-        return text_delta
-
-    def _stop_reason(self, seq: Sequence, token_id: int, num_output: int) -> FinishReason | None:
-        """Why ``seq`` ends with ``token_id``, its ``num_output``-th output token, if it does."""
-        params = seq.sampling
-        if num_output >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                seq.stop_reason = token_id
-                return FinishReason.STOP
-            if token_id in seq.eos_token_ids:
-                return FinishReason.STOP
-        if num_output >= params.max_tokens:
-            return FinishReason.LENGTH
-        if num_output + len(seq.prompt_token_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> str:
-        """End ``seq`` now (pages freed); returns text that was held back, if any."""
-        self.scheduler.finish(seq, reason)
-        _drop_pending(seq)
+    def _forget(self, seq: Sequence) -> None:
+        """An ended sequence's id may be used again."""
         with self._inbox.lock:
             self._inbox.known_ids.discard(seq.request_id)
-        if seq.detokenizer is None or isinstance(seq.stop_reason, str):
-            return ""  # a stop string ends the text where it matched
-        text = seq.detokenizer.flush()
-        if seq.detokenizer.stop_reason is not None:  # found in the last, just-completed char
-            seq.stop_reason, seq.finish_reason = seq.detokenizer.stop_reason, FinishReason.STOP
-        return text
-
-    def _finished_output(self, seq: Sequence) -> StepOutput:
-        """Output for a sequence ended outside sampling (cancel, timeout)."""
-        _drop_pending(seq)
-        with self._inbox.lock:
-            self._inbox.known_ids.discard(seq.request_id)
-        return StepOutput(
-            request_id=seq.request_id,
-            new_token_ids=[],
-            text_delta="",
-            logprobs=[],
-            finished=True,
-            finish_reason=seq.finish_reason,
-            usage=seq.usage(),
-        )
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -454,13 +334,6 @@ class LLMEngine:
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self.scheduler.find(request_id)
-
-
-def _drop_pending(seq: Sequence) -> None:
-    """Forget the picks of steps in flight for an ended sequence: they were never its tokens."""
-    if seq.num_pending_tokens:
-        del seq.output_token_ids[-seq.num_pending_tokens :]
-        seq.num_pending_tokens = 0
 
 
 __all__ = ["EngineStats", "LLMEngine", "SequenceStatus", "StepOutput"]

@@ -1,0 +1,122 @@
+"""A step's picks into each sequence's output: tokens appended one by one with their stop
+conditions checked (a stop inside a step's accepted drafts ends the sequence there, and the
+drafts after it were never produced), text detokenized, ended sequences finished."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.model_runner import SampledToken
+from engine.outputs import StepOutput
+from engine.sampler import TokenLogprobs
+from engine.scheduler import Scheduler
+from engine.sequence import PENDING_TOKEN, FinishReason, Sequence
+
+
+class OutputProcessor:
+    """Appends sampled tokens to their sequences and ends those that stop.
+
+    ``on_finished`` is told of every sequence that ends here (the engine forgets its id).
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, max_model_len: int, on_finished: Callable[[Sequence], None]
+    ) -> None:
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.on_finished = on_finished
+
+    def append_sampled(self, sampled: SampledToken) -> StepOutput:
+        """Append a row's accepted drafts and its sampled token, stopping at the first that
+        ends the sequence; the tokens after it were never produced."""
+        seq = sampled.seq
+        new_token_ids = [*sampled.accepted_draft_ids, sampled.token_id]
+        logprobs = [*sampled.draft_logprobs, sampled.logprobs]
+        text_delta = ""
+        for index, token_id in enumerate(new_token_ids):
+            if index:  # the token before was a draft run in this step: its KV is cached
+                seq.num_computed_tokens += 1
+                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens += 1
+            text_delta += self._append_token(seq, token_id, logprobs[index])
+            if seq.is_finished:
+                del new_token_ids[index + 1 :], logprobs[index + 1 :]
+                break
+        finished = seq.is_finished
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            text_delta=text_delta,
+            logprobs=logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            usage=seq.usage() if finished else None,
+        )
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> str:
+        """Fill ``seq``'s oldest pending token and check its stop conditions; the text delta."""
+        index = len(seq.output_token_ids) - seq.num_pending_tokens  # its oldest pending token
+        seq.output_token_ids[index] = token_id
+        seq.num_pending_tokens -= 1
+        seq.output_logprobs.append(logprobs)
+        text_delta = ""
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.add_tokens([token_id])
+            text_delta = delta.text
+            if delta.stopped:
+                seq.stop_reason = delta.stop_reason
+                self._finish(seq, FinishReason.STOP)
+        if not seq.is_finished:
+            reason = self._stop_reason(seq, token_id, num_output=index + 1)
+            if reason is not None:
+                text_delta += self._finish(seq, reason)
+        return text_delta
+
+    def _stop_reason(self, seq: Sequence, token_id: int, num_output: int) -> FinishReason | None:
+        """Why ``seq`` ends with ``token_id``, its ``num_output``-th output token, if it does."""
+        params = seq.sampling
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return FinishReason.STOP
+            if token_id in seq.eos_token_ids:
+                return FinishReason.STOP
+        if num_output >= params.max_tokens:
+            return FinishReason.LENGTH
+        if num_output + len(seq.prompt_token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> str:
+        """End ``seq`` now (pages freed); returns text that was held back, if any."""
+        self.scheduler.finish(seq, reason)
+        _drop_pending(seq)
+        self.on_finished(seq)
+        if seq.detokenizer is None or isinstance(seq.stop_reason, str):
+            return ""  # a stop string ends the text where it matched
+        text = seq.detokenizer.flush()
+        if seq.detokenizer.stop_reason is not None:  # found in the last, just-completed char
+            seq.stop_reason, seq.finish_reason = seq.detokenizer.stop_reason, FinishReason.STOP
+        return text
+
+    def finished_output(self, seq: Sequence) -> StepOutput:
+        """Output for a sequence ended outside sampling (cancel, timeout)."""
+        _drop_pending(seq)
+        self.on_finished(seq)
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            text_delta="",
+            logprobs=[],
+            finished=True,
+            finish_reason=seq.finish_reason,
+            usage=seq.usage(),
+        )
+
+
+def _drop_pending(seq: Sequence) -> None:
+    """Forget the picks of steps in flight for an ended sequence: they were never its tokens."""
+    if seq.num_pending_tokens:
+        del seq.output_token_ids[-seq.num_pending_tokens :]
+        seq.num_pending_tokens = 0
