@@ -22,10 +22,10 @@ from engine.loader.gguf import (
     convert_gguf,
     default_cache_root,
     gguf_cache_dir,
-    llama3_rope_scaling,
     unpermute_rotary,
 )
 from engine.loader.gguf import bundled_gguf_path as find_bundled_gguf
+from engine.loader.gguf_config import llama3_rope_scaling
 
 TINY_HIDDEN, TINY_HEADS, TINY_KV_HEADS, TINY_LAYERS, TINY_FFN = 32, 4, 2, 2, 64
 TINY_TOKENS = [chr(c) for c in range(ord("a"), ord("z") + 1)]

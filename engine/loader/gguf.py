@@ -11,14 +11,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,9 +27,17 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.loader.gguf_config import (
+    ROPE_FREQS_TENSOR_NAME,
+    architecture_of,
+    build_config,
+    metadata_field,
+    num_kv_heads,
+    required_field,
+)
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
 
 # Bump when the output layout changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
@@ -44,12 +51,6 @@ WEIGHTS_FILE_NAME = "model.safetensors"
 COMPLETE_MARKER_NAME = ".pagestream-complete"  # written last: its presence means the dir is whole
 CACHE_KEY_NUM_HEX_CHARS = 16
 
-# general.architecture -> (transformers config class, model class)
-SUPPORTED_ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-}
 # llama.cpp interleaves q/k rows for its rotary layout only when converting these.
 ROTARY_PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
@@ -80,7 +81,6 @@ GGML_BLOCK_FORMATS = {
     GGMLQuantizationType.Q4_K: "q4_k",
     GGMLQuantizationType.Q6_K: "q6_k",
 }
-ROPE_FREQS_TENSOR_NAME = "rope_freqs.weight"  # llama 3.x rope scaling, folded into config.json
 
 # Tokens that chat templates use to end an assistant turn; generation must stop on them too.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
@@ -194,9 +194,9 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
 
 def _write_hf_dir(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     reader = _open_reader(gguf_path)
-    arch = _architecture(reader)
+    arch = architecture_of(reader)
     _check_quant_types(reader, gguf_path)
-    config = _build_config(reader, arch)
+    config = build_config(reader, arch)
     config.save_pretrained(out_dir)
     tensors = _convert_tensors(reader, arch, progress=progress)
     save_file(tensors, str(out_dir / WEIGHTS_FILE_NAME), metadata={"format": "pt"})
@@ -217,28 +217,6 @@ def _open_reader(gguf_path: Path) -> GGUFReader:
 # -- metadata and config
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
-def _required_field(reader: GGUFReader, key: str) -> Any:
-    value = _field(reader, key)
-    if value is None:
-        raise ModelLoadError(f"GGUF metadata key {key!r} is missing; the file may be truncated")
-    return value
-
-
-def _architecture(reader: GGUFReader) -> str:
-    arch = str(_required_field(reader, "general.architecture"))
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; supported architectures: {supported}"
-        )
-    return arch
-
-
 def _check_quant_types(reader: GGUFReader, gguf_path: Path) -> None:
     """Fail before the slow conversion if any tensor type cannot be dequantized."""
     first_of_type: dict[GGMLQuantizationType, ReaderTensor] = {}
@@ -254,118 +232,6 @@ def _check_quant_types(reader: GGUFReader, gguf_path: Path) -> None:
                 f"gguf-py cannot dequantize ({error}); use a GGUF with another quantization "
                 "(e.g. Q4_K_M, Q8_0 or F16)"
             ) from error
-
-
-def _build_config(reader: GGUFReader, arch: str) -> PretrainedConfig:
-    import transformers  # deferred: a cache hit should not pay for importing transformers
-
-    config_class_name, model_class_name = SUPPORTED_ARCHITECTURES[arch]
-    config_class = getattr(transformers, config_class_name)
-    kwargs = _config_kwargs(reader, arch)
-    return config_class(architectures=[model_class_name], dtype="float32", **kwargs)
-
-
-def _config_kwargs(reader: GGUFReader, arch: str) -> dict[str, Any]:
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    kwargs: dict[str, Any] = {
-        "vocab_size": _vocab_size(reader),
-        "hidden_size": _required_field(reader, f"{arch}.embedding_length"),
-        "num_hidden_layers": _required_field(reader, f"{arch}.block_count"),
-        "intermediate_size": _required_field(reader, f"{arch}.feed_forward_length"),
-        "num_attention_heads": _required_field(reader, f"{arch}.attention.head_count"),
-        "num_key_value_heads": _num_kv_heads(reader, arch),
-        "rms_norm_eps": _required_field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10_000.0),
-        "max_position_embeddings": _required_field(reader, f"{arch}.context_length"),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
-    }
-    # all three architectures rotate the full head, so the rotary width is the head size too
-    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(
-        reader, f"{arch}.rope.dimension_count"
-    )
-    if head_dim is not None:
-        kwargs["head_dim"] = head_dim
-    rope_scaling = _rope_scaling(reader, arch, kwargs)
-    if rope_scaling is not None:
-        kwargs["rope_scaling"] = rope_scaling
-    return kwargs
-
-
-def _vocab_size(reader: GGUFReader) -> int:
-    for tensor in reader.tensors:
-        if tensor.name == "token_embd.weight":
-            return int(tensor.shape[-1])  # GGUF dims are reversed: [hidden, vocab]
-    return len(_required_field(reader, "tokenizer.ggml.tokens"))
-
-
-def _num_kv_heads(reader: GGUFReader, arch: str) -> int:
-    num_heads = _required_field(reader, f"{arch}.attention.head_count")
-    return int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
-
-
-def _rope_scaling(reader: GGUFReader, arch: str, kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """HF ``rope_scaling`` from GGUF metadata, or from llama 3's ``rope_freqs`` tensor."""
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor") or _field(
-        reader, f"{arch}.rope.scale_linear"
-    )
-    if kind in ("linear", "yarn") and factor is None:
-        raise ModelLoadError(f"GGUF rope scaling type {kind!r} has no {arch}.rope.scaling.factor")
-    if kind == "yarn":
-        scaling = {"rope_type": "yarn", "factor": factor}
-        original_length = _field(reader, f"{arch}.rope.scaling.original_context_length")
-        if original_length is not None:
-            scaling["original_max_position_embeddings"] = original_length
-        return scaling
-    if kind == "linear" or (kind is None and factor not in (None, 1.0)):
-        return {"rope_type": "linear", "factor": factor}
-    if kind not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF rope scaling type {kind!r} is not supported")
-    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR_NAME), None)
-    if rope_freqs is None:
-        return None
-    head_dim = kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    return llama3_rope_scaling(np.asarray(rope_freqs.data), kwargs["rope_theta"], head_dim)
-
-
-def llama3_rope_scaling(rope_freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any]:
-    """Recover HF's llama3 ``rope_scaling`` from llama.cpp's per-frequency factor tensor.
-
-    llama.cpp bakes the scaling into ``rope_freqs``; every llama 3.x release uses the
-    parameters below except ``factor``, which is the largest entry. Anything else is refused
-    rather than silently approximated.
-    """
-    scaling = {
-        "rope_type": "llama3",
-        "factor": float(rope_freqs.max()),
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    if not np.allclose(_llama3_rope_factors(scaling, rope_theta, head_dim), rope_freqs, rtol=1e-4):
-        raise UnsupportedModelError(
-            f"the GGUF's {ROPE_FREQS_TENSOR_NAME} tensor does not match llama 3 rope scaling"
-        )
-    return scaling
-
-
-def _llama3_rope_factors(scaling: dict[str, Any], rope_theta: float, head_dim: int) -> np.ndarray:
-    # same recipe as llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors)
-    freqs = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelens = 2 * math.pi / freqs
-    old_length = scaling["original_max_position_embeddings"]
-    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
-    smooth = (old_length / wavelens - low) / (high - low)
-    factors = 1 / ((1 - smooth) / factor + smooth)
-    factors = np.where(wavelens < old_length / high, 1.0, factors)
-    return np.where(wavelens > old_length / low, factor, factors)
-
-
-# -- tensors
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -410,7 +276,7 @@ def block_formats(reader: GGUFReader) -> dict[str, str]:
 def iter_blocks(reader: GGUFReader, hf_names: set[str]) -> Iterator[tuple[str, str, np.ndarray]]:
     """(HF name, format, ggml blocks ``uint8 [rows, row_bytes]``) of the tensors in ``hf_names``,
     q/k rows un-permuted as the float conversion does (a row shuffle: whole rows of blocks)."""
-    arch = _architecture(reader)
+    arch = architecture_of(reader)
     rotary_heads = _rotary_heads(reader, arch)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name) if tensor.name != ROPE_FREQS_TENSOR_NAME else ""
@@ -427,8 +293,8 @@ def _rotary_heads(reader: GGUFReader, arch: str) -> dict[str, int]:
     """GGUF role -> heads, for the q/k weights whose rows llama.cpp permuted (none if not)."""
     if arch not in ROTARY_PERMUTED_ARCHITECTURES:
         return {}
-    num_heads = int(_required_field(reader, f"{arch}.attention.head_count"))
-    return {"attn_q": num_heads, "attn_k": _num_kv_heads(reader, arch)}
+    num_heads = int(required_field(reader, f"{arch}.attention.head_count"))
+    return {"attn_q": num_heads, "attn_k": num_kv_heads(reader, arch)}
 
 
 def _convert_tensors(reader: GGUFReader, arch: str, *, progress: bool) -> dict[str, torch.Tensor]:
@@ -468,7 +334,9 @@ def _load_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
 def eos_token_ids(reader: GGUFReader, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The GGUF's eos/eot/eom ids plus the chat template's end-of-turn tokens, deduplicated."""
     ids = [
-        int(token_id) for key in EOS_METADATA_KEYS if (token_id := _field(reader, key)) is not None
+        int(token_id)
+        for key in EOS_METADATA_KEYS
+        if (token_id := metadata_field(reader, key)) is not None
     ]
     template = str(tokenizer.chat_template or "")
     vocab = tokenizer.get_vocab()
@@ -482,8 +350,8 @@ def _write_generation_config(
     from transformers import GenerationConfig
 
     config = GenerationConfig(
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=metadata_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=eos_token_ids(reader, tokenizer),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        pad_token_id=metadata_field(reader, "tokenizer.ggml.padding_token_id"),
     )
     config.save_pretrained(out_dir)
