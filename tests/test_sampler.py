@@ -10,14 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_filters,
-    apply_penalties,
-    count_tokens,
-    make_generator,
-)
+from engine.logits_processors import apply_filters, apply_penalties, count_tokens
+from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.sampling_params import SamplingParams
 
 NUM_DRAWS = 20_000
