@@ -29,7 +29,6 @@ from engine.errors import InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
 from engine.loader import find_model
 from engine.memory import prefer_expandable_segments
-from engine.model_runner import LaunchedStep, SampledToken
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, StepOutput
 from engine.runtime import RankSetup, setup_rank
@@ -38,6 +37,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from engine.step_profile import StepProfiler
+from engine.step_types import LaunchedStep, SampledToken
 
 logger = logging.getLogger("pagestream.engine")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.model_runner import SampledToken
 from engine.outputs import StepOutput
 from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence
+from engine.step_types import SampledToken
 
 
 class OutputProcessor:
