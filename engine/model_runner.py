@@ -110,7 +110,7 @@ class ModelRunner:
             logits = logits[: len(entries)]
         if not entries:
             return LaunchedStep(batch.scheduled, entries, None, verified)
-        if all([_plain_greedy(entry.seq) for entry in entries]):  # a list: cheaper than a genexpr
+        if all([entry.seq.picks_argmax for entry in entries]):  # a list: cheaper than a genexpr
             sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
         else:
             rows = [self._sampling_row(e.seq) for e in entries]
@@ -336,9 +336,3 @@ class ModelRunner:
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """Whether ``seq``'s next token is the argmax of its logits (see ``_sampling_row``)."""
-    params = seq.sampling
-    return params.is_plain_greedy and len(seq.output_token_ids) >= params.min_tokens

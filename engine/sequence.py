@@ -94,6 +94,13 @@ class Sequence:
         return len(self.output_token_ids)
 
     @property
+    def picks_argmax(self) -> bool:
+        """Whether its next token is simply the argmax of its logits: plain greedy, and past
+        ``min_tokens`` (before it, EOS is suppressed)."""
+        params = self.sampling
+        return params.is_plain_greedy and len(self.output_token_ids) >= params.min_tokens
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -44,7 +44,7 @@ class DraftVerifier:
         token, then its drafts)."""
         device = logits.device
         layout = DraftLayout.build([entry.draft_token_ids for entry in entries], device)
-        if all(_plain_greedy(entry) for entry in entries):
+        if all(entry.seq.picks_argmax for entry in entries):
             # accepted drafts equal the argmax there, and the argmax follows them
             target_ids = logits[:, : self.sampler.vocab_size].argmax(dim=-1)  # [N]
             num_accepted = verify_greedy(target_ids, layout)
@@ -63,11 +63,6 @@ class DraftVerifier:
             sample = self.sampler.picked_on_device(logits, emitted, rows)
         sample.start_copy()
         return VerifiedDrafts(entries, layout, num_accepted, sample)
-
-
-def _plain_greedy(entry: ScheduledSeq) -> bool:
-    params = entry.seq.sampling
-    return params.is_plain_greedy and entry.seq.num_output_tokens >= params.min_tokens
 
 
 def position_rows(entry: ScheduledSeq) -> list[SamplingRow]:
