@@ -22,19 +22,19 @@ weights for every format, from ggml's per-block layout. Two kernels use it:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import store_split_k
+from kernels.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
+from kernels.gemv_triton import SUPPORTED_DTYPES, store_split_k
 from kernels.quant import QK, QuantFormat, fp8_scaled_mm
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
 
-MAX_GEMV_ROWS = 8
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_PLANES = 4
 SCALED_MM_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm with row-wise scales
 SCALED_MM_ALIGNMENT = 16  # its N and K must be multiples of this
@@ -295,6 +295,7 @@ def _launch_elementwise_gemv(
 GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
 
 
+@functools.lru_cache(maxsize=256)  # called per linear per step: the shapes are few
 def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMatmulConfig:
     """Enough programs to give every SM two, by narrower column tiles before splitting K:
     a split costs a zeroed fp32 buffer and a copy (two more kernels per linear). A step of
@@ -308,13 +309,17 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
     return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k)
 
 
+@functools.lru_cache(maxsize=256)
 def default_gemm_config(num_rows: int, num_cols: int) -> QuantMatmulConfig:
     """Row tiles as tall as the batch needs (each weight tile is dequantized once per row
     tile), up to 128 rows for prefill where the dequantization must hide behind ``tl.dot``;
     column tiles narrow enough that a decode batch still gives every SM work."""
     block_m = min(128, max(16, triton.next_power_of_2(num_rows)))
     block_n = 128 if block_m == 128 else 64
-    while block_n > 32 and triton.cdiv(num_rows, block_m) * triton.cdiv(num_cols, block_n) < 264:
+    while (
+        block_n > 32
+        and triton.cdiv(num_rows, block_m) * triton.cdiv(num_cols, block_n) < GEMV_MIN_PROGRAMS
+    ):
         block_n //= 2
     return QuantMatmulConfig(block_m=block_m, block_n=block_n, block_k=64,
                              num_warps=8 if block_m * block_n >= 128 * 64 else 4)  # fmt: skip

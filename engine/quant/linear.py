@@ -56,16 +56,19 @@ class QuantizedLinear(nn.Module):
         return next(self.buffers(recurse=False)).device
 
     def planes(self) -> dict[str, torch.Tensor]:
-        return dict(self.named_buffers(recurse=False))
+        """The packed planes by field name: this module's own buffers (no copy per call)."""
+        return self._buffers  # type: ignore[return-value]  # every entry is a registered plane
 
     def forward(
         self,
         x: torch.Tensor,  # [T, in_features]
-        out: torch.Tensor | None = None,  # [T, out_features]; only without a bias
+        out: torch.Tensor | None = None,  # [T, out_features]
     ) -> torch.Tensor:  # [T, out_features]
         if x.is_cuda:
-            y = quant_matmul(x, self.fmt, self.planes(), self.in_features, out=out)
-            return y if self.bias is None else y + self.bias
+            if self.bias is None:
+                return quant_matmul(x, self.fmt, self.planes(), self.in_features, out=out)
+            y = quant_matmul(x, self.fmt, self.planes(), self.in_features) + self.bias
+            return y if out is None else out.copy_(y)
         weight = dequantize(self.fmt, self.planes()).to(x.dtype)  # the reference path
         y = F.linear(x, weight, self.bias)
         return y if out is None else out.copy_(y)
