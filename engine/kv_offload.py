@@ -43,16 +43,11 @@ class HostPrefixCache:
     """LRU map from a block's chained prefix hash to the host slot holding its KV."""
 
     def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
         # Front = least recently used: saved or hit longest ago.
         self._slot_of_hash: OrderedDict[bytes, int] = OrderedDict()
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.num_offloaded_pages = 0  # device -> host copies
         self.num_evictions = 0  # host entries dropped to make room
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._slot_of_hash)
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._slot_of_hash

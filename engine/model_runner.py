@@ -113,7 +113,7 @@ class ModelRunner:
         if all([entry.seq.picks_argmax for entry in entries]):  # a list: cheaper than a genexpr
             sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
         else:
-            rows = [self._sampling_row(e.seq) for e in entries]
+            rows = [e.seq.sampling_row() for e in entries]
             sample = self.sampler.sample_on_device(logits, rows)
         sample.start_copy()
         return LaunchedStep(batch.scheduled, entries, sample, verified)
@@ -273,15 +273,12 @@ class ModelRunner:
             first = sum(len(table) for table in tables)
             table = list(range(first, first + -(-length // self.block_size)))
             tables.append(table)
-            slots += self._slots(table, 0, length)
+            slots += slots_of(table, 0, length, self.block_size)
             positions += range(length)
             query_start_loc.append(query_start_loc[-1] + length)
         meta = self._metadata(tables, slots, lens, query_start_loc)
         positions_t = self._tensor(positions, torch.int64)
         return self.model(input_ids, positions_t, self.kv_cache.layers, meta)
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        return slots_of(block_table, start, end, self.block_size)
 
     def _metadata(
         self,
@@ -307,19 +304,6 @@ class ModelRunner:
             num_decodes=num_decodes,
             max_seq_len=max(seq_lens),
             max_query_len=max_query_len,
-        )
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        params = seq.sampling
-        suppressed: tuple[int, ...] = ()
-        if seq.num_output_tokens < params.min_tokens:
-            suppressed = (*seq.eos_token_ids, *params.stop_token_ids)
-        return SamplingRow(
-            params=params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            generator=seq.generator,
-            suppressed_token_ids=suppressed,
         )
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:

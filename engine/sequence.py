@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -99,6 +101,19 @@ class Sequence:
         ``min_tokens`` (before it, EOS is suppressed)."""
         params = self.sampling
         return params.is_plain_greedy and len(self.output_token_ids) >= params.min_tokens
+
+    def sampling_row(
+        self, output_token_ids: Sequence_[int] | None = None, num_output_tokens: int | None = None
+    ) -> SamplingRow:
+        """Its sampling settings over ``output_token_ids`` (default: its own), with EOS and
+        stop ids suppressed while fewer than ``min_tokens`` are out (default: its count)."""
+        params = self.sampling
+        num_output = self.num_output_tokens if num_output_tokens is None else num_output_tokens
+        suppressed: tuple[int, ...] = ()
+        if num_output < params.min_tokens:
+            suppressed = (*self.eos_token_ids, *params.stop_token_ids)
+        output = self.output_token_ids if output_token_ids is None else output_token_ids
+        return SamplingRow(params, self.prompt_token_ids, output, self.generator, suppressed)
 
     @property
     def num_tokens(self) -> int:

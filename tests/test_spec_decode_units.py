@@ -57,6 +57,32 @@ def test_ngram_falls_back_to_shorter_suffixes_and_may_find_nothing() -> None:
     assert proposer.propose([7, 7, 7], k=2) == [7, 7]
 
 
+def _latest_match_by_brute_force(text: list[int], min_n: int, max_n: int) -> int | None:
+    """Where the continuation starts: after the latest earlier occurrence of the longest
+    suffix of min_n..max_n tokens that recurs (each window compared whole)."""
+    for n in range(min(max_n, len(text) - 1), min_n - 1, -1):
+        starts = [s for s in range(len(text) - n) if text[s : s + n] == text[-n:]]
+        if starts:
+            return starts[-1] + n
+    return None
+
+
+def test_ngram_matches_a_brute_force_search_on_random_texts() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for case in range(2000):
+        length = int(torch.randint(1, 30, (1,), generator=gen))
+        vocab = int(torch.randint(2, 6, (1,), generator=gen))
+        text = torch.randint(0, vocab, (length,), generator=gen).tolist()
+        min_n = 1 + case % 3
+        max_n = min_n + case % 4
+        begin = _latest_match_by_brute_force(text, min_n, max_n)
+        got = NgramProposer(min_n, max_n).propose(text, k=3)
+        if begin is None or len(text) <= min_n:
+            assert got == [], (text, min_n, max_n)
+        else:
+            assert got[: len(text) - begin] == text[begin : begin + 3], (text, min_n, max_n)
+
+
 def test_token_buffer_follows_a_growing_sequence() -> None:
     seq = Sequence("r", [1, 2, 3], SamplingParams(), 0.0)
     buffer = TokenBuffer(seq.prompt_token_ids)

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.sampler import SamplingRow, draw_noise, exponential_race
+from engine.sampler import draw_noise, exponential_race
 from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec_decode.proposer import max_drafts
@@ -169,7 +169,7 @@ class DraftModelProposer:
             entry.seq.num_computed_tokens += entry.num_new_tokens
         if logits is None:
             return {}
-        rows = [_row(entry.seq) for entry in entries]
+        rows = [entry.seq.sampling_row() for entry in entries]
         probs = self.runner.sampler.target_probs(logits, rows)  # [R, V]; greedy rows one-hot
         token_ids = exponential_race(probs, draw_noise(rows, probs.shape[1], probs.device))
         drawn = {}
@@ -197,14 +197,3 @@ def _sync(shadow: _Shadow, seq: Sequence) -> None:
     shadow.num_synced_outputs = len(theirs)
     num_valid = len(seq.prompt_token_ids) + common
     shadow.seq.num_computed_tokens = min(shadow.seq.num_computed_tokens, num_valid)
-
-
-def _row(shadow: Sequence) -> SamplingRow:
-    """The request's own sampling settings, over its tokens and the drafts so far."""
-    params = shadow.sampling
-    suppressed: tuple[int, ...] = ()
-    if shadow.num_output_tokens < params.min_tokens:
-        suppressed = (*shadow.eos_token_ids, *params.stop_token_ids)
-    return SamplingRow(
-        params, shadow.prompt_token_ids, shadow.output_token_ids, shadow.generator, suppressed
-    )

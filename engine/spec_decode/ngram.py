@@ -8,7 +8,6 @@ comes next, and checking the guess costs one forward pass for several tokens. No
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -29,10 +28,10 @@ class NgramProposer:
         if k < 1 or len(token_ids) <= self.min_n:
             return []
         text = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, len(text) - 1), self.min_n - 1, -1):
-            start = _latest_match(text, n)
-            if start is not None:
-                return _continuation(text, start + n, k)
+        ends = _match_ends(text, min(self.max_n, len(text) - 1))
+        for n in range(len(ends), self.min_n - 1, -1):
+            if ends[n - 1].size:  # the latest earlier n-gram equal to the suffix
+                return _continuation(text, int(ends[n - 1][-1]) + 1, k)
         return []
 
 
@@ -47,10 +46,17 @@ def _continuation(text: np.ndarray, begin: int, k: int) -> list[int]:
     return proposal
 
 
-def _latest_match(text: np.ndarray, n: int) -> int | None:
-    """Start of the latest occurrence of the last ``n`` tokens that is followed by a token
-    (so not the suffix itself), or None."""
-    # Windows starting at 0 .. len - n - 1: each has at least one token after it.
-    windows = sliding_window_view(text[:-1], n)  # [len - n, n]
-    hits = np.flatnonzero((windows == text[-n:]).all(axis=1))
-    return int(hits[-1]) if hits.size else None
+def _match_ends(text: np.ndarray, max_n: int) -> list[np.ndarray]:
+    """``ends[n - 1]``: positions ``e < len - 1`` (each with a token after it) where an
+    n-gram ending at ``e`` equals the text's last ``n`` tokens, for n = 1.. up to ``max_n``
+    (fewer once none is left). One pass over the text, then each longer match narrows the
+    shorter one's candidates: per step the cost is the text's length, not n times it."""
+    candidates = np.flatnonzero(text[:-1] == text[-1])
+    ends = [candidates]
+    for back in range(1, max_n):
+        candidates = candidates[candidates >= back]
+        candidates = candidates[text[candidates - back] == text[-1 - back]]
+        if not candidates.size:
+            break
+        ends.append(candidates)
+    return ends

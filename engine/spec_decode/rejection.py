@@ -34,6 +34,7 @@ class DraftLayout:
     padded_index: torch.Tensor
     draft_token_ids: torch.Tensor  # [N] int64: d_{j+1} at position j; 0 at a row's last one
     row_index: torch.Tensor  # [N] int64: the row each position belongs to
+    first_positions: tuple[int, ...]  # ``starts`` on the host: reading them back would sync
 
     @classmethod
     def build(cls, drafts: list[list[int]], device: torch.device) -> DraftLayout:
@@ -55,6 +56,7 @@ class DraftLayout:
             padded_index=torch.tensor(index_rows, dtype=torch.int64, device=device),
             draft_token_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
             row_index=torch.tensor(row_index, dtype=torch.int64, device=device),
+            first_positions=tuple(starts),
         )
 
     @property

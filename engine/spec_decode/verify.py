@@ -26,7 +26,7 @@ class VerifiedDrafts:
         logprobs; waits for the device."""
         num_accepted = self.num_accepted.tolist()
         out = self.emitted.resolve()
-        starts = self.layout.starts.tolist()
+        starts = self.layout.first_positions
         return [
             (out.token_ids[start : start + n + 1], out.logprobs[start : start + n + 1])
             for start, n in zip(starts, num_accepted, strict=True)
@@ -69,16 +69,13 @@ def position_rows(entry: ScheduledSeq) -> list[SamplingRow]:
     """The sampling row at each of the entry's positions: position ``j`` follows the first
     ``j`` drafts, which then count as output (penalties, ``min_tokens``)."""
     seq, drafts = entry.seq, entry.draft_token_ids
-    params = seq.sampling
-    rows = []
-    for j in range(len(drafts) + 1):
-        output = seq.output_token_ids + drafts[:j] if params.has_penalties else seq.output_token_ids
-        num_output = seq.num_output_tokens + j
-        suppressed: tuple[int, ...] = ()
-        if num_output < params.min_tokens:
-            suppressed = (*seq.eos_token_ids, *params.stop_token_ids)
-        rows.append(SamplingRow(params, seq.prompt_token_ids, output, seq.generator, suppressed))
-    return rows
+    penalties = seq.sampling.has_penalties
+    return [
+        seq.sampling_row(
+            seq.output_token_ids + drafts[:j] if penalties else None, seq.num_output_tokens + j
+        )
+        for j in range(len(drafts) + 1)
+    ]
 
 
 def _draft_probs(
