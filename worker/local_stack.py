@@ -285,8 +285,9 @@ def running_workers(workers: list[WorkerProcess], *, one_at_a_time: bool) -> Ite
             launched.append(worker)
             if one_at_a_time:
                 worker.wait_ready()
-        for worker in launched:
-            worker.wait_ready()
+        if not one_at_a_time:  # those started in turn are up already
+            for worker in launched:
+                worker.wait_ready()
         yield
     finally:
         for worker in launched:  # all drain at once
