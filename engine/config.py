@@ -212,6 +212,12 @@ class EngineConfig:
     def use_paged_attention(self) -> bool:
         return self.paged_attn != "off"
 
+    def decode_graph_rows(self) -> int:
+        """The largest decode step captured in a graph: ``max_seqs`` rows, or when speculating
+        one row per verified position (``max_seqs * (1 + K)``, within the token budget)."""
+        verify_rows = self.max_seqs * (1 + self.speculative_tokens())
+        return max(self.max_seqs, min(verify_rows, self.max_batched_tokens))
+
     def piecewise_graph_tokens(self) -> int:
         """The largest step captured in piecewise graphs (0 = none), at most the token budget."""
         if self.cuda_graph_max_tokens is None:

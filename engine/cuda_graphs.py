@@ -21,7 +21,7 @@ from engine.models.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 SMALL_BUCKETS = (1, 2, 4, 8)
-BUCKET_STEP = 16  # above the small buckets, every multiple of this up to max_seqs
+BUCKET_STEP = 16  # above the small buckets, every multiple of this up to max_rows
 
 
 def capture_mode(model: LlamaForCausalLM) -> str:
@@ -30,11 +30,11 @@ def capture_mode(model: LlamaForCausalLM) -> str:
     return "thread_local" if model.group.size > 1 else "global"
 
 
-def batch_size_buckets(max_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 32, 48, ... up to and including ``max_seqs``."""
-    buckets = [size for size in SMALL_BUCKETS if size < max_seqs]
-    buckets += range(BUCKET_STEP, max_seqs, BUCKET_STEP)
-    return sorted({*buckets, max_seqs})
+def batch_size_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, 48, ... up to and including ``max_rows``."""
+    buckets = [size for size in SMALL_BUCKETS if size < max_rows]
+    buckets += range(BUCKET_STEP, max_rows, BUCKET_STEP)
+    return sorted({*buckets, max_rows})
 
 
 @dataclass
@@ -83,14 +83,14 @@ class DecodeGraphs:
         self,
         model: LlamaForCausalLM,
         kv_layers: list[LayerCache],
-        max_seqs: int,
+        max_rows: int,  # one token each: sequences, or positions of drafts being verified
         max_blocks_per_seq: int,
         max_seq_len: int,
         device: torch.device,
     ) -> None:
         self.model = model
         self.kv_layers = kv_layers
-        self.buckets = batch_size_buckets(max_seqs)
+        self.buckets = batch_size_buckets(max_rows)
         self.max_seq_len = max_seq_len
         self.static = _StaticInputs.allocate(self.buckets[-1], max_blocks_per_seq, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -15,7 +15,13 @@ from engine.sequence import PENDING_TOKEN, Sequence
 
 @dataclass(frozen=True)
 class HostInputs:
-    """The packed ``[T]`` batch of a step, with its attention layout and sampling rows."""
+    """The packed ``[T]`` batch of a step, with its attention layout and sampling rows.
+
+    A row with draft tokens is one attention row per position, each a one-token query over
+    the context up to itself (its pages hold the earlier drafts once the layer has written
+    them): a step of decodes and verifications is then a decode step for attention, and
+    replays a decode graph.
+    """
 
     token_ids: list[int]  # PENDING_TOKEN where the previous step's pick goes (on device)
     positions: list[int]
@@ -58,6 +64,7 @@ class HostBatch:
         slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
+        tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling_entries: list[ScheduledSeq] = []
         draft_indices: list[int] = []
@@ -67,12 +74,18 @@ class HostBatch:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
             if entry.draft_token_ids:  # its last token, then drafts: logits at every position
+                first = len(token_ids)
                 token_ids += [seq.token_id(start), *entry.draft_token_ids]
                 positions += range(start, end)
                 slots += slots_of(seq.block_table, start, end, bs)
-                draft_indices += range(len(token_ids) - entry.num_new_tokens, len(token_ids))
+                # one attention row per position, each seeing the context up to itself
+                query_start_loc += range(first + 1, len(token_ids) + 1)
+                seq_lens += range(start + 1, end + 1)
+                tables += [seq.block_table] * entry.num_new_tokens
+                draft_indices += range(first, len(token_ids))
                 draft_entries.append(entry)
-            elif end - start == 1:  # a decode step (most rows): no lists to build
+                continue
+            if end - start == 1:  # a decode step (most rows): no lists to build
                 token_id = seq.token_id(start)
                 if token_id == PENDING_TOKEN:
                     pending.append((len(token_ids), seq))
@@ -85,7 +98,8 @@ class HostBatch:
                 slots += slots_of(seq.block_table, start, end, bs)
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
-            if entry.samples and not entry.draft_token_ids:
+            tables.append(seq.block_table)
+            if entry.samples:
                 logits_indices.append(len(token_ids) - 1)
                 sampling_entries.append(entry)
         logits_indices += draft_indices
@@ -93,7 +107,7 @@ class HostBatch:
             token_ids=token_ids,
             positions=positions,
             slots=slots,
-            tables=[entry.seq.block_table for entry in batch.scheduled],
+            tables=tables,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             logits_indices=(

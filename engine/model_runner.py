@@ -54,9 +54,10 @@ class ModelRunner:
     def uses_cuda_graphs(self) -> bool:
         return self.graphs is not None
 
-    def capture_cuda_graphs(self, max_seqs: int, max_seq_len: int, max_graph_tokens: int) -> float:
-        """Capture decode graphs for every batch-size bucket, and piecewise graphs for steps of
-        up to ``max_graph_tokens`` tokens (0: none); returns the seconds it took."""
+    def capture_cuda_graphs(self, max_rows: int, max_seq_len: int, max_graph_tokens: int) -> float:
+        """Capture decode graphs for every batch-size bucket up to ``max_rows`` one-token rows
+        (sequences, or draft positions being verified), and piecewise graphs for steps of up to
+        ``max_graph_tokens`` tokens (0: none); returns the seconds it took."""
         if max_graph_tokens > 0:
             piecewise = PiecewiseGraphs(
                 self.model, self.kv_cache.layers, max_graph_tokens, self.device
@@ -65,7 +66,7 @@ class ModelRunner:
             self.piecewise = piecewise
         max_blocks = -(-max_seq_len // self.block_size)
         graphs = DecodeGraphs(
-            self.model, self.kv_cache.layers, max_seqs, max_blocks, max_seq_len, self.device
+            self.model, self.kv_cache.layers, max_rows, max_blocks, max_seq_len, self.device
         )
         graphs.capture()
         self.graphs = graphs

@@ -157,7 +157,9 @@ def build_runtime(
     )
     runner = ModelRunner(loaded.model, kv_cache, sampler, device, group)
     if use_graphs:
-        runner.capture_cuda_graphs(config.max_seqs, max_model_len, config.piecewise_graph_tokens())
+        runner.capture_cuda_graphs(
+            config.decode_graph_rows(), max_model_len, config.piecewise_graph_tokens()
+        )
     host_pool = HostBlockPool(plan.num_host_blocks)
     proposer: Proposer | None = None
     if config.speculative_method() == "ngram":
@@ -251,7 +253,8 @@ def _measure_peaks(
     # pages are --pa-block-size long even with paging off: no temporary depends on page size.
     scratch_spec = dataclasses.replace(spec, block_size=min(config.pa_block_size, seq_len))
     num_pages = -(-num_tokens // seq_len) * -(-seq_len // scratch_spec.block_size)
-    num_pages = max(num_pages, config.max_seqs)  # the decode profile gives each row a page
+    graph_rows = config.decode_graph_rows()
+    num_pages = max(num_pages, graph_rows)  # the decode profile gives each row a page
     try:
         runner = ModelRunner(
             loaded.model, KVCache(scratch_spec, num_pages, 0, device), sampler, device
@@ -261,7 +264,7 @@ def _measure_peaks(
         )
         graph_bytes = 0
         if use_graphs:  # the largest captured decode step, held in the graphs' own pool
-            graph_bytes = measure_peak_bytes(device, lambda: runner.profile_decode(config.max_seqs))
+            graph_bytes = measure_peak_bytes(device, lambda: runner.profile_decode(graph_rows))
             graph_tokens = config.piecewise_graph_tokens()
             if graph_tokens:  # their pool holds one piece's temporaries, below a whole step's
                 graph_bytes += peak_bytes + activation_buffer_bytes(loaded.model, graph_tokens)

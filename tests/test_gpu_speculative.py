@@ -1,13 +1,15 @@
 """Speculative decoding on a CUDA device (skipped without one): the Triton kernels verify
-drafts as multi-token chunks over paged context, through piecewise CUDA graphs."""
+drafts as one decode row per position over paged context, replayed from decode graphs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.cuda_graphs import DecodeGraphs
 from tests.test_speculative import TIGHT, repetitive_prompts, run
 
 pytestmark = pytest.mark.gpu
@@ -32,6 +34,29 @@ def test_cuda_fp32_speculative_tokens_equal_plain_decoding_on_the_cpu(
     stats = engine.stats()
     assert stats.num_preemptions > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert engine.runner.uses_cuda_graphs is cuda_graphs
+
+
+def test_cuda_verify_steps_replay_decode_graphs(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of decodes and verifications is a decode step: one graph replay whose rows are
+    every draft position, not piecewise graphs around eager attention."""
+    replayed_rows: list[int] = []
+    replay = DecodeGraphs.replay
+
+    def counting_replay(self: DecodeGraphs, input_ids: torch.Tensor, *args: object) -> object:
+        replayed_rows.append(input_ids.shape[0])
+        return replay(self, input_ids, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeGraphs, "replay", counting_replay)
+    prompts = repetitive_prompts(4, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4
+    _, engine = run(
+        tiny_model_dirs["llama"], prompts, params, speculative="ngram",
+        num_speculative_tokens=3, **{**CUDA_TIGHT, "cuda_graphs": True},
+    )  # fmt: skip
+    assert engine.stats().num_accepted_tokens > 0
+    assert max(replayed_rows) > len(prompts)  # more rows than sequences: draft positions
 
 
 def test_cuda_bf16_sampled_speculation_is_seeded_and_frees_every_page() -> None:

@@ -17,9 +17,10 @@ import torch
 from engine.config import EngineConfig
 from engine.config_flags import add_engine_args, engine_config_from_args
 from engine.errors import ConfigError
+from engine.host_inputs import HostBatch
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
+from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import TokenBuffer
@@ -223,6 +224,34 @@ def test_each_position_samples_as_if_the_drafts_before_it_were_output() -> None:
     ]  # fmt: skip
     # EOS is suppressed until 4 tokens are out: at positions 0 and 1 (2 and 3 tokens before)
     assert [tuple(row.suppressed_token_ids) for row in rows] == [(2,), (2,), (), ()]
+
+
+def test_a_verify_row_is_one_decode_row_per_position() -> None:
+    """Drafts verify as one-token attention rows over their own prefix, so a step of decodes
+    and verifications is a decode step (a graph replay); logits rows: samplers, then drafts."""
+    block_size = 4
+    plain = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(), 0.0)
+    plain.block_table, plain.num_computed_tokens = [7, 8], 5
+    plain.output_token_ids = [6]
+    drafted = Sequence("b", [1, 2, 3], SamplingParams(), 0.0)
+    drafted.block_table, drafted.num_computed_tokens = [3, 9], 3
+    drafted.output_token_ids = [4]
+    batch = ScheduledBatch([ScheduledSeq(plain, 1), ScheduledSeq(drafted, 3, [50, 51])])
+    host = HostBatch.of(batch, block_size)
+    inputs = host.inputs
+    assert inputs.token_ids == [6, 4, 50, 51]
+    assert inputs.positions == [5, 3, 4, 5]
+    assert inputs.slots == [8 * 4 + 1, 3 * 4 + 3, 9 * 4 + 0, 9 * 4 + 1]
+    assert inputs.query_start_loc == [0, 1, 2, 3, 4]  # every row one token
+    assert inputs.seq_lens == [6, 4, 5, 6]  # each draft position sees the ones before it
+    assert inputs.tables == [[7, 8], [3, 9], [3, 9], [3, 9]]
+    assert inputs.logits_indices is None  # the sampler's row, then the drafts': in order
+    assert inputs.num_samples == 4
+    assert [e.seq for e in host.sampling_entries] == [plain]
+    assert [e.seq for e in host.draft_entries] == [drafted]
+    # the drafted row first: its rows come last among the logits
+    swapped = HostBatch.of(ScheduledBatch(batch.scheduled[::-1]), block_size).inputs
+    assert swapped.logits_indices == [3, 0, 1, 2]
 
 
 # -- flags
