@@ -93,7 +93,10 @@ class DecodeGraphs:
         self.buckets = batch_size_buckets(max_rows)
         self.max_seq_len = max_seq_len
         self.static = _StaticInputs.allocate(self.buckets[-1], max_blocks_per_seq, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # per bucket, (context bound, graph) ascending: kernels may launch differently for
+        # short contexts (an unsplit decode attention), which a graph then has to hold
+        self.graphs: dict[int, list[tuple[int, torch.cuda.CUDAGraph]]] = {}
+        self.device = device
         # One logits buffer for every graph (each writes its leading rows), so that the graphs
         # share one pool of intermediates and keep no per-bucket outputs alive.
         # (the whole vocabulary: under tensor parallelism the graph gathers every rank's part;
@@ -109,24 +112,35 @@ class DecodeGraphs:
         """Capture every bucket, largest first so that smaller ones reuse its memory pool."""
         start_s = time.perf_counter()
         pool = None
+        backend = self.model.attention_backend
+        num_kv_heads = self.model.arch.num_kv_heads
         for bucket in reversed(self.buckets):
-            self._forward(bucket)  # compiles kernels and settles autotuning outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode(self.model)):
-                self._forward(bucket, out=self.logits[:bucket])
-            pool = graph.pool()
-            self.graphs[bucket] = graph
+            bounds = backend.decode_graph_contexts(
+                bucket, num_kv_heads, self.device, self.max_seq_len
+            )
+            self.graphs[bucket] = []
+            for bound in bounds:
+                self._forward(bucket, bound)  # compiles kernels, settles autotuning first
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                mode = capture_mode(self.model)
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                    self._forward(bucket, bound, out=self.logits[:bucket])
+                pool = graph.pool()
+                self.graphs[bucket].append((bound, graph))
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start_s
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1fs",
-            len(self.buckets), self.buckets[0], self.buckets[-1], self.capture_s,
+            sum(map(len, self.graphs.values())), self.buckets[0], self.buckets[-1],
+            self.capture_s,
         )  # fmt: skip
 
-    def _forward(self, bucket: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(
+        self, bucket: int, max_seq_len: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         static = self.static
-        meta = static.metadata(bucket, self.max_seq_len)
+        meta = static.metadata(bucket, max_seq_len)
         hidden = self.model(
             static.input_ids[:bucket], static.positions[:bucket], self.kv_layers, meta
         )
@@ -158,5 +172,6 @@ class DecodeGraphs:
         # padding rows: store nothing, attend over one token of whatever page they name
         static.slot_mapping[num_seqs:bucket].fill_(-1)
         static.seq_lens[num_seqs:bucket].fill_(1)
-        self.graphs[bucket].replay()
+        graph = next(graph for bound, graph in self.graphs[bucket] if bound >= meta.max_seq_len)
+        graph.replay()
         return self.logits[:num_seqs]

@@ -88,6 +88,29 @@ def test_graphs_are_captured_and_replayed(monkeypatch: pytest.MonkeyPatch) -> No
     assert replays == 7  # every step after the prefill
 
 
+def test_decode_graphs_switch_to_the_split_variant_past_a_short_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small batches capture an unsplit graph for contexts up to UNSPLIT_MAX_CONTEXT and a
+    split one beyond; a request growing across the bound gives the eager tokens."""
+    from kernels.paged_attention_triton import UNSPLIT_MAX_CONTEXT
+
+    monkeypatch.setenv(ATTN_BACKEND_ENV, "triton")
+    settings = dict(device="cuda", dtype="float32", max_model_len=2048, pa_memory_mb=512)
+    prompt = random_prompts([UNSPLIT_MAX_CONTEXT - 20], 151936, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tokens = []
+    for graphs_on in (True, False):
+        llm = LLM("dummy:qwen3-0.6b", cuda_graphs=graphs_on, **settings)
+        tokens.append(llm.generate(prompt, params, use_tqdm=False)[0].token_ids)
+        if graphs_on:
+            graphs = llm.engine.runner.graphs
+            assert graphs is not None
+            assert [bound for bound, _ in graphs.graphs[1]] == [UNSPLIT_MAX_CONTEXT, 2048]
+        del llm
+    assert tokens[0] == tokens[1]
+
+
 MIXED = dict(max_seqs=16, max_batched_tokens=512, prefill_chunk=256, dtype="float32")
 
 

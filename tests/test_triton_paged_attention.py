@@ -253,3 +253,20 @@ def test_gpu_decode_is_cuda_graph_capturable() -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, batch.reference(), atol=3e-2, rtol=3e-2)
+
+
+def test_short_contexts_decode_unsplit_and_graphs_capture_both_variants() -> None:
+    from kernels.paged_attention_triton import (
+        UNSPLIT_MAX_CONTEXT,
+        decode_graph_contexts,
+        default_num_kv_splits,
+    )
+
+    cpu = torch.device("cpu")  # NOMINAL_CPU_SMS stand in for the SMs
+    split = default_num_kv_splits(1, 2, cpu)
+    assert split > 1
+    assert default_num_kv_splits(1, 2, cpu, UNSPLIT_MAX_CONTEXT) == 1
+    assert default_num_kv_splits(1, 2, cpu, UNSPLIT_MAX_CONTEXT + 1) == split
+    assert decode_graph_contexts(1, 2, cpu, 4096) == [UNSPLIT_MAX_CONTEXT, 4096]
+    assert decode_graph_contexts(1, 2, cpu, UNSPLIT_MAX_CONTEXT) == [UNSPLIT_MAX_CONTEXT]
+    assert decode_graph_contexts(64, 8, cpu, 4096) == [4096]  # enough programs unsplit

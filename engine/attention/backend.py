@@ -97,6 +97,14 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 
+    def decode_graph_contexts(
+        self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
+    ) -> list[int]:
+        """Context bounds (ascending, the last ``max_seq_len``) at which a decode of
+        ``num_seqs`` rows launches differently: a graph is captured for each, and a step
+        replays the first that holds its longest context."""
+        ...
+
 
 def _rotary_pair_ref(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -118,6 +126,11 @@ class TorchAttentionBackend:
     name = "torch"
     ops = TORCH_OPS
     graph_safe = False  # it sizes its gathers from the host-side lengths
+
+    def decode_graph_contexts(
+        self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
+    ) -> list[int]:
+        return [max_seq_len]
 
     def forward(
         self,
@@ -159,12 +172,18 @@ class TritonAttentionBackend:
         from kernels.activation_triton import silu_and_mul
         from kernels.kv_write_triton import write_kv
         from kernels.norm_triton import fused_add_rms_norm, rms_norm
-        from kernels.paged_attention_triton import paged_attention
+        from kernels.paged_attention_triton import decode_graph_contexts, paged_attention
         from kernels.rotary_triton import rotary
 
         self.ops = LayerOps(rms_norm, fused_add_rms_norm, rotary, silu_and_mul)
         self._write_kv = write_kv
         self._paged_attention = paged_attention
+        self._decode_graph_contexts = decode_graph_contexts
+
+    def decode_graph_contexts(
+        self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
+    ) -> list[int]:
+        return self._decode_graph_contexts(num_seqs, num_kv_heads, device, max_seq_len)
 
     def forward(
         self,
@@ -190,6 +209,7 @@ class TritonAttentionBackend:
             scale=scale,
             max_query_len=meta.max_query_len,
             num_decodes=meta.num_decodes,
+            max_seq_len=meta.max_seq_len,
             sliding_window=sliding_window,
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,

@@ -222,6 +222,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.plan = plan or ShardPlan(arch)
         self.group = group or TensorParallelGroup()
+        self.attention_backend = backend
         self.arch = local = self.plan.local_arch()
         vocab_rows = self.plan.vocab_per_rank
         self.embed_tokens = VocabParallelEmbedding(
