@@ -5,6 +5,7 @@
 One program stores one new token: all its KV heads, K and V. A negative slot skips the token
 (padded rows of a CUDA graph). With an fp8 pool the program quantizes each (token, kv head)
 vector with its own float32 scale, exactly as ``kernels.paged_attention.quantize_fp8`` does.
+The engine launches the fused ``rotary_kv_write_triton``, built from this file's helpers.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 One program rotates one token: all its query heads, then all its key heads, IN PLACE. The
 reference works in the input dtype (cos/sin cast to it, each product and the sum rounded);
 the kernel computes in fp32 and rounds at the same points, so bf16 results agree bit for bit
-up to the last-ulp effects of fused multiply-adds.
+up to the last-ulp effects of fused multiply-adds. The engine launches the fused
+``rotary_kv_write_triton`` instead, built from this file's helpers.
 """
 
 from __future__ import annotations
