@@ -78,6 +78,7 @@ def _report(prof: Any, engine: LLMEngine, args: argparse.Namespace) -> None:
 
 
 ROLES = (  # (role, substrings of a kernel's name), first match wins
+    ("rotary + kv write", ("rotary_write_kv",)),  # the fused kernel the engine launches
     ("attention", ("attention", "attn")),
     ("kv write", ("kv_write", "store_kv")),
     ("norm", ("rms", "norm")),

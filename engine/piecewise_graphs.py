@@ -2,19 +2,21 @@
 
 A decode-only step is one full graph (``cuda_graphs.py``), but a step with a prefill chunk
 cannot be: attention's grid and work follow the chunk lengths, which change every step. All
-else in the forward (norms, projections, rotary, MLP) works row by row, so it depends only on
-the step's token count. The forward is cut at each attention call into ``L + 1`` pieces:
+else in the forward (norms, projections, MLP) works row by row, so it depends only on the
+step's token count. The forward is cut at each attention call into ``L + 1`` pieces:
 
-    piece 0:      embed -> layer 0 pre-attention (norm, qkv, q/k norm, rotary)
+    piece 0:      embed -> layer 0 pre-attention (norm, qkv, q/k norm)
     piece i:      layer i-1 post-attention (o_proj, add+norm, MLP) -> layer i pre-attention
     piece L:      layer L-1 post-attention -> final norm
 
 and each piece is captured once per token-count bucket. A step of ``T`` tokens replays the
 pieces of the smallest bucket ``>= T`` and runs the ``L`` attention calls eagerly on the
-first ``T`` rows in between. Rows past ``T`` are padding: their inputs are token 0 at position
-0, they never reach attention or the KV pages, and their outputs are ignored. The pieces pass
-activations through static buffers (q, k, v, attention output, residual) sized for the
-largest bucket; a piece copies its results into them, so one set serves every layer.
+first ``T`` rows in between. Each attention call also rotates q and k, in the kernel that
+writes the KV pages (one launch for both), so rotary is eager and the pieces never see
+positions. Rows past ``T`` are padding: their input is token 0, they never reach attention
+or the KV pages, and their outputs are ignored. The pieces pass activations through static
+buffers (q, k, v, attention output, residual) sized for the largest bucket; a piece copies
+its results into them, so one set serves every layer.
 """
 
 from __future__ import annotations
@@ -52,9 +54,8 @@ class _Activations:
     """The tensors that cross a cut between two pieces; sized for the largest bucket."""
 
     input_ids: torch.Tensor  # [N] int64
-    positions: torch.Tensor  # [N] int64
-    q: torch.Tensor  # [N, Hq, D]
-    k: torch.Tensor  # [N, Hkv, D]
+    q: torch.Tensor  # [N, Hq, D], rotated in place by the eager attention call
+    k: torch.Tensor  # [N, Hkv, D], never rotated: the rotated keys go to the pages
     v: torch.Tensor  # [N, Hkv, D]
     attn: torch.Tensor  # [N, Hq, D]: attention's output, written by the eager calls
     residual: torch.Tensor  # [N, hidden]
@@ -70,7 +71,6 @@ class _Activations:
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         return cls(
             input_ids=zeros(size, dtype=torch.int64),
-            positions=zeros(size, dtype=torch.int64),
             q=zeros(size, heads, head_dim),
             k=zeros(size, kv_heads, head_dim),
             v=zeros(size, kv_heads, head_dim),
@@ -86,7 +86,7 @@ def activation_buffer_bytes(model: LlamaForCausalLM, max_tokens: int) -> int:
     row = 2 * arch.num_heads * arch.head_dim + 2 * arch.num_kv_heads * arch.head_dim
     row += 2 * arch.hidden_size
     element = model.embed_tokens.weight.element_size()
-    return max_tokens * (row * element + 2 * 8)  # + input ids and positions (int64)
+    return max_tokens * (row * element + 8)  # + input ids (int64)
 
 
 class PiecewiseGraphs:
@@ -159,17 +159,17 @@ class PiecewiseGraphs:
         assert bucket is not None, f"no piecewise graph holds {num_tokens} tokens"
         act = self.act
         act.input_ids[:num_tokens].copy_(input_ids)
-        act.positions[:num_tokens].copy_(positions)
-        act.input_ids[num_tokens:bucket].zero_()  # padding rows: token 0 at position 0
-        act.positions[num_tokens:bucket].zero_()
+        act.input_ids[num_tokens:bucket].zero_()  # padding rows: token 0
         graphs = self.graphs.get(bucket)
         layers = self.layers
+        rope = self.model.rope_inputs(positions)  # read by the eager calls only
         for index in range(len(layers)):
             self._replay_or_run(graphs, index, bucket)
             layers[index].self_attn.attend(
                 act.q[:num_tokens],
                 act.k[:num_tokens],
                 act.v[:num_tokens],
+                rope,
                 self.kv_layers[index],
                 meta,
                 out=act.attn[:num_tokens],
@@ -188,7 +188,6 @@ class PiecewiseGraphs:
     def _run_piece(self, piece: int, bucket: int) -> None:
         """Piece ``piece`` on the first ``bucket`` rows of the static buffers."""
         act, model, rows = self.act, self.model, slice(0, bucket)
-        rope = (model.rope_cos, model.rope_sin)
         residual: torch.Tensor | None = None
         if piece == 0:
             x = model.embed_tokens(act.input_ids[rows])
@@ -200,7 +199,7 @@ class PiecewiseGraphs:
             hidden, _ = model.norm.add_and_norm(x, residual)
             act.hidden[rows].copy_(hidden)
             return
-        q, k, v, residual = self.layers[piece].pre_attention(x, residual, act.positions[rows], rope)
+        q, k, v, residual = self.layers[piece].pre_attention(x, residual)
         act.q[rows].copy_(q)
         act.k[rows].copy_(k)
         act.v[rows].copy_(v)

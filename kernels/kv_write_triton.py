@@ -5,9 +5,12 @@
 One program stores one new token: all its KV heads, K and V. A negative slot skips the token
 (padded rows of a CUDA graph). With an fp8 pool the program quantizes each (token, kv head)
 vector with its own float32 scale, exactly as ``kernels.paged_attention.quantize_fp8`` does.
+The engine launches the fused ``rotary_kv_write_triton``, built from this file's helpers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,6 +39,19 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
+def _fp8_scale(amax):
+    """Per-head scales from per-head amax [BLOCK_H]: amax / 448, kept off zero."""
+    return tl.maximum(amax / E4M3_MAX, E4M3_MIN_SCALE)
+
+
+@triton.jit
+def _store_fp8(x32, cache_ptrs, mask, scale):
+    """fp32 rows [BLOCK_H, BLOCK_D] divided by their head's scale [BLOCK_H], stored as e4m3."""
+    stored = _round_to_e4m3_grid(x32 / scale[:, None])
+    tl.store(cache_ptrs, stored.to(cache_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_token(
     x_ptr,  # this token's [Hkv, D], at its strides
     cache_ptr,  # the slot's [Hkv, D] rows in the pool
@@ -52,14 +68,15 @@ def _store_token(
     IS_FP8: tl.constexpr,
 ):
     mask = mask_h[:, None] & mask_d[None, :]
-    x = tl.load(x_ptr + offs_h[:, None] * stride_xh + offs_d[None, :] * stride_xd, mask=mask)
+    x = tl.load(
+        x_ptr + offs_h[:, None] * stride_xh + offs_d[None, :] * stride_xd, mask=mask, other=0.0
+    )
     cache_ptrs = cache_ptr + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
     if IS_FP8:
         # -- one scale per kv head: amax over D / 448, kept off zero
         x32 = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x32), axis=1) / E4M3_MAX, E4M3_MIN_SCALE)  # [BLOCK_H]
-        stored = _round_to_e4m3_grid(x32 / scale[:, None])
-        tl.store(cache_ptrs, stored.to(cache_ptr.dtype.element_ty), mask=mask)
+        scale = _fp8_scale(tl.max(tl.abs(x32), axis=1))  # [BLOCK_H]
+        _store_fp8(x32, cache_ptrs, mask, scale)
         tl.store(scale_ptr + offs_h * stride_sh, scale, mask=mask_h)
     else:
         tl.store(cache_ptrs, x.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -137,36 +154,52 @@ def write_kv(
     (``torch.float8_e4m3fn``) ``k_scale, v_scale: [NB, BS, Hkv]`` float32 receive the scales.
     No host sync: safe to capture in a CUDA graph.
     """
-    _check_write_args(k, v, k_cache, v_cache, slot_mapping)
-    is_fp8 = k_cache.dtype == FP8_DTYPE
-    if is_fp8:
-        check_scales(k_cache, k_scale, v_scale)
-    else:
-        k_scale = v_scale = k_cache  # placeholders: the kernel never touches them
-    assert k_scale is not None and v_scale is not None
+    check_write_args(k, v, k_cache, v_cache, slot_mapping)
+    scales = PoolScales.of(k_cache, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    scale_strides = k_scale.stride() if is_fp8 else (0, 0, 0)
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *scale_strides,
+        k, v, k_cache, v_cache, scales.k, scales.v, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *scales.strides,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        IS_FP8=is_fp8,
+        IS_FP8=scales.is_fp8,
     )  # fmt: skip
 
 
-def _check_write_args(
+@dataclass(frozen=True)
+class PoolScales:
+    """What a kernel that writes the pool gets for the scales: the real ones with an fp8
+    pool, else placeholders it never touches (and zero strides)."""
+
+    is_fp8: bool
+    k: torch.Tensor  # [NB, BS, Hkv] float32, or a placeholder
+    v: torch.Tensor
+    strides: tuple[int, ...]  # k's and v's (equal) strides
+
+    @classmethod
+    def of(
+        cls, k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+    ) -> PoolScales:
+        if k_cache.dtype != FP8_DTYPE:
+            return cls(False, k_cache, k_cache, (0, 0, 0))
+        check_scales(k_cache, k_scale, v_scale)
+        assert k_scale is not None and v_scale is not None
+        return cls(True, k_scale, v_scale, k_scale.stride())
+
+
+def check_write_args(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    """k, v [T, Hkv, D] of a float dtype, a pool of their dtype or fp8, int64 slots [T]."""
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
             f"k and v must be [T, Hkv, D] of equal shapes, got {tuple(k.shape)} / {tuple(v.shape)}"

@@ -5,7 +5,8 @@
 One program rotates one token: all its query heads, then all its key heads, IN PLACE. The
 reference works in the input dtype (cos/sin cast to it, each product and the sum rounded);
 the kernel computes in fp32 and rounds at the same points, so bf16 results agree bit for bit
-up to the last-ulp effects of fused multiply-adds.
+up to the last-ulp effects of fused multiply-adds. The engine launches the fused
+``rotary_kv_write_triton`` instead, built from this file's helpers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,35 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _rotated_halves(
+    x_ptr,  # this token's [H, D]
+    cos_ptr,  # this position's cos/sin rows [D]
+    sin_ptr,
+    stride_xh,
+    offs_h,  # [BLOCK_H]
+    offs_d,  # [BLOCK_HALF]
+    mask,  # [BLOCK_H, BLOCK_HALF]
+    HALF: tl.constexpr,
+):
+    """The heads' rotated halves ``(lo, hi)`` [BLOCK_H, BLOCK_HALF] in fp32, each value
+    rounded to x's dtype as the reference's result is; masked lanes are 0."""
+    mask_d = offs_d < HALF
+    dtype = x_ptr.dtype.element_ty
+    # 1. cos/sin of each half, in the input dtype as the reference casts them
+    cos_lo = _rounded(tl.load(cos_ptr + offs_d, mask=mask_d, other=0.0), dtype)[None, :]
+    cos_hi = _rounded(tl.load(cos_ptr + HALF + offs_d, mask=mask_d, other=0.0), dtype)[None, :]
+    sin_lo = _rounded(tl.load(sin_ptr + offs_d, mask=mask_d, other=0.0), dtype)[None, :]
+    sin_hi = _rounded(tl.load(sin_ptr + HALF + offs_d, mask=mask_d, other=0.0), dtype)[None, :]
+    # 2. x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], rounding each product and sum
+    lo_ptrs = x_ptr + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(lo_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
+    x2 = tl.load(lo_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    lo = _rounded(x1 * cos_lo, dtype) + _rounded(-x2 * sin_lo, dtype)
+    hi = _rounded(x2 * cos_hi, dtype) + _rounded(x1 * sin_hi, dtype)
+    return _rounded(lo, dtype), _rounded(hi, dtype)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,  # this token's [H, D]
     cos_ptr,  # this position's cos/sin rows [D]
@@ -34,24 +64,14 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
+    """Rotate the token's heads IN PLACE: each lane stores only what it loaded."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
-    mask_d = offs_d < HALF
-    mask = (offs_h < NUM_HEADS)[:, None] & mask_d[None, :]
-    dtype = x_ptr.dtype.element_ty
-    # 1. cos/sin of each half, in the input dtype as the reference casts them
-    cos_lo = _rounded(tl.load(cos_ptr + offs_d, mask=mask_d), dtype)[None, :]
-    cos_hi = _rounded(tl.load(cos_ptr + HALF + offs_d, mask=mask_d), dtype)[None, :]
-    sin_lo = _rounded(tl.load(sin_ptr + offs_d, mask=mask_d), dtype)[None, :]
-    sin_hi = _rounded(tl.load(sin_ptr + HALF + offs_d, mask=mask_d), dtype)[None, :]
-    # 2. x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], rounding each product and sum
+    mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HALF)[None, :]
+    lo, hi = _rotated_halves(x_ptr, cos_ptr, sin_ptr, stride_xh, offs_h, offs_d, mask, HALF)
     lo_ptrs = x_ptr + offs_h[:, None] * stride_xh + offs_d[None, :]
-    x1 = tl.load(lo_ptrs, mask=mask).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
-    x2 = tl.load(lo_ptrs + HALF, mask=mask).to(tl.float32)
-    out1 = _rounded(x1 * cos_lo, dtype) + _rounded(-x2 * sin_lo, dtype)
-    out2 = _rounded(x2 * cos_hi, dtype) + _rounded(x1 * sin_hi, dtype)
-    tl.store(lo_ptrs, out1.to(dtype), mask=mask)
-    tl.store(lo_ptrs + HALF, out2.to(dtype), mask=mask)
+    tl.store(lo_ptrs, lo.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(lo_ptrs + HALF, hi.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -94,7 +114,7 @@ def rotary(
     free, e.g. views into a fused qkv output); ``positions: [T]`` int32/int64;
     ``cos_cache, sin_cache: [max_pos, D]`` float32 (``rope_cos_sin_cache``), last stride 1.
     """
-    _check_rotary_args(q, k, positions, cos_cache, sin_cache)
+    check_rotary_args(q, k, positions, cos_cache, sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return q, k
@@ -111,13 +131,15 @@ def rotary(
     return q, k
 
 
-def _check_rotary_args(
+def check_rotary_args(
     q: torch.Tensor,
     k: torch.Tensor,
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
 ) -> None:
+    """q [T, Hq, D], k [T, Hkv, D] of one float dtype (last stride 1, even D), int positions
+    [T], float32 cos/sin tables [max_pos, D]; all on one device."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"q and k must be [T, Hq, D] and [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}"

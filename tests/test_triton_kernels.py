@@ -26,6 +26,7 @@ KERNEL_MODULES = (
     "kernels.paged_attention_triton",
     "kernels.norm_triton",
     "kernels.rotary_triton",
+    "kernels.rotary_kv_write_triton",
     "kernels.activation_triton",
 )
 

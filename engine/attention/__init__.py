@@ -5,6 +5,7 @@ from engine.attention.backend import (
     AttentionMetadata,
     LayerCache,
     LayerOps,
+    RopeInputs,
     get_attention_backend,
 )
 
@@ -13,5 +14,6 @@ __all__ = [
     "AttentionMetadata",
     "LayerCache",
     "LayerOps",
+    "RopeInputs",
     "get_attention_backend",
 ]

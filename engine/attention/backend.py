@@ -16,8 +16,8 @@ import torch
 
 from kernels.activation import silu_and_mul_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.paged_attention import paged_attention_ref, write_kv_ref
-from kernels.rotary import rotary_ref
+from kernels.paged_attention import paged_attention_ref
+from kernels.rotary_kv_write import rotary_write_kv_ref
 
 ATTN_BACKEND_ENV = "PAGESTREAM_ATTN_BACKEND"
 BACKEND_CHOICES = ("auto", "torch", "triton")
@@ -59,6 +59,15 @@ class LayerCache:
 
 
 @dataclass(frozen=True)
+class RopeInputs:
+    """What rotates the new tokens' q and k: their positions and the model's tables."""
+
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [max_positions, D] float32 (``rope_cos_sin_cache``)
+    sin: torch.Tensor
+
+
+@dataclass(frozen=True)
 class LayerOps:
     """The per-token ops of a decoder layer, all from one kernel family."""
 
@@ -67,16 +76,13 @@ class LayerOps:
     fused_add_rms_norm: Callable[
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
-    # (q, k, positions, cos_cache, sin_cache) -> rotated (q, k)
-    rotary: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        tuple[torch.Tensor, torch.Tensor],
-    ]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
 class AttentionBackend(Protocol):
-    """Writes the new K/V into the pool, then attends each new query over its context."""
+    """Rotates the new q and k, writes K/V into the pool, then attends each new query over
+    its context. Rotary lives here, not among the layer's ops, so that the Triton backend
+    launches one kernel for rotary and the KV write."""
 
     name: str
     ops: LayerOps
@@ -86,9 +92,10 @@ class AttentionBackend(Protocol):
 
     def forward(
         self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
+        q: torch.Tensor,  # [T, Hq, D], not yet rotated; the Triton backend rotates it in place
+        k: torch.Tensor,  # [T, Hkv, D], not yet rotated; left as it is
         v: torch.Tensor,  # [T, Hkv, D]
+        rope: RopeInputs,
         cache: LayerCache,
         meta: AttentionMetadata,
         scale: float,
@@ -106,16 +113,9 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _rotary_pair_ref(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotary_ref(q, positions, cos, sin), rotary_ref(k, positions, cos, sin)
-
-
 TORCH_OPS = LayerOps(
     rms_norm=rms_norm_ref,
     fused_add_rms_norm=fused_add_rms_norm_ref,
-    rotary=_rotary_pair_ref,
     silu_and_mul=silu_and_mul_ref,
 )
 
@@ -137,15 +137,17 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        rope: RopeInputs,
         cache: LayerCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv_ref(
-            k, v, cache.k, cache.v, meta.slot_mapping, k_scale=cache.k_scale, v_scale=cache.v_scale
-        )
+        q = rotary_write_kv_ref(
+            q, k, v, rope.positions, rope.cos, rope.sin, cache.k, cache.v, meta.slot_mapping,
+            k_scale=cache.k_scale, v_scale=cache.v_scale,
+        )  # fmt: skip
         result = paged_attention_ref(
             q,
             cache.k,
@@ -170,13 +172,12 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         # Imported here: a CPU-only install never needs triton at import time.
         from kernels.activation_triton import silu_and_mul
-        from kernels.kv_write_triton import write_kv
         from kernels.norm_triton import fused_add_rms_norm, rms_norm
         from kernels.paged_attention_triton import decode_graph_contexts, paged_attention
-        from kernels.rotary_triton import rotary
+        from kernels.rotary_kv_write_triton import rotary_write_kv
 
-        self.ops = LayerOps(rms_norm, fused_add_rms_norm, rotary, silu_and_mul)
-        self._write_kv = write_kv
+        self.ops = LayerOps(rms_norm, fused_add_rms_norm, silu_and_mul)
+        self._rotary_write_kv = rotary_write_kv
         self._paged_attention = paged_attention
         self._decode_graph_contexts = decode_graph_contexts
 
@@ -190,15 +191,18 @@ class TritonAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        rope: RopeInputs,
         cache: LayerCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self._write_kv(
-            k, v, cache.k, cache.v, meta.slot_mapping, k_scale=cache.k_scale, v_scale=cache.v_scale
-        )
+        # one launch: q rotated in place, k rotated into the pages beside v
+        self._rotary_write_kv(
+            q, k, v, rope.positions, rope.cos, rope.sin, cache.k, cache.v, meta.slot_mapping,
+            k_scale=cache.k_scale, v_scale=cache.v_scale,
+        )  # fmt: skip
         return self._paged_attention(
             q,
             cache.k,

@@ -16,7 +16,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata, LayerCache, LayerOps
+from engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerCache,
+    LayerOps,
+    RopeInputs,
+)
 from engine.distributed.group import TensorParallelGroup
 from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
@@ -75,13 +81,12 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         kv_cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.project(x, positions, rope)
-        return self.output(self.attend(q, k, v, kv_cache, meta).flatten(1))
+        q, k, v = self.project(x)
+        return self.output(self.attend(q, k, v, rope, kv_cache, meta).flatten(1))
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:  # [T, Hq * D] -> [T, hidden]
         """o_proj, summed over the ranks' heads."""
@@ -90,10 +95,9 @@ class Attention(nn.Module):
     def project(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
-        """The new tokens' rotated queries and keys, and values: everything before attention."""
+        """The new tokens' queries, keys and values, not yet rotated: attention rotates q and
+        k, fused with the KV write (one kernel launch where rotary and the write were two)."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -101,20 +105,21 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm pre-rope
             q, k = self.q_norm(q), self.k_norm(k)
-        return (*self.backend.ops.rotary(q, k, positions, *rope), v)
+        return q, k, v
 
     def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        rope: RopeInputs,
         kv_cache: LayerCache,
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,  # [T, Hq, D]
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Store the new K/V in the pages and attend each query over its context."""
+        """Rotate q and k, store the new K/V in the pages, attend each query over its context."""
         return self.backend.forward(
-            q, k, v, kv_cache, meta, self.scale, self.sliding_window, out=out
+            q, k, v, rope, kv_cache, meta, self.scale, self.sliding_window, out=out
         )
 
 
@@ -149,13 +154,12 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         kv_cache: LayerCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, residual = self.pre_attention(x, residual, positions, rope)
-        attn = self.self_attn.attend(q, k, v, kv_cache, meta)
+        q, k, v, residual = self.pre_attention(x, residual)
+        attn = self.self_attn.attend(q, k, v, rope, kv_cache, meta)
         return self.post_attention(attn.flatten(1), residual)
 
     # The two halves around attention: the parts a piecewise CUDA graph captures.
@@ -164,14 +168,12 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]: the previous layer's output, or the embeddings
         residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
-        positions: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        return (*self.self_attn.project(x, positions, rope), residual)
+        return (*self.self_attn.project(x), residual)
 
     def post_attention(
         self,
@@ -242,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin_cache(inv_freq, max_positions)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
+    def rope_inputs(self, positions: torch.Tensor) -> RopeInputs:  # positions [T]
+        return RopeInputs(positions, self.rope_cos, self.rope_sin)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -251,9 +256,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        rope = (self.rope_cos, self.rope_sin)
+        rope = self.rope_inputs(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, rope, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
         assert residual is not None
         x, _ = self.norm.add_and_norm(x, residual)
         return x
