@@ -4,6 +4,8 @@ below it, and the shared scratch (interpreter on CPU, llama3-8b shapes and graph
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from torch import nn
 
 import engine.quant.linear as linear_module
 import engine.quant.scratch as scratch_module
+from engine import LLM, SamplingParams
 from engine.quant.linear import QuantizedLinear, allocate_dequant_scratch
 from engine.quant.plan import swap_in_quantized
 from engine.quant.scratch import DequantScratch
@@ -180,3 +183,27 @@ def test_first_use_inside_a_capture_is_refused() -> None:
         ones.add_(1)  # the graph is not empty
         with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
             scratch.buffer(torch.bfloat16, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_engine_prefills_through_the_scratch_it_allocated_before_profiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = dict(device="cuda", max_seqs=16, max_model_len=1024, pa_memory_mb=512)
+    llm = LLM("dummy:smollm2-135m", quantization="q4_0", **settings)
+    linears = [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len({id(linear.scratch) for linear in linears}) == 1
+    assert linears[0].scratch.allocated_bytes > 0  # by the runtime, before its profile
+    tokens = list(range(100, 800))  # 700 rows: dequantize + cuBLAS (eager)
+    dequantized = llm.engine.runner.teacher_forced_logits(tokens).cpu()
+    monkeypatch.setattr(linear_module, "DEQUANT_GEMM_MIN_ROWS", 1 << 30)
+    gemm = llm.engine.runner.teacher_forced_logits(tokens).cpu()  # the Triton GEMM
+    relative = (dequantized - gemm).abs().mean() / gemm.std(dim=-1).mean()
+    assert relative.item() < 0.05  # bf16 weights either way; the sums' order differs
+    monkeypatch.undo()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [tokens, tokens[:600]]  # prefill steps replay piecewise graphs of the path
+    first, second = (llm.generate(prompts, greedy, use_tqdm=False) for _ in range(2))
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    del llm
+    gc.collect()
