@@ -99,7 +99,7 @@ offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: h
 
 quant() {  # quantized weights against bf16: the bundled GGUF's blocks, llama3-8b quantized at load
     log quant kernels llama3-8b
-    python -m bench.quant_kernels --model llama3-8b --rows 1,16,4096 \
+    python -m bench.quant_kernels --model llama3-8b --rows 1,8,144,4096 \
         --output-json "$OUT/quant-kernels-llama3-8b.json"
     log quant smollm2-135m
     "${PS[@]}" bench quant --model smollm2-135m --formats gguf \
