@@ -3,10 +3,11 @@
 On CUDA the matmul runs in the Triton kernels that dequantize in registers
 (kernels/quant_matmul_triton.py) up to ``DEQUANT_GEMM_MIN_ROWS`` rows; from there on the
 weight is dequantized into a scratch buffer that the model's quantized linears share and
-multiplied by cuBLAS (kernels/quant_dequant_triton.py, engine/quant/scratch.py); elsewhere a reference dequantizes the whole weight to the
-activations' dtype and calls ``F.linear`` (correct, not fast: CPU serving defaults to float
-weights). The planes are buffers, so ``model.to(dtype)`` must not be used on a model that holds
-these: the loader casts parameters only.
+multiplied by cuBLAS (kernels/quant_dequant_triton.py, engine/quant/scratch.py). Elsewhere a
+reference dequantizes the whole weight to the activations' dtype and calls ``F.linear``
+(correct, not fast: CPU serving defaults to float weights). The planes are buffers, so
+``model.to(dtype)`` must not be used on a model that holds these: the loader casts parameters
+only.
 """
 
 from __future__ import annotations

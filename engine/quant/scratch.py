@@ -4,8 +4,9 @@ path (kernels/quant_dequant_triton.py).
 One buffer per device and dtype, sized once for the largest linear (an LM head beyond
 ``MAX_SLICE_ROWS`` output rows is taken in slices): linears run one after another, so one
 weight's room serves them all. It is allocated outside the memory profile (engine/runtime.py
-calls engine/quant/linear.py's ``allocate_dequant_scratch`` before it measures), so the pool plan counts it once as
-used memory, and before any CUDA graph is captured: captured steps then reuse its address.
+calls engine/quant/linear.py's ``allocate_dequant_scratch`` before it measures), so the pool
+plan counts it once as used memory, and before any CUDA graph is captured: captured steps
+then reuse its address.
 """
 
 from __future__ import annotations
