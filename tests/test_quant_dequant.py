@@ -161,7 +161,9 @@ def test_dequant_path_replays_in_a_cuda_graph() -> None:
     layer.bias.data = layer.bias.data.bfloat16()
     x = torch.randn(1024, 4096, device="cuda").bfloat16()
     out = torch.empty(1024, 4096, device="cuda", dtype=torch.bfloat16)
-    assert allocate_dequant_scratch(layer, 1024, torch.bfloat16, x.device) > 0
+    # the engine's device has no index, x's has: one buffer for both
+    num_bytes = allocate_dequant_scratch(layer, 1024, torch.bfloat16, torch.device("cuda"))
+    assert num_bytes == 4096 * 4096 * 2
     layer(x, out=out)  # warm-up: the kernels compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -171,6 +173,7 @@ def test_dequant_path_replays_in_a_cuda_graph() -> None:
     expected = layer(x.clone()).float()  # eager
     scale = expected.abs().max().item()  # a stale output would be another x's, far off
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+    assert layer.scratch.allocated_bytes == num_bytes
 
 
 @pytest.mark.gpu
@@ -193,7 +196,8 @@ def test_engine_prefills_through_the_scratch_it_allocated_before_profiling(
     llm = LLM("dummy:smollm2-135m", quantization="q4_0", **settings)
     linears = [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert len({id(linear.scratch) for linear in linears}) == 1
-    assert linears[0].scratch.allocated_bytes > 0  # by the runtime, before its profile
+    scratch_bytes = linears[0].scratch.allocated_bytes
+    assert scratch_bytes > 0  # by the runtime, before its profile
     tokens = list(range(100, 800))  # 700 rows: dequantize + cuBLAS (eager)
     dequantized = llm.engine.runner.teacher_forced_logits(tokens).cpu()
     monkeypatch.setattr(linear_module, "DEQUANT_GEMM_MIN_ROWS", 1 << 30)
@@ -205,5 +209,6 @@ def test_engine_prefills_through_the_scratch_it_allocated_before_profiling(
     prompts = [tokens, tokens[:600]]  # prefill steps replay piecewise graphs of the path
     first, second = (llm.generate(prompts, greedy, use_tqdm=False) for _ in range(2))
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert linears[0].scratch.allocated_bytes == scratch_bytes  # the runtime's, never another
     del llm
     gc.collect()

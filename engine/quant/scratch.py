@@ -31,6 +31,8 @@ class DequantScratch:
 
     def buffer(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The flat buffer for ``dtype`` on ``device``, allocated at its first request."""
+        if device.type == "cuda" and device.index is None:  # "cuda" and x's "cuda:0": one
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (device, dtype)
         buffer = self._buffers.get(key)
         if buffer is None:
