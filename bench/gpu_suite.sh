@@ -131,7 +131,7 @@ tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
         tests/test_triton_paged_attention.py tests/test_kv_offload.py tests/test_quant_kernels.py \
-        tests/test_quant_model.py tests/test_gpu_speculative.py
+        tests/test_quant_model.py tests/test_quant_dequant.py tests/test_gpu_speculative.py
 }
 
 for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant tests}"; do

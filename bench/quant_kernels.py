@@ -138,8 +138,9 @@ def _triton_call(
 
 def _first_calls(fns: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
     """Each function's first result. On CUDA the calls run in threads, so that the kernels
-    of a launch-shape grid compile side by side (Triton's compiler and ptxas release the GIL;
-    one after another, compiling took most of the run)."""
+    of a launch-shape grid compile side by side: about 130 compiles of a second or more for
+    three formats, most of the run in turn. ptxas is a process and Triton's passes release
+    the GIL in part (four GEMV compiles on two busy cores: 5.0 s in threads, 7.6 s in turn)."""
     first = fns[0]()  # the JIT's per-device caches exist before threads share them
     if DEVICE != "cuda":  # the interpreter patches triton.language while it runs: in turn
         return [first, *(fn() for fn in fns[1:])]
