@@ -99,7 +99,7 @@ offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: h
 
 quant() {  # quantized weights against bf16: the bundled GGUF's blocks, llama3-8b quantized at load
     log quant kernels llama3-8b
-    python -m bench.quant_kernels --model llama3-8b --rows 1,16,4096 \
+    python -m bench.quant_kernels --model llama3-8b --rows 1,8,144,4096 \
         --output-json "$OUT/quant-kernels-llama3-8b.json"
     log quant smollm2-135m
     "${PS[@]}" bench quant --model smollm2-135m --formats gguf \
@@ -131,7 +131,7 @@ tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
         tests/test_triton_paged_attention.py tests/test_kv_offload.py tests/test_quant_kernels.py \
-        tests/test_quant_model.py tests/test_gpu_speculative.py
+        tests/test_quant_model.py tests/test_quant_dequant.py tests/test_gpu_speculative.py
 }
 
 for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant tests}"; do

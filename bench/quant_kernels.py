@@ -1,19 +1,28 @@
 """The quantized matmuls against cuBLAS bf16 on a model's linear shapes, CUDA only.
 
-    python -m bench.quant_kernels --model llama3-8b --formats q8_0,q4_0,q4_1,q4_k,q6_k,fp8 \\
-        --rows 1,16,4096 --output-json bench/results/quant-kernels-llama3-8b-h100.json
+    python -m bench.quant_kernels --model llama3-8b --formats q4_0,q4_k,q8_0 \\
+        --rows 1,8,144,4096 --output-json bench/results/quant-kernels-llama3-8b-h100.json
 
 For each linear of one decoder layer and the LM head, each format and each row count, times
-``quant_matmul`` (the default launch shape and a small grid of others) and ``F.linear`` on the
-bf16 weight under CUDA-graph replay. Reports the time against the packed weight's streaming
-limit (its bytes over the copy bandwidth measured in the same run) and the best launch shape,
-the data for tuning ``default_gemv_config`` / ``default_gemm_config``.
+``quant_matmul`` (the default launch shape and a grid of others: ``GEMV_GRID`` up to 8 rows,
+``GEMM_GRID`` beyond) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
+dequantize-then-cuBLAS path (``dequant_matmul``) and its dequantization alone. Reports each
+time against the streaming limit (the bytes moved over the copy bandwidth measured in the same
+run), the best launch shape, and the quantized paths against cuBLAS bf16: the data for tuning
+``default_gemv_config`` / ``default_gemm_config`` and for ``DEQUANT_GEMM_MIN_ROWS``.
+
+Timed calls replay from a CUDA graph and cycle through copies of the weight that together
+exceed the L2 cache, as a model's consecutive linears do.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import statistics
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,6 +41,7 @@ from kernels.quant import (
     plane_bytes,
     quantize,
 )
+from kernels.quant_dequant_triton import dequant_matmul, dequantize_into
 from kernels.quant_matmul_triton import (
     MAX_GEMV_ROWS,
     QuantMatmulConfig,
@@ -41,16 +51,28 @@ from kernels.quant_matmul_triton import (
 )
 
 DEVICE = "cuda"
-GEMV_GRID = [  # (block_n, block_k, split_k) around the default: each shape compiles once
-    QuantMatmulConfig(block_n=n, block_k=k, split_k=split)
-    for n, k, split in ((8, 256, 1), (16, 256, 1), (32, 256, 1), (16, 512, 1), (16, 256, 2),
-                        (16, 256, 4))
+DTYPE = torch.bfloat16  # of the activations, the dense weight and the dequantized one
+# (block_n, block_k, split_k, num_warps): column tile, K step (block_k / 32 blocks a step),
+# K split and warps around the defaults; each compiles once per format and row padding
+GEMV_GRID = [
+    QuantMatmulConfig(block_n=n, block_k=k, split_k=split, num_warps=warps)
+    for n, k, split, warps in (
+        (8, 256, 1, 4), (8, 512, 1, 4), (8, 1024, 1, 4), (8, 512, 1, 2), (16, 256, 1, 4), (16, 512, 1, 4),
+        (16, 512, 1, 8), (16, 1024, 1, 8), (32, 128, 1, 4), (32, 256, 1, 4), (32, 256, 1, 8),
+        (64, 128, 1, 4), (64, 256, 1, 8), (8, 512, 2, 4), (16, 256, 2, 4), (16, 256, 4, 4),
+        (32, 256, 4, 8),
+    )
 ]  # fmt: skip
 GEMM_GRID = [
     QuantMatmulConfig(block_m=m, block_n=n, block_k=k, num_warps=w)
     for m, n, k, w in ((32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8), (128, 128, 32, 8),
                        (128, 64, 64, 4))
 ]  # fmt: skip
+ROTATION_BYTES = 256 << 20  # weight copies cycled through: 5x an H100's 50 MiB L2
+MAX_COPIES = 16
+GRAPH_MS = 5.0  # a timed graph holds enough calls to run this long
+NUM_REPLAYS = 5
+COMPILE_THREADS = min(16, os.cpu_count() or 1)
 
 
 def linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
@@ -65,39 +87,113 @@ def linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
     }
 
 
-def measure(
-    fmt: QuantFormat, rows: int, num_cols: int, size_k: int, copy_bytes_per_s: float
+class Shape:
+    """One weight in a format: its planes and bf16 dense copies, and a dequantization room."""
+
+    def __init__(self, fmt: QuantFormat, num_cols: int, size_k: int) -> None:
+        self.fmt, self.num_cols, self.size_k = fmt, num_cols, size_k
+        if fmt.name in IN_SITU_FORMATS:
+            planes = quantize(torch.randn(num_cols, size_k, device=DEVICE) * 0.02, fmt)
+        else:  # no in-situ k-quants: random blocks of the right shape
+            planes = _random_planes(fmt, num_cols, size_k)
+        dense = dequantize(fmt, planes).to(DTYPE)
+        self.planes = [planes] + [
+            {name: p.clone() for name, p in planes.items()}
+            for _ in range(_num_copies(plane_bytes(planes)) - 1)
+        ]
+        self.dense = [dense] + [dense.clone() for _ in range(_num_copies(dense.nbytes) - 1)]
+        self.scratch = torch.empty(num_cols * size_k, dtype=DTYPE, device=DEVICE)
+        self.packed_bytes = plane_bytes(planes)
+
+
+def measure(shape: Shape, rows: int, copy_bytes_per_s: float) -> dict[str, Any]:
+    """Timings of one (format, shape, rows) against cuBLAS bf16, checked against the
+    reference (bf16 weights and outputs: 3% of the output's scale)."""
+    fmt, size_k = shape.fmt, shape.size_k
+    x = torch.randn(rows, size_k, device=DEVICE, dtype=DTYPE)
+    reference = F.linear(x, shape.dense[0]).float()
+    tolerance = 3e-2 * reference.abs().max().item() + 1e-3
+    dense = itertools.cycle(shape.dense)
+    timings = {"cublas_bf16": _time_us(lambda: F.linear(x, next(dense)))}
+    gemv = rows <= MAX_GEMV_ROWS
+    default = (default_gemv_config(shape.num_cols, size_k, fmt) if gemv
+               else default_gemm_config(rows, shape.num_cols))  # fmt: skip
+    configs = {_key(c): c for c in [default, *(GEMV_GRID if gemv else GEMM_GRID)]}
+    runs = {key: _triton_call(shape, x, config) for key, config in configs.items()}
+    for (key, run), got in zip(runs.items(), _first_calls(list(runs.values())), strict=True):
+        assert (got.float() - reference).abs().max().item() <= tolerance, (fmt.name, key)
+        timings[key] = _time_us(run)
+    if not gemv:
+        timings.update(_time_dequant(shape, x, reference, tolerance))
+    return {"summary": _summary(shape, rows, timings, _key(default), copy_bytes_per_s),
+            "timings_us": timings}  # fmt: skip
+
+
+def _triton_call(
+    shape: Shape, x: torch.Tensor, config: QuantMatmulConfig
+) -> Callable[[], torch.Tensor]:
+    planes_of = _cycler(shape.planes)
+    return lambda: quant_matmul(x, shape.fmt, planes_of(), shape.size_k, config=config)
+
+
+def _first_calls(fns: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    """Each function's first result. On CUDA the calls run in threads, so that the kernels
+    of a launch-shape grid compile side by side: about 130 compiles of a second or more for
+    three formats, most of the run in turn. ptxas is a process and Triton's passes release
+    the GIL in part (four GEMV compiles on two busy cores: 5.0 s in threads, 7.6 s in turn)."""
+    first = fns[0]()  # the JIT's per-device caches exist before threads share them
+    if DEVICE != "cuda":  # the interpreter patches triton.language while it runs: in turn
+        return [first, *(fn() for fn in fns[1:])]
+    with ThreadPoolExecutor(COMPILE_THREADS) as pool:
+        rest = list(pool.map(lambda fn: fn(), fns[1:]))
+    torch.cuda.synchronize()
+    return [first, *rest]
+
+
+def _time_dequant(
+    shape: Shape, x: torch.Tensor, reference: torch.Tensor, tolerance: float
+) -> dict[str, float]:
+    """The dequantize-then-cuBLAS path, and its dequantization alone."""
+    fmt, room = shape.fmt, shape.scratch
+    planes_of = _cycler(shape.planes)
+    weight = room.view(shape.num_cols, shape.size_k)
+    got = dequant_matmul(x, fmt, planes_of(), room).float()
+    assert (got - reference).abs().max().item() <= tolerance, (fmt.name, "dequant_cublas")
+    return {
+        "dequant_cublas": _time_us(lambda: dequant_matmul(x, fmt, planes_of(), room)),
+        "dequant_only": _time_us(lambda: dequantize_into(fmt, planes_of(), weight)),
+    }
+
+
+def _summary(
+    shape: Shape, rows: int, timings: dict[str, float], default: str, copy_bytes_per_s: float
 ) -> dict[str, Any]:
-    """Timings of one (format, rows, shape) against cuBLAS bf16, checked against the reference."""
-    if fmt.name in IN_SITU_FORMATS:
-        planes = quantize(torch.randn(num_cols, size_k, device=DEVICE) * 0.02, fmt)
-    else:  # no in-situ k-quants: random blocks of the right shape
-        planes = _random_planes(fmt, num_cols, size_k)
-    dense = dequantize(fmt, planes).bfloat16()
-    x = torch.randn(rows, size_k, device=DEVICE, dtype=torch.bfloat16)
-    reference = F.linear(x, dense).float()
-    timings = {"cublas_bf16": _time_us(lambda: F.linear(x, dense))}
-    default = (default_gemv_config(num_cols, size_k, fmt) if rows <= MAX_GEMV_ROWS
-               else default_gemm_config(rows, num_cols))  # fmt: skip
-    grid = GEMV_GRID if rows <= MAX_GEMV_ROWS else GEMM_GRID
-    for config in [default, *grid]:
-        got = quant_matmul(x, fmt, planes, size_k, config=config).float()
-        scale = reference.abs().max().item()
-        assert (got - reference).abs().max().item() <= 3e-2 * scale + 1e-3, (fmt.name, config)
-        timings[_key(config)] = _time_us(
-            lambda c=config: quant_matmul(x, fmt, planes, size_k, config=c)
-        )
-    limit_us = plane_bytes(planes) / copy_bytes_per_s * 1e6
-    best = min((k for k in timings if k != "cublas_bf16"), key=timings.__getitem__)
+    limit_us = shape.packed_bytes / copy_bytes_per_s * 1e6
+    configs = [k for k in timings if k not in ("cublas_bf16", "dequant_cublas", "dequant_only")]
+    best = min(configs, key=timings.__getitem__)
+    cublas_us = timings["cublas_bf16"]
     summary = {
-        "format": fmt.name, "rows": rows, "N": num_cols, "K": size_k,
-        "limit_us": round(limit_us, 2), "cublas_bf16_us": round(timings["cublas_bf16"], 2),
-        "default_us": round(timings[_key(default)], 2), "best": best,
+        "format": shape.fmt.name, "rows": rows, "N": shape.num_cols, "K": shape.size_k,
+        "limit_us": round(limit_us, 2), "cublas_bf16_us": round(cublas_us, 2),
+        "default_us": round(timings[default], 2), "best": best,
         "best_us": round(timings[best], 2),
-        "default_of_limit": round(limit_us / timings[_key(default)], 3),
+        "default_of_limit": round(limit_us / timings[default], 3),
         "best_of_limit": round(limit_us / timings[best], 3),
+        "default_of_cublas": round(cublas_us / timings[default], 3),
     }  # fmt: skip
-    return {"summary": summary, "timings_us": timings}
+    if "dequant_cublas" in timings:  # the figures DEQUANT_GEMM_MIN_ROWS is set from
+        written_bytes = shape.scratch.nbytes
+        dequant_limit_us = (shape.packed_bytes + written_bytes) / copy_bytes_per_s * 1e6
+        summary |= {
+            "dequant_cublas_us": round(timings["dequant_cublas"], 2),
+            "dequant_cublas_of_cublas": round(cublas_us / timings["dequant_cublas"], 3),
+            "dequant_us": round(timings["dequant_only"], 2),
+            "dequant_of_limit": round(dequant_limit_us / timings["dequant_only"], 3),
+            "faster": "dequant_cublas"
+            if timings["dequant_cublas"] < timings[default]
+            else "triton",
+        }
+    return summary
 
 
 def _random_planes(fmt: QuantFormat, num_rows: int, size_k: int) -> dict[str, torch.Tensor]:
@@ -111,34 +207,72 @@ def _random_planes(fmt: QuantFormat, num_rows: int, size_k: int) -> dict[str, to
     return planes
 
 
+def _num_copies(num_bytes: int) -> int:
+    return max(1, min(MAX_COPIES, -(-ROTATION_BYTES // num_bytes)))
+
+
+def _cycler(items: list[Any]) -> Callable[[], Any]:
+    """A function that returns the next of ``items`` at each call (one per captured call)."""
+    cycle = itertools.cycle(items)
+    return lambda: next(cycle)
+
+
 def _key(config: QuantMatmulConfig) -> str:
     return (f"m{config.block_m}n{config.block_n}k{config.block_k}s{config.split_k}"
             f"w{config.num_warps}{'b' if config.blocked else ''}")  # fmt: skip
 
 
-def _time_us(fn: Any) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench_cudagraph(fn, rep=50)) * 1000.0
+def _time_us(fn: Callable[[], Any]) -> float:
+    """Median time of one call, replayed from a CUDA graph of about GRAPH_MS of calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # fn's inputs were made there
+    with torch.cuda.stream(stream):
+        fn()  # compiles, warms up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        num_calls = max(1, min(1000, int(GRAPH_MS * 3 / max(start.elapsed_time(end), 1e-3))))
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()  # not torch.cuda.graph: its gc.collect() per timing adds up
+        try:
+            for _ in range(num_calls):
+                fn()
+        finally:
+            graph.capture_end()
+        graph.replay()
+        per_call_ms = []
+        for _ in range(NUM_REPLAYS):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            per_call_ms.append(start.elapsed_time(end) / num_calls)
+    return statistics.median(per_call_ms) * 1000.0
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b", help="a dummy: shape name")
     parser.add_argument("--formats", default="q8_0,q4_0,q4_1,q4_k,q6_k,fp8")
-    parser.add_argument("--rows", default="1,16,4096")
+    parser.add_argument("--rows", default="1,8,144,4096")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     arch = ModelArch.from_hf_config(dummy_hf_config(args.model))
     copy_bytes_per_s = measure_copy_bandwidth("cuda")
+    row_counts = [int(r) for r in args.rows.split(",")]
     results = []
-    for fmt_name, rows in itertools.product(args.formats.split(","),
-                                            (int(r) for r in args.rows.split(","))):  # fmt: skip
+    for fmt_name in args.formats.split(","):
         for name, (num_cols, size_k) in linear_shapes(arch).items():
-            result = measure(FORMATS[fmt_name], rows, num_cols, size_k, copy_bytes_per_s)
-            result["summary"]["linear"] = name
-            results.append(result)
-            print(result["summary"], flush=True)
+            shape = Shape(FORMATS[fmt_name], num_cols, size_k)
+            for rows in row_counts:
+                result = measure(shape, rows, copy_bytes_per_s)
+                result["summary"]["linear"] = name
+                results.append(result)
+                print(result["summary"], flush=True)
+            del shape  # its copies before the next format's
     record = {"kind": "quant_kernels", "machine": machine_info("cuda"),
               "settings": {"model": args.model, "formats": args.formats, "rows": args.rows},
               "copy_bytes_per_s": copy_bytes_per_s, "results": results}  # fmt: skip

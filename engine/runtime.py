@@ -29,6 +29,7 @@ from engine.memory import (
 )
 from engine.model_runner import ModelRunner
 from engine.piecewise_graphs import activation_buffer_bytes
+from engine.quant import allocate_dequant_scratch
 from engine.sampler import Sampler
 from engine.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from engine.spec_decode.proposer import PromptLookupProposer, Proposer
@@ -134,6 +135,8 @@ def build_runtime(
     use_graphs = _graphs_enabled(config, backend, device)
     profile = None
     if device.type == "cuda":
+        # before the profile: the shared dequantized-weight room counts once, as used memory
+        _allocate_dequant_scratch(config, [loaded, draft], dtype, device)
         peaks = _measure_peaks(config, loaded, spec, sampler, max_model_len, device, use_graphs)
         # read after the scratch pool is gone: what is used from here on stays used
         profile = read_device_memory(device, loaded.weights_bytes, *peaks)
@@ -233,6 +236,22 @@ def _agree_on_pool(plan: PoolPlan, group: TensorParallelGroup) -> PoolPlan:
         num_offload_blocks=num_offload_blocks,
         budget_bytes=num_blocks * bytes_per_block,
     )
+
+
+def _allocate_dequant_scratch(
+    config: EngineConfig,
+    models: list[LoadedModel | None],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """The quantized linears' weight scratch, if a step of the token budget takes the
+    dequantize-then-cuBLAS path (no step has more rows than --max-batched-tokens)."""
+    for loaded in models:
+        if loaded is None:
+            continue
+        num_bytes = allocate_dequant_scratch(loaded.model, config.max_batched_tokens, dtype, device)
+        if num_bytes:
+            logger.info("dequantized-weight scratch: %.2f GiB", num_bytes / GIB)
 
 
 def _measure_peaks(

@@ -6,8 +6,9 @@ The weight never exists in float outside registers: each program loads its tile'
 scales from the format's planes (kernels/quant.py) and dequantizes them where the products
 are formed, so a step reads the packed bytes only (4.5 bits a weight for q4_0 against 16).
 
-``_weight_tile`` turns element coordinates ``(n, k)`` (any broadcastable shapes) into float32
-weights for every format, from ggml's per-block layout. Two kernels use it:
+``weight_tile`` turns element coordinates ``(n, k)`` (any broadcastable shapes) into float32
+weights for every format, from ggml's per-block layout. Two kernels here use it, and
+kernels/quant_dequant_triton.py writes its tiles out as a float weight:
 
 * GEMV (``M <= MAX_GEMV_ROWS``, decode): a program owns ``BLOCK_N`` output columns for all
   rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
@@ -17,7 +18,9 @@ weights for every format, from ggml's per-block layout. Two kernels use it:
   contiguous groups (``QuantMatmulConfig.blocked``; off, every format dequantizes element
   by element here).
 * GEMM (prefill): ``BLOCK_M x BLOCK_N`` output tiles; each ``K`` step dequantizes a
-  ``[BLOCK_K, BLOCK_N]`` weight tile into the activation dtype and feeds ``tl.dot``.
+  ``[BLOCK_K, BLOCK_N]`` weight tile into the activation dtype and feeds ``tl.dot``. From
+  ``DEQUANT_GEMM_MIN_ROWS`` rows up, engine/quant/linear.py dequantizes the whole weight once
+  and calls cuBLAS instead (kernels/quant_dequant_triton.py).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class QuantMatmulConfig:
 
 
 @triton.jit
-def _weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask, FORMAT: tl.constexpr):
+def weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask, FORMAT: tl.constexpr):
     """float32 weights at rows ``n``, columns ``k`` (broadcast together); planes in the order
     of kernels/quant.py's FORMATS, ``s*`` their row strides."""
     if FORMAT == 0:  # q8_0: d, qs
@@ -146,7 +149,7 @@ def _quant_gemv_kernel(
         mask_k = offs_k < K
         # 1. the dequantized weight tile [BLOCK_N, BLOCK_K]
         w_mask = mask_n[:, None] & mask_k[None, :]
-        w = _weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, offs_n[:, None], offs_k[None, :],
+        w = weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, offs_n[:, None], offs_k[None, :],
                          w_mask, FORMAT)  # fmt: skip
         # 2. the activations [M_PAD, BLOCK_K]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -181,7 +184,7 @@ def _quant_gemm_kernel(
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         # the weight tile transposed, [BLOCK_K, BLOCK_N], rounded to x's dtype for the dot
         w_mask = mask_k[:, None] & mask_n[None, :]
-        w = _weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, offs_n[None, :], offs_k[:, None],
+        w = weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, offs_n[None, :], offs_k[:, None],
                          w_mask, FORMAT).to(x.dtype)  # fmt: skip
         if IEEE_FP32:
             acc += tl.dot(x, w, input_precision="ieee")
@@ -205,7 +208,7 @@ def quant_matmul(
 ) -> torch.Tensor:  # [M, N]
     """``x @ dequantize(fmt, planes).T``: the GEMV for up to ``MAX_GEMV_ROWS`` rows, else the
     GEMM (fp8 on Hopper+ in bf16: ``torch._scaled_mm``, activations quantized per row)."""
-    pointers = _plane_arguments(fmt, planes)
+    pointers = plane_arguments(fmt, planes)
     num_rows = x.shape[0]
     num_cols = pointers[0].shape[0]
     _check(x, size_k)
@@ -325,7 +328,7 @@ def default_gemm_config(num_rows: int, num_cols: int) -> QuantMatmulConfig:
                              num_warps=8 if block_m * block_n >= 128 * 64 else 4)  # fmt: skip
 
 
-def _plane_arguments(fmt: QuantFormat, planes: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def plane_arguments(fmt: QuantFormat, planes: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """The planes in kernel order, padded to MAX_PLANES with the first (never read)."""
     names = [p.name for p in fmt.planes] + (["scale"] if fmt.name == "fp8" else [])
     try:

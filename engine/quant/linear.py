@@ -1,10 +1,13 @@
 """``QuantizedLinear``: a linear layer whose weight stays packed in a quantized format.
 
 On CUDA the matmul runs in the Triton kernels that dequantize in registers
-(kernels/quant_matmul_triton.py); elsewhere a reference dequantizes the whole weight to the
-activations' dtype and calls ``F.linear`` (correct, not fast: CPU serving defaults to float
-weights). The planes are buffers, so ``model.to(dtype)`` must not be used on a model that holds
-these: the loader casts parameters only.
+(kernels/quant_matmul_triton.py) up to ``DEQUANT_GEMM_MIN_ROWS`` rows; from there on the
+weight is dequantized into a scratch buffer that the model's quantized linears share and
+multiplied by cuBLAS (kernels/quant_dequant_triton.py, engine/quant/scratch.py). Elsewhere a
+reference dequantizes the whole weight to the activations' dtype and calls ``F.linear``
+(correct, not fast: CPU serving defaults to float weights). The planes are buffers, so
+``model.to(dtype)`` must not be used on a model that holds these: the loader casts parameters
+only.
 """
 
 from __future__ import annotations
@@ -16,8 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.quant.scratch import DequantScratch
 from kernels.quant import QuantFormat, dequantize, empty_planes, quantize
-from kernels.quant_matmul_triton import quant_matmul
+from kernels.quant_dequant_triton import dequant_matmul
+from kernels.quant_matmul_triton import quant_matmul, uses_scaled_mm
+
+# Rows from which a step dequantizes the weight once and calls cuBLAS instead of the Triton
+# GEMM (bench/quant_kernels.py times both per shape; fp8 on Hopper keeps torch._scaled_mm).
+DEQUANT_GEMM_MIN_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,10 @@ class QuantizedLinear(nn.Module):
         fmt: QuantFormat,
         bias: bool = False,
         device: torch.device | str | None = None,
+        scratch: DequantScratch | None = None,
     ) -> None:
+        """``scratch``: the float weight room shared with the model's other quantized
+        linears (engine/quant/plan.py hands one to all); a layer of its own by default."""
         super().__init__()
         if fmt.block_size > 1 and in_features % fmt.block_size:
             raise ModelLoadError(
@@ -50,6 +62,8 @@ class QuantizedLinear(nn.Module):
         for name, plane in empty_planes(fmt, out_features, in_features, device).items():
             self.register_buffer(name, plane)
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+        self.scratch = scratch if scratch is not None else DequantScratch()
+        self.scratch.reserve(out_features, in_features)
 
     @property
     def device(self) -> torch.device:
@@ -65,13 +79,27 @@ class QuantizedLinear(nn.Module):
         out: torch.Tensor | None = None,  # [T, out_features]
     ) -> torch.Tensor:  # [T, out_features]
         if x.is_cuda:
-            if self.bias is None:
-                return quant_matmul(x, self.fmt, self.planes(), self.in_features, out=out)
-            y = quant_matmul(x, self.fmt, self.planes(), self.in_features) + self.bias
-            return y if out is None else out.copy_(y)
+            return self.kernel_forward(x, out)
         weight = dequantize(self.fmt, self.planes()).to(x.dtype)  # the reference path
         y = F.linear(x, weight, self.bias)
         return y if out is None else out.copy_(y)
+
+    def kernel_forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The Triton path that CUDA takes (the interpreter runs it on CPU tensors in tests)."""
+        if self.takes_dequant_gemm(x):
+            scratch = self.scratch.buffer(x.dtype, x.device)
+            return dequant_matmul(x, self.fmt, self.planes(), scratch, bias=self.bias, out=out)
+        if self.bias is None:
+            return quant_matmul(x, self.fmt, self.planes(), self.in_features, out=out)
+        y = quant_matmul(x, self.fmt, self.planes(), self.in_features) + self.bias
+        return y if out is None else out.copy_(y)
+
+    def takes_dequant_gemm(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows are many enough to dequantize the weight for cuBLAS (fp8 on
+        Hopper keeps ``torch._scaled_mm``, which reads the e4m3 weight as it is)."""
+        if x.shape[0] < DEQUANT_GEMM_MIN_ROWS:
+            return False
+        return not uses_scaled_mm(x, self.fmt, self.out_features, self.in_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the planes encode (for tests and error reports)."""
@@ -101,3 +129,20 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={self.fmt.name}, bias={self.bias is not None}"
         )
+
+
+def allocate_dequant_scratch(
+    model: nn.Module, max_rows: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Allocate the scratch of ``model``'s quantized linears now if a step of up to
+    ``max_rows`` rows would use it; the bytes it holds (0: not needed). The engine calls this
+    before it profiles its largest step and captures graphs, so the buffer counts once as
+    used memory and never appears mid-capture."""
+    probe = torch.empty(max_rows, 0, dtype=dtype, device=device)  # rows, dtype, device only
+    scratches: dict[int, DequantScratch] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.takes_dequant_gemm(probe):
+            scratches.setdefault(id(module.scratch), module.scratch)
+    for scratch in scratches.values():
+        scratch.buffer(dtype, device)
+    return sum(scratch.allocated_bytes for scratch in scratches.values())

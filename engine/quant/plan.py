@@ -13,6 +13,7 @@ from torch import nn
 from engine.errors import ConfigError
 from engine.models.arch import ModelArch
 from engine.quant.linear import QuantizedLinear
+from engine.quant.scratch import DequantScratch
 from kernels.quant import FORMATS, QuantFormat
 
 QuantPlan = dict[str, QuantFormat]
@@ -74,12 +75,19 @@ def hf_weight_names(arch: ModelArch, plan: QuantPlan) -> set[str]:
 
 
 def swap_in_quantized(model: nn.Module, plan: QuantPlan) -> None:
-    """Replace each planned ``nn.Linear`` with an empty ``QuantizedLinear`` on its device."""
+    """Replace each planned ``nn.Linear`` with an empty ``QuantizedLinear`` on its device,
+    all sharing one float weight scratch (engine/quant/scratch.py)."""
+    scratch = DequantScratch()
     for name, fmt in plan.items():
         old = model.get_submodule(name)
         assert isinstance(old, nn.Linear), name
         new = QuantizedLinear(
-            old.in_features, old.out_features, fmt, old.bias is not None, old.weight.device
+            old.in_features,
+            old.out_features,
+            fmt,
+            old.bias is not None,
+            old.weight.device,
+            scratch,
         )
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)

@@ -1,0 +1,106 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""A packed weight dequantized into a float buffer, then a dense cuBLAS matmul.
+
+The GEMM of kernels/quant_matmul_triton.py dequantizes each weight tile once per row tile,
+inside the ``tl.dot`` loop; with many rows (large decode batches, prefill) that work and the
+untuned tiles cost more than the packed bytes save. Here the weight is written out once as
+``[N, K]`` in the activations' dtype and multiplied by cuBLAS: the dequantization (reading the
+planes, writing 2 bytes a weight) is paid once per step and spread over all its rows.
+
+``weight_tile`` (the helper the GEMV and GEMM share) decodes every format's block fields, so
+the buffer holds exactly ``dequantize(fmt, planes).to(dtype)``: float32 products in the
+reference's order, FMA contraction off, one rounding to the buffer's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.gemv_triton import SUPPORTED_DTYPES
+from kernels.quant import QuantFormat
+from kernels.quant_matmul_triton import plane_arguments, weight_tile
+
+DEQUANT_BLOCK_N = 16  # output rows of the weight per program
+DEQUANT_BLOCK_K = 256  # columns per program: a 512-byte bf16 store per row
+
+
+@triton.jit
+def _dequantize_kernel(
+    out_ptr, p0, p1, p2, p3, s0, s1, s2, s3,
+    N, K,
+    stride_on,  # out: [N, K], last stride 1
+    FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    w = weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, offs_n[:, None], offs_k[None, :], mask,
+                    FORMAT)  # fmt: skip
+    out_ptrs = out_ptr + offs_n[:, None] * stride_on + offs_k[None, :]
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_into(
+    fmt: QuantFormat,
+    planes: dict[str, torch.Tensor],  # the weight's planes, each [N, ...]
+    out: torch.Tensor,  # [N, K] float16/bfloat16/float32, last stride 1
+) -> torch.Tensor:  # out
+    """Write ``dequantize(fmt, planes).to(out.dtype)`` into ``out``, bit for bit."""
+    pointers = plane_arguments(fmt, planes)
+    num_cols, size_k = out.shape
+    if pointers[0].shape[0] != num_cols or out.stride(-1) != 1:
+        raise ValueError(
+            f"dequantize_into: out [{pointers[0].shape[0]}, K] with a contiguous last "
+            f"dimension expected, got {tuple(out.shape)} strides {out.stride()}"
+        )
+    if out.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dequantize_into: out in one of {SUPPORTED_DTYPES}, got {out.dtype}")
+    grid = (triton.cdiv(num_cols, DEQUANT_BLOCK_N), triton.cdiv(size_k, DEQUANT_BLOCK_K))
+    _dequantize_kernel[grid](
+        out, *pointers, *(p.stride(0) for p in pointers), num_cols, size_k, out.stride(0),
+        FORMAT=fmt.kernel_id, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K,
+        enable_fp_fusion=False,  # d * q + m rounded twice, as the torch reference does
+    )  # fmt: skip
+    return out
+
+
+def dequant_matmul(
+    x: torch.Tensor,  # [M, K]
+    fmt: QuantFormat,
+    planes: dict[str, torch.Tensor],  # the weight's planes, each [N, ...]
+    scratch: torch.Tensor,  # flat, x's dtype: room for the weight (or a slice of its rows)
+    *,
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype, last stride 1
+) -> torch.Tensor:  # [M, N]
+    """``F.linear(x, dequantize(fmt, planes), bias)`` through ``scratch`` and cuBLAS.
+
+    A weight larger than ``scratch`` (an LM head beside the decoder's linears) is taken in
+    slices of whole output rows, each multiplied into its columns of ``out``.
+    """
+    num_rows, size_k = x.shape
+    num_cols = next(iter(planes.values())).shape[0]
+    chunk_rows = min(scratch.numel() // size_k, num_cols)
+    if chunk_rows == 0 or scratch.dtype != x.dtype:
+        raise ValueError(
+            f"dequant_matmul: scratch of {scratch.numel()} {scratch.dtype} cannot hold a row "
+            f"of {size_k} {x.dtype}"
+        )
+    if chunk_rows == num_cols:  # the usual case: one slice, bias fused into cuBLAS
+        weight = dequantize_into(fmt, planes, scratch[: num_cols * size_k].view(num_cols, -1))
+        if out is not None and bias is None:
+            return torch.mm(x, weight.t(), out=out)
+        y = F.linear(x, weight, bias)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    for start in range(0, num_cols, chunk_rows):
+        end = min(start + chunk_rows, num_cols)
+        part = {name: plane[start:end] for name, plane in planes.items()}
+        weight = dequantize_into(fmt, part, scratch[: (end - start) * size_k].view(end - start, -1))
+        torch.mm(x, weight.t(), out=out[:, start:end])  # row stride N: cuBLAS's leading dim
+    return out if bias is None else out.add_(bias)

@@ -1,0 +1,65 @@
+"""bench.quant_kernels' figures on CPU (kernels interpreted, timing replaced by a counter): each
+row count gets the launch shapes of its kernel, and beyond the GEMV the dequant+cuBLAS path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import bench.quant_kernels as quant_kernels
+from kernels.quant import FORMATS, dequantize
+from kernels.quant_matmul_triton import QuantMatmulConfig, quant_matmul
+from tests.test_quant_kernels import random_planes
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_k"])
+def test_each_row_count_gets_its_kernels_launch_shapes_and_the_dequant_path(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def count_calls(fn: Callable[[], Any]) -> float:  # runs fn as a timing would, once
+        fn()
+        calls.append(1)
+        return float(len(calls))
+
+    monkeypatch.setattr(quant_kernels, "DEVICE", "cpu")
+    # float32: the interpreter's tl.dot on bf16 (Triton 3.9) gives garbage, the GPU's does not
+    monkeypatch.setattr(quant_kernels, "DTYPE", torch.float32)
+    monkeypatch.setattr(quant_kernels, "_time_us", count_calls)
+    monkeypatch.setattr(quant_kernels, "GEMV_GRID", [QuantMatmulConfig(block_n=16, block_k=256)])
+    gemm = QuantMatmulConfig(block_m=16, block_n=32, block_k=64)
+    monkeypatch.setattr(quant_kernels, "GEMM_GRID", [gemm])
+    shape = quant_kernels.Shape(FORMATS[name], 48, 256)
+    assert len(shape.planes) == quant_kernels.MAX_COPIES  # tiny: the copies' cap
+    decode = quant_kernels.measure(shape, 2, copy_bytes_per_s=1e9)
+    assert set(decode["timings_us"]) == {"cublas_bf16", "m64n8k256s1w4b", "m64n16k256s1w4b"}
+    assert "dequant_cublas_us" not in decode["summary"]
+    prefill = quant_kernels.measure(shape, 20, copy_bytes_per_s=1e9)
+    summary = prefill["summary"]
+    assert set(prefill["timings_us"]) == {
+        "cublas_bf16", "m32n32k64s1w4b", "m16n32k64s1w4b", "dequant_cublas", "dequant_only"
+    }  # fmt: skip
+    timings = prefill["timings_us"]  # the counter: the order of the timings
+    assert summary["best"] == "m32n32k64s1w4b"  # the default, timed first of the configs
+    assert summary["dequant_cublas_of_cublas"] == round(
+        timings["cublas_bf16"] / timings["dequant_cublas"], 3
+    )
+    assert summary["faster"] == "triton"  # timed after the default: a larger count
+    packed_and_written = shape.packed_bytes + 48 * 256 * 4
+    limit_us = packed_and_written / 1e9 * 1e6
+    assert summary["dequant_of_limit"] == round(limit_us / timings["dequant_only"], 3)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_1", "q4_k", "q6_k"])  # each GEMV's code paths
+def test_every_gemv_launch_shape_of_the_sweep_multiplies_right(name: str) -> None:
+    fmt = FORMATS[name]
+    planes = random_planes(fmt, 40, 1024, seed=9)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(9))
+    expected = x @ dequantize(fmt, planes).T
+    for config in quant_kernels.GEMV_GRID:
+        got = quant_matmul(x, fmt, planes, 1024, config=config)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
