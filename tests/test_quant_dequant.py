@@ -113,8 +113,10 @@ def test_a_models_quantized_linears_share_one_scratch_sized_for_the_largest_slic
     assert model.up.scratch is model.head.scratch
     assert model.head.scratch.num_elements == 128 * 96  # > the up's 96 * 64
     # steps of fewer rows never dequantize: nothing is allocated
-    assert allocate_dequant_scratch(model, 511, torch.bfloat16, torch.device("cpu")) == 0
-    num_bytes = allocate_dequant_scratch(model, 512, torch.bfloat16, torch.device("cpu"))
+    threshold = linear_module.DEQUANT_GEMM_MIN_ROWS
+    cpu = torch.device("cpu")
+    assert allocate_dequant_scratch(model, threshold - 1, torch.bfloat16, cpu) == 0
+    num_bytes = allocate_dequant_scratch(model, threshold, torch.bfloat16, cpu)
     assert num_bytes == 128 * 96 * 2
     buffer = model.up.scratch.buffer(torch.bfloat16, torch.device("cpu"))
     assert model.head.scratch.buffer(torch.bfloat16, torch.device("cpu")) is buffer  # once

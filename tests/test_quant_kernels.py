@@ -217,9 +217,11 @@ def test_quant_matmul_refuses_a_wrong_width_and_missing_planes() -> None:
 
 def test_default_configs_fill_the_gpu() -> None:
     o_proj = default_gemv_config(4096, 4096, FORMATS["q4_0"])  # 512 programs of 8 columns
-    assert (o_proj.block_n, o_proj.block_k, o_proj.split_k) == (8, 512, 1)
-    assert default_gemv_config(128256, 4096, FORMATS["q4_0"]).block_n == 16
+    assert (o_proj.block_n, o_proj.block_k, o_proj.split_k) == (8, 1024, 1)
+    assert default_gemv_config(128256, 4096, FORMATS["q8_0"]).block_n == 8  # swept: 8 wins
+    assert default_gemv_config(128256, 4096, FORMATS["q4_k"]).block_n == 16  # not swept
     assert default_gemv_config(1024, 2048, FORMATS["q4_0"]).split_k == 2  # 128 programs
+    assert default_gemv_config(576, 64, FORMATS["q4_0"]).block_k == 64  # a short K
     decode = default_gemm_config(16, 4096)  # a batch of 16: 128 column tiles, not 64
     assert (decode.block_m, decode.block_n) == (16, 32)
     prefill = default_gemm_config(8192, 4096)

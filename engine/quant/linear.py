@@ -26,7 +26,10 @@ from kernels.quant_matmul_triton import quant_matmul, uses_scaled_mm
 
 # Rows from which a step dequantizes the weight once and calls cuBLAS instead of the Triton
 # GEMM (bench/quant_kernels.py times both per shape; fp8 on Hopper keeps torch._scaled_mm).
-DEQUANT_GEMM_MIN_ROWS = 512
+# H100, llama3-8b's linears (quant-kernels-llama3-8b-h100.json): at 144 rows dequantize +
+# cuBLAS took 0.58-0.77 of the Triton GEMM's time for every linear in q4_0 and q8_0, at 4096
+# rows 0.15-0.21. Between 9 and 143 rows nothing was measured: the bound sits just below 144.
+DEQUANT_GEMM_MIN_ROWS = 128
 
 
 @dataclass(frozen=True)
