@@ -35,7 +35,7 @@ import triton.language as tl
 from kernels.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
 from kernels.gemv_triton import SUPPORTED_DTYPES, store_split_k
 from kernels.quant import QK, QuantFormat, fp8_scaled_mm
-from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, quant_gemv_kquant
+from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
 
 MAX_PLANES = 4
@@ -91,14 +91,7 @@ def _q4_k_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask):
     sblock = k // 256
     e = k % 256
     sub = e // 32  # 8 sub-blocks of 32, each with a 6-bit scale and min
-    # the three bytes that hold sub-block sub's scale and min (kernels/quant.py spells it out)
-    scales_ptr = p2 + n * s2 + sblock * 12 + sub % 4
-    a = tl.load(scales_ptr, mask=mask, other=0).to(tl.int32)
-    b = tl.load(scales_ptr + 4, mask=mask, other=0).to(tl.int32)
-    c = tl.load(scales_ptr + 8, mask=mask, other=0).to(tl.int32)
-    low_half = sub < 4
-    sc = tl.where(low_half, a & 63, (c & 0xF) | ((a >> 6) << 4)).to(tl.float32)
-    mn = tl.where(low_half, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+    sc, mn = _q4_k_scale_min(p2 + n * s2 + sblock * 12, sub, mask)
     d = tl.load(p0 + n * s0 + sblock, mask=mask, other=0.0).to(tl.float32)
     dmin = tl.load(p1 + n * s1 + sblock, mask=mask, other=0.0).to(tl.float32)
     # each 64 elements are 32 bytes: element e's nibble is in byte 32 (e // 64) + e % 32
