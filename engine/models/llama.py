@@ -35,7 +35,7 @@ GEMV_MAX_ROWS = 1  # rows that take the Triton GEMV instead of cuBLAS (measured 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # o_proj's and down's GEMV launch shape (the LM head keeps gemv's default). H100, llama3-8b,
 # one row, weights not in L2: o_proj 13.9-14.8 us against cuBLAS's 16.0, down 42.3 against
-# 44.4 (and the activation kernel folds into it); the batch-1 decode step 6.26 -> 6.08 ms.
+# 44.4 (and the activation kernel folds into it); the batch-1 decode step 6.26 -> 6.10 ms.
 LAYER_GEMV_CONFIG = GemvConfig(block_n=8, block_k=1024)
 
 
