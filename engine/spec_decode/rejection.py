@@ -50,12 +50,21 @@ class DraftLayout:
             index_rows.append([start + min(j, len(row)) for j in range(max_drafts + 1)])
             flat_ids += [*row, 0]
             row_index += [index] * (len(row) + 1)
+        # one host buffer and one copy (pinned, asynchronous on CUDA) for all five tensors
+        num_rows, width, num_positions = len(drafts), max_drafts + 1, len(flat_ids)
+        flat = [*starts, *(len(row) for row in drafts)]
+        flat += [i for index_row in index_rows for i in index_row]
+        flat += [*flat_ids, *row_index]
+        host = torch.tensor(flat, dtype=torch.int64, pin_memory=device.type == "cuda")
+        packed = host.to(device, non_blocking=True)
+        sizes = [num_rows, num_rows, num_rows * width, num_positions, num_positions]
+        starts_t, num_drafts, padded, ids, rows = packed.split(sizes)
         return cls(
-            starts=torch.tensor(starts, dtype=torch.int64, device=device),
-            num_drafts=torch.tensor([len(row) for row in drafts], dtype=torch.int64, device=device),
-            padded_index=torch.tensor(index_rows, dtype=torch.int64, device=device),
-            draft_token_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
-            row_index=torch.tensor(row_index, dtype=torch.int64, device=device),
+            starts=starts_t,
+            num_drafts=num_drafts,
+            padded_index=padded.view(num_rows, width),
+            draft_token_ids=ids,
+            row_index=rows,
             first_positions=tuple(starts),
         )
 
