@@ -116,9 +116,7 @@ def gemv(
     cfg = config or default_config(num_cols, size_k)
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
-    target = out
-    if cfg.split_k > 1:  # partial sums meet in fp32, then round once
-        target = torch.zeros(num_rows, num_cols, dtype=torch.float32, device=x.device)
+    target = split_k_target(out, cfg.split_k)
     grid = (triton.cdiv(num_cols, cfg.block_n), cfg.split_k)
     _gemv_kernel[grid](
         x, weight, target, num_rows, num_cols, size_k,
@@ -131,6 +129,14 @@ def gemv(
     if target is not out:
         out.copy_(target)
     return out
+
+
+def split_k_target(out: torch.Tensor, split_k: int) -> torch.Tensor:
+    """Where a GEMV's programs put their sums: ``out``, or with K split a zeroed fp32 buffer
+    the splits add into (partial sums meet in fp32 and round once: copy it into ``out``)."""
+    if split_k == 1:
+        return out
+    return torch.zeros(out.shape, dtype=torch.float32, device=out.device)
 
 
 def default_config(num_cols: int, size_k: int) -> GemvConfig:

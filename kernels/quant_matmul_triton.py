@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
-from kernels.gemv_triton import SUPPORTED_DTYPES, store_split_k
+from kernels.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
 from kernels.quant import QK, QuantFormat, fp8_scaled_mm
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
@@ -246,9 +246,7 @@ def _launch_gemv(
     size_k: int,
     cfg: QuantMatmulConfig,
 ) -> None:
-    target = out
-    if cfg.split_k > 1:  # partial sums meet in fp32, then round once
-        target = torch.zeros(out.shape, dtype=torch.float32, device=x.device)
+    target = split_k_target(out, cfg.split_k)
     group_size = KQUANT_FORMATS.get(fmt.name)
     if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
         num_planes = len(fmt.planes) + (fmt.name == "fp8")
