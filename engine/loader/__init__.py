@@ -42,18 +42,12 @@ class LoadedModel:
 
 def resolve_model_dir(name: str) -> Path:
     """The HF-format directory that holds ``name`` (converting or downloading as needed)."""
-    from engine.loader.gguf import (
-        BUNDLED_MODEL_NAME,
-        bundled_gguf_path,
-        convert_gguf,
-        default_cache_root,
-    )
+    from engine.loader.gguf import BUNDLED_MODEL_NAME, convert_gguf, default_cache_root
 
-    if name == BUNDLED_MODEL_NAME:
-        return convert_gguf(bundled_gguf_path(), default_cache_root(), progress=True)
+    gguf_path = _gguf_source(name)
+    if gguf_path is not None:
+        return convert_gguf(gguf_path, default_cache_root(), progress=True)
     path = Path(name).expanduser()
-    if name.endswith(".gguf"):
-        return convert_gguf(path, default_cache_root(), progress=True)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {path} has no config.json")
