@@ -73,29 +73,26 @@ class HostBatch:
         for entry in batch.scheduled:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
-            if entry.draft_token_ids:  # its last token, then drafts: logits at every position
-                first = len(token_ids)
-                token_ids += [seq.token_id(start), *entry.draft_token_ids]
+            first = len(token_ids)
+            if end - start == 1:  # a decode step (most rows): no lists to build
+                token_id = seq.token_id(start)
+                if token_id == PENDING_TOKEN:
+                    pending.append((first, seq))
+                token_ids.append(token_id)
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:  # a prefill chunk, or a decode's last token and its drafts
+                drafts = entry.draft_token_ids
+                token_ids += [seq.token_id(start), *drafts] if drafts else seq.token_ids(start, end)
                 positions += range(start, end)
                 slots += slots_of(seq.block_table, start, end, bs)
-                # one attention row per position, each seeing the context up to itself
+            if entry.draft_token_ids:  # logits at every position, one attention row each
                 query_start_loc += range(first + 1, len(token_ids) + 1)
-                seq_lens += range(start + 1, end + 1)
+                seq_lens += range(start + 1, end + 1)  # each sees the context up to itself
                 tables += [seq.block_table] * entry.num_new_tokens
                 draft_indices += range(first, len(token_ids))
                 draft_entries.append(entry)
                 continue
-            if end - start == 1:  # a decode step (most rows): no lists to build
-                token_id = seq.token_id(start)
-                if token_id == PENDING_TOKEN:
-                    pending.append((len(token_ids), seq))
-                token_ids.append(token_id)
-                positions.append(start)
-                slots.append(seq.block_table[start // bs] * bs + start % bs)
-            else:
-                token_ids += seq.token_ids(start, end)
-                positions += range(start, end)
-                slots += slots_of(seq.block_table, start, end, bs)
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
             tables.append(seq.block_table)

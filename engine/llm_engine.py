@@ -232,10 +232,7 @@ class LLMEngine:
             outputs += self._process(previous)
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._process(self._take_in_flight())
-        num_verify_rows = 0
-        if self.proposer is not None:
-            num_verify_rows = sum(1 for entry in batch.scheduled if entry.draft_token_ids)
-        profiler.end_step([entry.num_new_tokens for entry in batch.scheduled], num_verify_rows)
+        profiler.end_step(batch.scheduled)
         self._num_steps += 1
         self._step_time_s += time.perf_counter() - start_s
         return outputs

@@ -14,9 +14,12 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledSeq
 
 STEP_KINDS = ("decode", "verify", "mixed", "prefill")
 
@@ -70,8 +73,13 @@ class StepProfiler:
     def add_wait(self, wait_s: float) -> None:
         self._wait_s += wait_s
 
-    def end_step(self, num_new_tokens: list[int], num_verify_rows: int = 0) -> None:
-        kind = step_kind(num_new_tokens, num_verify_rows) if self.enabled else None
+    def end_step(self, scheduled: list[ScheduledSeq]) -> None:
+        """Record the step that ran ``scheduled`` (nothing when disabled: no per-step lists)."""
+        if not self.enabled:
+            return
+        num_new_tokens = [entry.num_new_tokens for entry in scheduled]
+        num_verify_rows = sum(1 for entry in scheduled if entry.draft_token_ids)
+        kind = step_kind(num_new_tokens, num_verify_rows)
         if kind is None:
             return
         wall_s = time.perf_counter() - self._start_s

@@ -148,7 +148,7 @@ def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_bench_multiturn(parser: argparse.ArgumentParser) -> None:
-    from engine.config_flags import add_engine_args
+    from worker.cli.bench_device import finish_engine_bench
 
     w = parser.add_argument_group("workload")
     w.add_argument("--num-sessions", type=positive_int, default=64, help="chats (default 64)")
@@ -161,10 +161,8 @@ def _configure_bench_multiturn(parser: argparse.ArgumentParser) -> None:
                    help="tokens per reply, EOS ignored (default 64)")  # fmt: skip
     w.add_argument("--concurrency", type=positive_int, default=16,
                    help="sessions with a turn in flight at once (default 16)")  # fmt: skip
-    w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
-    w.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_engine_args(parser)  # --kv-offload-mb is the tier of the second run; --seed the prompts'
-    parser.set_defaults(handler=_run_bench_multiturn, command_prog=parser.prog)
+    # the engine's --kv-offload-mb is the tier of the second run; its --seed the prompts'
+    finish_engine_bench(parser, w, _run_bench_multiturn)
 
 
 def _run_bench_multiturn(args: argparse.Namespace) -> int:

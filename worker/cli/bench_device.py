@@ -19,7 +19,6 @@ from worker.cli.parser import CommandError
 
 
 def configure_latency(parser: argparse.ArgumentParser) -> None:
-    from engine.config_flags import add_engine_args
 
     w = parser.add_argument_group("workload")
     w.add_argument(
@@ -37,10 +36,22 @@ def configure_latency(parser: argparse.ArgumentParser) -> None:
         help="hf: also time transformers' generate (static batch, sdpa) at each batch size; "
         "vllm: vLLM's offline API in a subprocess (when importable), before the engine loads",
     )
-    w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
-    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    finish_engine_bench(parser, w, _run_bench_latency)
+
+
+def finish_engine_bench(
+    parser: argparse.ArgumentParser,
+    workload: argparse._ArgumentGroup,
+    handler: Any,
+) -> None:
+    """The tail every engine benchmark's parser shares: its record path, the progress switch,
+    the engine flags and the handler."""
+    from engine.config_flags import add_engine_args
+
+    workload.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
+    workload.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(parser)
-    parser.set_defaults(handler=_run_bench_latency, command_prog=parser.prog)
+    parser.set_defaults(handler=handler, command_prog=parser.prog)
 
 
 def _run_bench_latency(args: argparse.Namespace) -> int:
@@ -105,7 +116,6 @@ def _latency_table(results: list[dict[str, Any]]) -> str:
 
 
 def configure_speculative(parser: argparse.ArgumentParser) -> None:
-    from engine.config_flags import add_engine_args
 
     w = parser.add_argument_group("workload")
     w.add_argument(
@@ -118,10 +128,7 @@ def configure_speculative(parser: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--output-len", type=positive_int, default=256, help="most tokens a request makes"
     )
-    w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
-    w.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_engine_args(parser)
-    parser.set_defaults(handler=_run_bench_speculative, command_prog=parser.prog)
+    finish_engine_bench(parser, w, _run_bench_speculative)
 
 
 def _run_bench_speculative(args: argparse.Namespace) -> int:
