@@ -37,6 +37,7 @@ from kernels.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
 from kernels.quant import QK, QuantFormat, fp8_scaled_mm
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
+from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, quant_mma
 
 MAX_PLANES = 4
 SCALED_MM_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm with row-wise scales
@@ -54,6 +55,8 @@ class QuantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through kernels/quant_gemv_triton.py
+    mma: bool = False  # q8_0/q4_0/q4_1 on tensor cores (kernels/quant_mma_triton.py), any rows
+    scale_first: bool = False  # mma: scale the weights before the dot, one dot per K step
 
 
 # -- dequantizing a tile ----------------------------------------------------------------------
@@ -213,11 +216,12 @@ def quant_matmul(
     if num_rows == 0:
         return out
     strides = [p.stride(0) for p in pointers]
-    if num_rows <= MAX_GEMV_ROWS:
-        cfg = config or default_gemv_config(num_cols, size_k, fmt)
+    cfg = config or default_config(num_rows, num_cols, size_k, fmt, x.dtype)
+    if cfg.mma:
+        _launch_mma(x, out, pointers, fmt, size_k, cfg)
+    elif num_rows <= MAX_GEMV_ROWS:
         _launch_gemv(x, out, pointers, strides, fmt, num_cols, size_k, cfg)
     else:
-        cfg = config or default_gemm_config(num_rows, num_cols)
         grid = (triton.cdiv(num_rows, cfg.block_m), triton.cdiv(num_cols, cfg.block_n))
         _quant_gemm_kernel[grid](
             x, out, *pointers, *strides, num_rows, num_cols, size_k, x.stride(0), out.stride(0),
@@ -266,6 +270,21 @@ def _launch_gemv(
         out.copy_(target)
 
 
+def _launch_mma(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    pointers: list[torch.Tensor],
+    fmt: QuantFormat,
+    size_k: int,
+    cfg: QuantMatmulConfig,
+) -> None:
+    quant_mma(
+        x, out, fmt, pointers[: len(fmt.planes)], size_k, block_m=cfg.block_m,
+        block_n=cfg.block_n, blocks=cfg.block_k // QK, split_k=cfg.split_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, scale_first=cfg.scale_first,
+    )  # fmt: skip
+
+
 def _launch_elementwise_gemv(
     x: torch.Tensor,
     target: torch.Tensor,
@@ -284,6 +303,53 @@ def _launch_elementwise_gemv(
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+
+
+def default_config(
+    num_rows: int, num_cols: int, size_k: int, fmt: QuantFormat, dtype: torch.dtype
+) -> QuantMatmulConfig:
+    """The launch shape ``quant_matmul`` takes when given none: the tensor-core kernel from
+    ``MMA_ROWS``, else the GEMV up to ``MAX_GEMV_ROWS`` rows, else the GEMM."""
+    if takes_mma(fmt, num_rows, dtype):
+        return default_mma_config(num_rows, num_cols, size_k, fmt)
+    if num_rows <= MAX_GEMV_ROWS:
+        return default_gemv_config(num_cols, size_k, fmt)
+    return default_gemm_config(num_rows, num_cols)
+
+
+# q8_0/q4_0/q4_1 with 16-bit activations: (rows from which the tensor-core kernel is the
+# default, rows from which engine/quant/linear.py dequantizes for cuBLAS instead). H100,
+# llama3-8b's four layer linears (quant-kernels-defaults-llama3-8b-h100.json, and the GEMV
+# from quant-kernels-mma-sweep-...): q4_0 at 4 rows 195 us against the GEMV's 231 (one row:
+# 95 with the GEMV), 8 rows 195 against 422; q8_0 at 4 rows the GEMV's 204, at 8 rows 233
+# against 349. Dequantize + cuBLAS: q4_0 at 256 rows 764 against 711 (two row tiles; a third
+# costs more), q8_0 at 144 rows 725 against 709 and at 256 rows 777 against 852.
+MMA_ROWS = {"q4_0": (4, 257), "q4_1": (4, 257), "q8_0": (8, 144)}
+MMA_WIDE_COLS = 16384  # from here (gate_up, LM heads) a tile is 128 columns and K is not split
+
+
+def takes_mma(fmt: QuantFormat, num_rows: int, dtype: torch.dtype) -> bool:
+    """Whether ``num_rows`` rows of ``dtype`` take the tensor-core kernel by default."""
+    bounds = MMA_ROWS.get(fmt.name)
+    return bounds is not None and num_rows >= bounds[0] and dtype in MMA_DTYPES
+
+
+@functools.lru_cache(maxsize=256)
+def default_mma_config(
+    num_rows: int, num_cols: int, size_k: int, fmt: QuantFormat
+) -> QuantMatmulConfig:
+    """The best launch shapes of the H100 sweep (bench/quant_kernels.py): a row tile that
+    holds the batch (16 to 128), the weights scaled before one dot per K step of 128 (rounded
+    as the dequantize path rounds them; q8_0 loses 9% at 16 rows against scaling each block's
+    dot result, exact but not the dequantize path's bits). Narrow weights (qkv, o, down) take
+    64-column tiles and split K in two, wide ones 128 columns and no split."""
+    block_m = min(128, max(MIN_BLOCK_M, triton.next_power_of_2(num_rows)))
+    wide = num_cols >= MMA_WIDE_COLS
+    block_n, block_k, split_k, warps = (128, 128, 1, 8) if wide else (64, 128, 2, 4)
+    while split_k > 1 and size_k < split_k * block_k * 2:  # every split two K steps or more
+        split_k //= 2
+    return QuantMatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
+                             num_warps=warps, mma=True, scale_first=True)  # fmt: skip
 
 
 GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)

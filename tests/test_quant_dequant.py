@@ -19,7 +19,7 @@ from engine.quant.plan import swap_in_quantized
 from engine.quant.scratch import DequantScratch
 from kernels.quant import FORMATS, dequantize
 from kernels.quant_dequant_triton import dequant_matmul, dequantize_into
-from kernels.quant_matmul_triton import uses_scaled_mm
+from kernels.quant_matmul_triton import MMA_ROWS, uses_scaled_mm
 from tests.test_quant_kernels import DEVICE, random_planes
 
 CUDA = DEVICE == "cuda"
@@ -112,11 +112,14 @@ def test_a_models_quantized_linears_share_one_scratch_sized_for_the_largest_slic
     assert isinstance(model.up, QuantizedLinear) and isinstance(model.head, QuantizedLinear)
     assert model.up.scratch is model.head.scratch
     assert model.head.scratch.num_elements == 128 * 96  # > the up's 96 * 64
-    # steps of fewer rows never dequantize: nothing is allocated
+    # steps of fewer rows never dequantize: nothing is allocated; 16-bit steps of these
+    # formats take the tensor-core kernel up to a higher bound
     threshold = linear_module.DEQUANT_GEMM_MIN_ROWS
+    mma_threshold = MMA_ROWS["q8_0"][1]  # the up layer's, lower than q4_0's
     cpu = torch.device("cpu")
-    assert allocate_dequant_scratch(model, threshold - 1, torch.bfloat16, cpu) == 0
-    num_bytes = allocate_dequant_scratch(model, threshold, torch.bfloat16, cpu)
+    assert allocate_dequant_scratch(model, threshold - 1, torch.float32, cpu) == 0
+    assert allocate_dequant_scratch(model, mma_threshold - 1, torch.bfloat16, cpu) == 0
+    num_bytes = allocate_dequant_scratch(model, mma_threshold, torch.bfloat16, cpu)
     assert num_bytes == 128 * 96 * 2
     buffer = model.up.scratch.buffer(torch.bfloat16, torch.device("cpu"))
     assert model.head.scratch.buffer(torch.bfloat16, torch.device("cpu")) is buffer  # once
@@ -195,7 +198,9 @@ def test_engine_prefills_through_the_scratch_it_allocated_before_profiling(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = dict(device="cuda", max_seqs=16, max_model_len=1024, pa_memory_mb=512)
-    llm = LLM("dummy:smollm2-135m", quantization="q4_0", **settings)
+    # no prefix cache: the second generate computes what the first did (a hit would shorten
+    # its prefills, whose row count picks the kernel and with it the sums' order)
+    llm = LLM("dummy:smollm2-135m", quantization="q4_0", prefix_caching=False, **settings)
     linears = [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert len({id(linear.scratch) for linear in linears}) == 1
     scratch_bytes = linears[0].scratch.allocated_bytes
@@ -203,7 +208,9 @@ def test_engine_prefills_through_the_scratch_it_allocated_before_profiling(
     tokens = list(range(100, 800))  # 700 rows: dequantize + cuBLAS (eager)
     dequantized = llm.engine.runner.teacher_forced_logits(tokens).cpu()
     monkeypatch.setattr(linear_module, "DEQUANT_GEMM_MIN_ROWS", 1 << 30)
-    gemm = llm.engine.runner.teacher_forced_logits(tokens).cpu()  # the Triton GEMM
+    no_dequant = {name: (first, 1 << 30) for name, (first, _) in MMA_ROWS.items()}
+    monkeypatch.setattr(linear_module, "MMA_ROWS", no_dequant)
+    gemm = llm.engine.runner.teacher_forced_logits(tokens).cpu()  # the tensor-core kernel
     relative = (dequantized - gemm).abs().mean() / gemm.std(dim=-1).mean()
     assert relative.item() < 0.05  # bf16 weights either way; the sums' order differs
     monkeypatch.undo()

@@ -28,11 +28,13 @@ from kernels.quant_gemv_triton import BLOCKED_FORMATS
 from kernels.quant_matmul_triton import (
     MAX_GEMV_ROWS,
     QuantMatmulConfig,
+    default_config,
     default_gemm_config,
     default_gemv_config,
     quant_matmul,
     uses_scaled_mm,
 )
+from kernels.quant_mma_triton import MMA_FORMATS
 
 GGML_TYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,
@@ -190,6 +192,60 @@ def test_fp8_scaled_mm_rounds_only_the_activations_beyond_the_weights() -> None:
     assert not uses_scaled_mm(x, FORMATS["fp8"], 48, 64)  # CPU tensors: the Triton path
 
 
+MMA_CASES = [  # (rows, row tile, K split): one ragged row tile; two row tiles and a split
+    (5, 16, 1),
+    (20, 16, 2),
+]
+
+
+@pytest.mark.parametrize("name", MMA_FORMATS)
+@pytest.mark.parametrize("scale_first", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_rows", "block_m", "split_k"), MMA_CASES)
+def test_tensor_core_kernels_match_the_reference(
+    name: str, scale_first: bool, dtype: torch.dtype, num_rows: int, block_m: int, split_k: int
+) -> None:
+    fmt = FORMATS[name]
+    num_cols, size_k = 40, 160  # a ragged column tile of 32; 5 blocks in steps of 2
+    planes = random_planes(fmt, num_cols, size_k, seed=num_rows)
+    gen = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, size_k, generator=gen).to(dtype)
+    expected = x.float() @ dequantize(fmt, planes).T
+    config = QuantMatmulConfig(block_m=block_m, block_n=32, block_k=64, split_k=split_k,
+                               mma=True, scale_first=scale_first)  # fmt: skip
+    got = run_kernel(x, fmt, planes, size_k, config)
+    assert got.dtype == dtype
+    # the 16-bit output's rounding; scale_first rounds each weight to 16 bits too
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_tensor_core_kernel_refuses_float32_activations_and_k_quants() -> None:
+    config = QuantMatmulConfig(block_m=16, block_n=16, block_k=64, mma=True)
+    planes = random_planes(FORMATS["q4_0"], 16, 64)
+    with pytest.raises(ValueError, match="x in one of"):
+        quant_matmul(torch.zeros(4, 64), FORMATS["q4_0"], planes, 64, config=config)
+    planes = random_planes(FORMATS["q4_k"], 16, 256)
+    with pytest.raises(ValueError, match="no tensor-core path"):
+        quant_matmul(torch.zeros(4, 256).bfloat16(), FORMATS["q4_k"], planes, 256, config=config)
+
+
+def test_default_config_takes_tensor_cores_from_a_few_rows_of_16_bit_activations() -> None:
+    bf16, q4_0, q8_0 = torch.bfloat16, FORMATS["q4_0"], FORMATS["q8_0"]
+    assert not default_config(3, 4096, 4096, q4_0, bf16).mma  # the GEMV
+    four = default_config(4, 4096, 4096, q4_0, bf16)
+    assert four.mma and four.scale_first and (four.block_m, four.block_n) == (16, 64)
+    assert not default_config(4, 4096, 4096, q8_0, bf16).mma
+    eight = default_config(8, 4096, 4096, q8_0, bf16)
+    assert eight.mma and eight.scale_first  # rounded as the dequantize path rounds
+    assert not default_config(64, 4096, 4096, q4_0, torch.float32).mma  # the GEMM
+    assert not default_config(64, 4096, 4096, FORMATS["q4_k"], bf16).mma
+    wide = default_config(100, 28672, 4096, q4_0, bf16)  # gate_up: 128 columns, no split
+    assert (wide.block_m, wide.block_n, wide.split_k) == (128, 128, 1)
+    assert default_config(16, 4096, 4096, q4_0, bf16).split_k == 2
+    assert default_config(16, 1536, 256, q4_0, bf16).split_k == 1  # two K steps in all
+
+
 def test_quant_matmul_writes_a_given_buffer_in_bf16() -> None:
     fmt = FORMATS["q4_0"]
     planes = random_planes(fmt, 16, 64)
@@ -254,6 +310,11 @@ def test_quant_matmul_on_gpu_at_real_sizes(
     scale = expected.abs().max().item()
     got = quant_matmul(x, fmt, planes, size_k).float()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
+    default = default_config(num_rows, num_cols, size_k, fmt, x.dtype)
+    if default.mma:  # the tensor-core kernel's other variant too
+        config = dataclasses.replace(default, scale_first=not default.scale_first)
+        got = quant_matmul(x, fmt, planes, size_k, config=config).float()
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
     if num_rows <= MAX_GEMV_ROWS:  # the element-wise GEMV too (the k-quants' only one)
         config = dataclasses.replace(default_gemv_config(num_cols, size_k, fmt), blocked=False)
     else:  # the Triton GEMM (fp8 included: a given config never takes _scaled_mm)
@@ -261,3 +322,25 @@ def test_quant_matmul_on_gpu_at_real_sizes(
         expected = x.float() @ dequantize(fmt, planes).T
     got = quant_matmul(x, fmt, planes, size_k, config=config).float()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MMA_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_kernel_forms_the_dequantize_paths_weights(
+    name: str, dtype: torch.dtype
+) -> None:
+    """One-hot rows read single weights out: the scaled kernel's are the bits that
+    dequantize-then-cuBLAS multiplies (a prefix-cache hit changes a prefill's row count,
+    and with it the path; the logits must not change with it)."""
+    fmt = FORMATS[name]
+    num_cols, size_k = 1536, 576
+    planes = {k: v.cuda() for k, v in random_planes(fmt, num_cols, size_k, seed=4).items()}
+    columns = torch.arange(0, size_k, 7, device="cuda")  # 83 rows: two row tiles and ragged
+    x = torch.zeros(len(columns), size_k, device="cuda", dtype=dtype)
+    x[torch.arange(len(columns)), columns] = 1.0
+    config = dataclasses.replace(default_config(len(columns), num_cols, size_k, fmt, dtype))
+    assert config.mma and config.scale_first
+    got = quant_matmul(x, fmt, planes, size_k, config=config)
+    expected = dequantize(fmt, planes).to(dtype)[:, columns].T
+    assert torch.equal(got, expected)

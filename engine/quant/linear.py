@@ -1,7 +1,8 @@
 """``QuantizedLinear``: a linear layer whose weight stays packed in a quantized format.
 
 On CUDA the matmul runs in the Triton kernels that dequantize in registers
-(kernels/quant_matmul_triton.py) up to ``DEQUANT_GEMM_MIN_ROWS`` rows; from there on the
+(kernels/quant_matmul_triton.py; q8_0/q4_0/q4_1 on tensor cores from a few rows) up to
+``DEQUANT_GEMM_MIN_ROWS`` rows (``MMA_ROWS`` for the tensor-core kernel); from there on the
 weight is dequantized into a scratch buffer that the model's quantized linears share and
 multiplied by cuBLAS (kernels/quant_dequant_triton.py, engine/quant/scratch.py). Elsewhere a
 reference dequantizes the whole weight to the activations' dtype and calls ``F.linear``
@@ -22,13 +23,14 @@ from engine.errors import ModelLoadError
 from engine.quant.scratch import DequantScratch
 from kernels.quant import QuantFormat, dequantize, empty_planes, quantize
 from kernels.quant_dequant_triton import dequant_matmul
-from kernels.quant_matmul_triton import quant_matmul, uses_scaled_mm
+from kernels.quant_matmul_triton import MMA_ROWS, quant_matmul, takes_mma, uses_scaled_mm
 
 # Rows from which a step dequantizes the weight once and calls cuBLAS instead of the Triton
-# GEMM (bench/quant_kernels.py times both per shape; fp8 on Hopper keeps torch._scaled_mm).
-# H100, llama3-8b's linears (quant-kernels-llama3-8b-h100.json): at 144 rows dequantize +
-# cuBLAS took 0.58-0.77 of the Triton GEMM's time for every linear in q4_0 and q8_0, at 4096
-# rows 0.15-0.21. Between 9 and 143 rows nothing was measured: the bound sits just below 144.
+# GEMM (bench/quant_kernels.py times both per shape; fp8 on Hopper keeps torch._scaled_mm):
+# the k-quants, fp8 before Hopper and float32 activations. H100, llama3-8b's linears
+# (quant-kernels-llama3-8b-h100.json): at 144 rows dequantize + cuBLAS took 0.58-0.77 of the
+# GEMM's time, at 4096 rows 0.15-0.21. q8_0/q4_0/q4_1 in 16 bits take the tensor-core kernel
+# and their own bounds (MMA_ROWS).
 DEQUANT_GEMM_MIN_ROWS = 128
 
 
@@ -100,7 +102,10 @@ class QuantizedLinear(nn.Module):
     def takes_dequant_gemm(self, x: torch.Tensor) -> bool:
         """Whether ``x``'s rows are many enough to dequantize the weight for cuBLAS (fp8 on
         Hopper keeps ``torch._scaled_mm``, which reads the e4m3 weight as it is)."""
-        if x.shape[0] < DEQUANT_GEMM_MIN_ROWS:
+        bound = DEQUANT_GEMM_MIN_ROWS
+        if takes_mma(self.fmt, x.shape[0], x.dtype):
+            bound = MMA_ROWS[self.fmt.name][1]
+        if x.shape[0] < bound:
             return False
         return not uses_scaled_mm(x, self.fmt, self.out_features, self.in_features)
 
