@@ -101,6 +101,10 @@ quant() {  # quantized weights against bf16: the bundled GGUF's blocks, llama3-8
     log quant kernels llama3-8b
     python -m bench.quant_kernels --model llama3-8b --rows 1,8,144,4096 \
         --output-json "$OUT/quant-kernels-llama3-8b.json"
+    log quant kernels llama3-8b, the launch shapes that ship
+    python -m bench.quant_kernels --defaults-only --model llama3-8b --formats q4_0,q4_1,q8_0 \
+        --rows 1,4,8,16,32,64,128,144,256,4096 \
+        --output-json "$OUT/quant-kernels-defaults-llama3-8b.json"
     log quant smollm2-135m
     "${PS[@]}" bench quant --model smollm2-135m --formats gguf \
         --output-json "$OUT/quant-smollm2-135m.json"

@@ -5,11 +5,13 @@
 
 For each linear of one decoder layer and the LM head, each format and each row count, times
 ``quant_matmul`` (the default launch shape and a grid of others: ``GEMV_GRID`` up to 8 rows,
-``GEMM_GRID`` beyond) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
+``GEMM_GRID`` beyond, and for q8_0/q4_0/q4_1 the tensor-core kernel's ``MMA_GRID`` and
+``MMA_SCALED_GRID`` at every row count) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
 dequantize-then-cuBLAS path (``dequant_matmul``) and its dequantization alone. Reports each
 time against the streaming limit (the bytes moved over the copy bandwidth measured in the same
 run), the best launch shape, and the quantized paths against cuBLAS bf16: the data for tuning
-``default_gemv_config`` / ``default_gemm_config`` and for ``DEQUANT_GEMM_MIN_ROWS``.
+``default_config`` (GEMV, tensor-core kernel, GEMM) and for ``DEQUANT_GEMM_MIN_ROWS``.
+``--defaults-only`` times the default launch shapes alone: the record of what ships.
 
 Timed calls replay from a CUDA graph and cycle through copies of the weight that together
 exceed the L2 cache, as a model's consecutive linears do.
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from bench.kernels import measure_copy_bandwidth
 from bench.records import machine_info, save
@@ -45,10 +48,10 @@ from kernels.quant_dequant_triton import dequant_matmul, dequantize_into
 from kernels.quant_matmul_triton import (
     MAX_GEMV_ROWS,
     QuantMatmulConfig,
-    default_gemm_config,
-    default_gemv_config,
+    default_config,
     quant_matmul,
 )
+from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, MMA_FORMATS
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16  # of the activations, the dense weight and the dequantized one
@@ -68,6 +71,15 @@ GEMM_GRID = [
     for m, n, k, w in ((32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8), (128, 128, 32, 8),
                        (128, 64, 64, 4))
 ]  # fmt: skip
+# the tensor-core kernel at every row count, its row tile from the rows (mma_configs):
+# (block_n, block_k, split_k, num_warps, num_stages)
+MMA_GRID = ((32, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 128, 1, 4, 3), (64, 256, 1, 4, 3),
+            (128, 64, 1, 4, 3), (128, 128, 1, 8, 3), (64, 128, 2, 4, 3), (64, 64, 4, 4, 4),
+            (128, 128, 2, 4, 4))  # fmt: skip
+# the tensor-core kernel with the weights scaled before one dot per K step
+MMA_SCALED_GRID = ((32, 256, 1, 4, 3), (64, 128, 1, 4, 3), (64, 256, 1, 4, 3),
+                   (64, 512, 1, 4, 3), (128, 128, 1, 8, 3), (128, 256, 1, 8, 3),
+                   (64, 128, 2, 4, 3), (128, 256, 1, 4, 4))  # fmt: skip
 ROTATION_BYTES = 256 << 20  # weight copies cycled through: 5x an H100's 50 MiB L2
 MAX_COPIES = 16
 GRAPH_MS = 5.0  # a timed graph holds enough calls to run this long
@@ -106,7 +118,9 @@ class Shape:
         self.packed_bytes = plane_bytes(planes)
 
 
-def measure(shape: Shape, rows: int, copy_bytes_per_s: float) -> dict[str, Any]:
+def measure(
+    shape: Shape, rows: int, copy_bytes_per_s: float, full_grid: bool = True
+) -> dict[str, Any]:
     """Timings of one (format, shape, rows) against cuBLAS bf16, checked against the
     reference (bf16 weights and outputs: 3% of the output's scale)."""
     fmt, size_k = shape.fmt, shape.size_k
@@ -116,17 +130,42 @@ def measure(shape: Shape, rows: int, copy_bytes_per_s: float) -> dict[str, Any]:
     dense = itertools.cycle(shape.dense)
     timings = {"cublas_bf16": _time_us(lambda: F.linear(x, next(dense)))}
     gemv = rows <= MAX_GEMV_ROWS
-    default = (default_gemv_config(shape.num_cols, size_k, fmt) if gemv
-               else default_gemm_config(rows, shape.num_cols))  # fmt: skip
-    configs = {_key(c): c for c in [default, *(GEMV_GRID if gemv else GEMM_GRID)]}
+    default = default_config(rows, shape.num_cols, size_k, fmt, DTYPE)
+    grid: list[QuantMatmulConfig] = []
+    if full_grid:
+        grid = GEMV_GRID if gemv else GEMM_GRID
+        if fmt.name in MMA_FORMATS and DTYPE in MMA_DTYPES:
+            grid = [*grid, *mma_configs(rows)]
+    configs = {_key(c): c for c in [default, *grid]}
     runs = {key: _triton_call(shape, x, config) for key, config in configs.items()}
     for (key, run), got in zip(runs.items(), _first_calls(list(runs.values())), strict=True):
+        if got is None:  # the launch shape does not fit the GPU (shared memory)
+            continue
         assert (got.float() - reference).abs().max().item() <= tolerance, (fmt.name, key)
         timings[key] = _time_us(run)
     if not gemv:
         timings.update(_time_dequant(shape, x, reference, tolerance))
     return {"summary": _summary(shape, rows, timings, _key(default), copy_bytes_per_s),
             "timings_us": timings}  # fmt: skip
+
+
+def mma_configs(rows: int) -> list[QuantMatmulConfig]:
+    """MMA_GRID and MMA_SCALED_GRID with a row tile that holds ``rows`` (16 to 128)."""
+    block_m = min(128, max(MIN_BLOCK_M, 1 << (rows - 1).bit_length()))
+    return [
+        QuantMatmulConfig(
+            block_m=block_m,
+            block_n=n,
+            block_k=k,
+            split_k=split,
+            num_warps=warps,
+            num_stages=stages,
+            mma=True,
+            scale_first=scaled,
+        )
+        for scaled, grid in ((False, MMA_GRID), (True, MMA_SCALED_GRID))
+        for n, k, split, warps, stages in grid
+    ]
 
 
 def _triton_call(
@@ -136,18 +175,26 @@ def _triton_call(
     return lambda: quant_matmul(x, shape.fmt, planes_of(), shape.size_k, config=config)
 
 
-def _first_calls(fns: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
-    """Each function's first result. On CUDA the calls run in threads, so that the kernels
+def _first_calls(fns: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor | None]:
+    """Each function's first result, None where its launch shape needs more shared memory
+    than the GPU has. On CUDA the calls run in threads, so that the kernels
     of a launch-shape grid compile side by side: about 130 compiles of a second or more for
     three formats, most of the run in turn. ptxas is a process and Triton's passes release
     the GIL in part (four GEMV compiles on two busy cores: 5.0 s in threads, 7.6 s in turn)."""
     first = fns[0]()  # the JIT's per-device caches exist before threads share them
     if DEVICE != "cuda":  # the interpreter patches triton.language while it runs: in turn
-        return [first, *(fn() for fn in fns[1:])]
+        return [first, *(_fitting(fn) for fn in fns[1:])]
     with ThreadPoolExecutor(COMPILE_THREADS) as pool:
-        rest = list(pool.map(lambda fn: fn(), fns[1:]))
+        rest = list(pool.map(_fitting, fns[1:]))
     torch.cuda.synchronize()
     return [first, *rest]
+
+
+def _fitting(fn: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    try:
+        return fn()
+    except triton.runtime.errors.OutOfResources:
+        return None
 
 
 def _time_dequant(
@@ -171,6 +218,8 @@ def _summary(
     limit_us = shape.packed_bytes / copy_bytes_per_s * 1e6
     configs = [k for k in timings if k not in ("cublas_bf16", "dequant_cublas", "dequant_only")]
     best = min(configs, key=timings.__getitem__)
+    families = {"mma": [k for k in configs if k.endswith("t")],
+                "mma_scaled": [k for k in configs if k.endswith("ts")]}  # fmt: skip
     cublas_us = timings["cublas_bf16"]
     summary = {
         "format": shape.fmt.name, "rows": rows, "N": shape.num_cols, "K": shape.size_k,
@@ -181,6 +230,11 @@ def _summary(
         "best_of_limit": round(limit_us / timings[best], 3),
         "default_of_cublas": round(cublas_us / timings[default], 3),
     }  # fmt: skip
+    for name, keys in families.items():  # the best of each kernel family
+        if keys:
+            key = min(keys, key=timings.__getitem__)
+            summary |= {f"{name}_best": key, f"{name}_us": round(timings[key], 2),
+                        f"{name}_of_limit": round(limit_us / timings[key], 3)}  # fmt: skip
     if "dequant_cublas" in timings:  # the figures DEQUANT_GEMM_MIN_ROWS is set from
         written_bytes = shape.scratch.nbytes
         dequant_limit_us = (shape.packed_bytes + written_bytes) / copy_bytes_per_s * 1e6
@@ -218,8 +272,10 @@ def _cycler(items: list[Any]) -> Callable[[], Any]:
 
 
 def _key(config: QuantMatmulConfig) -> str:
-    return (f"m{config.block_m}n{config.block_n}k{config.block_k}s{config.split_k}"
-            f"w{config.num_warps}{'b' if config.blocked else ''}")  # fmt: skip
+    key = f"m{config.block_m}n{config.block_n}k{config.block_k}s{config.split_k}w{config.num_warps}"
+    if config.mma:  # t: tensor cores, ts: the weights scaled before the dot
+        return f"{key}p{config.num_stages}t{'s' if config.scale_first else ''}"
+    return f"{key}{'b' if config.blocked else ''}"
 
 
 def _time_us(fn: Callable[[], Any]) -> float:
@@ -259,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", default="q8_0,q4_0,q4_1,q4_k,q6_k,fp8")
     parser.add_argument("--rows", default="1,8,144,4096")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="time the default launch shapes only, not the tuning grids")  # fmt: skip
     args = parser.parse_args(argv)
     arch = ModelArch.from_hf_config(dummy_hf_config(args.model))
     copy_bytes_per_s = measure_copy_bandwidth("cuda")
@@ -268,13 +326,14 @@ def main(argv: list[str] | None = None) -> None:
         for name, (num_cols, size_k) in linear_shapes(arch).items():
             shape = Shape(FORMATS[fmt_name], num_cols, size_k)
             for rows in row_counts:
-                result = measure(shape, rows, copy_bytes_per_s)
+                result = measure(shape, rows, copy_bytes_per_s, not args.defaults_only)
                 result["summary"]["linear"] = name
                 results.append(result)
                 print(result["summary"], flush=True)
             del shape  # its copies before the next format's
     record = {"kind": "quant_kernels", "machine": machine_info("cuda"),
-              "settings": {"model": args.model, "formats": args.formats, "rows": args.rows},
+              "settings": {"model": args.model, "formats": args.formats, "rows": args.rows,
+                           "grids": not args.defaults_only},
               "copy_bytes_per_s": copy_bytes_per_s, "results": results}  # fmt: skip
     save(record, args.output_json)
 

@@ -63,3 +63,26 @@ def test_every_gemv_launch_shape_of_the_sweep_multiplies_right(name: str) -> Non
     for config in quant_kernels.GEMV_GRID:
         got = quant_matmul(x, fmt, planes, 1024, config=config)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+def test_tensor_core_grid_tiles_the_rows_and_times_both_variants() -> None:
+    configs = quant_kernels.mma_configs(20)
+    assert {c.block_m for c in configs} == {32}
+    assert {c.scale_first for c in configs} == {False, True}
+    assert len(configs) == len(quant_kernels.MMA_GRID) + len(quant_kernels.MMA_SCALED_GRID)
+    assert {c.block_m for c in quant_kernels.mma_configs(1)} == {16}  # the dot's least
+    assert {c.block_m for c in quant_kernels.mma_configs(4096)} == {128}
+    keys = {quant_kernels._key(c) for c in configs}
+    assert len(keys) == len(configs)  # each variant its own timing
+    assert sum(k.endswith("ts") for k in keys) == len(quant_kernels.MMA_SCALED_GRID)
+
+
+def test_defaults_only_times_the_default_launch_shape_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(quant_kernels, "DEVICE", "cpu")
+    monkeypatch.setattr(quant_kernels, "DTYPE", torch.float32)
+    monkeypatch.setattr(quant_kernels, "_time_us", lambda fn: (fn(), 1.0)[1])
+    shape = quant_kernels.Shape(FORMATS["q8_0"], 16, 64)
+    decode = quant_kernels.measure(shape, 2, copy_bytes_per_s=1e9, full_grid=False)
+    assert set(decode["timings_us"]) == {"cublas_bf16", decode["summary"]["best"]}
