@@ -25,6 +25,7 @@ from kernels.quant import FORMATS
 from kernels.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
 from kernels.quant_gemv_triton import _quant_gemv_blocked_kernel
 from kernels.quant_matmul_triton import _quant_gemm_kernel, _quant_gemv_kernel
+from kernels.quant_mma_triton import _quant_mma_kernel, _quant_mma_scaled_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q8_0": ["*fp16", "*i8"], "q4_1": ["*fp16", "*u8", "*fp16"],
@@ -33,7 +34,9 @@ POINTER_TYPES = {"q8_0": ["*fp16", "*i8"], "q4_1": ["*fp16", "*u8", "*fp16"],
 FOUR_PLANES = ["x_ptr", "out_ptr", "p0", "p1", "p2", "p3", "s0", "s1", "s2", "s3", "M", "N", "K",
                "stride_xm", "stride_om"]  # fmt: skip
 THREE_PLANES = [name for name in FOUR_PLANES if name not in ("p3", "s3")]
+MMA_ARGUMENTS = [*THREE_PLANES, "stride_split"]
 GEMV = {"M_PAD": 4, "BLOCK_N": 16, "SPLIT_K": 2}
+MMA = {"MAGIC": 0x4300, "OFFSET": 128.0, "DOT_FP32": False}  # bf16 activations
 CASES = [  # (kernel, format, argument names, constexprs)
     (_quant_gemm_kernel, "q4_k", FOUR_PLANES,
      {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "IEEE_FP32": False}),
@@ -44,7 +47,14 @@ CASES = [  # (kernel, format, argument names, constexprs)
     (_quant_gemv_blocked_kernel, "fp8", THREE_PLANES, {**GEMV, "BLOCKS": 8}),
     (_quant_gemv_kquant_kernel, "q4_k", FOUR_PLANES, {**GEMV, "GROUPS": 4, "GROUP_SIZE": 64}),
     (_quant_gemv_kquant_kernel, "q6_k", FOUR_PLANES, {**GEMV, "GROUPS": 2, "GROUP_SIZE": 128}),
+    (_quant_mma_scaled_kernel, "q4_1", MMA_ARGUMENTS,
+     {**MMA, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCKS": 4, "SPLIT_K": 2}),
+    (_quant_mma_scaled_kernel, "q8_0", MMA_ARGUMENTS,
+     {**MMA, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCKS": 4, "SPLIT_K": 1}),
+    (_quant_mma_kernel, "q4_1", MMA_ARGUMENTS,
+     {**MMA, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCKS": 2, "SPLIT_K": 2}),
 ]  # fmt: skip
+TILED = (_quant_gemm_kernel, _quant_mma_kernel, _quant_mma_scaled_kernel)  # tl.dot kernels
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,5 +113,5 @@ def test_kernel_compiles_for_hopper(compiled: dict[str, Any], index: int) -> Non
     result = compiled[case_id(index)]
     assert "error" not in result, result.get("error")
     assert result["cubin"]  # ptxas assembled it
-    if kernel is not _quant_gemm_kernel:  # the GEMVs stream their quants with 16-byte loads
+    if kernel not in TILED:  # the GEMVs stream their quants with 16-byte loads
         assert result["vector"]
