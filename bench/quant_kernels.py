@@ -5,8 +5,8 @@
 
 For each linear of one decoder layer and the LM head, each format and each row count, times
 ``quant_matmul`` (the default launch shape and a grid of others: ``GEMV_GRID`` up to 8 rows,
-``GEMM_GRID`` beyond, and for q8_0/q4_0/q4_1 the tensor-core kernel's ``MMA_GRID`` and
-``MMA_SCALED_GRID`` at every row count) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
+``GEMM_GRID`` beyond, and for q8_0/q4_0/q4_1 the tensor-core kernel's ``MMA_GRID`` at every
+row count) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
 dequantize-then-cuBLAS path (``dequant_matmul``) and its dequantization alone. Reports each
 time against the streaming limit (the bytes moved over the copy bandwidth measured in the same
 run), the best launch shape, and the quantized paths against cuBLAS bf16: the data for tuning
@@ -73,13 +73,9 @@ GEMM_GRID = [
 ]  # fmt: skip
 # the tensor-core kernel at every row count, its row tile from the rows (mma_configs):
 # (block_n, block_k, split_k, num_warps, num_stages)
-MMA_GRID = ((32, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 128, 1, 4, 3), (64, 256, 1, 4, 3),
-            (128, 64, 1, 4, 3), (128, 128, 1, 8, 3), (64, 128, 2, 4, 3), (64, 64, 4, 4, 4),
-            (128, 128, 2, 4, 4))  # fmt: skip
-# the tensor-core kernel with the weights scaled before one dot per K step
-MMA_SCALED_GRID = ((32, 256, 1, 4, 3), (64, 128, 1, 4, 3), (64, 256, 1, 4, 3),
-                   (64, 512, 1, 4, 3), (128, 128, 1, 8, 3), (128, 256, 1, 8, 3),
-                   (64, 128, 2, 4, 3), (128, 256, 1, 4, 4))  # fmt: skip
+MMA_GRID = ((32, 256, 1, 4, 3), (64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (64, 512, 1, 4, 3),
+            (128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (64, 128, 2, 4, 3), (128, 256, 1, 4, 4),
+            (64, 64, 4, 4, 4))  # fmt: skip
 ROTATION_BYTES = 256 << 20  # weight copies cycled through: 5x an H100's 50 MiB L2
 MAX_COPIES = 16
 GRAPH_MS = 5.0  # a timed graph holds enough calls to run this long
@@ -150,7 +146,7 @@ def measure(
 
 
 def mma_configs(rows: int) -> list[QuantMatmulConfig]:
-    """MMA_GRID and MMA_SCALED_GRID with a row tile that holds ``rows`` (16 to 128)."""
+    """MMA_GRID with a row tile that holds ``rows`` (16 to 128)."""
     block_m = min(128, max(MIN_BLOCK_M, 1 << (rows - 1).bit_length()))
     return [
         QuantMatmulConfig(
@@ -161,10 +157,8 @@ def mma_configs(rows: int) -> list[QuantMatmulConfig]:
             num_warps=warps,
             num_stages=stages,
             mma=True,
-            scale_first=scaled,
         )
-        for scaled, grid in ((False, MMA_GRID), (True, MMA_SCALED_GRID))
-        for n, k, split, warps, stages in grid
+        for n, k, split, warps, stages in MMA_GRID
     ]
 
 
@@ -218,8 +212,7 @@ def _summary(
     limit_us = shape.packed_bytes / copy_bytes_per_s * 1e6
     configs = [k for k in timings if k not in ("cublas_bf16", "dequant_cublas", "dequant_only")]
     best = min(configs, key=timings.__getitem__)
-    families = {"mma": [k for k in configs if k.endswith("t")],
-                "mma_scaled": [k for k in configs if k.endswith("ts")]}  # fmt: skip
+    mma = [k for k in configs if k.endswith("t")]
     cublas_us = timings["cublas_bf16"]
     summary = {
         "format": shape.fmt.name, "rows": rows, "N": shape.num_cols, "K": shape.size_k,
@@ -230,11 +223,10 @@ def _summary(
         "best_of_limit": round(limit_us / timings[best], 3),
         "default_of_cublas": round(cublas_us / timings[default], 3),
     }  # fmt: skip
-    for name, keys in families.items():  # the best of each kernel family
-        if keys:
-            key = min(keys, key=timings.__getitem__)
-            summary |= {f"{name}_best": key, f"{name}_us": round(timings[key], 2),
-                        f"{name}_of_limit": round(limit_us / timings[key], 3)}  # fmt: skip
+    if mma:  # the tensor-core kernel's best launch shape
+        key = min(mma, key=timings.__getitem__)
+        summary |= {"mma_best": key, "mma_us": round(timings[key], 2),
+                    "mma_of_limit": round(limit_us / timings[key], 3)}  # fmt: skip
     if "dequant_cublas" in timings:  # the figures DEQUANT_GEMM_MIN_ROWS is set from
         written_bytes = shape.scratch.nbytes
         dequant_limit_us = (shape.packed_bytes + written_bytes) / copy_bytes_per_s * 1e6
@@ -273,8 +265,8 @@ def _cycler(items: list[Any]) -> Callable[[], Any]:
 
 def _key(config: QuantMatmulConfig) -> str:
     key = f"m{config.block_m}n{config.block_n}k{config.block_k}s{config.split_k}w{config.num_warps}"
-    if config.mma:  # t: tensor cores, ts: the weights scaled before the dot
-        return f"{key}p{config.num_stages}t{'s' if config.scale_first else ''}"
+    if config.mma:  # t: tensor cores
+        return f"{key}p{config.num_stages}t"
     return f"{key}{'b' if config.blocked else ''}"
 
 

@@ -56,7 +56,6 @@ class QuantMatmulConfig:
     num_stages: int = 3
     blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through kernels/quant_gemv_triton.py
     mma: bool = False  # q8_0/q4_0/q4_1 on tensor cores (kernels/quant_mma_triton.py), any rows
-    scale_first: bool = False  # mma: scale the weights before the dot, one dot per K step
 
 
 # -- dequantizing a tile ----------------------------------------------------------------------
@@ -281,7 +280,7 @@ def _launch_mma(
     quant_mma(
         x, out, fmt, pointers[: len(fmt.planes)], size_k, block_m=cfg.block_m,
         block_n=cfg.block_n, blocks=cfg.block_k // QK, split_k=cfg.split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, scale_first=cfg.scale_first,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -339,17 +338,15 @@ def default_mma_config(
     num_rows: int, num_cols: int, size_k: int, fmt: QuantFormat
 ) -> QuantMatmulConfig:
     """The best launch shapes of the H100 sweep (bench/quant_kernels.py): a row tile that
-    holds the batch (16 to 128), the weights scaled before one dot per K step of 128 (rounded
-    as the dequantize path rounds them; q8_0 loses 9% at 16 rows against scaling each block's
-    dot result, exact but not the dequantize path's bits). Narrow weights (qkv, o, down) take
-    64-column tiles and split K in two, wide ones 128 columns and no split."""
+    holds the batch (16 to 128) and one dot per K step of 128. Narrow weights (qkv, o, down)
+    take 64-column tiles and split K in two, wide ones 128 columns and no split."""
     block_m = min(128, max(MIN_BLOCK_M, triton.next_power_of_2(num_rows)))
     wide = num_cols >= MMA_WIDE_COLS
     block_n, block_k, split_k, warps = (128, 128, 1, 8) if wide else (64, 128, 2, 4)
     while split_k > 1 and size_k < split_k * block_k * 2:  # every split two K steps or more
         split_k //= 2
     return QuantMatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
-                             num_warps=warps, mma=True, scale_first=True)  # fmt: skip
+                             num_warps=warps, mma=True)  # fmt: skip
 
 
 GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)

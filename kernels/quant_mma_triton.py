@@ -14,16 +14,13 @@ batch its narrow one, padded to 16), and two facts keep the weight's conversion 
   (ggml's order), so the low nibbles meet ``x[0:16]`` of each block and the high nibbles
   ``x[16:32]``: two dots, no shuffle of the quants.
 
-Two kernels, one choice of where the block's scale goes:
-
-* ``_quant_mma_scaled_kernel`` (the default): each weight ``d * (q - 8)`` (q4_0),
-  ``d * q + m`` (q4_1) or ``d * q`` (q8_0) is formed in fp32 and rounded once to the
-  activations' dtype, the bits kernels/quant_dequant_triton.py writes for cuBLAS, and one
-  dot per nibble half spans the K step's blocks;
-* ``_quant_mma_kernel``: the dot runs on the bare ``magic + q`` per block and the scale
-  multiplies its fp32 result, the magic offset coming off as ``offset * sum(x)``
-  (``d * (dot(magic + q, x) - (magic + 8) * sum(x))`` for q4_0): exact, never rounding a
-  weight, and up to 7% faster for q8_0, but not the dequantize path's bits.
+Each weight ``d * (q - 8)`` (q4_0), ``d * q + m`` (q4_1) or ``d * q`` (q8_0) is formed in
+fp32 and rounded once to the activations' dtype, the bits kernels/quant_dequant_triton.py
+writes for cuBLAS, and one dot per nibble half spans the K step's blocks. (A variant that ran
+one dot per block on the bare ``magic + q`` and scaled its fp32 result was exact, 1.1-2.3x
+slower for q4_0 from 16 to 144 rows and 1-9% faster for q8_0, and its
+weights were not the dequantize path's bits: the sweep,
+quant-kernels-mma-sweep-llama3-8b-h100.json, has its timings under the ``...t`` keys.)
 
 ``SPLIT_K > 1`` stores each split's fp32 partial sums in a plane of its own, which the
 launcher adds in a fixed order: narrow weights (o_proj, down) need the split to fill the GPU
@@ -48,68 +45,6 @@ MAGIC_FLOATS = {torch.bfloat16: (0x4300, 128), torch.float16: (0x6400, 1024)}
 
 @triton.jit
 def _quant_mma_kernel(
-    x_ptr, out_ptr, p0, p1, p2, s0, s1, s2,
-    M, N, K,
-    stride_xm,  # x: [M, K], last stride 1
-    stride_om,  # out: [M, N] (a plane of [SPLIT_K, M, N] when split), last stride 1
-    stride_split,  # between the planes of the K splits
-    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    offs_16 = tl.arange(0, 16)
-    num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
-    for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
-        for j in tl.static_range(BLOCKS):
-            blk = b0 + j
-            live = (offs_16 * 0 + blk) < num_blocks  # [16]: the block is inside K
-            w_mask = mask_n[:, None] & live[None, :]  # [BLOCK_N, 16]
-            x_mask = live[:, None] & mask_m[None, :]  # [16, BLOCK_M]
-            mask_d = mask_n & (offs_n * 0 + blk < num_blocks)
-            # x^T of the block: [32, BLOCK_M] as two halves [16, BLOCK_M]
-            x_base = x_ptr + offs_m[None, :] * stride_xm + blk * 32 + offs_16[:, None]
-            x_lo = tl.load(x_base, mask=x_mask, other=0.0)
-            x_hi = tl.load(x_base + 16, mask=x_mask, other=0.0)
-            d = tl.load(p0 + offs_n * s0 + blk, mask=mask_d, other=0.0).to(tl.float32)
-            if FORMAT == 0:  # q8_0: qs i8 [BLOCK_N, 32] as halves, exact in 16-bit floats
-                q_base = p1 + offs_n[:, None] * s1 + blk * 32 + offs_16[None, :]
-                w_lo = tl.load(q_base, mask=w_mask, other=0)
-                w_hi = tl.load(q_base + 16, mask=w_mask, other=0)
-            else:  # q4_0 / q4_1: 16 bytes a block, low nibbles 0..15, high 16..31
-                byte = tl.load(p1 + offs_n[:, None] * s1 + blk * 16 + offs_16[None, :],
-                               mask=w_mask, other=0).to(tl.int16)  # fmt: skip
-                w_lo = ((byte & 0xF) | MAGIC).to(x_lo.dtype, bitcast=True)
-                w_hi = ((byte >> 4) | MAGIC).to(x_lo.dtype, bitcast=True)
-            if DOT_FP32:  # the interpreter's 16-bit dot multiplies raw bits (Triton 3.9)
-                part = tl.dot(w_lo.to(tl.float32), x_lo.to(tl.float32), input_precision="ieee")
-                part += tl.dot(w_hi.to(tl.float32), x_hi.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(w_lo.to(x_lo.dtype), x_lo) + tl.dot(w_hi.to(x_lo.dtype), x_hi)
-            if FORMAT == 0:
-                acc += d[:, None] * part
-            else:
-                x_sum = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=0)  # [BLOCK_M]
-                if FORMAT == 1:
-                    acc += d[:, None] * (part - (OFFSET + 8.0) * x_sum[None, :])
-                else:
-                    mins = tl.load(p2 + offs_n * s2 + blk, mask=mask_d, other=0.0)
-                    acc += d[:, None] * (part - OFFSET * x_sum[None, :])
-                    acc += mins.to(tl.float32)[:, None] * x_sum[None, :]
-    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
-
-
-@triton.jit
-def _quant_mma_scaled_kernel(
     x_ptr, out_ptr, p0, p1, p2, s0, s1, s2,
     M, N, K,
     stride_xm,  # x: [M, K], last stride 1
@@ -190,7 +125,6 @@ def quant_mma(
     split_k: int,
     num_warps: int = 4,
     num_stages: int = 3,
-    scale_first: bool = False,
 ) -> None:
     """``out = x @ dequantize(w).T`` for a format of MMA_FORMATS on tensor cores."""
     if fmt.name not in MMA_FORMATS or size_k % QK:
@@ -207,8 +141,7 @@ def quant_mma(
     target = out
     if split_k > 1:  # a plane per split, summed below in a fixed order
         target = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)
-    kernel = _quant_mma_scaled_kernel if scale_first else _quant_mma_kernel
-    kernel[grid](
+    _quant_mma_kernel[grid](
         x, target, *padded, *(p.stride(0) for p in padded), num_rows, num_cols, size_k,
         x.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0,
         FORMAT=fmt.kernel_id, BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k,

@@ -65,16 +65,16 @@ def test_every_gemv_launch_shape_of_the_sweep_multiplies_right(name: str) -> Non
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
-def test_tensor_core_grid_tiles_the_rows_and_times_both_variants() -> None:
+def test_tensor_core_grid_tiles_the_rows() -> None:
     configs = quant_kernels.mma_configs(20)
     assert {c.block_m for c in configs} == {32}
-    assert {c.scale_first for c in configs} == {False, True}
-    assert len(configs) == len(quant_kernels.MMA_GRID) + len(quant_kernels.MMA_SCALED_GRID)
+    assert all(c.mma for c in configs)
+    assert len(configs) == len(quant_kernels.MMA_GRID)
     assert {c.block_m for c in quant_kernels.mma_configs(1)} == {16}  # the dot's least
     assert {c.block_m for c in quant_kernels.mma_configs(4096)} == {128}
     keys = {quant_kernels._key(c) for c in configs}
-    assert len(keys) == len(configs)  # each variant its own timing
-    assert sum(k.endswith("ts") for k in keys) == len(quant_kernels.MMA_SCALED_GRID)
+    assert len(keys) == len(configs)  # each launch shape its own timing
+    assert all(k.endswith("t") for k in keys)
 
 
 def test_defaults_only_times_the_default_launch_shape_alone(

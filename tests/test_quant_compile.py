@@ -25,7 +25,7 @@ from kernels.quant import FORMATS
 from kernels.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
 from kernels.quant_gemv_triton import _quant_gemv_blocked_kernel
 from kernels.quant_matmul_triton import _quant_gemm_kernel, _quant_gemv_kernel
-from kernels.quant_mma_triton import _quant_mma_kernel, _quant_mma_scaled_kernel
+from kernels.quant_mma_triton import _quant_mma_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q8_0": ["*fp16", "*i8"], "q4_1": ["*fp16", "*u8", "*fp16"],
@@ -47,14 +47,12 @@ CASES = [  # (kernel, format, argument names, constexprs)
     (_quant_gemv_blocked_kernel, "fp8", THREE_PLANES, {**GEMV, "BLOCKS": 8}),
     (_quant_gemv_kquant_kernel, "q4_k", FOUR_PLANES, {**GEMV, "GROUPS": 4, "GROUP_SIZE": 64}),
     (_quant_gemv_kquant_kernel, "q6_k", FOUR_PLANES, {**GEMV, "GROUPS": 2, "GROUP_SIZE": 128}),
-    (_quant_mma_scaled_kernel, "q4_1", MMA_ARGUMENTS,
-     {**MMA, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCKS": 4, "SPLIT_K": 2}),
-    (_quant_mma_scaled_kernel, "q8_0", MMA_ARGUMENTS,
-     {**MMA, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCKS": 4, "SPLIT_K": 1}),
     (_quant_mma_kernel, "q4_1", MMA_ARGUMENTS,
-     {**MMA, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCKS": 2, "SPLIT_K": 2}),
+     {**MMA, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCKS": 4, "SPLIT_K": 2}),
+    (_quant_mma_kernel, "q8_0", MMA_ARGUMENTS,
+     {**MMA, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCKS": 4, "SPLIT_K": 1}),
 ]  # fmt: skip
-TILED = (_quant_gemm_kernel, _quant_mma_kernel, _quant_mma_scaled_kernel)  # tl.dot kernels
+TILED = (_quant_gemm_kernel, _quant_mma_kernel)  # tl.dot kernels
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -199,11 +199,10 @@ MMA_CASES = [  # (rows, row tile, K split): one ragged row tile; two row tiles a
 
 
 @pytest.mark.parametrize("name", MMA_FORMATS)
-@pytest.mark.parametrize("scale_first", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("num_rows", "block_m", "split_k"), MMA_CASES)
 def test_tensor_core_kernels_match_the_reference(
-    name: str, scale_first: bool, dtype: torch.dtype, num_rows: int, block_m: int, split_k: int
+    name: str, dtype: torch.dtype, num_rows: int, block_m: int, split_k: int
 ) -> None:
     fmt = FORMATS[name]
     num_cols, size_k = 40, 160  # a ragged column tile of 32; 5 blocks in steps of 2
@@ -212,10 +211,10 @@ def test_tensor_core_kernels_match_the_reference(
     x = torch.randn(num_rows, size_k, generator=gen).to(dtype)
     expected = x.float() @ dequantize(fmt, planes).T
     config = QuantMatmulConfig(block_m=block_m, block_n=32, block_k=64, split_k=split_k,
-                               mma=True, scale_first=scale_first)  # fmt: skip
+                               mma=True)  # fmt: skip
     got = run_kernel(x, fmt, planes, size_k, config)
     assert got.dtype == dtype
-    # the 16-bit output's rounding; scale_first rounds each weight to 16 bits too
+    # the 16-bit rounding of each weight and of the output
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
 
@@ -234,10 +233,10 @@ def test_default_config_takes_tensor_cores_from_a_few_rows_of_16_bit_activations
     bf16, q4_0, q8_0 = torch.bfloat16, FORMATS["q4_0"], FORMATS["q8_0"]
     assert not default_config(3, 4096, 4096, q4_0, bf16).mma  # the GEMV
     four = default_config(4, 4096, 4096, q4_0, bf16)
-    assert four.mma and four.scale_first and (four.block_m, four.block_n) == (16, 64)
+    assert four.mma and (four.block_m, four.block_n) == (16, 64)
     assert not default_config(4, 4096, 4096, q8_0, bf16).mma
     eight = default_config(8, 4096, 4096, q8_0, bf16)
-    assert eight.mma and eight.scale_first  # rounded as the dequantize path rounds
+    assert eight.mma
     assert not default_config(64, 4096, 4096, q4_0, torch.float32).mma  # the GEMM
     assert not default_config(64, 4096, 4096, FORMATS["q4_k"], bf16).mma
     wide = default_config(100, 28672, 4096, q4_0, bf16)  # gate_up: 128 columns, no split
@@ -310,11 +309,6 @@ def test_quant_matmul_on_gpu_at_real_sizes(
     scale = expected.abs().max().item()
     got = quant_matmul(x, fmt, planes, size_k).float()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
-    default = default_config(num_rows, num_cols, size_k, fmt, x.dtype)
-    if default.mma:  # the tensor-core kernel's other variant too
-        config = dataclasses.replace(default, scale_first=not default.scale_first)
-        got = quant_matmul(x, fmt, planes, size_k, config=config).float()
-        torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
     if num_rows <= MAX_GEMV_ROWS:  # the element-wise GEMV too (the k-quants' only one)
         config = dataclasses.replace(default_gemv_config(num_cols, size_k, fmt), blocked=False)
     else:  # the Triton GEMM (fp8 included: a given config never takes _scaled_mm)
@@ -330,7 +324,7 @@ def test_quant_matmul_on_gpu_at_real_sizes(
 def test_tensor_core_kernel_forms_the_dequantize_paths_weights(
     name: str, dtype: torch.dtype
 ) -> None:
-    """One-hot rows read single weights out: the scaled kernel's are the bits that
+    """One-hot rows read single weights out: the tensor-core kernel's are the bits that
     dequantize-then-cuBLAS multiplies (a prefix-cache hit changes a prefill's row count,
     and with it the path; the logits must not change with it)."""
     fmt = FORMATS[name]
@@ -339,8 +333,8 @@ def test_tensor_core_kernel_forms_the_dequantize_paths_weights(
     columns = torch.arange(0, size_k, 7, device="cuda")  # 83 rows: two row tiles and ragged
     x = torch.zeros(len(columns), size_k, device="cuda", dtype=dtype)
     x[torch.arange(len(columns)), columns] = 1.0
-    config = dataclasses.replace(default_config(len(columns), num_cols, size_k, fmt, dtype))
-    assert config.mma and config.scale_first
+    config = default_config(len(columns), num_cols, size_k, fmt, dtype)
+    assert config.mma
     got = quant_matmul(x, fmt, planes, size_k, config=config)
     expected = dequantize(fmt, planes).to(dtype)[:, columns].T
     assert torch.equal(got, expected)
