@@ -53,11 +53,8 @@ def _quant_mma_kernel(
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
     SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """The weights scaled before the dot, so that one dot spans BLOCKS blocks and accumulates
-    in place (the low nibbles' dot and the high nibbles'). Each weight is formed in float32
-    and rounded to the activations' dtype once, the same bits as the dequantize-then-cuBLAS
-    path (kernels/quant_dequant_triton.py): a prompt gives the same logits whichever of the
-    two its step's row count picks (a prefix-cache hit shortens a prefill)."""
+    """A program: ``out^T[BLOCK_N, BLOCK_M]`` over its split of K, BLOCKS blocks a step,
+    each step one dot of the low nibbles and one of the high ones into ``acc``."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
