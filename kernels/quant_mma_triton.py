@@ -20,7 +20,7 @@ writes for cuBLAS, and one dot per nibble half spans the K step's blocks. (A var
 one dot per block on the bare ``magic + q`` and scaled its fp32 result was exact, 1.1-2.3x
 slower for q4_0 from 16 to 144 rows and 1-9% faster for q8_0, and its
 weights were not the dequantize path's bits: the sweep,
-quant-kernels-mma-sweep-llama3-8b-h100.json, has its timings under the ``...t`` keys.)
+quant-kernels-mma-sweep-llama3-8b-h100.json, has its timings; its note says which keys.)
 
 ``SPLIT_K > 1`` stores each split's fp32 partial sums in a plane of its own, which the
 launcher adds in a fixed order: narrow weights (o_proj, down) need the split to fill the GPU
