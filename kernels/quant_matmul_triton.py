@@ -319,12 +319,13 @@ def default_config(
 # q8_0/q4_0/q4_1 with 16-bit activations: (rows from which the tensor-core kernel is the
 # default, rows from which engine/quant/linear.py dequantizes for cuBLAS instead). H100,
 # llama3-8b's four layer linears (quant-kernels-defaults-llama3-8b-h100.json, and the GEMV
-# from quant-kernels-mma-sweep-...): q4_0 at 4 rows 195 us against the GEMV's 231 (one row:
-# 95 with the GEMV), 8 rows 195 against 422; q8_0 at 4 rows the GEMV's 204, at 8 rows 233
-# against 349. Dequantize + cuBLAS: q4_0 at 256 rows 764 against 711 (two row tiles; a third
-# costs more), q8_0 at 144 rows 725 against 709 and at 256 rows 777 against 852.
-MMA_ROWS = {"q4_0": (4, 257), "q4_1": (4, 257), "q8_0": (8, 144)}
-MMA_WIDE_COLS = 16384  # from here (gate_up, LM heads) a tile is 128 columns and K is not split
+# from quant-kernels-gemv-... and -mma-sweep-...): q4_0 at 3 rows 148 us against the GEMV's
+# 170 (one row: 81 with the GEMV), 8 rows 195 against 422; q8_0 at 4 rows the GEMV's 204, at
+# 8 rows 233 against 349. Dequantize + cuBLAS: q4_0 at 256 rows 764 against 711 (two row
+# tiles; a third costs more), q8_0 at 144 rows 725 against 709 and at 256 rows 777 against
+# 852.
+MMA_ROWS = {"q4_0": (3, 257), "q4_1": (3, 257), "q8_0": (8, 144)}
+MMA_WIDE_COLS = 16384  # from here (gate_up, LM heads) and 17 rows up: 128-column tiles, no split
 
 
 def takes_mma(fmt: QuantFormat, num_rows: int, dtype: torch.dtype) -> bool:
@@ -337,27 +338,34 @@ def takes_mma(fmt: QuantFormat, num_rows: int, dtype: torch.dtype) -> bool:
 def default_mma_config(
     num_rows: int, num_cols: int, size_k: int, fmt: QuantFormat
 ) -> QuantMatmulConfig:
-    """The best launch shapes of the H100 sweep (bench/quant_kernels.py): a row tile that
-    holds the batch (16 to 128) and one dot per K step of 128. Narrow weights (qkv, o, down)
-    take 64-column tiles and split K in two, wide ones 128 columns and no split."""
+    """The best launch shapes of the H100 sweeps (bench/quant_kernels.py,
+    quant-kernels-mma-sweep2-llama3-8b-h100.json): a row tile that holds the batch (16 to 128);
+    64-column tiles, K steps of 64 split four ways, four stages, except for wide weights beyond
+    16 rows: 128-column tiles of 8 warps, K steps of 128, no split. Against the shapes before
+    (narrow weights: K steps of 128 split in two; wide ones: 128-column tiles at any rows),
+    at 4-128 rows: qkv, o and down 1.18-1.46x in q4_0, 0.93-1.29x in q8_0; gate_up and the LM
+    head up to 16 rows 1.02-1.18x in q4_0, 0.94-1.11x in q8_0. A decoder layer's four linears
+    at 8 rows: q4_0 153 us instead of 191, q8_0 204 instead of 228."""
     block_m = min(128, max(MIN_BLOCK_M, triton.next_power_of_2(num_rows)))
-    wide = num_cols >= MMA_WIDE_COLS
-    block_n, block_k, split_k, warps = (128, 128, 1, 8) if wide else (64, 128, 2, 4)
+    if num_cols >= MMA_WIDE_COLS and block_m > MIN_BLOCK_M:
+        block_n, block_k, split_k, warps, stages = 128, 128, 1, 8, 3
+    else:
+        block_n, block_k, split_k, warps, stages = 64, 64, 4, 4, 4
     while split_k > 1 and size_k < split_k * block_k * 2:  # every split two K steps or more
         split_k //= 2
     return QuantMatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
-                             num_warps=warps, mma=True)  # fmt: skip
+                             num_warps=warps, num_stages=stages, mma=True)  # fmt: skip
 
 
 GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
-# The GGUF block formats' GEMV: 8 columns and 32 blocks (1024 elements) a step. H100,
-# llama3-8b's linears with the weights out of L2 (quant-kernels-llama3-8b-h100.json): a decoder
-# layer's four linears in 95 us instead of 118 (q4_0, one row), 437 instead of 573 (eight
-# rows); q8_0 100 instead of 117 and 355 instead of 523. The k-quants and fp8 keep the rule
-# below (not swept).
-TUNED_GEMV_FORMATS = ("q8_0", "q4_0", "q4_1")
-TUNED_GEMV_BLOCK_N = 8
-TUNED_GEMV_BLOCK_K = 1024
+# The GGUF block formats' GEMV, (columns, K step, warps): the 4-bit formats 2 columns of one
+# warp and 32 blocks (1024 elements) a step (their layout conversions and barriers cost least
+# in the smallest programs), q8_0 4 columns of 4 warps and 64 blocks. H100, llama3-8b's
+# linears with the weights out of L2 (quant-kernels-gemv-llama3-8b-h100.json), a decoder
+# layer's four linears and the LM head at one row: q4_0 232 us (266 with 8 columns of 4 warps,
+# the shape before), q4_1 259 (308), q8_0 269 (285); at two rows q4_0 350 (430), q8_0 411
+# (390: the one loss). The k-quants and fp8 keep the rule below (not swept).
+TUNED_GEMV = {"q8_0": (4, 2048, 4), "q4_0": (2, 1024, 1), "q4_1": (2, 1024, 1)}
 
 
 @functools.lru_cache(maxsize=256)  # called per linear per step: the shapes are few
@@ -365,9 +373,10 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
     """Enough programs to give every SM two, by narrower column tiles before splitting K:
     a split costs a zeroed fp32 buffer and a copy (two more kernels per linear). Untuned
     formats: a step of ``BLOCK_N`` rows reads 2 KiB of 4-bit quants, 16 bytes a thread of
-    4 warps; the block formats take the measured TUNED_GEMV_* shape."""
-    if fmt.name in TUNED_GEMV_FORMATS:
-        block_n, block_k = TUNED_GEMV_BLOCK_N, TUNED_GEMV_BLOCK_K
+    4 warps; the block formats take the measured TUNED_GEMV shape."""
+    warps = 4
+    if fmt.name in TUNED_GEMV:
+        block_n, block_k, warps = TUNED_GEMV[fmt.name]
     else:
         block_n = 16 if triton.cdiv(num_cols, 16) >= 2 * GEMV_MIN_PROGRAMS else 8
         block_k = 256 * 16 // block_n
@@ -376,7 +385,7 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
     while (triton.cdiv(num_cols, block_n) * split_k < GEMV_MIN_PROGRAMS
            and size_k // (split_k * 2) >= 1024):  # fmt: skip
         split_k *= 2
-    return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k)
+    return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
 
 
 @functools.lru_cache(maxsize=256)

@@ -231,9 +231,9 @@ def test_tensor_core_kernel_refuses_float32_activations_and_k_quants() -> None:
 
 def test_default_config_takes_tensor_cores_from_a_few_rows_of_16_bit_activations() -> None:
     bf16, q4_0, q8_0 = torch.bfloat16, FORMATS["q4_0"], FORMATS["q8_0"]
-    assert not default_config(3, 4096, 4096, q4_0, bf16).mma  # the GEMV
-    four = default_config(4, 4096, 4096, q4_0, bf16)
-    assert four.mma and (four.block_m, four.block_n) == (16, 64)
+    assert not default_config(2, 4096, 4096, q4_0, bf16).mma  # the GEMV
+    three = default_config(3, 4096, 4096, q4_0, bf16)
+    assert three.mma and (three.block_m, three.block_n, three.split_k) == (16, 64, 4)
     assert not default_config(4, 4096, 4096, q8_0, bf16).mma
     eight = default_config(8, 4096, 4096, q8_0, bf16)
     assert eight.mma
@@ -241,8 +241,10 @@ def test_default_config_takes_tensor_cores_from_a_few_rows_of_16_bit_activations
     assert not default_config(64, 4096, 4096, FORMATS["q4_k"], bf16).mma
     wide = default_config(100, 28672, 4096, q4_0, bf16)  # gate_up: 128 columns, no split
     assert (wide.block_m, wide.block_n, wide.split_k) == (128, 128, 1)
-    assert default_config(16, 4096, 4096, q4_0, bf16).split_k == 2
-    assert default_config(16, 1536, 256, q4_0, bf16).split_k == 1  # two K steps in all
+    small_batch = default_config(16, 28672, 4096, q4_0, bf16)  # ... but not at 16 rows
+    assert (small_batch.block_n, small_batch.split_k) == (64, 4)
+    assert default_config(16, 1536, 256, q4_0, bf16).split_k == 2  # two K steps a split
+    assert default_config(16, 1536, 128, q4_0, bf16).split_k == 1
 
 
 def test_quant_matmul_writes_a_given_buffer_in_bf16() -> None:
@@ -271,11 +273,11 @@ def test_quant_matmul_refuses_a_wrong_width_and_missing_planes() -> None:
 
 
 def test_default_configs_fill_the_gpu() -> None:
-    o_proj = default_gemv_config(4096, 4096, FORMATS["q4_0"])  # 512 programs of 8 columns
-    assert (o_proj.block_n, o_proj.block_k, o_proj.split_k) == (8, 1024, 1)
-    assert default_gemv_config(128256, 4096, FORMATS["q8_0"]).block_n == 8  # swept: 8 wins
+    o_proj = default_gemv_config(4096, 4096, FORMATS["q4_0"])  # 2048 programs of 2 columns
+    assert (o_proj.block_n, o_proj.block_k, o_proj.split_k, o_proj.num_warps) == (2, 1024, 1, 1)
+    assert default_gemv_config(128256, 4096, FORMATS["q8_0"]).block_n == 4  # swept: 4 wins
     assert default_gemv_config(128256, 4096, FORMATS["q4_k"]).block_n == 16  # not swept
-    assert default_gemv_config(1024, 2048, FORMATS["q4_0"]).split_k == 2  # 128 programs
+    assert default_gemv_config(256, 2048, FORMATS["q4_0"]).split_k == 2  # 128 programs
     assert default_gemv_config(576, 64, FORMATS["q4_0"]).block_k == 64  # a short K
     decode = default_gemm_config(16, 4096)  # a batch of 16: 128 column tiles, not 64
     assert (decode.block_m, decode.block_n) == (16, 32)
