@@ -9,6 +9,7 @@ when the verifier divides by the draft's own distribution.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,6 +70,34 @@ def test_the_model_as_its_own_draft_has_every_greedy_draft_accepted(llama: Path)
     stats = engine.stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert stats.num_steps < sum(len(tokens) for tokens in plain) / 2
+
+
+def test_after_the_prompt_every_draft_pass_runs_one_token_a_row(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt is the one catch-up that runs several tokens in a pass: the accepted tokens
+    (two a step here, every draft holding) are caught up one a pass, as decode steps that
+    replay a CUDA graph on a GPU."""
+    engine = LLMEngine(
+        EngineConfig(model=str(llama), speculative_model=str(llama), num_speculative_tokens=3)
+    )
+    assert engine.proposer is not None
+    runner = engine.proposer.runner  # type: ignore[attr-defined]
+    several: list[str] = []
+    sampling_logits = runner.sampling_logits
+
+    def spy(batch: Any) -> Any:
+        several.extend(e.seq.request_id for e in batch.scheduled if e.num_new_tokens > 1)
+        return sampling_logits(batch)
+
+    monkeypatch.setattr(runner, "sampling_logits", spy)
+    for index, prompt in enumerate(repetitive_prompts(3, seed=29)):
+        engine.add_request(f"r{index}", prompt_token_ids=prompt, sampling=greedy_params(1)[0])
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert sorted(several) == ["r0", "r1", "r2"]
 
 
 def test_sampled_drafts_are_verified_against_their_own_distribution(llama: Path) -> None:

@@ -4,11 +4,13 @@ Each target sequence that decodes has a shadow sequence in the draft model's poo
 tokens, its own pages and its own count of computed tokens. A step first lets the draft model
 catch up on the tokens it has not seen (the prompt at first, then the accepted tokens), then
 samples ``k`` tokens one at a time with the request's own sampling settings, keeping the
-distribution of each (what rejection sampling divides by). After the prompt every pass runs
-one token per row, so that on a GPU it replays a decode graph: a multi-token catch-up ran
-eagerly, and at batch 1 that pass cost more than the whole step otherwise (smollm2-135m on an
-H100: 27 ms a step). Draft KV of rejected drafts is
+distribution of each (what rejection sampling divides by). Draft KV of rejected drafts is
 dropped by rolling the shadow back to the tokens both models agree on.
+
+After the prompt every pass runs one token per row, the catch-up on accepted tokens included,
+so that on a GPU each pass replays a decode graph (the draft has no piecewise graphs): a
+two-token catch-up pass ran eagerly and cost a step 27 ms where a plain step took 0.94
+(smollm2-135m, batch 1, H100).
 """
 
 from __future__ import annotations
