@@ -37,14 +37,16 @@ def test_unreachable_hub_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
         resolve_model_dir("no-such-org/no-such-model")
 
 
-def test_eos_ids_come_from_generation_config(
+def test_eos_ids_come_from_config_and_generation_config(
     tiny_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     model_dir = tmp_path / "with-gen-config"
     shutil.copytree(tiny_model_dirs["llama"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"eos_token_id": 11}))
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
     loaded = load_model(str(model_dir), torch.float32, torch.device("cpu"), TorchAttentionBackend())
-    assert loaded.eos_token_ids == {2, 7, 9}
+    assert loaded.eos_token_ids == {2, 7, 9, 11}
     assert loaded.tokenizer is None  # the tiny model has no tokenizer files
 
 

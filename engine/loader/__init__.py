@@ -79,6 +79,7 @@ class ModelSource:
     name: str
     arch: ModelArch
     model_dir: Path | None  # None: dummy weights
+    config_eos_ids: frozenset[int] = frozenset()  # config.json's eos_token_id(s)
 
 
 def find_model(name: str) -> ModelSource:
@@ -90,7 +91,8 @@ def find_model(name: str) -> ModelSource:
 
         model_dir = resolve_model_dir(name)
         hf_config = AutoConfig.from_pretrained(model_dir)
-    return ModelSource(name, ModelArch.from_hf_config(hf_config), model_dir)
+    eos_ids = _token_ids(getattr(hf_config, "eos_token_id", None))
+    return ModelSource(name, ModelArch.from_hf_config(hf_config), model_dir, eos_ids)
 
 
 def load_model(
@@ -144,15 +146,17 @@ def _gguf_source(name: str) -> Path | None:
 
 
 def _tokenizer_and_eos(source: ModelSource) -> tuple[Any | None, frozenset[int]]:
+    """The tokenizer and every EOS id: config.json's (read by ``find_model``), the generation
+    config's and the tokenizer's."""
     if source.model_dir is None:
-        hf_config = dummy_hf_config(source.name.removeprefix(DUMMY_PREFIX))
-        return None, _eos_ids_from(hf_config, None, None)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(source.model_dir)
+        return None, source.config_eos_ids
     tokenizer = _load_tokenizer(source.model_dir)
-    generation_config = _read_generation_config(source.model_dir)
-    return tokenizer, _eos_ids_from(hf_config, generation_config, tokenizer)
+    generation_config = _read_generation_config(source.model_dir) or {}
+    return tokenizer, (
+        source.config_eos_ids
+        | _token_ids(generation_config.get("eos_token_id"))
+        | _token_ids(getattr(tokenizer, "eos_token_id", None))
+    )
 
 
 def _build(
@@ -217,17 +221,10 @@ def _read_generation_config(model_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _eos_ids_from(
-    hf_config: Any, generation_config: dict[str, Any] | None, tokenizer: Any | None
-) -> frozenset[int]:
-    ids: set[int] = set()
-    for value in (
-        (generation_config or {}).get("eos_token_id"),
-        getattr(hf_config, "eos_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    ):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
+def _token_ids(value: Any) -> frozenset[int]:
+    """An ``eos_token_id`` setting (an id, a list of ids, or none) as a set."""
+    if isinstance(value, int):
+        return frozenset([value])
+    if isinstance(value, list):
+        return frozenset(v for v in value if isinstance(v, int))
+    return frozenset()
