@@ -30,7 +30,8 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 @dataclass(frozen=True)
 class Plane:
-    """One field of a block: ``per_block`` items of ``dtype`` for each block of a row."""
+    """One field of a block: ``per_block`` items of ``dtype`` for each block of a row (in a
+    format's ``row_planes``: for each row)."""
 
     name: str
     dtype: torch.dtype
@@ -39,17 +40,26 @@ class Plane:
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """A weight format: its block size (elements), its planes, and its id in the kernels."""
+    """A weight format: its block size (elements), its planes, and its id in the kernels;
+    ``row_planes`` are fields of a whole row (fp8's scale), after the block planes in the
+    kernels' order."""
 
     name: str
     block_size: int
     planes: tuple[Plane, ...]
     kernel_id: int
+    row_planes: tuple[Plane, ...] = ()
+
+    @property
+    def all_planes(self) -> tuple[Plane, ...]:
+        """Block planes, then row planes: the order the kernels take them in."""
+        return self.planes + self.row_planes
 
     def plane_shapes(self, num_rows: int, size_k: int) -> dict[str, tuple[int, int]]:
         """Shape of each plane of an ``[num_rows, size_k]`` weight."""
         num_blocks = size_k // self.block_size
-        return {p.name: (num_rows, num_blocks * p.per_block) for p in self.planes}
+        shapes = {p.name: (num_rows, num_blocks * p.per_block) for p in self.planes}
+        return shapes | {p.name: (num_rows, p.per_block) for p in self.row_planes}
 
     def bits_per_weight(self) -> float:
         bits = sum(p.per_block * _dtype_bits(p.dtype) for p in self.planes)
@@ -70,8 +80,9 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("q4_1", QK, (Plane("d", F16, 1), Plane("qs", U8, QK // 2), Plane("m", F16, 1)), 2),
         QuantFormat("q4_k", QK_K, _Q4_K_PLANES, 3),
         QuantFormat("q6_k", QK_K, _Q6_K_PLANES, 4),
-        # per output channel: w [N, K] and scale f32 [N, 1], built by hand (no blocks)
-        QuantFormat("fp8", 1, (Plane("w", torch.float8_e4m3fn, 1),), 5),
+        # per output channel: w [N, K] and a float32 scale per row
+        QuantFormat("fp8", 1, (Plane("w", torch.float8_e4m3fn, 1),), 5,
+                    row_planes=(Plane("scale", torch.float32, 1),)),
     )
 }  # fmt: skip
 # ggml's block struct of each format: (field, bytes) in file order
@@ -249,12 +260,7 @@ def fp8_scaled_mm(x: torch.Tensor, planes: dict[str, torch.Tensor]) -> torch.Ten
 def empty_planes(
     fmt: QuantFormat, num_rows: int, size_k: int, device: torch.device | str
 ) -> dict[str, torch.Tensor]:
-    """Uninitialised planes of an ``[num_rows, size_k]`` weight (fp8: plus its row scales)."""
-    if fmt.name == "fp8":
-        return {
-            "w": torch.empty(num_rows, size_k, dtype=torch.float8_e4m3fn, device=device),
-            "scale": torch.empty(num_rows, 1, dtype=torch.float32, device=device),
-        }
-    dtypes = {p.name: p.dtype for p in fmt.planes}
+    """Uninitialised planes of an ``[num_rows, size_k]`` weight, its row planes included."""
+    dtypes = {p.name: p.dtype for p in fmt.all_planes}
     shapes = fmt.plane_shapes(num_rows, size_k)
     return {name: torch.empty(shapes[name], dtype=dtypes[name], device=device) for name in shapes}

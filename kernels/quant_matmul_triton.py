@@ -252,7 +252,7 @@ def _launch_gemv(
     target = split_k_target(out, cfg.split_k)
     group_size = KQUANT_FORMATS.get(fmt.name)
     if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
-        num_planes = len(fmt.planes) + (fmt.name == "fp8")
+        num_planes = len(fmt.all_planes)
         quant_gemv_blocked(
             x, target, fmt, pointers[:num_planes], size_k, block_n=cfg.block_n,
             blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
@@ -406,7 +406,7 @@ def default_gemm_config(num_rows: int, num_cols: int) -> QuantMatmulConfig:
 
 def plane_arguments(fmt: QuantFormat, planes: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """The planes in kernel order, padded to MAX_PLANES with the first (never read)."""
-    names = [p.name for p in fmt.planes] + (["scale"] if fmt.name == "fp8" else [])
+    names = [p.name for p in fmt.all_planes]
     try:
         ordered = [planes[name] for name in names]
     except KeyError as error:
