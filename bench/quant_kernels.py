@@ -51,7 +51,7 @@ from kernels.quant_matmul_triton import (
     default_config,
     quant_matmul,
 )
-from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, MMA_FORMATS
+from kernels.quant_mma_triton import MMA_DTYPES, MMA_FORMATS, mma_block_m
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16  # of the activations, the dense weight and the dequantized one
@@ -149,17 +149,9 @@ def measure(
 
 def mma_configs(rows: int) -> list[QuantMatmulConfig]:
     """MMA_GRID with a row tile that holds ``rows`` (16 to 128)."""
-    block_m = min(128, max(MIN_BLOCK_M, 1 << (rows - 1).bit_length()))
+    block_m = mma_block_m(rows)
     return [
-        QuantMatmulConfig(
-            block_m=block_m,
-            block_n=n,
-            block_k=k,
-            split_k=split,
-            num_warps=warps,
-            num_stages=stages,
-            mma=True,
-        )
+        QuantMatmulConfig(block_m, n, k, split, warps, stages, mma=True)
         for n, k, split, warps, stages in MMA_GRID
     ]
 

@@ -163,7 +163,7 @@ def quant_gemv_blocked(
     x: torch.Tensor,  # [M, K], M <= 8
     out: torch.Tensor,  # [M, N] (fp32 and zeroed when split_k > 1)
     fmt: QuantFormat,
-    planes: list[torch.Tensor],  # in the format's kernel order (kernels/quant.py)
+    planes: list[torch.Tensor],  # three, in kernel order, padded by plane_arguments
     size_k: int,
     *,
     block_n: int,
@@ -176,10 +176,9 @@ def quant_gemv_blocked(
     if fmt.name not in BLOCKED_FORMATS or size_k % QK:
         raise ValueError(f"quant_gemv_blocked: {fmt.name} with K={size_k} is not blocked")
     num_cols = planes[0].shape[0]
-    padded = planes + [planes[0]] * (3 - len(planes))
     grid = (triton.cdiv(num_cols, block_n), split_k)
     _quant_gemv_blocked_kernel[grid](
-        x, out, *padded, *(p.stride(0) for p in padded), x.shape[0], num_cols, size_k,
+        x, out, *planes, *(p.stride(0) for p in planes), x.shape[0], num_cols, size_k,
         x.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
         M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
         SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,

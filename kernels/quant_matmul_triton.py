@@ -37,7 +37,7 @@ from kernels.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
 from kernels.quant import QK, QuantFormat, fp8_scaled_mm
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
-from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, quant_mma
+from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, mma_block_m, quant_mma
 
 MAX_PLANES = 4
 SCALED_MM_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm with row-wise scales
@@ -252,9 +252,8 @@ def _launch_gemv(
     target = split_k_target(out, cfg.split_k)
     group_size = KQUANT_FORMATS.get(fmt.name)
     if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
-        num_planes = len(fmt.all_planes)
         quant_gemv_blocked(
-            x, target, fmt, pointers[:num_planes], size_k, block_n=cfg.block_n,
+            x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n,
             blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -278,7 +277,7 @@ def _launch_mma(
     cfg: QuantMatmulConfig,
 ) -> None:
     quant_mma(
-        x, out, fmt, pointers[: len(fmt.planes)], size_k, block_m=cfg.block_m,
+        x, out, fmt, pointers[:3], size_k, block_m=cfg.block_m,
         block_n=cfg.block_n, blocks=cfg.block_k // QK, split_k=cfg.split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -346,7 +345,7 @@ def default_mma_config(
     at 4-128 rows: qkv, o and down 1.18-1.46x in q4_0, 0.93-1.29x in q8_0; gate_up and the LM
     head up to 16 rows 1.02-1.18x in q4_0, 0.94-1.11x in q8_0. A decoder layer's four linears
     at 8 rows: q4_0 153 us instead of 191, q8_0 204 instead of 228."""
-    block_m = min(128, max(MIN_BLOCK_M, triton.next_power_of_2(num_rows)))
+    block_m = mma_block_m(num_rows)
     if num_cols >= MMA_WIDE_COLS and block_m > MIN_BLOCK_M:
         block_n, block_k, split_k, warps, stages = 128, 128, 1, 8, 3
     else:

@@ -39,8 +39,14 @@ from kernels.quant import QK, QuantFormat
 MMA_FORMATS = ("q8_0", "q4_0", "q4_1")
 MMA_DTYPES = (torch.bfloat16, torch.float16)
 MIN_BLOCK_M = 16  # the dot's narrow side
+MAX_BLOCK_M = 128
 # 16-bit float bits whose low mantissa bits take a 4-bit q: (bits, the float at q = 0)
 MAGIC_FLOATS = {torch.bfloat16: (0x4300, 128), torch.float16: (0x6400, 1024)}
+
+
+def mma_block_m(num_rows: int) -> int:
+    """The row tile that holds a batch of ``num_rows``: a power of two, 16 to 128."""
+    return min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(num_rows)))
 
 
 @triton.jit
@@ -113,7 +119,7 @@ def quant_mma(
     x: torch.Tensor,  # [M, K] in bf16 or fp16
     out: torch.Tensor,  # [M, N]
     fmt: QuantFormat,
-    planes: list[torch.Tensor],  # in the format's kernel order (kernels/quant.py)
+    planes: list[torch.Tensor],  # three, in kernel order, padded by plane_arguments
     size_k: int,
     *,
     block_m: int,
@@ -132,14 +138,13 @@ def quant_mma(
         raise ValueError(f"quant_mma: block_m {block_m} < {MIN_BLOCK_M}")
     magic, offset = MAGIC_FLOATS[x.dtype]
     num_cols = planes[0].shape[0]
-    padded = planes + [planes[0]] * (3 - len(planes))
     num_rows = x.shape[0]
     grid = (triton.cdiv(num_cols, block_n), triton.cdiv(num_rows, block_m), split_k)
     target = out
     if split_k > 1:  # a plane per split, summed below in a fixed order
         target = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)
     _quant_mma_kernel[grid](
-        x, target, *padded, *(p.stride(0) for p in padded), num_rows, num_cols, size_k,
+        x, target, *planes, *(p.stride(0) for p in planes), num_rows, num_cols, size_k,
         x.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0,
         FORMAT=fmt.kernel_id, BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k,
         MAGIC=magic, OFFSET=float(offset), DOT_FP32=x.device.type == "cpu",

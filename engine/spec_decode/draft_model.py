@@ -125,8 +125,6 @@ class DraftModelProposer:
             )  # fmt: skip
             self._shadows[seq] = shadow
         _sync(shadow, seq)
-        if shadow.seq.num_uncomputed_tokens == 0:  # its drafts were not verified last step:
-            shadow.seq.num_computed_tokens -= 1  # run the last token again for its logits
         # the last of the k drafts is sampled but never run
         num_new = shadow.seq.num_uncomputed_tokens + k - 1
         if not self.block_manager.allocate_slots(shadow.seq, num_new):
@@ -150,8 +148,8 @@ class DraftModelProposer:
         probs: dict[Sequence, list[torch.Tensor | None]] = {shadow: [] for shadow in shadows}
         chunked, budget = ScheduledBatch(), self.max_batched_tokens
         for shadow in shadows:
-            num_new = min(shadow.num_uncomputed_tokens, budget)
-            if shadow.num_uncomputed_tokens > self.num_tokens + 1 and num_new:
+            if shadow.num_uncomputed_tokens > self.num_tokens + 1 and budget:
+                num_new = min(shadow.num_uncomputed_tokens, budget)
                 chunked.scheduled.append(ScheduledSeq(shadow, num_new))
                 budget -= num_new
         drawn = self._step(chunked)
@@ -204,7 +202,9 @@ def _stack(probs: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 def _sync(shadow: _Shadow, seq: Sequence) -> None:
-    """Give the shadow the target's tokens; KV of drafts the target rejected is dropped."""
+    """Give the shadow the target's tokens; KV of drafts the target rejected is dropped, and
+    the last token is always left to run, for the logits of the first draft (when last
+    step's drafts went unverified, the shadow had seen every token)."""
     mine, theirs = shadow.seq.output_token_ids, seq.output_token_ids
     common = shadow.num_synced_outputs
     while common < min(len(mine), len(theirs)) and mine[common] == theirs[common]:
@@ -213,4 +213,4 @@ def _sync(shadow: _Shadow, seq: Sequence) -> None:
     mine += theirs[common:]
     shadow.num_synced_outputs = len(theirs)
     num_valid = len(seq.prompt_token_ids) + common
-    shadow.seq.num_computed_tokens = min(shadow.seq.num_computed_tokens, num_valid)
+    shadow.seq.num_computed_tokens = min(shadow.seq.num_computed_tokens, num_valid - 1)

@@ -19,7 +19,6 @@ from worker.cli.parser import CommandError
 
 
 def configure_latency(parser: argparse.ArgumentParser) -> None:
-
     w = parser.add_argument_group("workload")
     w.add_argument(
         "--batch-sizes",
@@ -116,7 +115,6 @@ def _latency_table(results: list[dict[str, Any]]) -> str:
 
 
 def configure_speculative(parser: argparse.ArgumentParser) -> None:
-
     w = parser.add_argument_group("workload")
     w.add_argument(
         "--batch-sizes",
