@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_launch, wait_for_producers
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK_D = 1024  # columns per program
 
@@ -24,7 +26,9 @@ def _silu_and_mul_kernel(
     stride_ot,  # out: [T, D], last stride 1
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     token = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs_d < D
@@ -57,6 +61,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block_d = min(MAX_BLOCK_D, triton.next_power_of_2(size))
         grid = (rows.shape[0], triton.cdiv(size, block_d))
         _silu_and_mul_kernel[grid](
-            rows, out, rows.stride(0), out.stride(0), D=size, BLOCK_D=block_d, num_warps=4
+            rows,
+            out,
+            rows.stride(0),
+            out.stride(0),
+            D=size,
+            BLOCK_D=block_d,
+            num_warps=4,
+            **pdl_launch(rows),
         )
     return out.view(*gate_up.shape[:-1], size)

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_launch, wait_for_producers
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # rows of x a GEMV program carries; larger batches use a GEMM
 
@@ -67,7 +69,9 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,7 +128,7 @@ def gemv(
         M_PAD=max(triton.next_power_of_2(num_rows), 1), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU_MUL=silu_mul,
         EVEN_K=size_k % (cfg.block_k * cfg.split_k) == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
     )  # fmt: skip
     if target is not out:
         out.copy_(target)

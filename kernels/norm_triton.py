@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_launch, wait_for_producers
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -27,7 +29,9 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     token = row // NUM_HEADS
     head = row % NUM_HEADS
@@ -109,6 +113,7 @@ def _launch(
         BLOCK_N=triton.next_power_of_2(size),
         HAS_RESIDUAL=residual is not None,
         num_warps=_num_warps(size),
+        **pdl_launch(x),
     )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from kernels.paged_attention_common import (
     pow2_at_least,
 )
 from kernels.paged_attention_prefill_triton import launch_prefill
+from kernels.pdl import pdl_launch, wait_for_producers
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the head group is padded to this
 MAX_KV_SPLITS = 64
@@ -73,7 +74,9 @@ def _decode_kernel(
     IS_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dot operand dtype
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,7 +142,9 @@ def _reduce_splits_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
@@ -308,6 +313,7 @@ def _launch_decode(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
+        **pdl_launch(q),
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits_kernel[(num_decodes, num_heads)](
@@ -316,6 +322,7 @@ def _launch_decode(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            **pdl_launch(q),
         )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv_triton import store_split_k
+from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.quant import QK_K, QuantFormat
 
 KQUANT_FORMATS = {"q4_k": 64, "q6_k": 128}  # format -> elements of a group
@@ -114,8 +115,9 @@ def _quant_gemv_kquant_kernel(
     stride_xm,  # x: [M, K], last stride 1
     stride_om,  # out: [M, N], last stride 1
     FORMAT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,5 +166,5 @@ def quant_gemv_kquant(
         size_k, x.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
         M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n,
         GROUPS=block_k // group_size, GROUP_SIZE=group_size, SPLIT_K=split_k,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip

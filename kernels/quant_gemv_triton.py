@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv_triton import store_split_k
+from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.quant import QK, QuantFormat
 
 BLOCKED_FORMATS = ("q8_0", "q4_0", "q4_1", "fp8")
@@ -114,8 +115,9 @@ def _quant_gemv_blocked_kernel(
     stride_xm,  # x: [M, K], last stride 1
     stride_om,  # out: [M, N], last stride 1
     FORMAT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,5 +183,5 @@ def quant_gemv_blocked(
         x, out, *planes, *(p.stride(0) for p in planes), x.shape[0], num_cols, size_k,
         x.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
         M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
-        SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,
+        SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kernels.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
 from kernels.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
+from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.quant import QK, QuantFormat, fp8_scaled_mm
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
@@ -128,8 +129,9 @@ def _quant_gemv_kernel(
     stride_xm,  # x: [M, K], last stride 1
     stride_om,  # out: [M, N], last stride 1
     FORMAT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -299,7 +301,7 @@ def _launch_elementwise_gemv(
         target.stride(0), FORMAT=fmt.kernel_id,
         M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
     )  # fmt: skip
 
 

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.quant import QK, QuantFormat
 
 MMA_FORMATS = ("q8_0", "q4_0", "q4_1")
@@ -58,9 +59,11 @@ def _quant_mma_kernel(
     stride_split,  # between the planes of the K splits
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
     SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """A program: ``out^T[BLOCK_N, BLOCK_M]`` over its split of K, BLOCKS blocks a step,
     each step one dot of the low nibbles and one of the high ones into ``acc``."""
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -148,7 +151,7 @@ def quant_mma(
         x.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0,
         FORMAT=fmt.kernel_id, BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k,
         MAGIC=magic, OFFSET=float(offset), DOT_FP32=x.device.type == "cpu",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip
     if split_k > 1:
         out.copy_(target.sum(dim=0))

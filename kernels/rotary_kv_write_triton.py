@@ -26,6 +26,7 @@ from kernels.kv_write_triton import (
     _store_token,
     check_write_args,
 )
+from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.rotary_triton import _rotate_heads, _rotated_halves, check_rotary_args
 
 
@@ -85,7 +86,9 @@ def _rotary_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
     cos_row = cos_ptr + position * stride_cp
@@ -163,5 +166,6 @@ def rotary_write_kv(
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_D=triton.next_power_of_2(head_dim),
         IS_FP8=scales.is_fp8,
+        **pdl_launch(q),
     )  # fmt: skip
     return q

@@ -42,15 +42,17 @@ CASES = [  # (kernel, format, argument names, constexprs)
      {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "IEEE_FP32": False}),
     (_quant_gemm_kernel, "fp8", FOUR_PLANES,
      {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "IEEE_FP32": False}),
-    (_quant_gemv_kernel, "q6_k", FOUR_PLANES, {**GEMV, "BLOCK_K": 256}),
-    (_quant_gemv_blocked_kernel, "q4_1", THREE_PLANES, {**GEMV, "BLOCKS": 8}),
-    (_quant_gemv_blocked_kernel, "fp8", THREE_PLANES, {**GEMV, "BLOCKS": 8}),
-    (_quant_gemv_kquant_kernel, "q4_k", FOUR_PLANES, {**GEMV, "GROUPS": 4, "GROUP_SIZE": 64}),
-    (_quant_gemv_kquant_kernel, "q6_k", FOUR_PLANES, {**GEMV, "GROUPS": 2, "GROUP_SIZE": 128}),
+    (_quant_gemv_kernel, "q6_k", FOUR_PLANES, {**GEMV, "BLOCK_K": 256, "PDL": False}),
+    (_quant_gemv_blocked_kernel, "q4_1", THREE_PLANES, {**GEMV, "BLOCKS": 8, "PDL": True}),
+    (_quant_gemv_blocked_kernel, "fp8", THREE_PLANES, {**GEMV, "BLOCKS": 8, "PDL": False}),
+    (_quant_gemv_kquant_kernel, "q4_k", FOUR_PLANES,
+     {**GEMV, "GROUPS": 4, "GROUP_SIZE": 64, "PDL": True}),
+    (_quant_gemv_kquant_kernel, "q6_k", FOUR_PLANES,
+     {**GEMV, "GROUPS": 2, "GROUP_SIZE": 128, "PDL": False}),
     (_quant_mma_kernel, "q4_1", MMA_ARGUMENTS,
-     {**MMA, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCKS": 4, "SPLIT_K": 2}),
+     {**MMA, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCKS": 4, "SPLIT_K": 2, "PDL": True}),
     (_quant_mma_kernel, "q8_0", MMA_ARGUMENTS,
-     {**MMA, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCKS": 4, "SPLIT_K": 1}),
+     {**MMA, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCKS": 4, "SPLIT_K": 1, "PDL": False}),
 ]  # fmt: skip
 TILED = (_quant_gemm_kernel, _quant_mma_kernel)  # tl.dot kernels
 
@@ -80,7 +82,9 @@ def compile_case(index: int) -> dict[str, Any]:
         target=HOPPER,
         options={"num_warps": 8 if constants.get("BLOCK_M") == 128 else 4},
     )
-    return {"cubin": bool(compiled.asm["cubin"]), "vector": "ld.global.v4" in compiled.asm["ptx"]}
+    ptx = compiled.asm["ptx"]
+    return {"cubin": bool(compiled.asm["cubin"]), "vector": "ld.global.v4" in ptx,
+            "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
 
 
 def main() -> None:
@@ -113,3 +117,5 @@ def test_kernel_compiles_for_hopper(compiled: dict[str, Any], index: int) -> Non
     assert result["cubin"]  # ptxas assembled it
     if kernel not in TILED:  # the GEMVs stream their quants with 16-byte loads
         assert result["vector"]
+    # launched as a programmatic dependent, the kernel waits for the one before it
+    assert result["pdl"] == CASES[index][3].get("PDL", False)
