@@ -35,6 +35,7 @@ from bench.kernels import measure_copy_bandwidth
 from bench.records import machine_info, save
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
+from kernels.fp8_rows_triton import fp8_scaled_mm
 from kernels.quant import (
     FORMATS,
     IN_SITU_FORMATS,
@@ -43,15 +44,18 @@ from kernels.quant import (
     empty_planes,
     plane_bytes,
     quantize,
+    quantize_rows_fp8,
 )
 from kernels.quant_dequant_triton import dequant_matmul, dequantize_into
 from kernels.quant_matmul_triton import (
     MAX_GEMV_ROWS,
+    MMA_ROWS,
     QuantMatmulConfig,
     default_config,
     quant_matmul,
+    scaled_mm_fits,
 )
-from kernels.quant_mma_triton import MMA_DTYPES, MMA_FORMATS, mma_block_m
+from kernels.quant_mma_triton import MMA_DTYPES, mma_block_m
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16  # of the activations, the dense weight and the dequantized one
@@ -78,6 +82,7 @@ GEMM_GRID = [
 MMA_GRID = ((32, 256, 1, 4, 3), (64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (64, 512, 1, 4, 3),
             (128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (64, 128, 2, 4, 3), (128, 256, 1, 4, 4),
             (64, 64, 4, 4, 4))  # fmt: skip
+OTHER_PATHS = ("cublas_bf16", "dequant_cublas", "dequant_only", "scaled_mm")  # not launch shapes
 ROTATION_BYTES = 256 << 20  # weight copies cycled through: 5x an H100's 50 MiB L2
 MAX_COPIES = 16
 GRAPH_MS = 5.0  # a timed graph holds enough calls to run this long
@@ -132,17 +137,21 @@ def measure(
     grid: list[QuantMatmulConfig] = []
     if full_grid:
         grid = GEMV_GRID if gemv else GEMM_GRID
-        if fmt.name in MMA_FORMATS and DTYPE in MMA_DTYPES:
+        if fmt.name in MMA_ROWS and DTYPE in MMA_DTYPES:
             grid = [*grid, *mma_configs(rows)]
     configs = {_key(c): c for c in [default, *grid]}
     runs = {key: _triton_call(shape, x, config) for key, config in configs.items()}
+    w8a8 = _w8a8_reference(shape, x) if fmt.name == "fp8" else reference
     for (key, run), got in zip(runs.items(), _first_calls(list(runs.values())), strict=True):
         if got is None:  # the launch shape does not fit the GPU (shared memory)
             continue
-        assert (got.float() - reference).abs().max().item() <= tolerance, (fmt.name, key)
+        expected = w8a8 if configs[key].mma else reference
+        assert (got.float() - expected).abs().max().item() <= tolerance, (fmt.name, key)
         timings[key] = _time_us(run)
     if not gemv:
         timings.update(_time_dequant(shape, x, reference, tolerance))
+    if scaled_mm_fits(x, fmt, shape.num_cols, size_k):
+        timings["scaled_mm"] = _time_scaled_mm(shape, x, tolerance)
     return {"summary": _summary(shape, rows, timings, _key(default), copy_bytes_per_s),
             "timings_us": timings}  # fmt: skip
 
@@ -185,6 +194,21 @@ def _fitting(fn: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         return None
 
 
+def _w8a8_reference(shape: Shape, x: torch.Tensor) -> torch.Tensor:
+    """The reference with x rounded to e4m3 per row, as the W8A8 paths round it."""
+    x_fp8, x_scale = quantize_rows_fp8(x)
+    return F.linear((x_fp8.float() * x_scale).to(DTYPE), shape.dense[0]).float()
+
+
+def _time_scaled_mm(shape: Shape, x: torch.Tensor, tolerance: float) -> float:
+    """W8A8 through ``torch._scaled_mm``, checked against x rounded to e4m3 as it rounds it."""
+    reference = _w8a8_reference(shape, x)
+    planes_of = _cycler(shape.planes)
+    got = fp8_scaled_mm(x, planes_of()).float()
+    assert (got - reference).abs().max().item() <= tolerance, (shape.fmt.name, "scaled_mm")
+    return _time_us(lambda: fp8_scaled_mm(x, planes_of()))
+
+
 def _time_dequant(
     shape: Shape, x: torch.Tensor, reference: torch.Tensor, tolerance: float
 ) -> dict[str, float]:
@@ -204,7 +228,7 @@ def _summary(
     shape: Shape, rows: int, timings: dict[str, float], default: str, copy_bytes_per_s: float
 ) -> dict[str, Any]:
     limit_us = shape.packed_bytes / copy_bytes_per_s * 1e6
-    configs = [k for k in timings if k not in ("cublas_bf16", "dequant_cublas", "dequant_only")]
+    configs = [k for k in timings if k not in OTHER_PATHS]
     best = min(configs, key=timings.__getitem__)
     mma = [k for k in configs if k.endswith("t")]
     cublas_us = timings["cublas_bf16"]
@@ -221,6 +245,9 @@ def _summary(
         key = min(mma, key=timings.__getitem__)
         summary |= {"mma_best": key, "mma_us": round(timings[key], 2),
                     "mma_of_limit": round(limit_us / timings[key], 3)}  # fmt: skip
+    if "scaled_mm" in timings:  # the figures SCALED_MM_MIN_ROWS is set from
+        summary |= {"scaled_mm_us": round(timings["scaled_mm"], 2),
+                    "scaled_mm_of_limit": round(limit_us / timings["scaled_mm"], 3)}  # fmt: skip
     if "dequant_cublas" in timings:  # the figures DEQUANT_GEMM_MIN_ROWS is set from
         written_bytes = shape.scratch.nbytes
         dequant_limit_us = (shape.packed_bytes + written_bytes) / copy_bytes_per_s * 1e6

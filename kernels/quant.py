@@ -240,21 +240,12 @@ def _quantize_fp8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] as e4m3 with a float32 scale per row (dynamic, per token) [M, 1]."""
+    """Activations [M, K] as e4m3 with a float32 scale per row (dynamic, per token) [M, 1].
+    The scale is ``amax`` times fp32 ``1/448`` (what torch's CUDA division by a number
+    computes; the CPU's would divide), so that every device and the Triton kernel agree."""
     amax = x.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax * (1.0 / FP8_MAX))
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def fp8_scaled_mm(x: torch.Tensor, planes: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``x [M, K] @ w.T`` on fp8 tensor cores: x quantized per row, ``torch._scaled_mm`` with
-    both row scales (W8A8; bf16 out). For prefill, where the fp8 matmul's speed pays for the
-    activations' rounding; decode keeps x in its dtype (kernels/quant_gemv_triton.py)."""
-    x_fp8, x_scale = quantize_rows_fp8(x)
-    w, w_scale = planes["w"], planes["scale"]  # [N, K] e4m3, [N, 1] f32
-    return torch._scaled_mm(
-        x_fp8, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16
-    )
 
 
 def empty_planes(

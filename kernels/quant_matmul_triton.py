@@ -32,10 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_mma_triton import fp8_mma
+from kernels.fp8_rows_triton import fp8_scaled_mm
 from kernels.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
 from kernels.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat, fp8_scaled_mm
+from kernels.quant import QK, QuantFormat
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
 from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, mma_block_m, quant_mma
@@ -209,8 +211,8 @@ def quant_matmul(
     num_rows = x.shape[0]
     num_cols = pointers[0].shape[0]
     _check(x, size_k)
-    if num_rows > MAX_GEMV_ROWS and config is None and uses_scaled_mm(x, fmt, num_cols, size_k):
-        y = fp8_scaled_mm(x, planes)  # prefill on fp8 tensor cores
+    if config is None and uses_scaled_mm(x, fmt, num_cols, size_k):
+        y = fp8_scaled_mm(x, planes)  # W8A8 on fp8 tensor cores
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
@@ -218,7 +220,10 @@ def quant_matmul(
         return out
     strides = [p.stride(0) for p in pointers]
     cfg = config or default_config(num_rows, num_cols, size_k, fmt, x.dtype)
-    if cfg.mma:
+    if cfg.mma and fmt.name == "fp8":
+        fp8_mma(x, out, planes, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+                split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
+    elif cfg.mma:
         _launch_mma(x, out, pointers, fmt, size_k, cfg)
     elif num_rows <= MAX_GEMV_ROWS:
         _launch_gemv(x, out, pointers, strides, fmt, num_cols, size_k, cfg)
@@ -234,7 +239,13 @@ def quant_matmul(
 
 
 def uses_scaled_mm(x: torch.Tensor, fmt: QuantFormat, num_cols: int, size_k: int) -> bool:
-    """Whether fp8 rows beyond the GEMV take ``torch._scaled_mm`` (Hopper+, bf16, aligned)."""
+    """Whether fp8 rows take ``torch._scaled_mm`` by default: from ``MMA_ROWS["fp8"][1]``
+    rows (fewer take the GEMV or kernels/fp8_mma_triton.py), on Hopper+, bf16, aligned."""
+    return x.shape[0] >= MMA_ROWS["fp8"][1] and scaled_mm_fits(x, fmt, num_cols, size_k)
+
+
+def scaled_mm_fits(x: torch.Tensor, fmt: QuantFormat, num_cols: int, size_k: int) -> bool:
+    """Whether ``torch._scaled_mm`` can multiply ``x`` by this weight at all."""
     if fmt.name != "fp8" or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
     aligned = num_cols % SCALED_MM_ALIGNMENT == 0 and size_k % SCALED_MM_ALIGNMENT == 0
@@ -324,15 +335,22 @@ def default_config(
 # 170 (one row: 81 with the GEMV), 8 rows 195 against 422; q8_0 at 4 rows the GEMV's 204, at
 # 8 rows 233 against 349. Dequantize + cuBLAS: q4_0 at 256 rows 764 against 711 (two row
 # tiles; a third costs more), q8_0 at 144 rows 725 against 709 and at 256 rows 777 against
-# 852.
-MMA_ROWS = {"q4_0": (3, 257), "q4_1": (3, 257), "q8_0": (8, 144)}
+# 852. fp8 (kernels/fp8_mma_triton.py, W8A8) from 2 rows, where its one-row GEMV stops
+# winning, to 128, beyond which torch._scaled_mm takes over (quant-kernels-fp8-mma-sweep-
+# llama3-8b-h100.json, a layer's four linears: 2 rows 98 us against the GEMV's 126 and
+# _scaled_mm's 148; 8 rows 98 against 146; 128 rows qkv and o 1.1-1.2x _scaled_mm, gate_up
+# even).
+MMA_ROWS = {"q4_0": (3, 257), "q4_1": (3, 257), "q8_0": (8, 144), "fp8": (2, 129)}
 MMA_WIDE_COLS = 16384  # from here (gate_up, LM heads) and 17 rows up: 128-column tiles, no split
 
 
 def takes_mma(fmt: QuantFormat, num_rows: int, dtype: torch.dtype) -> bool:
-    """Whether ``num_rows`` rows of ``dtype`` take the tensor-core kernel by default."""
+    """Whether ``num_rows`` rows of ``dtype`` take the tensor-core kernel by default (in
+    ``MMA_ROWS``' range; beyond it the weight is dequantized for cuBLAS, fp8 takes
+    ``torch._scaled_mm``)."""
     bounds = MMA_ROWS.get(fmt.name)
-    return bounds is not None and num_rows >= bounds[0] and dtype in MMA_DTYPES
+    in_range = bounds is not None and bounds[0] <= num_rows < bounds[1]
+    return in_range and dtype in MMA_DTYPES
 
 
 @functools.lru_cache(maxsize=256)
@@ -348,6 +366,8 @@ def default_mma_config(
     head up to 16 rows 1.02-1.18x in q4_0, 0.94-1.11x in q8_0. A decoder layer's four linears
     at 8 rows: q4_0 153 us instead of 191, q8_0 204 instead of 228."""
     block_m = mma_block_m(num_rows)
+    if fmt.name == "fp8":
+        return _fp8_mma_config(block_m, num_cols)
     if num_cols >= MMA_WIDE_COLS and block_m > MIN_BLOCK_M:
         block_n, block_k, split_k, warps, stages = 128, 128, 1, 8, 3
     else:
@@ -358,6 +378,19 @@ def default_mma_config(
                              num_warps=warps, num_stages=stages, mma=True)  # fmt: skip
 
 
+def _fp8_mma_config(block_m: int, num_cols: int) -> QuantMatmulConfig:
+    """fp8's tensor-core shapes, from the H100 sweep (quant-kernels-fp8-mma-sweep-llama3-8b-
+    h100.json): no K split, long K steps (an e4m3 step of 512 is 512 bytes a row); wide
+    weights 128-column tiles, K steps of 256; 8 warps from 64 rows."""
+    if num_cols >= MMA_WIDE_COLS:
+        block_n, block_k = 128, 256
+        warps, stages = (4, 4) if block_m <= 32 else (8, 3)
+    else:
+        block_n, block_k, warps, stages = 64, 512 if block_m <= 64 else 256, 4, 3
+    return QuantMatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=1,
+                             num_warps=warps, num_stages=stages, mma=True)  # fmt: skip
+
+
 GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
 # The GGUF block formats' GEMV, (columns, K step, warps): the 4-bit formats 2 columns of one
 # warp and 32 blocks (1024 elements) a step (their layout conversions and barriers cost least
@@ -365,8 +398,11 @@ GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
 # linears with the weights out of L2 (quant-kernels-gemv-llama3-8b-h100.json), a decoder
 # layer's four linears and the LM head at one row: q4_0 232 us (266 with 8 columns of 4 warps,
 # the shape before), q4_1 259 (308), q8_0 269 (285); at two rows q4_0 350 (430), q8_0 411
-# (390: the one loss). The k-quants and fp8 keep the rule below (not swept).
-TUNED_GEMV = {"q8_0": (4, 2048, 4), "q4_0": (2, 1024, 1), "q4_1": (2, 1024, 1)}
+# (390: the one loss). fp8 takes q8_0's shape (quant-kernels-fp8-gemv-h100.json): at one row
+# the four linears 82.6 us (101.2 with the rule below; their limit 72.7). The k-quants keep
+# the rule (not swept).
+TUNED_GEMV = {"q8_0": (4, 2048, 4), "q4_0": (2, 1024, 1), "q4_1": (2, 1024, 1),
+              "fp8": (4, 2048, 4)}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)  # called per linear per step: the shapes are few

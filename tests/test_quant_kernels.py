@@ -9,17 +9,20 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from kernels.fp8_rows_triton import fp8_scaled_mm, quantize_rows_fp8_triton
 from kernels.quant import (
     FORMATS,
+    FP8_MAX,
     GGML_BLOCK_FIELDS,
     IN_SITU_FORMATS,
     QuantFormat,
     dequantize,
-    fp8_scaled_mm,
     planes_from_ggml,
     quantize,
     quantize_rows_fp8,
@@ -27,6 +30,7 @@ from kernels.quant import (
 from kernels.quant_gemv_triton import BLOCKED_FORMATS
 from kernels.quant_matmul_triton import (
     MAX_GEMV_ROWS,
+    MMA_ROWS,
     QuantMatmulConfig,
     default_config,
     default_gemm_config,
@@ -192,6 +196,90 @@ def test_fp8_scaled_mm_rounds_only_the_activations_beyond_the_weights() -> None:
     assert not uses_scaled_mm(x, FORMATS["fp8"], 48, 64)  # CPU tensors: the Triton path
 
 
+@pytest.mark.parametrize(
+    ("num_rows", "size_k", "dtype"),
+    [(5, 96, torch.bfloat16), (3, 5000, torch.float16), (2, 64, torch.float32)],
+)
+def test_fp8_row_quantization_kernel_gives_the_references_bytes(
+    num_rows: int, size_k: int, dtype: torch.dtype
+) -> None:
+    """One program per row, the row in registers (96, 64) or read twice (5000 > 4096); a row
+    of zeros keeps scale 1, a row with one huge value takes its own scale. The interpreter's
+    own cast to e4m3 rounds unlike the GPU's (subnormals, carries into the exponent), so on
+    the CPU the reference's values before the cast go through that same cast; the GPU test
+    below compares against torch's cast."""
+    x = torch.randn(num_rows, size_k, generator=torch.Generator().manual_seed(11)).to(dtype)
+    x[1] = 0.0
+    x[0, size_k // 2] = 3e4
+    x_fp8, scale = quantize_rows_fp8_triton(x)
+    _, ref_scale = quantize_rows_fp8(x)
+    assert x_fp8.dtype == torch.float8_e4m3fn and scale.shape == (num_rows, 1)
+    assert torch.equal(scale, ref_scale) and scale[1].item() == 1.0
+    before_cast = (x.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX)
+    assert torch.equal(x_fp8.view(torch.uint8), triton_cast_to_e4m3(before_cast).view(torch.uint8))
+
+
+@triton.jit
+def _cast_to_e4m3_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=offs < N)
+
+
+def triton_cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    flat = x.flatten().contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
+    _cast_to_e4m3_kernel[(triton.cdiv(flat.numel(), 256),)](flat, out, flat.numel(), BLOCK=256)
+    return out.view(x.shape)
+
+
+def test_fp8_row_quantization_rejects_a_strided_row() -> None:
+    with pytest.raises(ValueError, match="last stride 1"):
+        quantize_rows_fp8_triton(torch.zeros(4, 8).t())
+
+
+@pytest.mark.gpu
+def test_fp8_row_quantization_kernel_on_gpu_gives_the_references_bytes() -> None:
+    x = torch.randn(300, 14336, device="cuda").bfloat16() * 3
+    x[7] = 0
+    x_fp8, scale = quantize_rows_fp8_triton(x)
+    ref_fp8, ref_scale = quantize_rows_fp8(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_fp8_rows_take_the_gemv_then_the_tensor_core_kernel_then_scaled_mm() -> None:
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._scaled_mm with row-wise scales needs Hopper")
+    fp8, first, scaled = FORMATS["fp8"], *MMA_ROWS["fp8"]
+    for rows in (1, first, scaled - 1, scaled):
+        x = torch.empty(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        mma = default_config(rows, 4096, 4096, fp8, x.dtype).mma
+        assert (mma, uses_scaled_mm(x, fp8, 4096, 4096)) == (first <= rows < scaled, rows >= scaled)
+
+
+@pytest.mark.parametrize(("num_rows", "block_m", "split_k"), [(5, 16, 1), (20, 16, 3)])
+def test_fp8_tensor_core_kernel_gives_the_w8a8_product(
+    num_rows: int, block_m: int, split_k: int
+) -> None:
+    """x rounded per row to e4m3 by the row kernel (the interpreter's cast, see above), times
+    the e4m3 weight, both scales applied; a ragged column tile, K steps past the end."""
+    fmt = FORMATS["fp8"]
+    num_cols, size_k = 40, 200
+    gen = torch.Generator().manual_seed(num_rows)
+    planes = quantize(torch.randn(num_cols, size_k, generator=gen), fmt)
+    x = torch.randn(num_rows, size_k, generator=gen).bfloat16()
+    x_fp8, x_scale = quantize_rows_fp8_triton(x)
+    expected = (x_fp8.float() * x_scale) @ dequantize(fmt, planes).T
+    config = QuantMatmulConfig(block_m=block_m, block_n=32, block_k=64, split_k=split_k,
+                               mma=True)  # fmt: skip
+    got = run_kernel(x, fmt, planes, size_k, config)
+    assert got.dtype == torch.bfloat16
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+
+
 MMA_CASES = [  # (rows, row tile, K split): one ragged row tile; two row tiles and a split
     (5, 16, 1),
     (20, 16, 2),
@@ -303,7 +391,8 @@ def test_quant_matmul_on_gpu_at_real_sizes(
     planes = {k: v.cuda() for k, v in random_planes(fmt, num_cols, size_k).items()}
     x = torch.randn(num_rows, size_k, device="cuda").bfloat16()
     x_used = x.float()
-    if num_rows > MAX_GEMV_ROWS and uses_scaled_mm(x, fmt, num_cols, size_k):
+    w8a8 = name == "fp8" and default_config(num_rows, num_cols, size_k, fmt, x.dtype).mma
+    if w8a8 or uses_scaled_mm(x, fmt, num_cols, size_k):
         x_fp8, x_scale = quantize_rows_fp8(x)  # W8A8: the activations are rounded too
         x_used = x_fp8.float() * x_scale
     expected = x_used @ dequantize(fmt, planes).T
@@ -313,9 +402,9 @@ def test_quant_matmul_on_gpu_at_real_sizes(
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
     if num_rows <= MAX_GEMV_ROWS:  # the element-wise GEMV too (the k-quants' only one)
         config = dataclasses.replace(default_gemv_config(num_cols, size_k, fmt), blocked=False)
-    else:  # the Triton GEMM (fp8 included: a given config never takes _scaled_mm)
+    else:  # the Triton GEMM
         config = default_gemm_config(num_rows, num_cols)
-        expected = x.float() @ dequantize(fmt, planes).T
+    expected = x.float() @ dequantize(fmt, planes).T  # a given config never takes _scaled_mm
     got = quant_matmul(x, fmt, planes, size_k, config=config).float()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
 

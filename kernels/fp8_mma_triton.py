@@ -1,0 +1,103 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""Small-batch W8A8 matmul for fp8 weights on fp8 tensor cores: ``out = x @ w.T``.
+
+Decode batches of a few dozen rows are memory-bound: the weight's bytes are the step's cost.
+``torch._scaled_mm`` multiplies the same operands but its kernels are tuned for large M; at
+3-16 rows it ran at 0.35-0.43 of the weight's streaming limit on llama3-8b's qkv and o (H100)
+and slower than bf16 cuBLAS on down_proj (K = 14,336). Here, as in kernels/quant_mma_triton.py,
+the tile is transposed (``out^T = w @ x^T``: the weight the dot's tall side, the batch its
+narrow one, padded to 16) and narrow weights split K over programs to fill the GPU, each
+split an fp32 plane of its own that the launcher adds in a fixed order.
+
+The activations are rounded as ``torch._scaled_mm``'s path rounds them
+(kernels/fp8_rows_triton.py: e4m3 with a scale per row); the dot multiplies e4m3 by e4m3
+into fp32 and the epilogue applies both scales, so the product is the same W8A8 one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8_rows_triton import quantize_rows_fp8_triton
+from kernels.pdl import pdl_launch, wait_for_producers
+from kernels.quant_mma_triton import MIN_BLOCK_M
+
+
+@triton.jit
+def _fp8_mma_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr,
+    M, N, K,
+    stride_xm,  # x: [M, K] e4m3, last stride 1
+    stride_wn,  # w: [N, K] e4m3, last stride 1
+    stride_om,  # out: [M, N] (a plane of [SPLIT_K, M, N] when split), last stride 1
+    stride_split,  # between the planes of the K splits
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A program: ``out^T[BLOCK_N, BLOCK_M]`` over its split of K."""
+    wait_for_producers(PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
+    # 1. the split's K steps: e4m3 weight [BLOCK_N, BLOCK_K] times e4m3 x^T [BLOCK_K, BLOCK_M]
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        mask_k = (k0 + offs_k) < K
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if DOT_FP32:  # the interpreter: the same products in fp32
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    # 2. both scales: the weight's per output channel, x's per row
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+    acc = acc * w_scale[:, None] * x_scale[None, :]
+    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+def fp8_mma(
+    x: torch.Tensor,  # [M, K] in bf16, fp16 or fp32
+    out: torch.Tensor,  # [M, N]
+    planes: dict[str, torch.Tensor],  # fp8's: w [N, K] e4m3, scale [N, 1] float32
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> None:
+    """``out = round_e4m3(x) @ w.T``, both scales applied (the W8A8 product)."""
+    if block_m < MIN_BLOCK_M:
+        raise ValueError(f"fp8_mma: block_m {block_m} < {MIN_BLOCK_M}")
+    w, w_scale = planes["w"], planes["scale"]
+    num_rows, num_cols = x.shape[0], w.shape[0]
+    x_fp8, x_scale = quantize_rows_fp8_triton(x)
+    grid = (triton.cdiv(num_cols, block_n), triton.cdiv(num_rows, block_m), split_k)
+    target = out
+    if split_k > 1:  # a plane per split, summed below in a fixed order
+        target = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)
+    _fp8_mma_kernel[grid](
+        x_fp8, x_scale, w, w_scale, target, num_rows, num_cols, x.shape[1],
+        x_fp8.stride(0), w.stride(0), target.stride(-2),
+        target.stride(0) if split_k > 1 else 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        DOT_FP32=x.device.type == "cpu", num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(x),
+    )  # fmt: skip
+    if split_k > 1:
+        out.copy_(target.sum(dim=0))
