@@ -118,6 +118,13 @@ def _engine_args(config: EngineConfig) -> list[str]:
         args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     if config.max_model_len is not None:
         args += ["--max-model-len", str(config.max_model_len)]
+    if config.quantization == "fp8":  # vLLM's own fp8: per-channel weights quantized at load
+        args += ["--quantization", "fp8"]
+    elif config.quantization not in ("auto", "none"):
+        raise PeerError(
+            f"--compare vllm: vLLM cannot quantize to {config.quantization} at load; compare "
+            "--quantization fp8 or none"
+        )
     return args
 
 
@@ -152,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
     parser.add_argument("--num-prompts", type=_ints, default=(256,))
     parser.add_argument("--input-len", type=_range, default=(100, 1024))
     parser.add_argument("--output-len", type=_range, default=(100, 1024))
@@ -187,6 +195,7 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "seed": args.seed,
         "max_model_len": args.max_model_len,
+        "quantization": args.quantization,
         # latency repeats the same prompts: cached prefixes would skip the prefill it times
         "enable_prefix_caching": args.kind != "latency",
         **json.loads(os.environ.get(VLLM_ARGS_ENV, "{}")),

@@ -10,7 +10,7 @@ import pytest
 
 from bench.latency import LatencyWorkload
 from bench.sweep import hold_ratios
-from bench.vllm_peer import INSTALL_HINT, latency_peer_args, throughput_peer_args
+from bench.vllm_peer import INSTALL_HINT, PeerError, latency_peer_args, throughput_peer_args
 from bench.workloads import ThroughputWorkload
 from engine.config import EngineConfig
 from tests.test_cli import BENCH_ARGS, SMALL_POOL, run_cli
@@ -75,6 +75,10 @@ def test_the_peer_gets_the_engines_workload_and_limits(tmp_path: Path) -> None:
         "--model", "dummy:qwen3-0.6b", "--max-seqs", "128", "--max-model-len", "4096",
         "--num-prompts", "64,256", "--input-len", "10-20", "--output-len", "5-9", "--seed", "3",
     ]  # fmt: skip
+    fp8 = EngineConfig(model="dummy:llama3-8b", quantization="fp8")
+    assert throughput_peer_args(fp8, workloads)[4:6] == ["--quantization", "fp8"]
+    with pytest.raises(PeerError, match="cannot quantize to q4_0"):
+        throughput_peer_args(EngineConfig(model="dummy:llama3-8b", quantization="q4_0"), workloads)
     sharded = EngineConfig(model="dummy:llama3-70b", tensor_parallel_size=4)
     assert throughput_peer_args(sharded, workloads)[4:6] == ["--tensor-parallel-size", "4"]
     local = EngineConfig(model=str(tmp_path))
