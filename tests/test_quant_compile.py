@@ -9,6 +9,7 @@ makes interpreted functions that cannot be compiled).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.fp8_mma_triton import _fp8_mma_kernel
 from kernels.quant import FORMATS
 from kernels.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
 from kernels.quant_gemv_triton import _quant_gemv_blocked_kernel
@@ -55,6 +57,7 @@ CASES = [  # (kernel, format, argument names, constexprs)
      {**MMA, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCKS": 4, "SPLIT_K": 1, "PDL": False}),
 ]  # fmt: skip
 TILED = (_quant_gemm_kernel, _quant_mma_kernel)  # tl.dot kernels
+FP8_MMA_ID = "_fp8_mma_kernel-fp8"
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,13 +90,38 @@ def compile_case(index: int) -> dict[str, Any]:
             "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
 
 
+FP8_MMA_ARGUMENTS = {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                     "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+                     "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
+                     "stride_split": "i32"}  # fmt: skip
+# fp8's default shape at up to 16 rows
+FP8_MMA = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "SPLIT_K": 1, "DOT_FP32": False,
+           "PDL": True}  # fmt: skip
+
+
+def compile_fp8_mma() -> dict[str, Any]:
+    """The fp8 tensor-core kernel for sm_90: whether its dot multiplies e4m3 on wgmma."""
+    signature = FP8_MMA_ARGUMENTS | {key: "constexpr" for key in FP8_MMA}
+    divisible = [i for i, arg in enumerate(FP8_MMA_ARGUMENTS) if arg not in ("M", "N")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    compiled = triton.compile(
+        ASTSource(fn=_fp8_mma_kernel, signature=signature, constexprs=FP8_MMA, attrs=attrs),
+        target=HOPPER, options={"num_warps": 4, "num_stages": 3},
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    fp8_wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line and "e4m3" in line]
+    return {"cubin": bool(compiled.asm["cubin"]), "fp8_wgmma": bool(fp8_wgmma),
+            "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
+
+
 def main() -> None:
     results: dict[str, Any] = {}
-    for index in range(len(CASES)):
+    jobs = {case_id(index): functools.partial(compile_case, index) for index in range(len(CASES))}
+    for name, job in {**jobs, FP8_MMA_ID: compile_fp8_mma}.items():
         try:
-            results[case_id(index)] = compile_case(index)
+            results[name] = job()
         except Exception as error:  # reported per case by the test
-            results[case_id(index)] = {"error": repr(error)[:2000]}
+            results[name] = {"error": repr(error)[:2000]}
     print(json.dumps(results))
 
 
@@ -119,3 +147,10 @@ def test_kernel_compiles_for_hopper(compiled: dict[str, Any], index: int) -> Non
         assert result["vector"]
     # launched as a programmatic dependent, the kernel waits for the one before it
     assert result["pdl"] == CASES[index][3].get("PDL", False)
+
+
+def test_fp8_tensor_core_kernel_compiles_to_fp8_wgmma(compiled: dict[str, Any]) -> None:
+    result = compiled[FP8_MMA_ID]
+    assert "error" not in result, result.get("error")
+    assert result["cubin"] and result["pdl"]
+    assert result["fp8_wgmma"]  # e4m3 operands on Hopper's warpgroup MMA, not upcast first
