@@ -21,6 +21,10 @@ kernels/quant_dequant_triton.py writes its tiles out as a float weight:
   ``[BLOCK_K, BLOCK_N]`` weight tile into the activation dtype and feeds ``tl.dot``. From
   ``DEQUANT_GEMM_MIN_ROWS`` rows up, engine/quant/linear.py dequantizes the whole weight once
   and calls cuBLAS instead (kernels/quant_dequant_triton.py).
+
+Decode batches in ``MMA_ROWS``' range take tensor cores instead: kernels/quant_mma_triton.py
+for q8_0/q4_0/q4_1, kernels/fp8_mma_triton.py for fp8 (W8A8), which beyond its range takes
+``torch._scaled_mm`` (kernels/fp8_rows_triton.py).
 """
 
 from __future__ import annotations
@@ -205,8 +209,9 @@ def quant_matmul(
     config: QuantMatmulConfig | None = None,
     out: torch.Tensor | None = None,  # [M, N] in x's dtype
 ) -> torch.Tensor:  # [M, N]
-    """``x @ dequantize(fmt, planes).T``: the GEMV for up to ``MAX_GEMV_ROWS`` rows, else the
-    GEMM (fp8 on Hopper+ in bf16: ``torch._scaled_mm``, activations quantized per row)."""
+    """``x @ dequantize(fmt, planes).T``: the tensor-core kernels in ``MMA_ROWS``' range, else
+    the GEMV for up to ``MAX_GEMV_ROWS`` rows, else the GEMM; fp8 beyond its range, in bf16 on
+    Hopper+: ``torch._scaled_mm`` (activations quantized per row)."""
     pointers = plane_arguments(fmt, planes)
     num_rows = x.shape[0]
     num_cols = pointers[0].shape[0]
@@ -341,7 +346,8 @@ def default_config(
 # _scaled_mm's 148; 8 rows 98 against 146; 128 rows qkv and o 1.1-1.2x _scaled_mm, gate_up
 # even).
 MMA_ROWS = {"q4_0": (3, 257), "q4_1": (3, 257), "q8_0": (8, 144), "fp8": (2, 129)}
-MMA_WIDE_COLS = 16384  # from here (gate_up, LM heads) and 17 rows up: 128-column tiles, no split
+# from here (gate_up, LM heads): 128-column tiles, no split (from 17 rows; fp8 at any rows)
+MMA_WIDE_COLS = 16384
 
 
 def takes_mma(fmt: QuantFormat, num_rows: int, dtype: torch.dtype) -> bool:
@@ -398,7 +404,7 @@ GEMV_MIN_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
 # linears with the weights out of L2 (quant-kernels-gemv-llama3-8b-h100.json), a decoder
 # layer's four linears and the LM head at one row: q4_0 232 us (266 with 8 columns of 4 warps,
 # the shape before), q4_1 259 (308), q8_0 269 (285); at two rows q4_0 350 (430), q8_0 411
-# (390: the one loss). fp8 takes q8_0's shape (quant-kernels-fp8-gemv-h100.json): at one row
+# (390: the one loss). fp8 takes q8_0's shape (quant-kernels-fp8-gemv-llama3-8b-h100.json): at one row
 # the four linears 82.6 us (101.2 with the rule below; their limit 72.7). The k-quants keep
 # the rule (not swept).
 TUNED_GEMV = {"q8_0": (4, 2048, 4), "q4_0": (2, 1024, 1), "q4_1": (2, 1024, 1),
