@@ -7,8 +7,8 @@ Decode batches of a few dozen rows are memory-bound: the weight's bytes are the 
 3-16 rows it ran at 0.35-0.43 of the weight's streaming limit on llama3-8b's qkv and o (H100)
 and slower than bf16 cuBLAS on down_proj (K = 14,336). Here, as in kernels/quant_mma_triton.py,
 the tile is transposed (``out^T = w @ x^T``: the weight the dot's tall side, the batch its
-narrow one, padded to 16) and narrow weights split K over programs to fill the GPU, each
-split an fp32 plane of its own that the launcher adds in a fixed order.
+narrow one, padded to 16); a K split (possible, not the default: long K steps filled the
+GPU better) stores a plane per split that the launcher adds in a fixed order.
 
 The activations are rounded as ``torch._scaled_mm``'s path rounds them
 (kernels/fp8_rows_triton.py: e4m3 with a scale per row); the dot multiplies e4m3 by e4m3
@@ -23,7 +23,12 @@ import triton.language as tl
 
 from kernels.fp8_rows_triton import quantize_rows_fp8_triton
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant_mma_triton import MIN_BLOCK_M
+from kernels.quant_mma_triton import (
+    MIN_BLOCK_M,
+    add_split_k_planes,
+    plane_strides,
+    split_k_planes,
+)
 
 
 @triton.jit
@@ -88,16 +93,12 @@ def fp8_mma(
     num_rows, num_cols = x.shape[0], w.shape[0]
     x_fp8, x_scale = quantize_rows_fp8_triton(x)
     grid = (triton.cdiv(num_cols, block_n), triton.cdiv(num_rows, block_m), split_k)
-    target = out
-    if split_k > 1:  # a plane per split, summed below in a fixed order
-        target = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)
+    target = split_k_planes(out, split_k)
     _fp8_mma_kernel[grid](
         x_fp8, x_scale, w, w_scale, target, num_rows, num_cols, x.shape[1],
-        x_fp8.stride(0), w.stride(0), target.stride(-2),
-        target.stride(0) if split_k > 1 else 0,
+        x_fp8.stride(0), w.stride(0), *plane_strides(target),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         DOT_FP32=x.device.type == "cpu", num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(x),
     )  # fmt: skip
-    if split_k > 1:
-        out.copy_(target.sum(dim=0))
+    add_split_k_planes(out, target)

@@ -225,11 +225,8 @@ def quant_matmul(
         return out
     strides = [p.stride(0) for p in pointers]
     cfg = config or default_config(num_rows, num_cols, size_k, fmt, x.dtype)
-    if cfg.mma and fmt.name == "fp8":
-        fp8_mma(x, out, planes, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-                split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
-    elif cfg.mma:
-        _launch_mma(x, out, pointers, fmt, size_k, cfg)
+    if cfg.mma:
+        _launch_mma(x, out, planes, pointers, fmt, size_k, cfg)
     elif num_rows <= MAX_GEMV_ROWS:
         _launch_gemv(x, out, pointers, strides, fmt, num_cols, size_k, cfg)
     else:
@@ -289,11 +286,16 @@ def _launch_gemv(
 def _launch_mma(
     x: torch.Tensor,
     out: torch.Tensor,
+    planes: dict[str, torch.Tensor],
     pointers: list[torch.Tensor],
     fmt: QuantFormat,
     size_k: int,
     cfg: QuantMatmulConfig,
 ) -> None:
+    if fmt.name == "fp8":  # e4m3 by e4m3: its own kernel, which rounds x first
+        fp8_mma(x, out, planes, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+                split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
+        return
     quant_mma(
         x, out, fmt, pointers[:3], size_k, block_m=cfg.block_m,
         block_n=cfg.block_n, blocks=cfg.block_k // QK, split_k=cfg.split_k,

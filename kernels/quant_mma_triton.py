@@ -143,15 +143,30 @@ def quant_mma(
     num_cols = planes[0].shape[0]
     num_rows = x.shape[0]
     grid = (triton.cdiv(num_cols, block_n), triton.cdiv(num_rows, block_m), split_k)
-    target = out
-    if split_k > 1:  # a plane per split, summed below in a fixed order
-        target = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)
+    target = split_k_planes(out, split_k)
     _quant_mma_kernel[grid](
         x, target, *planes, *(p.stride(0) for p in planes), num_rows, num_cols, size_k,
-        x.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0,
+        x.stride(0), *plane_strides(target),
         FORMAT=fmt.kernel_id, BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k,
         MAGIC=magic, OFFSET=float(offset), DOT_FP32=x.device.type == "cpu",
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip
-    if split_k > 1:
+    add_split_k_planes(out, target)
+
+
+def split_k_planes(out: torch.Tensor, split_k: int) -> torch.Tensor:
+    """Where a tensor-core kernel's programs store: ``out`` itself, or with K split an fp32
+    plane per split, ``[SPLIT_K, M, N]``, that ``add_split_k_planes`` sums in a fixed order."""
+    if split_k == 1:
+        return out
+    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
+
+
+def plane_strides(target: torch.Tensor) -> tuple[int, int]:
+    """The kernels' ``stride_om`` and ``stride_split`` (0 when there are no planes)."""
+    return target.stride(-2), target.stride(0) if target.dim() == 3 else 0
+
+
+def add_split_k_planes(out: torch.Tensor, target: torch.Tensor) -> None:
+    if target is not out:
         out.copy_(target.sum(dim=0))
