@@ -11,7 +11,10 @@ dequantize-then-cuBLAS path (``dequant_matmul``) and its dequantization alone. R
 time against the streaming limit (the bytes moved over the copy bandwidth measured in the same
 run), the best launch shape, and the quantized paths against cuBLAS bf16: the data for tuning
 ``default_config`` (GEMV, tensor-core kernel, GEMM) and for ``DEQUANT_GEMM_MIN_ROWS``.
-``--defaults-only`` times the default launch shapes alone: the record of what ships.
+``--defaults-only`` times the default launch shapes alone: the record of what ships; beyond
+``MMA_ROWS`` it still times the tensor-core kernel's default shape (key ``mma_default``),
+the other side of the bound. ``--dequant-grid`` times the blocked dequantizer's launch shapes
+(``DEQUANT_GRID``) once per weight.
 
 Timed calls replay from a CUDA graph and cycle through copies of the weight that together
 exceed the L2 cache, as a model's consecutive linears do.
@@ -46,12 +49,14 @@ from kernels.quant import (
     quantize,
     quantize_rows_fp8,
 )
+from kernels.quant_dequant_triton import BLOCKED_FORMATS as DEQUANT_BLOCKED_FORMATS
 from kernels.quant_dequant_triton import dequant_matmul, dequantize_into
 from kernels.quant_matmul_triton import (
     MAX_GEMV_ROWS,
     MMA_ROWS,
     QuantMatmulConfig,
     default_config,
+    default_mma_config,
     quant_matmul,
     scaled_mm_fits,
 )
@@ -82,7 +87,10 @@ GEMM_GRID = [
 MMA_GRID = ((32, 256, 1, 4, 3), (64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (64, 512, 1, 4, 3),
             (128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (64, 128, 2, 4, 3), (128, 256, 1, 4, 4),
             (64, 64, 4, 4, 4))  # fmt: skip
-OTHER_PATHS = ("cublas_bf16", "dequant_cublas", "dequant_only", "scaled_mm")  # not launch shapes
+# the blocked dequantizer (q8_0/q4_0/q4_1): (weight rows, 32-element blocks, warps)
+DEQUANT_GRID = ((4, 32, 4), (2, 64, 4), (4, 64, 4), (4, 64, 8), (8, 32, 4), (8, 16, 4),
+                (8, 8, 2), (16, 8, 4), (2, 32, 2), (4, 16, 2))  # fmt: skip
+OTHER_PATHS = ("cublas_bf16", "dequant_cublas", "dequant_only", "scaled_mm", "mma_default")
 ROTATION_BYTES = 256 << 20  # weight copies cycled through: 5x an H100's 50 MiB L2
 MAX_COPIES = 16
 GRAPH_MS = 5.0  # a timed graph holds enough calls to run this long
@@ -140,6 +148,8 @@ def measure(
         if fmt.name in MMA_ROWS and DTYPE in MMA_DTYPES:
             grid = [*grid, *mma_configs(rows)]
     configs = {_key(c): c for c in [default, *grid]}
+    if not gemv and not default.mma and fmt.name in MMA_ROWS and DTYPE in MMA_DTYPES:
+        configs["mma_default"] = default_mma_config(rows, shape.num_cols, size_k, fmt)
     runs = {key: _triton_call(shape, x, config) for key, config in configs.items()}
     w8a8 = _w8a8_reference(shape, x) if fmt.name == "fp8" else reference
     for (key, run), got in zip(runs.items(), _first_calls(list(runs.values())), strict=True):
@@ -248,6 +258,8 @@ def _summary(
     if "scaled_mm" in timings:  # the figures SCALED_MM_MIN_ROWS is set from
         summary |= {"scaled_mm_us": round(timings["scaled_mm"], 2),
                     "scaled_mm_of_limit": round(limit_us / timings["scaled_mm"], 3)}  # fmt: skip
+    if "mma_default" in timings:  # beyond MMA_ROWS: the bound's other side
+        summary |= {"mma_default_us": round(timings["mma_default"], 2)}
     if "dequant_cublas" in timings:  # the figures DEQUANT_GEMM_MIN_ROWS is set from
         written_bytes = shape.scratch.nbytes
         dequant_limit_us = (shape.packed_bytes + written_bytes) / copy_bytes_per_s * 1e6
@@ -261,6 +273,31 @@ def _summary(
             else "triton",
         }
     return summary
+
+
+def measure_dequant_grid(shape: Shape, copy_bytes_per_s: float) -> dict[str, Any]:
+    """The blocked dequantizer at each of DEQUANT_GRID's launch shapes into bf16, each
+    checked bit for bit against the default shape's weight."""
+    weight = shape.scratch.view(shape.num_cols, shape.size_k)
+    expected = dequantize_into(shape.fmt, shape.planes[0], torch.empty_like(weight))
+    timings = {}
+    for launch in DEQUANT_GRID:
+        got = dequantize_into(shape.fmt, shape.planes[0], torch.empty_like(weight), shape=launch)
+        assert torch.equal(got, expected), (shape.fmt.name, launch)
+        timings["x".join(map(str, launch))] = _time_us(_dequant_call(shape, weight, launch))
+    limit_us = (shape.packed_bytes + weight.nbytes) / copy_bytes_per_s * 1e6
+    best = min(timings, key=timings.__getitem__)
+    summary = {"format": shape.fmt.name, "N": shape.num_cols, "K": shape.size_k,
+               "limit_us": round(limit_us, 2), "best": best, "best_us": round(timings[best], 2),
+               "best_of_limit": round(limit_us / timings[best], 3)}  # fmt: skip
+    return {"summary": summary, "timings_us": timings}
+
+
+def _dequant_call(
+    shape: Shape, weight: torch.Tensor, launch: tuple[int, int, int]
+) -> Callable[[], torch.Tensor]:
+    planes_of = _cycler(shape.planes)
+    return lambda: dequantize_into(shape.fmt, planes_of(), weight, shape=launch)
 
 
 def _random_planes(fmt: QuantFormat, num_rows: int, size_k: int) -> dict[str, torch.Tensor]:
@@ -330,14 +367,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--defaults-only", action="store_true",
                         help="time the default launch shapes only, not the tuning grids")  # fmt: skip
+    parser.add_argument("--dequant-grid", action="store_true",
+                        help="also time the blocked dequantizer's launch shapes (DEQUANT_GRID)")  # fmt: skip
     args = parser.parse_args(argv)
     arch = ModelArch.from_hf_config(dummy_hf_config(args.model))
     copy_bytes_per_s = measure_copy_bandwidth("cuda")
     row_counts = [int(r) for r in args.rows.split(",")]
-    results = []
+    results, dequant_grid = [], []
     for fmt_name in args.formats.split(","):
         for name, (num_cols, size_k) in linear_shapes(arch).items():
             shape = Shape(FORMATS[fmt_name], num_cols, size_k)
+            if args.dequant_grid and fmt_name in DEQUANT_BLOCKED_FORMATS:
+                dequant_grid.append(measure_dequant_grid(shape, copy_bytes_per_s))
+                dequant_grid[-1]["summary"]["linear"] = name
+                print(dequant_grid[-1]["summary"], flush=True)
             for rows in row_counts:
                 result = measure(shape, rows, copy_bytes_per_s, not args.defaults_only)
                 result["summary"]["linear"] = name
@@ -348,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
               "settings": {"model": args.model, "formats": args.formats, "rows": args.rows,
                            "grids": not args.defaults_only},
               "copy_bytes_per_s": copy_bytes_per_s, "results": results}  # fmt: skip
+    if dequant_grid:
+        record["dequant_grid"] = dequant_grid
     save(record, args.output_json)
 
 

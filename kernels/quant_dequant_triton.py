@@ -8,9 +8,22 @@ untuned tiles cost more than the packed bytes save. Here the weight is written o
 ``[N, K]`` in the activations' dtype and multiplied by cuBLAS: the dequantization (reading the
 planes, writing 2 bytes a weight) is paid once per step and spread over all its rows.
 
-``weight_tile`` (the helper the GEMV and GEMM share) decodes every format's block fields, so
-the buffer holds exactly ``dequantize(fmt, planes).to(dtype)``: float32 products in the
-reference's order, FMA contraction off, one rounding to the buffer's dtype.
+The buffer holds exactly ``dequantize(fmt, planes).to(dtype)``: float32 products in the
+reference's order, FMA contraction off, one rounding to the buffer's dtype. Two kernels:
+
+* q8_0, q4_0 and q4_1 (``BLOCKED_FORMATS``) load a tile as ``[rows, blocks, 16]`` bytes, one
+  scale per block, and store each block's two 16-element halves (a 4-bit block's low nibbles
+  are its elements 0..15, its high nibbles 16..31): the bytes are read once, in 16-byte runs,
+  and every store is a contiguous run of 16 elements;
+* the other formats go element by element through ``weight_tile``, the helper the GEMV and
+  GEMM share, which decodes every format's block fields (each 4-bit byte loaded twice, a
+  scale per element).
+
+The blocked kernel is what a large decode batch waits on. H100, llama3-8b's linears into bf16
+(quant-kernels-dequant-llama3-8b-h100.json): gate_up (117 M weights, 301 MB moved) in q4_0
+107 us, 0.94 of the copy bandwidth, where the element-wise kernel took 262
+(quant-kernels-defaults-llama3-8b-h100.json); every weight 0.87-0.96 of it. A layer's four
+linears in q4_0 202 us against 496 (q8_0 239 / 507, q4_1 207 / 913).
 """
 
 from __future__ import annotations
@@ -26,6 +39,51 @@ from kernels.quant_matmul_triton import plane_arguments, weight_tile
 
 DEQUANT_BLOCK_N = 16  # output rows of the weight per program
 DEQUANT_BLOCK_K = 256  # columns per program: a 512-byte bf16 store per row
+BLOCKED_FORMATS = ("q8_0", "q4_0", "q4_1")
+# the blocked kernel's launch shape: weight rows, 32-element blocks per row, warps. Long rows
+# win: of bench.quant_kernels' DEQUANT_GRID (2x64 to 16x8 blocks) this was the fastest on 13
+# of llama3-8b's 15 weights in the three formats, within 1% on the other two; 16x8 (the
+# element-wise kernel's tile) 4-16% slower (quant-kernels-dequant-llama3-8b-h100.json)
+BLOCKED_SHAPE = (2, 64, 4)
+
+
+@triton.jit
+def _dequantize_blocked_kernel(
+    out_ptr, p0, p1, p2, s0, s1, s2,
+    N, K,
+    stride_on,  # out: [N, K], last stride 1
+    FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    """A program: ``BLOCK_N`` rows by ``BLOCKS`` 32-element blocks of q8_0 (0), q4_0 (1) or
+    q4_1 (2), written as two ``[BLOCK_N, BLOCKS, 16]`` halves."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    mask_nb = (offs_n < N)[:, None] & (blk < K // 32)[None, :]  # [BLOCK_N, BLOCKS]
+    mask = mask_nb[:, :, None]
+    rows = offs_n[:, None, None]
+    offs_16 = tl.arange(0, 16)[None, None, :]
+    d = tl.load(p0 + offs_n[:, None] * s0 + blk[None, :], mask=mask_nb, other=0.0)
+    d = d.to(tl.float32)[:, :, None]
+    if FORMAT == 0:  # q8_0: d, qs
+        q_ptrs = p1 + rows * s1 + blk[None, :, None] * 32 + offs_16
+        lo = tl.load(q_ptrs, mask=mask, other=0).to(tl.float32) * d
+        hi = tl.load(q_ptrs + 16, mask=mask, other=0).to(tl.float32) * d
+    else:  # q4_0: d, qs / q4_1: d, qs, m
+        byte = tl.load(p1 + rows * s1 + blk[None, :, None] * 16 + offs_16, mask=mask, other=0)
+        byte = byte.to(tl.int32)
+        q_lo = (byte & 0xF).to(tl.float32)
+        q_hi = (byte >> 4).to(tl.float32)
+        if FORMAT == 1:
+            lo = (q_lo - 8.0) * d
+            hi = (q_hi - 8.0) * d
+        else:
+            m = tl.load(p2 + offs_n[:, None] * s2 + blk[None, :], mask=mask_nb, other=0.0)
+            m = m.to(tl.float32)[:, :, None]
+            lo = q_lo * d + m
+            hi = q_hi * d + m
+    out_ptrs = out_ptr + rows * stride_on + blk[None, :, None] * 32 + offs_16
+    tl.store(out_ptrs, lo.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs + 16, hi.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -48,6 +106,8 @@ def dequantize_into(
     fmt: QuantFormat,
     planes: dict[str, torch.Tensor],  # the weight's planes, each [N, ...]
     out: torch.Tensor,  # [N, K] float16/bfloat16/float32, last stride 1
+    *,
+    shape: tuple[int, int, int] = BLOCKED_SHAPE,  # the blocked kernel's (rows, blocks, warps)
 ) -> torch.Tensor:  # out
     """Write ``dequantize(fmt, planes).to(out.dtype)`` into ``out``, bit for bit."""
     pointers = plane_arguments(fmt, planes)
@@ -59,6 +119,15 @@ def dequantize_into(
         )
     if out.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dequantize_into: out in one of {SUPPORTED_DTYPES}, got {out.dtype}")
+    if fmt.name in BLOCKED_FORMATS:
+        block_n, blocks, warps = shape
+        grid = (triton.cdiv(num_cols, block_n), triton.cdiv(size_k // 32, blocks))
+        _dequantize_blocked_kernel[grid](
+            out, *pointers[:3], *(p.stride(0) for p in pointers[:3]), num_cols, size_k,
+            out.stride(0), FORMAT=fmt.kernel_id, BLOCK_N=block_n, BLOCKS=blocks,
+            num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+        return out
     grid = (triton.cdiv(num_cols, DEQUANT_BLOCK_N), triton.cdiv(size_k, DEQUANT_BLOCK_K))
     _dequantize_kernel[grid](
         out, *pointers, *(p.stride(0) for p in pointers), num_cols, size_k, out.stride(0),

@@ -87,3 +87,29 @@ def test_defaults_only_times_the_default_launch_shape_alone(
     shape = quant_kernels.Shape(FORMATS["q8_0"], 16, 64)
     decode = quant_kernels.measure(shape, 2, copy_bytes_per_s=1e9, full_grid=False)
     assert set(decode["timings_us"]) == {"cublas_bf16", decode["summary"]["best"]}
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+def test_dequant_grid_checks_and_times_every_blocked_launch_shape(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def count_calls(fn: Callable[[], Any]) -> float:
+        fn()
+        calls.append(1)
+        return 100.0 - len(calls)  # each later shape "faster": the last is the best
+
+    monkeypatch.setattr(quant_kernels, "DEVICE", "cpu")
+    monkeypatch.setattr(quant_kernels, "DTYPE", torch.float32)
+    monkeypatch.setattr(quant_kernels, "_time_us", count_calls)
+    # 12 rows, 40 blocks: ragged for every shape of the grid
+    shape = quant_kernels.Shape(FORMATS[name], 12, 1280)
+    result = quant_kernels.measure_dequant_grid(shape, copy_bytes_per_s=1e9)
+    grid = ["x".join(map(str, launch)) for launch in quant_kernels.DEQUANT_GRID]
+    assert list(result["timings_us"]) == grid
+    summary = result["summary"]
+    assert summary["best"] == grid[-1] and summary["best_us"] == 100.0 - len(grid)
+    written = 12 * 1280 * 4  # the float32 weight
+    limit_us = (shape.packed_bytes + written) / 1e9 * 1e6
+    assert summary["best_of_limit"] == round(limit_us / summary["best_us"], 3)
