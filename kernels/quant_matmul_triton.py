@@ -340,14 +340,15 @@ def default_config(
 # llama3-8b's four layer linears (quant-kernels-defaults-llama3-8b-h100.json, and the GEMV
 # from quant-kernels-gemv-... and -mma-sweep-...): q4_0 at 3 rows 148 us against the GEMV's
 # 170 (one row: 81 with the GEMV), 8 rows 195 against 422; q8_0 at 4 rows the GEMV's 204, at
-# 8 rows 233 against 349. Dequantize + cuBLAS: q4_0 at 256 rows 764 against 711 (two row
-# tiles; a third costs more), q8_0 at 144 rows 725 against 709 and at 256 rows 777 against
-# 852. fp8 (kernels/fp8_mma_triton.py, W8A8) from 2 rows, where its one-row GEMV stops
-# winning, to 128, beyond which torch._scaled_mm takes over (quant-kernels-fp8-mma-sweep-
-# llama3-8b-h100.json, a layer's four linears: 2 rows 98 us against the GEMV's 126 and
-# _scaled_mm's 148; 8 rows 98 against 146; 128 rows qkv and o 1.1-1.2x _scaled_mm, gate_up
-# even).
-MMA_ROWS = {"q4_0": (3, 257), "q4_1": (3, 257), "q8_0": (8, 144), "fp8": (2, 129)}
+# 8 rows 233 against 349. The upper bounds against the blocked dequantizer + cuBLAS
+# (quant-kernels-dequant-llama3-8b-h100.json): q4_0 at 128 rows 348 us against 386, at 160
+# rows (two row tiles) 594 against 398; q8_0 at 128 rows 429 against 424; q4_1 at 64 rows 293
+# against 386, at 96 rows (a 128-row tile) 410 against 391. fp8 (kernels/fp8_mma_triton.py,
+# W8A8) from 2 rows, where its one-row GEMV stops winning, to 128, beyond which
+# torch._scaled_mm takes over (quant-kernels-fp8-mma-sweep-llama3-8b-h100.json, a layer's
+# four linears: 2 rows 98 us against the GEMV's 126 and _scaled_mm's 148; 8 rows 98 against
+# 146; 128 rows qkv and o 1.1-1.2x _scaled_mm, gate_up even).
+MMA_ROWS = {"q4_0": (3, 129), "q4_1": (3, 65), "q8_0": (8, 129), "fp8": (2, 129)}
 # from here (gate_up, LM heads): 128-column tiles, no split (from 17 rows; fp8 at any rows)
 MMA_WIDE_COLS = 16384
 

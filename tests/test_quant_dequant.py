@@ -115,7 +115,7 @@ def test_a_models_quantized_linears_share_one_scratch_sized_for_the_largest_slic
     # steps of fewer rows never dequantize: nothing is allocated; 16-bit steps of these
     # formats take the tensor-core kernel up to a higher bound
     threshold = linear_module.DEQUANT_GEMM_MIN_ROWS
-    mma_threshold = MMA_ROWS["q8_0"][1]  # the up layer's, lower than q4_0's
+    mma_threshold = min(MMA_ROWS["q8_0"][1], MMA_ROWS["q4_0"][1])  # the first to dequantize
     cpu = torch.device("cpu")
     assert allocate_dequant_scratch(model, threshold - 1, torch.float32, cpu) == 0
     assert allocate_dequant_scratch(model, mma_threshold - 1, torch.bfloat16, cpu) == 0

@@ -35,6 +35,7 @@ from kernels.quant_matmul_triton import (
     default_config,
     default_gemm_config,
     default_gemv_config,
+    default_mma_config,
     quant_matmul,
     uses_scaled_mm,
 )
@@ -424,7 +425,10 @@ def test_tensor_core_kernel_forms_the_dequantize_paths_weights(
     columns = torch.arange(0, size_k, 7, device="cuda")  # 83 rows: two row tiles and ragged
     x = torch.zeros(len(columns), size_k, device="cuda", dtype=dtype)
     x[torch.arange(len(columns)), columns] = 1.0
-    config = default_config(len(columns), num_cols, size_k, fmt, dtype)
+    # the kernel's shape at these rows (whether or not MMA_ROWS makes it their default) in
+    # row tiles of 64: two, the second ragged
+    config = dataclasses.replace(default_mma_config(len(columns), num_cols, size_k, fmt),
+                                 block_m=64)  # fmt: skip
     assert config.mma
     got = quant_matmul(x, fmt, planes, size_k, config=config)
     expected = dequantize(fmt, planes).to(dtype)[:, columns].T
