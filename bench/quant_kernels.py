@@ -5,8 +5,8 @@
 
 For each linear of one decoder layer and the LM head, each format and each row count, times
 ``quant_matmul`` (the default launch shape and a grid of others: ``GEMV_GRID`` up to 8 rows,
-``GEMM_GRID`` beyond, and for q8_0/q4_0/q4_1 the tensor-core kernel's ``MMA_GRID`` at every
-row count) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
+``GEMM_GRID`` beyond, q4_0/q4_1's int8-activation GEMV's ``INT8_GEMV_GRID``, and for
+q8_0/q4_0/q4_1 the tensor-core kernel's ``MMA_GRID`` at every row count) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
 dequantize-then-cuBLAS path (``dequant_matmul``) and its dequantization alone. Reports each
 time against the streaming limit (the bytes moved over the copy bandwidth measured in the same
 run), the best launch shape, and the quantized paths against cuBLAS bf16: the data for tuning
@@ -51,6 +51,7 @@ from kernels.quant import (
 )
 from kernels.quant_dequant_triton import BLOCKED_FORMATS as DEQUANT_BLOCKED_FORMATS
 from kernels.quant_dequant_triton import dequant_matmul, dequantize_into
+from kernels.quant_gemv_int8_triton import INT8_X_FORMATS
 from kernels.quant_matmul_triton import (
     MAX_GEMV_ROWS,
     MMA_ROWS,
@@ -77,6 +78,11 @@ GEMV_GRID = [
         (32, 256, 4, 8),
     )
 ]  # fmt: skip
+# q4_0/q4_1 on int8-rounded x (kernels/quant_gemv_int8_triton.py): (block_n, block_k, warps)
+INT8_GEMV_GRID = [
+    QuantMatmulConfig(block_n=n, block_k=k, num_warps=warps, int8_x=True)
+    for n, k, warps in ((1, 2048, 1), (2, 1024, 1), (2, 512, 1), (4, 512, 1), (4, 1024, 2))
+]
 GEMM_GRID = [
     QuantMatmulConfig(block_m=m, block_n=n, block_k=k, num_warps=w)
     for m, n, k, w in ((32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8), (128, 128, 32, 8),
@@ -145,6 +151,8 @@ def measure(
     grid: list[QuantMatmulConfig] = []
     if full_grid:
         grid = GEMV_GRID if gemv else GEMM_GRID
+        if gemv and fmt.name in INT8_X_FORMATS:
+            grid = [*grid, *INT8_GEMV_GRID]
         if fmt.name in MMA_ROWS and DTYPE in MMA_DTYPES:
             grid = [*grid, *mma_configs(rows)]
     configs = {_key(c): c for c in [default, *grid]}
@@ -325,6 +333,8 @@ def _key(config: QuantMatmulConfig) -> str:
     key = f"m{config.block_m}n{config.block_n}k{config.block_k}s{config.split_k}w{config.num_warps}"
     if config.mma:  # t: tensor cores
         return f"{key}p{config.num_stages}t"
+    if config.int8_x:  # i: int8 activations
+        return f"{key}i"
     return f"{key}{'b' if config.blocked else ''}"
 
 

@@ -10,7 +10,8 @@ are formed, so a step reads the packed bytes only (4.5 bits a weight for q4_0 ag
 weights for every format, from ggml's per-block layout. Two kernels here use it, and
 kernels/quant_dequant_triton.py writes its tiles out as a float weight:
 
-* GEMV (``M <= MAX_GEMV_ROWS``, decode): a program owns ``BLOCK_N`` output columns for all
+* GEMV (``M <= MAX_GEMV_ROWS``, decode; q4_0/q4_1 at one or two rows on int8-rounded
+  activations, kernels/quant_gemv_int8_triton.py): a program owns ``BLOCK_N`` output columns for all
   rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
   atomically); memory-bound, it streams the planes once. q8_0, q4_0, q4_1 and fp8 take
   kernels/quant_gemv_triton.py instead, which applies each block's scale once to a block sum,
@@ -42,6 +43,7 @@ from kernels.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
 from kernels.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
 from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.quant import QK, QuantFormat
+from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, quant_gemv_int8
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
 from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, mma_block_m, quant_mma
@@ -62,6 +64,7 @@ class QuantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through kernels/quant_gemv_triton.py
+    int8_x: bool = False  # GEMV: q4_0/q4_1 on x rounded to int8 (kernels/quant_gemv_int8_triton.py)
     mma: bool = False  # q8_0/q4_0/q4_1 on tensor cores (kernels/quant_mma_triton.py), any rows
 
 
@@ -266,7 +269,13 @@ def _launch_gemv(
 ) -> None:
     target = split_k_target(out, cfg.split_k)
     group_size = KQUANT_FORMATS.get(fmt.name)
-    if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
+    if cfg.int8_x and fmt.name in INT8_X_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
+        quant_gemv_int8(
+            x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n,
+            blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+    elif cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
         quant_gemv_blocked(
             x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n,
             blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
@@ -330,6 +339,8 @@ def default_config(
     ``MMA_ROWS``, else the GEMV up to ``MAX_GEMV_ROWS`` rows, else the GEMM."""
     if takes_mma(fmt, num_rows, dtype):
         return default_mma_config(num_rows, num_cols, size_k, fmt)
+    if num_rows <= INT8_X_MAX_ROWS and fmt.name in INT8_X_FORMATS:
+        return default_int8_gemv_config(num_rows, num_cols, size_k)
     if num_rows <= MAX_GEMV_ROWS:
         return default_gemv_config(num_cols, size_k, fmt)
     return default_gemm_config(num_rows, num_cols)
@@ -432,6 +443,31 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
            and size_k // (split_k * 2) >= 1024):  # fmt: skip
         split_k *= 2
     return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
+
+
+# q4_0/q4_1 at one or two rows: x rounded to int8 and dp4a (kernels/quant_gemv_int8_triton.py),
+# one-warp programs, (columns, K step): one column and 64 blocks a step where the weight has
+# few columns (more programs), else two columns and 32 blocks (16 at two rows). H100, a
+# llama3-8b layer's four linears, the rounding kernel included (quant-kernels-int8-llama3-8b-
+# h100.json): one row q4_0 54 us against the float GEMV's 81 (limit 41), q4_1 59 against 107;
+# two rows q4_0 69 against 119; a q4_0 LM head at one row 100 us, its limit 98, against 146.
+INT8_X_MAX_ROWS = 2
+
+
+@functools.lru_cache(maxsize=256)
+def default_int8_gemv_config(num_rows: int, num_cols: int, size_k: int) -> QuantMatmulConfig:
+    """The int8-activation GEMV's launch shape (see INT8_X_MAX_ROWS)."""
+    if num_cols <= (4096 if num_rows == 1 else 8192):
+        block_n, block_k = 1, 2048
+    else:
+        block_n, block_k = 2, 1024 if num_rows == 1 else 512
+    block_k = min(block_k, max(triton.next_power_of_2(size_k), QK))
+    split_k = 1
+    while (triton.cdiv(num_cols, block_n) * split_k < GEMV_MIN_PROGRAMS
+           and size_k // (split_k * 2) >= 1024):  # fmt: skip
+        split_k *= 2
+    return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=1,
+                             int8_x=True)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)

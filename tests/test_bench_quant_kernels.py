@@ -35,9 +35,12 @@ def test_each_row_count_gets_its_kernels_launch_shapes_and_the_dequant_path(
     monkeypatch.setattr(quant_kernels, "GEMM_GRID", [gemm])
     shape = quant_kernels.Shape(FORMATS[name], 48, 256)
     assert len(shape.planes) == quant_kernels.MAX_COPIES  # tiny: the copies' cap
+    monkeypatch.setattr(quant_kernels, "INT8_GEMV_GRID", [QuantMatmulConfig(int8_x=True)])
     decode = quant_kernels.measure(shape, 2, copy_bytes_per_s=1e9)
-    default = {"q4_0": "m64n2k256s1w1b", "q4_k": "m64n8k256s1w4b"}[name]  # TUNED_GEMV or not
-    assert set(decode["timings_us"]) == {"cublas_bf16", default, "m64n16k256s1w4b"}
+    # q4_0 at two rows: the int8-activation GEMV by default, and its grid beside the float one
+    default = {"q4_0": "m64n1k256s1w1i", "q4_k": "m64n8k256s1w4b"}[name]
+    int8_grid = {"q4_0": {"m64n64k64s1w4i"}, "q4_k": set()}[name]
+    assert set(decode["timings_us"]) == {"cublas_bf16", default, "m64n16k256s1w4b", *int8_grid}
     assert "dequant_cublas_us" not in decode["summary"]
     prefill = quant_kernels.measure(shape, 20, copy_bytes_per_s=1e9)
     summary = prefill["summary"]

@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 
 from kernels.fp8_mma_triton import _fp8_mma_kernel
 from kernels.quant import FORMATS
+from kernels.quant_gemv_int8_triton import _quant_gemv_int8_kernel, _quantize_x_kernel
 from kernels.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
 from kernels.quant_gemv_triton import _quant_gemv_blocked_kernel
 from kernels.quant_matmul_triton import _quant_gemm_kernel, _quant_gemv_kernel
@@ -114,10 +115,49 @@ def compile_fp8_mma() -> dict[str, Any]:
             "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
 
 
+INT8_GEMV_ID = "_quant_gemv_int8_kernel-q4_0"
+INT8_GEMV_ARGUMENTS = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32",
+                       "out_ptr": "*bf16", "p0": "*fp16", "p1": "*i32", "p2": "*fp16",
+                       "s0": "i32", "s1": "i32", "s2": "i32", "M": "i32", "N": "i32", "K": "i32",
+                       "stride_qm": "i32", "stride_sm": "i32", "stride_om": "i32"}  # fmt: skip
+# q4_0's default shape at one row of a wide weight
+INT8_GEMV = {"FORMAT": 1, "M_PAD": 1, "BLOCK_N": 2, "BLOCKS": 32, "SPLIT_K": 1, "ASM": True,
+             "PDL": True}  # fmt: skip
+X_QUANT_ID = "_quantize_x_kernel"
+X_QUANT_ARGUMENTS = {"x_ptr": "*bf16", "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32",
+                     "K": "i32", "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32"}  # fmt: skip
+
+
+def compile_int8_gemv() -> dict[str, Any]:
+    """The int8-activation GEMV for sm_90: 16-byte loads of the quants, ``dp4a`` products."""
+    return _compile_plain(_quant_gemv_int8_kernel, INT8_GEMV_ARGUMENTS, INT8_GEMV, num_warps=1)
+
+
+def compile_x_quant() -> dict[str, Any]:
+    return _compile_plain(_quantize_x_kernel, X_QUANT_ARGUMENTS, {"BLOCKS": 8, "PDL": True})
+
+
+def _compile_plain(
+    kernel: Any, arguments: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4
+) -> dict[str, Any]:
+    signature = arguments | {key: "constexpr" for key in constexprs}
+    divisible = [i for i, arg in enumerate(arguments) if arg not in ("M", "N", "K")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=HOPPER, options={"num_warps": num_warps},
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    return {"cubin": bool(compiled.asm["cubin"]), "vector": "ld.global.v4" in ptx,
+            "dp4a": "dp4a.s32.s32" in ptx, "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
+
+
 def main() -> None:
     results: dict[str, Any] = {}
     jobs = {case_id(index): functools.partial(compile_case, index) for index in range(len(CASES))}
-    for name, job in {**jobs, FP8_MMA_ID: compile_fp8_mma}.items():
+    jobs |= {FP8_MMA_ID: compile_fp8_mma, INT8_GEMV_ID: compile_int8_gemv,
+             X_QUANT_ID: compile_x_quant}  # fmt: skip
+    for name, job in jobs.items():
         try:
             results[name] = job()
         except Exception as error:  # reported per case by the test
@@ -154,3 +194,14 @@ def test_fp8_tensor_core_kernel_compiles_to_fp8_wgmma(compiled: dict[str, Any]) 
     assert "error" not in result, result.get("error")
     assert result["cubin"] and result["pdl"]
     assert result["fp8_wgmma"]  # e4m3 operands on Hopper's warpgroup MMA, not upcast first
+
+
+def test_int8_activation_gemv_compiles_to_dp4a(compiled: dict[str, Any]) -> None:
+    result = compiled[INT8_GEMV_ID]
+    assert "error" not in result, result.get("error")
+    assert result["cubin"] and result["pdl"]
+    assert result["vector"]  # the quants' words in 16-byte loads
+    assert result["dp4a"]  # four int8 products a instruction, not the interpreter's byte loop
+    rounding = compiled[X_QUANT_ID]
+    assert "error" not in rounding, rounding.get("error")
+    assert rounding["cubin"] and rounding["pdl"]

