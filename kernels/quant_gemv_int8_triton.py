@@ -1,6 +1,6 @@
 # @triton.jit functions take Triton pointers and blocks, which have no Python types:
 # mypy: disable-error-code="no-untyped-def"
-"""Decode GEMV for q4_0 and q4_1 with the activations rounded to int8: integer dot products.
+"""Decode GEMV for q8_0, q4_0 and q4_1 with the activations rounded to int8: integer dot products.
 
 At one row the 4-bit GEMV of kernels/quant_gemv_triton.py is bound by instruction issue, not
 by bytes (H100, llama3-8b's gate_up: 82% of issue slots taken, 42% of DRAM bandwidth): every
@@ -18,6 +18,9 @@ so eight weights cost three logic operations and two ``dp4a``, and a block's int
     q4_0: sum (q - 8) d x  ~ d (dx sum q xq - 8 s)     s = dx sum xq (x's block sum)
     q4_1: sum (d q + m) x  ~ d dx sum q xq + m s
 
+q8_0's quants are int8 already: a word of them meets a word of ``xq`` in one ``dp4a``, and the
+block's sum is scaled by ``d dx``.
+
 The products are exact integers; what differs from the float GEMV is ``x``'s rounding to
 int8, a relative error of at most 1/254 of its block's largest element, llama.cpp's own
 trade. ``dp4a`` is inline PTX on CUDA; the interpreter (CPU tests) takes four byte products
@@ -34,7 +37,7 @@ from kernels.gemv_triton import store_split_k
 from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.quant import QK, QuantFormat
 
-INT8_X_FORMATS = ("q4_0", "q4_1")
+INT8_X_FORMATS = ("q8_0", "q4_0", "q4_1")
 X_BLOCKS = 8  # 32-element blocks of x per program of the rounding kernel
 
 
@@ -122,13 +125,15 @@ def _quant_gemv_int8_kernel(
     SPLIT_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A program: ``BLOCK_N`` output columns for all rows, ``BLOCKS`` blocks a K step; the
-    weight's quants ``p1`` as int32 words, four a block (``s1`` in words)."""
+    weight's quants ``p1`` as int32 words, eight a block for q8_0 (0), four for q4_0 (1) and
+    q4_1 (2) (``s1`` in words)."""
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
     offs_4 = tl.arange(0, 4)
+    offs_8 = tl.arange(0, 8)
     mask_n = offs_n < N
     num_blocks = K // 32
     blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
@@ -138,10 +143,14 @@ def _quant_gemv_int8_kernel(
         blk = b0 + tl.arange(0, BLOCKS)
         mask_b = blk < num_blocks
         mask_nb = mask_n[:, None] & mask_b[None, :]  # [BLOCK_N, BLOCKS]
-        words = tl.load(p1 + offs_n[:, None, None] * s1 + blk[None, :, None] * 4 + offs_4,
-                        mask=mask_nb[:, :, None], other=0)  # fmt: skip
-        lo = words & 0x0F0F0F0F
-        hi = (words >> 4) & 0x0F0F0F0F
+        if FORMAT == 0:  # q8_0: 8 words of int8 quants a block
+            words = tl.load(p1 + offs_n[:, None, None] * s1 + blk[None, :, None] * 8 + offs_8,
+                            mask=mask_nb[:, :, None], other=0)  # fmt: skip
+        else:  # q4_0/q4_1: 4 words of nibbles a block
+            words = tl.load(p1 + offs_n[:, None, None] * s1 + blk[None, :, None] * 4 + offs_4,
+                            mask=mask_nb[:, :, None], other=0)  # fmt: skip
+            lo = words & 0x0F0F0F0F
+            hi = (words >> 4) & 0x0F0F0F0F
         d = tl.load(p0 + offs_n[:, None] * s0 + blk[None, :], mask=mask_nb, other=0.0)
         d = d.to(tl.float32)
         if FORMAT == 2:
@@ -149,16 +158,24 @@ def _quant_gemv_int8_kernel(
             mins = mins.to(tl.float32)
         for m in tl.static_range(M_PAD):
             row_mask = mask_b & (blk * 0 + m < M)  # padding rows of x read nothing
-            x_words = xq_ptr + m * stride_qm + blk[:, None] * 8 + offs_4[None, :]
-            x_lo = tl.load(x_words, mask=row_mask[:, None], other=0)[None, :, :]
-            x_hi = tl.load(x_words + 4, mask=row_mask[:, None], other=0)[None, :, :]
-            x_lo = tl.broadcast_to(x_lo, (BLOCK_N, BLOCKS, 4))
-            x_hi = tl.broadcast_to(x_hi, (BLOCK_N, BLOCKS, 4))
-            zero = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.int32)
-            dots = tl.sum(_dot4(hi, x_hi, _dot4(lo, x_lo, zero, ASM), ASM), axis=2)
+            x_row = xq_ptr + m * stride_qm + blk[:, None] * 8
+            if FORMAT == 0:
+                x_all = tl.load(x_row + offs_8[None, :], mask=row_mask[:, None], other=0)
+                x_all = tl.broadcast_to(x_all[None, :, :], (BLOCK_N, BLOCKS, 8))
+                zero = tl.zeros((BLOCK_N, BLOCKS, 8), dtype=tl.int32)
+                dots = tl.sum(_dot4(words, x_all, zero, ASM), axis=2)
+            else:
+                x_lo = tl.load(x_row + offs_4[None, :], mask=row_mask[:, None], other=0)
+                x_hi = tl.load(x_row + 4 + offs_4[None, :], mask=row_mask[:, None], other=0)
+                x_lo = tl.broadcast_to(x_lo[None, :, :], (BLOCK_N, BLOCKS, 4))
+                x_hi = tl.broadcast_to(x_hi[None, :, :], (BLOCK_N, BLOCKS, 4))
+                zero = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.int32)
+                dots = tl.sum(_dot4(hi, x_hi, _dot4(lo, x_lo, zero, ASM), ASM), axis=2)
             dx = tl.load(xd_ptr + m * stride_sm + blk, mask=row_mask, other=0.0)[None, :]
             xs = tl.load(xs_ptr + m * stride_sm + blk, mask=row_mask, other=0.0)[None, :]
-            if FORMAT == 1:  # q4_0
+            if FORMAT == 0:  # q8_0
+                block = d * dx * dots.to(tl.float32)
+            elif FORMAT == 1:  # q4_0
                 block = d * (dx * dots.to(tl.float32) - 8.0 * xs)
             else:  # q4_1
                 block = d * dx * dots.to(tl.float32) + mins * xs
@@ -181,13 +198,13 @@ def quant_gemv_int8(
     num_warps: int = 1,
     num_stages: int = 3,
 ) -> None:
-    """``out ~ x @ dequantize(w).T`` for q4_0/q4_1 with ``x`` rounded to int8 per block."""
+    """``out ~ x @ dequantize(w).T`` for q8_0/q4_0/q4_1 with ``x`` rounded to int8 per block."""
     if fmt.name not in INT8_X_FORMATS or size_k % QK:
         raise ValueError(f"quant_gemv_int8: {fmt.name} with K={size_k} has no int8 GEMV")
     if planes[1].stride(0) % 4 or planes[1].storage_offset() % 4:
         raise ValueError("quant_gemv_int8: the quants' rows must start on 4-byte boundaries")
     xq, xd, xs = quantize_x_int8(x)
-    words = planes[1].view(torch.int32)  # [N, K / 8]: 4 words a block
+    words = planes[1].view(torch.int32)  # [N, K / 4] (q8_0) or [N, K / 8] (4-bit)
     num_cols = planes[0].shape[0]
     grid = (triton.cdiv(num_cols, block_n), split_k)
     _quant_gemv_int8_kernel[grid](

@@ -10,7 +10,7 @@ are formed, so a step reads the packed bytes only (4.5 bits a weight for q4_0 ag
 weights for every format, from ggml's per-block layout. Two kernels here use it, and
 kernels/quant_dequant_triton.py writes its tiles out as a float weight:
 
-* GEMV (``M <= MAX_GEMV_ROWS``, decode; q4_0/q4_1 at one or two rows on int8-rounded
+* GEMV (``M <= MAX_GEMV_ROWS``, decode; in ``INT8_X_ROWS``' range on int8-rounded
   activations, kernels/quant_gemv_int8_triton.py): a program owns ``BLOCK_N`` output columns for all
   rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
   atomically); memory-bound, it streams the planes once. q8_0, q4_0, q4_1 and fp8 take
@@ -339,8 +339,8 @@ def default_config(
     ``MMA_ROWS``, else the GEMV up to ``MAX_GEMV_ROWS`` rows, else the GEMM."""
     if takes_mma(fmt, num_rows, dtype):
         return default_mma_config(num_rows, num_cols, size_k, fmt)
-    if num_rows <= INT8_X_MAX_ROWS and fmt.name in INT8_X_FORMATS:
-        return default_int8_gemv_config(num_rows, num_cols, size_k)
+    if takes_int8_gemv(fmt, num_rows):
+        return default_int8_gemv_config(num_rows, num_cols, size_k, fmt)
     if num_rows <= MAX_GEMV_ROWS:
         return default_gemv_config(num_cols, size_k, fmt)
     return default_gemm_config(num_rows, num_cols)
@@ -348,10 +348,11 @@ def default_config(
 
 # q8_0/q4_0/q4_1 with 16-bit activations: (rows from which the tensor-core kernel is the
 # default, rows from which engine/quant/linear.py dequantizes for cuBLAS instead). H100,
-# llama3-8b's four layer linears (quant-kernels-defaults-llama3-8b-h100.json, and the GEMV
-# from quant-kernels-gemv-... and -mma-sweep-...): q4_0 at 3 rows 148 us against the GEMV's
-# 170 (one row: 81 with the GEMV), 8 rows 195 against 422; q8_0 at 4 rows the GEMV's 204, at
-# 8 rows 233 against 349. The upper bounds against the blocked dequantizer + cuBLAS
+# llama3-8b's four layer linears: below the lower bounds the int8-activation GEMV
+# (INT8_X_ROWS) is faster, q4_0 at 4 rows 105 us against 150 on tensor cores; at 6 rows the
+# tensor cores win, 153 against 170 (quant-kernels-int8-rows-llama3-8b-h100.json; q4_1 there
+# 174 against 161, taken as even); q8_0 at 8 rows 233 on tensor cores against the float
+# GEMV's 349 (quant-kernels-defaults-llama3-8b-h100.json). The upper bounds against the blocked dequantizer + cuBLAS
 # (quant-kernels-dequant-llama3-8b-h100.json): q4_0 at 128 rows 348 us against 386, at 160
 # rows (two row tiles) 594 against 398; q8_0 at 128 rows 429 against 424; q4_1 at 64 rows 293
 # against 386, at 96 rows (a 128-row tile) 410 against 391. fp8 (kernels/fp8_mma_triton.py,
@@ -359,7 +360,7 @@ def default_config(
 # torch._scaled_mm takes over (quant-kernels-fp8-mma-sweep-llama3-8b-h100.json, a layer's
 # four linears: 2 rows 98 us against the GEMV's 126 and _scaled_mm's 148; 8 rows 98 against
 # 146; 128 rows qkv and o 1.1-1.2x _scaled_mm, gate_up even).
-MMA_ROWS = {"q4_0": (3, 129), "q4_1": (3, 65), "q8_0": (8, 129), "fp8": (2, 129)}
+MMA_ROWS = {"q4_0": (5, 129), "q4_1": (5, 65), "q8_0": (8, 129), "fp8": (2, 129)}
 # from here (gate_up, LM heads): 128-column tiles, no split (from 17 rows; fp8 at any rows)
 MMA_WIDE_COLS = 16384
 
@@ -445,19 +446,36 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
     return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
 
 
-# q4_0/q4_1 at one or two rows: x rounded to int8 and dp4a (kernels/quant_gemv_int8_triton.py),
-# one-warp programs, (columns, K step): one column and 64 blocks a step where the weight has
-# few columns (more programs), else two columns and 32 blocks (16 at two rows). H100, a
-# llama3-8b layer's four linears, the rounding kernel included (quant-kernels-int8-llama3-8b-
-# h100.json): one row q4_0 54 us against the float GEMV's 81 (limit 41), q4_1 59 against 107;
-# two rows q4_0 69 against 119; a q4_0 LM head at one row 100 us, its limit 98, against 146.
-INT8_X_MAX_ROWS = 2
+# Rows that take the int8-activation GEMV (kernels/quant_gemv_int8_triton.py: x rounded to
+# int8, dp4a), one-warp programs. H100, llama3-8b (quant-kernels-int8-llama3-8b-h100.json), a
+# layer's four linears, the rounding kernel included: q4_0 at one row 54 us against the float
+# GEMV's 81 (limit 41), two rows 69 against 119; q4_1 59 against 107 at one row; a q4_0 LM
+# head at one row 100 us (its limit 98) against 146; at 3-4 rows q4_0 95-105 us against the
+# tensor-core kernel's 147-150, q4_1 97-117 against 168-172 (quant-kernels-int8-rows-llama3-
+# 8b-h100.json). q8_0 is bound by its bytes at one row (92 us against 88 in a development
+# run: it keeps the float GEMV) but not beyond: 100 against 126 at two rows, 117 against 195
+# at four, its LM head 183 against 279 and 209 against 429 (quant-kernels-int8-q8_0-llama3-
+# 8b-h100.json).
+INT8_X_ROWS = {"q4_0": (1, 4), "q4_1": (1, 4), "q8_0": (2, 4)}
+
+
+def takes_int8_gemv(fmt: QuantFormat, num_rows: int) -> bool:
+    bounds = INT8_X_ROWS.get(fmt.name)
+    return bounds is not None and bounds[0] <= num_rows <= bounds[1]
 
 
 @functools.lru_cache(maxsize=256)
-def default_int8_gemv_config(num_rows: int, num_cols: int, size_k: int) -> QuantMatmulConfig:
-    """The int8-activation GEMV's launch shape (see INT8_X_MAX_ROWS)."""
-    if num_cols <= (4096 if num_rows == 1 else 8192):
+def default_int8_gemv_config(
+    num_rows: int, num_cols: int, size_k: int, fmt: QuantFormat
+) -> QuantMatmulConfig:
+    """(columns, K step) of the int8-activation GEMV: one column and 64 blocks a step where
+    there are few columns (more programs) or three rows, else two columns and 32 blocks at
+    one row, 16 at more (q8_0 from three rows, the 4-bit formats at two and four)."""
+    # the columns up to which one-column programs win, by rows (4-bit formats)
+    one_column_up_to = {1: 4096, 2: 8192, 3: num_cols}.get(num_rows, 0)
+    if fmt.name == "q8_0":
+        block_n, block_k = (1, 2048) if num_rows <= 2 else (2, 512)
+    elif num_cols <= one_column_up_to:
         block_n, block_k = 1, 2048
     else:
         block_n, block_k = 2, 1024 if num_rows == 1 else 512

@@ -22,11 +22,12 @@ from kernels.quant_gemv_int8_triton import (
     quantize_x_int8_reference,
 )
 from kernels.quant_matmul_triton import (
-    INT8_X_MAX_ROWS,
+    INT8_X_ROWS,
     QuantMatmulConfig,
     default_config,
     plane_arguments,
     quant_matmul,
+    takes_int8_gemv,
 )
 from tests.test_quant_kernels import DEVICE, random_planes
 
@@ -58,7 +59,7 @@ def test_rounding_kernel_is_its_reference() -> None:
     assert X_BLOCKS < 13  # the grid's second axis is exercised
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("num_rows", [1, 2, 3])
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_gemv_is_the_dequantized_weight_times_rounded_x(
@@ -80,26 +81,32 @@ def test_gemv_is_the_dequantized_weight_times_rounded_x(
 
 
 def test_int8_gemv_refuses_formats_it_cannot_multiply() -> None:
-    fmt = FORMATS["q8_0"]
-    planes = plane_arguments(fmt, {k: v.to(DEVICE) for k, v in random_planes(fmt, 4, 64).items()})
+    fmt = FORMATS["q4_k"]
+    planes = plane_arguments(fmt, {k: v.to(DEVICE) for k, v in random_planes(fmt, 4, 256).items()})
     with pytest.raises(ValueError, match="no int8 GEMV"):
-        quant_gemv_int8(torch.randn(1, 64, device=DEVICE), torch.zeros(1, 4, device=DEVICE),
-                        fmt, planes[:3], 64, block_n=2, blocks=2, split_k=1)  # fmt: skip
+        quant_gemv_int8(torch.randn(1, 256, device=DEVICE), torch.zeros(1, 4, device=DEVICE),
+                        fmt, planes[:3], 256, block_n=2, blocks=2, split_k=1)  # fmt: skip
 
 
-def test_one_and_two_rows_of_4_bit_weights_take_int8_activations_by_default() -> None:
+def test_the_int8_gemv_takes_its_rows_by_default() -> None:
     bf16 = torch.bfloat16
     for name in ("q4_0", "q4_1"):
         fmt = FORMATS[name]
-        for rows in range(1, INT8_X_MAX_ROWS + 1):
-            assert default_config(rows, 4096, 4096, fmt, bf16).int8_x
-        assert not default_config(INT8_X_MAX_ROWS + 1, 4096, 4096, fmt, bf16).int8_x  # MMA
-        assert not default_config(3, 4096, 4096, fmt, torch.float32).int8_x  # the float GEMV
-    assert not default_config(1, 4096, 4096, FORMATS["q8_0"], bf16).int8_x
+        assert all(default_config(rows, 4096, 4096, fmt, bf16).int8_x for rows in range(1, 5))
+        assert default_config(5, 4096, 4096, fmt, bf16).mma  # tensor cores
+        assert not default_config(5, 4096, 4096, fmt, torch.float32).int8_x  # the float GEMV
+    q8_0 = FORMATS["q8_0"]
+    assert not default_config(1, 4096, 4096, q8_0, bf16).int8_x  # bound by its bytes
+    assert all(default_config(rows, 4096, 4096, q8_0, bf16).int8_x for rows in (2, 3, 4))
+    assert not default_config(5, 4096, 4096, q8_0, bf16).int8_x
+    assert all(takes_int8_gemv(FORMATS[name], 1) == (name != "q8_0") for name in INT8_X_ROWS)
     narrow, wide = (default_config(1, n, 4096, FORMATS["q4_0"], bf16) for n in (4096, 28672))
     assert (narrow.block_n, narrow.block_k) == (1, 2048)  # few columns: more programs
     assert (wide.block_n, wide.block_k) == (2, 1024)
     assert default_config(2, 28672, 4096, FORMATS["q4_0"], bf16).block_k == 512
+    assert default_config(3, 28672, 4096, FORMATS["q4_0"], bf16).block_n == 1
+    assert default_config(4, 4096, 4096, FORMATS["q4_0"], bf16).block_n == 2
+    assert default_config(4, 28672, 4096, q8_0, bf16).block_k == 512
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_1"])
@@ -118,9 +125,11 @@ def test_quant_matmul_takes_the_int8_gemv_at_one_row(name: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+@pytest.mark.parametrize(
+    ("name", "num_rows"),
+    [("q4_0", 1), ("q4_0", 2), ("q4_0", 3), ("q4_1", 1), ("q4_1", 4), ("q8_0", 2), ("q8_0", 4)],
+)
 @pytest.mark.parametrize(("num_cols", "size_k"), [(6144, 4096), (4096, 14336), (28672, 4096)])
-@pytest.mark.parametrize("num_rows", [1, 2])
 def test_int8_gemv_at_llama3_8b_shapes(
     name: str, num_cols: int, size_k: int, num_rows: int
 ) -> None:

@@ -321,8 +321,8 @@ def test_tensor_core_kernel_refuses_float32_activations_and_k_quants() -> None:
 def test_default_config_takes_tensor_cores_from_a_few_rows_of_16_bit_activations() -> None:
     bf16, q4_0, q8_0 = torch.bfloat16, FORMATS["q4_0"], FORMATS["q8_0"]
     assert not default_config(2, 4096, 4096, q4_0, bf16).mma  # the GEMV
-    three = default_config(3, 4096, 4096, q4_0, bf16)
-    assert three.mma and (three.block_m, three.block_n, three.split_k) == (16, 64, 4)
+    five = default_config(5, 4096, 4096, q4_0, bf16)  # below: the int8-activation GEMV
+    assert five.mma and (five.block_m, five.block_n, five.split_k) == (16, 64, 4)
     assert not default_config(4, 4096, 4096, q8_0, bf16).mma
     eight = default_config(8, 4096, 4096, q8_0, bf16)
     assert eight.mma
