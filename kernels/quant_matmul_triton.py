@@ -11,8 +11,8 @@ weights for every format, from ggml's per-block layout. Two kernels here use it,
 kernels/quant_dequant_triton.py writes its tiles out as a float weight:
 
 * GEMV (``M <= MAX_GEMV_ROWS``, decode; in ``INT8_X_ROWS``' range on int8-rounded
-  activations, kernels/quant_gemv_int8_triton.py): a program owns ``BLOCK_N`` output columns for all
-  rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
+  activations, kernels/quant_gemv_int8_triton.py): a program owns ``BLOCK_N`` output columns
+  for all rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
   atomically); memory-bound, it streams the planes once. q8_0, q4_0, q4_1 and fp8 take
   kernels/quant_gemv_triton.py instead, which applies each block's scale once to a block sum,
   and q4_k/q6_k kernels/quant_gemv_kquant_triton.py, which loads their super-blocks in
@@ -64,7 +64,7 @@ class QuantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through kernels/quant_gemv_triton.py
-    int8_x: bool = False  # GEMV: q4_0/q4_1 on x rounded to int8 (kernels/quant_gemv_int8_triton.py)
+    int8_x: bool = False  # GEMV: q8_0/q4_0/q4_1 on x rounded to int8 (quant_gemv_int8_triton)
     mma: bool = False  # q8_0/q4_0/q4_1 on tensor cores (kernels/quant_mma_triton.py), any rows
 
 
@@ -352,8 +352,9 @@ def default_config(
 # (INT8_X_ROWS) is faster, q4_0 at 4 rows 105 us against 150 on tensor cores; at 6 rows the
 # tensor cores win, 153 against 170 (quant-kernels-int8-rows-llama3-8b-h100.json; q4_1 there
 # 174 against 161, taken as even); q8_0 at 8 rows 233 on tensor cores against the float
-# GEMV's 349 (quant-kernels-defaults-llama3-8b-h100.json). The upper bounds against the blocked dequantizer + cuBLAS
-# (quant-kernels-dequant-llama3-8b-h100.json): q4_0 at 128 rows 348 us against 386, at 160
+# GEMV's 349 (quant-kernels-defaults-llama3-8b-h100.json). The upper bounds against the
+# blocked dequantizer + cuBLAS (quant-kernels-dequant-llama3-8b-h100.json): q4_0 at 128 rows
+# 348 us against 386, at 160
 # rows (two row tiles) 594 against 398; q8_0 at 128 rows 429 against 424; q4_1 at 64 rows 293
 # against 386, at 96 rows (a 128-row tile) 410 against 391. fp8 (kernels/fp8_mma_triton.py,
 # W8A8) from 2 rows, where its one-row GEMV stops winning, to 128, beyond which
@@ -439,10 +440,7 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
         block_n = 16 if triton.cdiv(num_cols, 16) >= 2 * GEMV_MIN_PROGRAMS else 8
         block_k = 256 * 16 // block_n
     block_k = min(block_k, max(triton.next_power_of_2(size_k), 16))
-    split_k = 1
-    while (triton.cdiv(num_cols, block_n) * split_k < GEMV_MIN_PROGRAMS
-           and size_k // (split_k * 2) >= 1024):  # fmt: skip
-        split_k *= 2
+    split_k = _gemv_split_k(num_cols, size_k, block_n)
     return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
 
 
@@ -460,6 +458,7 @@ INT8_X_ROWS = {"q4_0": (1, 4), "q4_1": (1, 4), "q8_0": (2, 4)}
 
 
 def takes_int8_gemv(fmt: QuantFormat, num_rows: int) -> bool:
+    """Whether ``num_rows`` rows of ``fmt`` take the int8-activation GEMV by default."""
     bounds = INT8_X_ROWS.get(fmt.name)
     return bounds is not None and bounds[0] <= num_rows <= bounds[1]
 
@@ -480,12 +479,18 @@ def default_int8_gemv_config(
     else:
         block_n, block_k = 2, 1024 if num_rows == 1 else 512
     block_k = min(block_k, max(triton.next_power_of_2(size_k), QK))
+    return QuantMatmulConfig(block_n=block_n, block_k=block_k, num_warps=1, int8_x=True,
+                             split_k=_gemv_split_k(num_cols, size_k, block_n))  # fmt: skip
+
+
+def _gemv_split_k(num_cols: int, size_k: int, block_n: int) -> int:
+    """K splits (a power of two) that bring a GEMV to GEMV_MIN_PROGRAMS programs, each split
+    keeping 1024 elements of K or more."""
     split_k = 1
     while (triton.cdiv(num_cols, block_n) * split_k < GEMV_MIN_PROGRAMS
            and size_k // (split_k * 2) >= 1024):  # fmt: skip
         split_k *= 2
-    return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=1,
-                             int8_x=True)  # fmt: skip
+    return split_k
 
 
 @functools.lru_cache(maxsize=256)

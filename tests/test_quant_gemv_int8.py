@@ -1,7 +1,7 @@
-"""q4_0/q4_1's one- and two-row GEMV on int8-rounded activations: the rounding kernel against
-its torch reference, the GEMV against the dequantized weight times x rounded the same way
-(interpreter on CPU, dp4a on a GPU), the default launch shapes, and what the rounding does to
-the bundled model's logits."""
+"""The small-batch GEMV on int8-rounded activations (q4_0/q4_1 at 1-4 rows, q8_0 at 2-4): the
+rounding kernel against its torch reference, the GEMV against the dequantized weight times x
+rounded the same way (interpreter on CPU, dp4a on a GPU), the default launch shapes, and what
+the rounding does to the bundled model's logits."""
 
 from __future__ import annotations
 
@@ -162,16 +162,18 @@ def test_int8_activations_keep_the_bundled_models_predictions(
 ) -> None:
     """Every q4_1 linear of the bundled model (its GGUF blocks, packed) fed x rounded as the
     int8 GEMV rounds it, at every position of a teacher-forced pass (a worst case: in serving
-    only one- and two-row decode steps round x): the predictions stay the float-x model's."""
+    only decode steps of up to four rows round x): the predictions stay the float-x model's."""
     llm = LLM("smollm2-135m", quantization="gguf", **BUNDLED_SETTINGS)
     text = "The capital of France is Paris. The capital of Germany is Berlin. " * 3
     tokens = llm.engine.encode_prompt(prompt=text)
     runner = llm.engine.runner
     expected = runner.teacher_forced_logits(tokens).float().cpu()
 
-    def rounded_forward(self: QuantizedLinear, x: torch.Tensor, out: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+    def rounded_forward(
+        self: QuantizedLinear, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         weight = dequantize(self.fmt, self.planes()).to(x.dtype)
-        x_used = rounded(x.float()).to(x.dtype) if self.fmt.name in ("q4_0", "q4_1") else x
+        x_used = rounded(x.float()).to(x.dtype) if self.fmt.name in INT8_X_ROWS else x
         y = F.linear(x_used, weight, self.bias)
         return y if out is None else out.copy_(y)
 
