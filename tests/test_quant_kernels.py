@@ -39,7 +39,7 @@ from kernels.quant_matmul_triton import (
     quant_matmul,
     uses_scaled_mm,
 )
-from kernels.quant_mma_triton import MMA_FORMATS
+from kernels.quant_mma_triton import MMA_FORMATS, add_split_k_planes
 
 GGML_TYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,
@@ -433,3 +433,19 @@ def test_tensor_core_kernel_forms_the_dequantize_paths_weights(
     got = quant_matmul(x, fmt, planes, size_k, config=config)
     expected = dequantize(fmt, planes).to(dtype)[:, columns].T
     assert torch.equal(got, expected)
+
+
+def test_split_k_planes_are_added_in_order_into_a_strided_output() -> None:
+    gen = torch.Generator().manual_seed(11)
+    planes = torch.randn(3, 5, 700, generator=gen).to(DEVICE)  # 3,500 outputs: ragged tiles
+    wide = torch.full((5, 800), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = wide[:, 50:750]  # row stride 800
+    add_split_k_planes(out, planes)
+    expected = ((planes[0] + planes[1]) + planes[2]).to(torch.bfloat16)
+    if DEVICE == "cpu":  # the interpreter truncates fp32 -> bf16 where the GPU rounds
+        summed = (planes[0] + planes[1]) + planes[2]
+        expected = (summed.view(torch.int32) & -(1 << 16)).view(torch.float32).bfloat16()
+    assert torch.equal(out, expected)
+    assert wide[:, :50].isnan().all() and wide[:, 750:].isnan().all()  # nothing else written
+    add_split_k_planes(out, out)  # no planes (no K split): nothing to add
+    assert torch.equal(out, expected)
