@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes, kernel by kernel (torch.profiler, CUDA).
 
     python -m bench.kernel_profile --model dummy:llama3-8b --batch 128 --context 800
+    python -m bench.kernel_profile --model dummy:llama3-8b --quantization q4_0 --batch 1
 
 Fills ``--batch`` sequences with random prompts of ``--context`` tokens, then profiles
 ``--steps`` decode steps run eagerly (``cuda_graphs`` off, so every kernel is its own launch
@@ -28,10 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=800)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--quantization", default="auto", help="as the engine flag")
     args = parser.parse_args(argv)
     engine = LLMEngine(
         EngineConfig(model=args.model, cuda_graphs=False, max_model_len=args.context + 256,
-                     max_seqs=max(args.batch, 1), async_scheduling=False)
+                     max_seqs=max(args.batch, 1), async_scheduling=False,
+                     quantization=args.quantization)
     )  # fmt: skip
     vocab = engine.loaded.arch.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +87,11 @@ ROLES = (  # (role, substrings of a kernel's name), first match wins
     ("norm", ("rms", "norm")),
     ("rotary", ("rotary", "rope")),
     ("activation", ("silu", "act_and_mul")),
-    ("gemm", ("gemm", "gemv", "cutlass", "sm90", "ampere", "cublas", "splitk", "xmma", "nvjet")),
+    ("x to int8", ("quantize_x",)),  # the int8-activation GEMV's rounding
+    (
+        "gemm",
+        ("gemm", "gemv", "mma", "cutlass", "sm90", "ampere", "cublas", "splitk", "xmma", "nvjet"),
+    ),
     ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "multinomial")),
 )
 
