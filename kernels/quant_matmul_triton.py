@@ -453,8 +453,9 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
 # 8b-h100.json). q8_0 is bound by its bytes at one row (92 us against 88 in a development
 # run: it keeps the float GEMV) but not beyond: 100 against 126 at two rows, 117 against 195
 # at four, its LM head 183 against 279 and 209 against 429 (quant-kernels-int8-q8_0-llama3-
-# 8b-h100.json).
-INT8_X_ROWS = {"q4_0": (1, 4), "q4_1": (1, 4), "q8_0": (2, 4)}
+# 8b-h100.json); at six rows 200 against 341 (a development run with bench.quant_kernels'
+# timing; at eight the tensor cores' 196 beat it, 224).
+INT8_X_ROWS = {"q4_0": (1, 4), "q4_1": (1, 4), "q8_0": (2, 7)}
 
 
 def takes_int8_gemv(fmt: QuantFormat, num_rows: int) -> bool:
@@ -468,12 +469,12 @@ def default_int8_gemv_config(
     num_rows: int, num_cols: int, size_k: int, fmt: QuantFormat
 ) -> QuantMatmulConfig:
     """(columns, K step) of the int8-activation GEMV: one column and 64 blocks a step where
-    there are few columns (more programs) or three rows, else two columns and 32 blocks at
-    one row, 16 at more (q8_0 from three rows, the 4-bit formats at two and four)."""
+    there are few columns (more programs) or three rows (q8_0: up to two rows and from five),
+    else two columns and 32 blocks at one row, 16 at more."""
     # the columns up to which one-column programs win, by rows (4-bit formats)
     one_column_up_to = {1: 4096, 2: 8192, 3: num_cols}.get(num_rows, 0)
     if fmt.name == "q8_0":
-        block_n, block_k = (1, 2048) if num_rows <= 2 else (2, 512)
+        block_n, block_k = (2, 512) if num_rows in (3, 4) else (1, 2048)
     elif num_cols <= one_column_up_to:
         block_n, block_k = 1, 2048
     else:
