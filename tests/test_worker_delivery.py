@@ -179,6 +179,28 @@ def test_a_dead_workers_entry_is_taken_over_with_restart(
     assert completion.num_restarts == 1 and completion.token_ids == reference.token_ids
 
 
+def test_a_redelivered_entry_refused_at_admission_gets_one_error_and_no_restart(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    """A worker died holding a request that admission refuses (max_tokens over the limit): its
+    second delivery writes the error alone, as a first delivery would, not a restart first."""
+    r = redis_server.client()
+    r.xgroup_create(KEYS.requests, KEYS.group, "0", mkstream=True)
+    r.xadd(KEYS.requests, {"msg": pack(good("r-retry-max", max_tokens=1000))})
+    entry_id = r.xreadgroup(KEYS.group, "ghost", {KEYS.requests: ">"})[0][1][0][0].decode()
+    r.set(KEYS.claim("r-retry-max"), entry_id)  # the ghost owned it: this delivery is a retry
+    start_worker("w1", limits=protocol_limits())
+    deadline_s = time.monotonic() + 30
+    while not dead_letters(redis_server) and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    (letter,) = dead_letters(redis_server)
+    assert letter.request_id == "r-retry-max" and letter.times_delivered == 2
+    events = [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(KEYS.out("r-retry-max"))]
+    r.close()
+    (event,) = events
+    assert isinstance(event, protocol.ErrorEvent) and "max_tokens" in event.message
+
+
 def test_too_many_deliveries_goes_to_the_dead_stream(
     start_worker: Any, redis_server: RedisServer
 ) -> None:

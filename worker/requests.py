@@ -104,14 +104,16 @@ class RequestHandler:
             log.warning("duplicate request id; not run", request_id=request.id)
             await self._ack(entry)
             return
-        if ownership is Ownership.RETRY:
-            if await service.stream.has_terminal_event(request.id):
-                await self._ack(entry)  # finished before its worker could acknowledge
-                return
-            await self._write_restart(request.id, entry)
-        await self._admit(request, entry)
+        retry = ownership is Ownership.RETRY
+        if retry and await service.stream.has_terminal_event(request.id):
+            await self._ack(entry)  # finished before its worker could acknowledge
+            return
+        await self._admit(request, entry, retry)
 
-    async def _admit(self, request: Request, entry: Entry) -> None:
+    async def _admit(self, request: Request, entry: Entry, retry: bool = False) -> None:
+        """Hand ``request`` to the engine; a redelivered one (``retry``) gets its restart
+        event once it is valid, so a request refused on its second delivery shows its client
+        one error event, as on its first."""
         service = self.service
         now_ms = wall_ms()
         flight = InFlight(
@@ -138,6 +140,15 @@ class RequestHandler:
         engine = service.engine_thread.engine
         try:
             inputs = engine_inputs(request, engine, service.settings.limits, now_ms)
+        except InvalidRequestError as exc:
+            await self._refuse(flight, exc)
+            return
+        if retry:  # valid: the client learns the run starts over, before any of its tokens
+            await self._write_restart(request.id, entry)
+            if flight.cancel_requested:  # a notice that came in meanwhile
+                await self._finish_unstarted(flight)
+                return
+        try:
             service.engine_thread.add_request(
                 request.id,
                 prompt_token_ids=inputs.prompt_token_ids,
