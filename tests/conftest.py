@@ -93,6 +93,24 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     return {kind: build_tiny_model(kind, root / kind) for kind in TINY_ARCHS}
 
 
+@pytest.fixture(scope="session")
+def perturbed_llama(
+    tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny llama with noise on every weight: a draft model that is often, not always,
+    right about the llama's next token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.01)
+    directory = tmp_path_factory.mktemp("perturbed-llama")
+    model.save_pretrained(directory)
+    return directory
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Reference continuations from transformers' own generate (fp32, CPU, no EOS stop)."""
     from transformers import AutoModelForCausalLM

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
@@ -25,18 +24,8 @@ def llama(tiny_model_dirs: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def perturbed(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama with noise on every weight: a draft that is often, not always, right."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.01)
-    directory = tmp_path_factory.mktemp("perturbed")
-    model.save_pretrained(directory)
-    return directory
+def perturbed(perturbed_llama: Path) -> Path:
+    return perturbed_llama
 
 
 def greedy_params(num: int) -> list[SamplingParams]:
