@@ -240,11 +240,13 @@ def _random_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     """[num_rows, vocab]: softmax after temperature and the top-k/top-p/min-p filters."""
     device = logits.device
     params = [row.params for row in rows]
+    vocab = logits.shape[1]
     logits = logits / column([p.temperature for p in params], device)
     # Decide from the Python settings which filters run: checking tensors would sync.
     logits = apply_filters(
         logits,
-        top_k=per_row([p.top_k for p in params], off=0, device=device),
+        # a top-k past the vocabulary keeps every token (and may not fit an int64 tensor)
+        top_k=per_row([p.top_k if p.top_k < vocab else 0 for p in params], off=0, device=device),
         top_p=per_row([p.top_p for p in params], off=1.0, device=device),
         min_p=per_row([p.min_p for p in params], off=0.0, device=device),
     )

@@ -66,7 +66,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_num(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
-        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
+        _check(
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            "seed",
+            "must be an integer of 64 bits, in [-2**63, 2**64)",
+        )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )

@@ -108,6 +108,7 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], dict[str, Any]], str, str]] = {
         "timeout_s",
         "> 0",
     ),
+    "seed past 64 bits": (with_sampling(seed=2**64), "seed", "64 bits"),
     "empty tenant": (
         with_request(prompt_token_ids=GOOD_TOKEN_IDS, tenant=""),
         "tenant",

@@ -67,6 +67,16 @@ def test_top_k_keeps_the_k_largest() -> None:
     assert kept(logits, top_k=99) == {0, 1, 2, 3, 4}  # more than the vocab
 
 
+def test_a_top_k_past_64_bits_samples_as_top_k_off() -> None:
+    """The worker's protocol carries integers up to 2**64 - 1: such a top-k keeps every token
+    (it used to make the whole step fail building the batch's top-k tensor)."""
+    logits = torch.tensor([[1.0, 0.5, 0.25, 0.0]] * 2)
+    huge, off = (SamplingParams(top_k=k, seed=3) for k in (2**64 - 1, 0))
+    sampler = Sampler(vocab_size=4)
+    mixed = sampler.sample(logits, [make_row(huge), make_row(SamplingParams(top_k=2, seed=4))])
+    assert mixed.token_ids[0] == sampler.sample(logits[:1], [make_row(off)]).token_ids[0]
+
+
 def test_top_k_keeps_ties_at_the_kth_value() -> None:
     assert kept([3.0, 3.0, 1.0], top_k=1) == {0, 1}
 
