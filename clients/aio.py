@@ -139,7 +139,8 @@ class AsyncClient:
 
         ``sampling``: any ``Request`` sampling field (``max_tokens``, ``temperature``, ...).
         Submitting an id again is safe: the second entry is not run, and both callers read
-        the first one's events. An id must be 1..256 printable characters (``ValueError``).
+        the first one's events. An id must be 1..256 printable characters, and integers must
+        fit 64 bits (``ValueError``).
         """
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not protocol.is_valid_request_id(request_id):
@@ -164,7 +165,7 @@ class AsyncClient:
             **sampling,
         )
         await self.redis.xadd(
-            self.keys.requests, {protocol.PAYLOAD_FIELD: protocol.encode(request)}
+            self.keys.requests, {protocol.PAYLOAD_FIELD: protocol.encode_request(request)}
         )
         return request_id
 

@@ -272,6 +272,20 @@ def encode(value: msgspec.Struct) -> bytes:
     return _encoder.encode(value)
 
 
+def encode_request(request: Request) -> bytes:
+    """``request`` as msgpack bytes; raises ``ValueError`` naming a field whose integer does
+    not fit msgpack's 64 bits (the encoder's own error names none)."""
+    try:
+        return _encoder.encode(request)
+    except OverflowError:
+        for name in request.__struct_fields__:
+            value = getattr(request, name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, int) and not -(2**63) <= v < 2**64 for v in values):
+                raise ValueError(f"{name}: integers must fit 64 bits, in [-2**63, 2**64)") from None
+        raise
+
+
 def decode_event(data: bytes, event_id: str = "") -> Event:
     """An out-stream payload; raises ``msgspec.DecodeError`` when it is not an event."""
     event = _event_decoder.decode(data)

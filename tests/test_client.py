@@ -110,7 +110,7 @@ def test_submit_prints_tokens_and_cancel_verb(
 
 
 @pytest.mark.parametrize("bad_id", ["", "x" * 257, "tab\there", "new\nline"])
-def test_an_id_no_worker_could_answer_is_refused_before_it_is_sent(
+def test_what_no_worker_could_read_is_refused_before_it_is_sent(
     redis_server: RedisServer, bad_id: str
 ) -> None:
     async def submit() -> None:
@@ -118,6 +118,10 @@ def test_an_id_no_worker_could_answer_is_refused_before_it_is_sent(
             with pytest.raises(ValueError, match=r"request_id must be 1\.\.256 printable"):
                 await client.submit("w5", request_id=bad_id)
             assert await client.submit("w5", request_id="x" * 256) == "x" * 256
+            with pytest.raises(ValueError, match=r"^seed: integers must fit 64 bits"):
+                await client.submit("w5", seed=2**64)
+            with pytest.raises(ValueError, match=r"^token_ids: integers must fit 64 bits"):
+                await client.submit(token_ids=[5, -(2**63) - 1])
 
     asyncio.run(submit())
     r = redis_server.client()

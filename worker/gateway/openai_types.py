@@ -10,11 +10,15 @@ OpenAI-compatible servers use (the ``openai`` client sends them through ``extra_
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 # -- requests ------------------------------------------------------------------------------------
+
+# The protocol's integers are msgpack's, 64 bits: JSON holds any integer, and one past them is
+# a 400 naming its field here rather than an encoder error (a 500) when the request is written.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -36,43 +40,43 @@ class _Sampling(msgspec.Struct, kw_only=True):
     """The fields both endpoints share."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int64 | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
 
-    prompt: str | list[int]
-    logprobs: int | None = None
+    prompt: str | list[Int64]
+    logprobs: Int64 | None = None
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
