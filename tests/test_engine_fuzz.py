@@ -5,12 +5,12 @@ the batch and prefill-chunk budgets, preemption by recompute or swap, prefix cac
 tier, a tenant quota, speculative decoding (prompt lookup or a draft model, 1-5 drafts) or
 async scheduling. Its traffic arrives between steps: prompts that share prefixes or repeat a
 run of tokens, greedy or seeded sampling (top-k, top-p), penalties, stop tokens with and
-without ``min_tokens``, priorities, tenants, short timeouts and aborts.
+without ``min_tokens``, stop strings, logprobs, priorities, tenants, short timeouts and aborts.
 
 After every step the page accounting is checked; at the end the pool is empty, and each
-request's tokens and finish reason equal those of the same request run alone on a roomy
-engine with none of those features (an aborted or timed-out request's tokens are a prefix of
-them). Seeded sampling is compared only without speculative decoding, which keeps the
+request's tokens, text, finish reason and log-probs equal those of the same request run alone
+on a roomy engine with none of those features (an aborted or timed-out request's tokens are a
+prefix of them). Seeded sampling is compared only without speculative decoding, which keeps the
 distribution but not the draws.
 
 ``PAGESTREAM_FUZZ_SEEDS=FIRST:LAST`` runs those cases instead of the fixed ones (a failure
@@ -105,6 +105,8 @@ def draw_settings(rng: random.Random, draft_model: Path) -> tuple[dict[str, Any]
 
 def draw_sampling(rng: random.Random, sampled: bool) -> SamplingParams:
     stop_token_ids = rng.choice([(), (), (rng.randrange(VOCAB_SIZE),)])
+    # every token is a word `w<id>`: "w1" stops at w1, w10-w19 and w100-w199, often mid-draft
+    stop = rng.choice([(), (), (f"w{rng.randrange(4, VOCAB_SIZE)}",), ("w1",), ("w2 w",)])
     max_tokens = rng.randint(1, 30)
     return SamplingParams(
         temperature=rng.choice([0.7, 1.0]) if sampled else 0.0,
@@ -117,6 +119,8 @@ def draw_sampling(rng: random.Random, sampled: bool) -> SamplingParams:
         presence_penalty=rng.choice([0.0, 0.0, 0.5]),
         frequency_penalty=rng.choice([0.0, 0.0, 0.3]),
         stop_token_ids=stop_token_ids,
+        stop=stop,
+        include_stop_str_in_output=rng.random() < 0.5,
         logprobs=rng.choice([None, None, 0, 3]),
         ignore_eos=True,
     )
@@ -153,6 +157,7 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    text: str = ""
 
 
 class Reference:
@@ -176,6 +181,7 @@ class Reference:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     outcome.tokens += out.new_token_ids
+                    outcome.text += out.text_delta
                     outcome.logprobs += out.logprobs
                     outcome.finish_reason = out.finish_reason
             self.known[key] = outcome
@@ -218,6 +224,7 @@ def run_case(case: Case, model: Path) -> Run:
             outcome = outcomes[out.request_id]
             assert outcome.finish_reason is None, f"{out.request_id} went on after its end"
             outcome.tokens += out.new_token_ids
+            outcome.text += out.text_delta
             outcome.logprobs += out.logprobs
             if out.finished:
                 outcome.finish_reason = out.finish_reason
@@ -242,6 +249,7 @@ def check_outcomes(run: Run, reference: Reference) -> None:
             assert got.tokens == alone.tokens[: len(got.tokens)], where
         else:
             assert (got.tokens, got.finish_reason) == (alone.tokens, alone.finish_reason), where
+            assert got.text == alone.text, where
         assert len(got.logprobs) == len(got.tokens), where  # one entry per token
         for mine, theirs in zip(got.logprobs, alone.logprobs, strict=False):  # up to a cut
             if mine is None or theirs is None:
@@ -253,8 +261,8 @@ def check_outcomes(run: Run, reference: Reference) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_model_dirs: dict[str, Path]) -> Path:
-    return tiny_model_dirs["llama"]
+def llama(text_model_dir: Path) -> Path:
+    return text_model_dir  # the tiny llama, each token id a word: text and stop strings
 
 
 @pytest.fixture(scope="module")
