@@ -191,11 +191,13 @@ def check_entry(payload: bytes, engine: LLMEngine) -> str:
     except InvalidRequestError as error:
         assert error.field, (str(error), payload)
         return "engine"
-    for _ in range(2):
-        engine.step()
-    engine.abort(admitted.id)
-    while engine.has_unfinished_requests():
-        engine.step()
+    try:
+        for _ in range(2):
+            engine.step()
+    finally:  # after a failed step too: the next example (and Hypothesis's replay) starts clean
+        engine.abort(admitted.id)
+        while engine.has_unfinished_requests():
+            engine.step()
     assert engine.block_manager.num_used_blocks == 0
     return "ran"
 
