@@ -5,7 +5,7 @@ the batch and prefill-chunk budgets, preemption by recompute or swap, prefix cac
 tier, a tenant quota, speculative decoding (prompt lookup or a draft model, 1-5 drafts) or
 async scheduling. Its traffic arrives between steps: prompts that share prefixes or repeat a
 run of tokens, greedy or seeded sampling (top-k, top-p), penalties, stop tokens with and
-without ``min_tokens``, stop strings, logprobs, priorities, tenants, short timeouts and aborts.
+without ``min_tokens``, stop strings, EOS, logprobs, priorities, tenants, short timeouts and aborts.
 
 After every step the page accounting is checked; at the end the pool is empty, and each
 request's tokens, text, finish reason and log-probs equal those of the same request run alone
@@ -122,7 +122,7 @@ def draw_sampling(rng: random.Random, sampled: bool) -> SamplingParams:
         stop=stop,
         include_stop_str_in_output=rng.random() < 0.5,
         logprobs=rng.choice([None, None, 0, 3]),
-        ignore_eos=True,
+        ignore_eos=rng.random() < 0.7,  # else the model's EOS (a word like any other) ends it
     )
 
 
