@@ -20,8 +20,6 @@ from clients.protocol import (
     Event,
     FinishReason,
     Keys,
-    Message,
-    Request,
     RestartEvent,
     Timings,
     TokenEvent,
@@ -150,20 +148,12 @@ class AsyncClient:
                 f"request_id must be 1..{protocol.MAX_REQUEST_ID_CHARS} printable characters, "
                 f"got {len(request_id)} characters"
             )
-        now_ms = int(time.time() * 1000)
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        request = Request(
-            id=request_id,
-            prompt=prompt,
-            messages=None if messages is None else [Message(**m) for m in messages],
-            token_ids=token_ids,
-            priority=priority,
-            tenant=tenant,
-            deadline_ms=None if timeout_s is None else now_ms + int(timeout_s * 1000),
-            traceparent=traceparent,
-            enqueued_at_ms=now_ms,
-            **sampling,
-        )
+        request = protocol.new_request(
+            request_id, prompt=prompt, messages=messages, token_ids=token_ids,
+            priority=priority, tenant=tenant,
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+            traceparent=traceparent, now_ms=int(time.time() * 1000), **sampling,
+        )  # fmt: skip
         await self.redis.xadd(
             self.keys.requests, {protocol.PAYLOAD_FIELD: protocol.encode_request(request)}
         )

@@ -31,6 +31,8 @@ HEARTBEAT_TTL_S = 15  # {p}:worker:{name} vanishes this long after the worker's 
 CANCELS_MAXLEN = 10_000  # {p}:cancels keeps about this many recent notices
 DEAD_MAXLEN = 100_000  # {p}:dead keeps about this many entries
 MAX_REQUEST_ID_CHARS = 256
+# msgpack's integers: what any integer field of a payload can hold
+MIN_INT, MAX_INT = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,35 @@ def encode(value: msgspec.Struct) -> bytes:
     return _encoder.encode(value)
 
 
+def new_request(
+    request_id: str,
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    token_ids: list[int] | None = None,
+    priority: int = 0,
+    tenant: str = "default",
+    timeout_s: float | None = None,
+    traceparent: str | None = None,
+    now_ms: int,
+    **sampling: Any,
+) -> Request:
+    """The ``Request`` a client submits at ``now_ms`` (wall clock): ``timeout_s`` becomes its
+    deadline, ``messages`` its ``Message``s, ``sampling`` its sampling fields."""
+    return Request(
+        id=request_id,
+        prompt=prompt,
+        messages=None if messages is None else [Message(**m) for m in messages],
+        token_ids=token_ids,
+        priority=priority,
+        tenant=tenant,
+        deadline_ms=None if timeout_s is None else now_ms + int(timeout_s * 1000),
+        traceparent=traceparent,
+        enqueued_at_ms=now_ms,
+        **sampling,
+    )
+
+
 def encode_request(request: Request) -> bytes:
     """``request`` as msgpack bytes; raises ``ValueError`` naming a field whose integer does
     not fit msgpack's 64 bits (the encoder's own error names none)."""
@@ -281,7 +312,7 @@ def encode_request(request: Request) -> bytes:
         for name in request.__struct_fields__:
             value = getattr(request, name)
             values = value if isinstance(value, list) else [value]
-            if any(isinstance(v, int) and not -(2**63) <= v < 2**64 for v in values):
+            if any(isinstance(v, int) and not MIN_INT <= v <= MAX_INT for v in values):
                 raise ValueError(f"{name}: integers must fit 64 bits, in [-2**63, 2**64)") from None
         raise
 

@@ -36,7 +36,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clients import protocol
-from clients.protocol import Message, Request
 from engine import EngineConfig, InvalidRequestError, LLMEngine
 from worker.admission import MalformedEntry, decode_entry, engine_inputs
 from worker.gateway.errors import OpenAIError
@@ -212,13 +211,7 @@ def check_body(body: bytes, decode: Any, engine: LLMEngine) -> str:
         assert error.body.param or error.body.code == "invalid_json", (error.body, body)
         return "gateway"
     # What AsyncClient.submit builds from the gateway's inputs, and writes to the stream
-    inputs = dict(generation.inputs)
-    messages = inputs.pop("messages", None)
-    request = Request(
-        id=generation.request_id,
-        messages=None if messages is None else [Message(**m) for m in messages],
-        **inputs,
-    )
+    request = protocol.new_request(generation.request_id, now_ms=0, **generation.inputs)
     return check_entry(protocol.encode_request(request), engine)  # what it accepted encodes
 
 

@@ -23,24 +23,19 @@ def llama(tiny_model_dirs: dict[str, Path]) -> Path:
     return tiny_model_dirs["llama"]
 
 
-@pytest.fixture(scope="module")
-def perturbed(perturbed_llama: Path) -> Path:
-    return perturbed_llama
-
-
 def greedy_params(num: int) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=36 + i, ignore_eos=True) for i in range(num)]
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_a_perturbed_draft_gives_plain_greedy_tokens(
-    llama: Path, perturbed: Path, preemption: str
+    llama: Path, perturbed_llama: Path, preemption: str
 ) -> None:
     prompts, params = repetitive_prompts(5, seed=21), greedy_params(5)
     settings = dict(TIGHT, preemption=preemption)
     plain, _ = run(llama, prompts, params, **settings)
     spec, engine = run(
-        llama, prompts, params, speculative_model=str(perturbed), num_speculative_tokens=3,
+        llama, prompts, params, speculative_model=str(perturbed_llama), num_speculative_tokens=3,
         **settings,
     )  # fmt: skip
     assert spec == plain

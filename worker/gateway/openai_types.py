@@ -18,6 +18,7 @@ import msgspec
 
 # The protocol's integers are msgpack's, 64 bits: JSON holds any integer, and one past them is
 # a 400 naming its field here rather than an encoder error (a 500) when the request is written.
+# (int64, not msgpack's whole range: msgspec's bounds must fit an int64.)
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
