@@ -29,6 +29,8 @@ in integer arithmetic, the same sums.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -39,12 +41,33 @@ from kernels.quant import QK, QuantFormat
 
 INT8_X_FORMATS = ("q8_0", "q4_0", "q4_1")
 X_BLOCKS = 8  # 32-element blocks of x per program of the rounding kernel
+# the float dtypes as kernels take them for a constexpr (the kernels that round their output)
+TL_FLOAT_DTYPES = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+}
 
 
 @triton.jit
 def _round_half_away(v):
     r = tl.floor(tl.abs(v) + 0.5)
     return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def round_blocks_int8(x):
+    """``x`` float32 ``[B, 32]`` -> ``(xq, dx, xs)``: each row a 32-element block rounded to
+    ``xq = round(x / dx)`` with ``dx = amax / 127`` (halves away from zero), and ``xs = dx *
+    sum xq``. The kernels that produce activations for the int8 GEMV (kernels/norm_triton.py,
+    kernels/activation_triton.py) call this too, so that their blocks are the rounding
+    kernel's bits."""
+    amax = tl.max(tl.abs(x), axis=1)
+    dx = amax * (1.0 / 127.0)  # a product, as torch computes amax / 127.0 on CUDA
+    safe = tl.where(amax > 0, amax, 1.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe), 0.0)
+    q = _round_half_away(x * inv[:, None])
+    return q.to(tl.int8), dx, dx * tl.sum(q, axis=1)
 
 
 @triton.jit
@@ -56,37 +79,67 @@ def _quantize_x_kernel(
     stride_sm,  # xd, xs: [M, K / 32] float32
     BLOCKS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Row ``program_id(0)``, ``BLOCKS`` blocks from ``program_id(1) * BLOCKS``: ``xq`` =
-    round(x / dx) with ``dx = amax / 127`` (halves away from zero), ``xs = dx * sum xq``."""
+    """Row ``program_id(0)``, ``BLOCKS`` blocks from ``program_id(1) * BLOCKS``."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     mask_b = blk < K // 32
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask_b[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    dx = amax * (1.0 / 127.0)  # a product, as torch computes amax / 127.0 on CUDA
-    safe = tl.where(amax > 0, amax, 1.0)
-    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe), 0.0)
-    q = _round_half_away(x * inv[:, None])
-    tl.store(xq_ptr + row * stride_qm + offs, q.to(tl.int8), mask=mask_b[:, None])
+    q, dx, xs = round_blocks_int8(x)
+    tl.store(xq_ptr + row * stride_qm + offs, q, mask=mask_b[:, None])
     tl.store(xd_ptr + row * stride_sm + blk, dx, mask=mask_b)
-    tl.store(xs_ptr + row * stride_sm + blk, dx * tl.sum(q, axis=1), mask=mask_b)
+    tl.store(xs_ptr + row * stride_sm + blk, xs, mask=mask_b)
+
+
+@dataclass(frozen=True)
+class Int8Rows:
+    """Activation rows already rounded to int8 in 32-element blocks, ready for the int8 GEMV:
+    what ``quantize_x_int8`` returns, from that kernel or from the kernel that produced the
+    activations (a norm, SiLU), which then skips writing them in float. ``dtype``: the float
+    dtype the rows had, which the GEMV's output takes."""
+
+    xq: torch.Tensor  # [M, K] int8
+    xd: torch.Tensor  # [M, K / 32] float32: each block's scale
+    xs: torch.Tensor  # [M, K / 32] float32: dx * sum(xq)
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.xq.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.xq.device
+
+    @classmethod
+    def empty(
+        cls, num_rows: int, size_k: int, dtype: torch.dtype, device: torch.device
+    ) -> Int8Rows:
+        if size_k % QK:
+            raise ValueError(f"int8 rows need whole {QK}-element blocks, got K={size_k}")
+        xq = torch.empty(num_rows, size_k, dtype=torch.int8, device=device)
+        xd = torch.empty(num_rows, size_k // QK, dtype=torch.float32, device=device)
+        return cls(xq, xd, torch.empty_like(xd), dtype)
 
 
 def quantize_x_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (K a multiple of 32) -> ``xq`` int8 [M, K], ``dx`` and ``xs`` float32
     [M, K / 32]: each block's scale and ``dx * sum(xq)``."""
+    rows = round_rows_int8(x)
+    return rows.xq, rows.xd, rows.xs
+
+
+def round_rows_int8(x: torch.Tensor) -> Int8Rows:
+    """``x [M, K]`` rounded for the int8 GEMV by a kernel of its own."""
     num_rows, size_k = x.shape
-    xq = torch.empty(num_rows, size_k, dtype=torch.int8, device=x.device)
-    xd = torch.empty(num_rows, size_k // QK, dtype=torch.float32, device=x.device)
-    xs = torch.empty_like(xd)
+    rows = Int8Rows.empty(num_rows, size_k, x.dtype, x.device)
     grid = (num_rows, triton.cdiv(size_k // QK, X_BLOCKS))
     _quantize_x_kernel[grid](
-        x, xq, xd, xs, size_k, x.stride(0), xq.stride(0), xd.stride(0), BLOCKS=X_BLOCKS,
-        **pdl_launch(x),
+        x, rows.xq, rows.xd, rows.xs, size_k, x.stride(0), rows.xq.stride(0), rows.xd.stride(0),
+        BLOCKS=X_BLOCKS, **pdl_launch(x),
     )  # fmt: skip
-    return xq, xd, xs
+    return rows
 
 
 def quantize_x_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,7 +239,7 @@ def _quant_gemv_int8_kernel(
 
 
 def quant_gemv_int8(
-    x: torch.Tensor,  # [M, K], M <= 8
+    x: torch.Tensor | Int8Rows,  # [M, K], M <= 8: float rows, or rows already rounded
     out: torch.Tensor,  # [M, N] (fp32 and zeroed when split_k > 1)
     fmt: QuantFormat,
     planes: list[torch.Tensor],  # three, in kernel order, padded by plane_arguments
@@ -198,20 +251,25 @@ def quant_gemv_int8(
     num_warps: int = 1,
     num_stages: int = 3,
 ) -> None:
-    """``out ~ x @ dequantize(w).T`` for q8_0/q4_0/q4_1 with ``x`` rounded to int8 per block."""
+    """``out ~ x @ dequantize(w).T`` for q8_0/q4_0/q4_1 with ``x`` rounded to int8 per block
+    (here, unless it comes rounded)."""
     if fmt.name not in INT8_X_FORMATS or size_k % QK:
         raise ValueError(f"quant_gemv_int8: {fmt.name} with K={size_k} has no int8 GEMV")
     if planes[1].stride(0) % 4 or planes[1].storage_offset() % 4:
         raise ValueError("quant_gemv_int8: the quants' rows must start on 4-byte boundaries")
-    xq, xd, xs = quantize_x_int8(x)
+    rows = x if isinstance(x, Int8Rows) else round_rows_int8(x)
+    if rows.shape[1] != size_k:
+        raise ValueError(
+            f"quant_gemv_int8: rows of {rows.shape[1]} elements, the weight's K={size_k}"
+        )
     words = planes[1].view(torch.int32)  # [N, K / 4] (q8_0) or [N, K / 8] (4-bit)
     num_cols = planes[0].shape[0]
     grid = (triton.cdiv(num_cols, block_n), split_k)
     _quant_gemv_int8_kernel[grid](
-        xq.view(torch.int32), xd, xs, out, planes[0], words, planes[2], planes[0].stride(0),
-        words.stride(0), planes[2].stride(0), x.shape[0], num_cols, size_k,
-        xq.stride(0) // 4, xd.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
-        M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
-        SPLIT_K=split_k, ASM=x.device.type == "cuda",
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
+        rows.xq.view(torch.int32), rows.xd, rows.xs, out, planes[0], words, planes[2],
+        planes[0].stride(0), words.stride(0), planes[2].stride(0), rows.shape[0], num_cols,
+        size_k, rows.xq.stride(0) // 4, rows.xd.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
+        M_PAD=max(triton.next_power_of_2(rows.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
+        SPLIT_K=split_k, ASM=rows.device.type == "cuda",
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(out),
     )  # fmt: skip

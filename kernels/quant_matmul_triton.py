@@ -43,7 +43,7 @@ from kernels.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
 from kernels.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
 from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.quant import QK, QuantFormat
-from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, quant_gemv_int8
+from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, quant_gemv_int8
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
 from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, mma_block_m, quant_mma
@@ -243,6 +243,38 @@ def quant_matmul(
     return out
 
 
+def quant_matmul_int8_rows(
+    rows: Int8Rows,  # [M, K], M in INT8_X_ROWS' range
+    fmt: QuantFormat,
+    planes: dict[str, torch.Tensor],
+    size_k: int,
+    *,
+    out: torch.Tensor | None = None,  # [M, N] in the rows' float dtype
+) -> torch.Tensor:  # [M, N]
+    """``quant_matmul`` of rows that their producer already rounded for the int8 GEMV (where
+    ``takes_int8_rows``): the same launch, less the rounding kernel."""
+    pointers = plane_arguments(fmt, planes)
+    num_rows, num_cols = rows.shape[0], pointers[0].shape[0]
+    if not takes_int8_rows(fmt, num_rows, size_k, rows.dtype):
+        raise ValueError(f"quant_matmul: {num_rows} rows of {fmt.name} take no int8 GEMV")
+    if out is None:
+        out = torch.empty(num_rows, num_cols, dtype=rows.dtype, device=rows.device)
+    cfg = default_int8_gemv_config(num_rows, num_cols, size_k, fmt)
+    target = split_k_target(out, cfg.split_k)
+    _launch_int8_gemv(rows, target, pointers, fmt, size_k, cfg)
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+def takes_int8_rows(fmt: QuantFormat, num_rows: int, size_k: int, dtype: torch.dtype) -> bool:
+    """Whether ``quant_matmul`` by default multiplies ``num_rows`` rows of ``dtype`` by the
+    int8-activation GEMV, so that the kernel producing them may round them (``Int8Rows``)."""
+    return (
+        size_k % QK == 0 and not takes_mma(fmt, num_rows, dtype) and takes_int8_gemv(fmt, num_rows)
+    )
+
+
 def uses_scaled_mm(x: torch.Tensor, fmt: QuantFormat, num_cols: int, size_k: int) -> bool:
     """Whether fp8 rows take ``torch._scaled_mm`` by default: from ``MMA_ROWS["fp8"][1]``
     rows (fewer take the GEMV or kernels/fp8_mma_triton.py), on Hopper+, bf16, aligned."""
@@ -270,11 +302,7 @@ def _launch_gemv(
     target = split_k_target(out, cfg.split_k)
     group_size = KQUANT_FORMATS.get(fmt.name)
     if cfg.int8_x and fmt.name in INT8_X_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
-        quant_gemv_int8(
-            x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n,
-            blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )  # fmt: skip
+        _launch_int8_gemv(x, target, pointers, fmt, size_k, cfg)
     elif cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
         quant_gemv_blocked(
             x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n,
@@ -290,6 +318,20 @@ def _launch_gemv(
         _launch_elementwise_gemv(x, target, pointers, strides, fmt, num_cols, size_k, cfg)
     if target is not out:
         out.copy_(target)
+
+
+def _launch_int8_gemv(
+    x: torch.Tensor | Int8Rows,
+    target: torch.Tensor,
+    pointers: list[torch.Tensor],
+    fmt: QuantFormat,
+    size_k: int,
+    cfg: QuantMatmulConfig,
+) -> None:
+    quant_gemv_int8(
+        x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n, blocks=cfg.block_k // QK,
+        split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
 
 
 def _launch_mma(

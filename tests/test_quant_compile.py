@@ -19,10 +19,13 @@ from typing import Any
 
 import pytest
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.activation_triton import _silu_and_mul_kernel
 from kernels.fp8_mma_triton import _fp8_mma_kernel
+from kernels.norm_triton import _rms_norm_kernel
 from kernels.quant import FORMATS
 from kernels.quant_gemv_int8_triton import _quant_gemv_int8_kernel, _quantize_x_kernel
 from kernels.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
@@ -128,6 +131,29 @@ X_QUANT_ARGUMENTS = {"x_ptr": "*bf16", "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_p
                      "K": "i32", "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32"}  # fmt: skip
 
 
+# The kernels that round their output for the int8 GEMV (llama3-8b's hidden size and MLP)
+NORM_INT8_ID = "_rms_norm_kernel-int8"
+NORM_INT8_ARGUMENTS = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16",
+                       "out_ptr": "*bf16", "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32",
+                       "eps": "fp32", "stride_xt": "i32", "stride_xh": "i32", "stride_rt": "i32",
+                       "stride_ot": "i32", "stride_oh": "i32", "stride_qt": "i32",
+                       "stride_st": "i32"}  # fmt: skip
+NORM_INT8 = {"NUM_HEADS": 1, "N": 4096, "BLOCK_N": 4096, "HAS_RESIDUAL": True,
+             "ROUND_INT8": True, "OUT_DTYPE": tl.bfloat16, "PDL": True}  # fmt: skip
+SILU_INT8_ID = "_silu_and_mul_kernel-int8"
+SILU_INT8_ARGUMENTS = {"gate_up_ptr": "*bf16", "out_ptr": "*i8", "xd_ptr": "*fp32",
+                       "xs_ptr": "*fp32", "stride_gt": "i32", "stride_ot": "i32",
+                       "stride_st": "i32"}  # fmt: skip
+SILU_INT8 = {"D": 14336, "BLOCK_D": 1024, "ROUND_INT8": True, "DTYPE": tl.bfloat16, "PDL": True}
+
+
+def compile_int8_producers() -> dict[str, dict[str, Any]]:
+    return {
+        NORM_INT8_ID: _compile_plain(_rms_norm_kernel, NORM_INT8_ARGUMENTS, NORM_INT8, 16),
+        SILU_INT8_ID: _compile_plain(_silu_and_mul_kernel, SILU_INT8_ARGUMENTS, SILU_INT8),
+    }
+
+
 def compile_int8_gemv() -> dict[str, Any]:
     """The int8-activation GEMV for sm_90: 16-byte loads of the quants, ``dp4a`` products."""
     return _compile_plain(_quant_gemv_int8_kernel, INT8_GEMV_ARGUMENTS, INT8_GEMV, num_warps=1)
@@ -162,6 +188,10 @@ def main() -> None:
             results[name] = job()
         except Exception as error:  # reported per case by the test
             results[name] = {"error": repr(error)[:2000]}
+    try:
+        results |= compile_int8_producers()
+    except Exception as error:
+        results |= {key: {"error": repr(error)[:2000]} for key in (NORM_INT8_ID, SILU_INT8_ID)}
     print(json.dumps(results))
 
 
@@ -205,3 +235,10 @@ def test_int8_activation_gemv_compiles_to_dp4a(compiled: dict[str, Any]) -> None
     rounding = compiled[X_QUANT_ID]
     assert "error" not in rounding, rounding.get("error")
     assert rounding["cubin"] and rounding["pdl"]
+
+
+@pytest.mark.parametrize("kernel_id", [NORM_INT8_ID, SILU_INT8_ID])
+def test_kernels_that_round_their_output_compile(compiled: dict[str, Any], kernel_id: str) -> None:
+    result = compiled[kernel_id]
+    assert "error" not in result, result.get("error")
+    assert result["cubin"] and result["pdl"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -18,6 +18,9 @@ from kernels.activation import silu_and_mul_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.rotary_kv_write import rotary_write_kv_ref
+
+if TYPE_CHECKING:
+    from kernels.quant_gemv_int8_triton import Int8Rows
 
 ATTN_BACKEND_ENV = "PAGESTREAM_ATTN_BACKEND"
 BACKEND_CHOICES = ("auto", "torch", "triton")
@@ -77,6 +80,14 @@ class LayerOps:
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # The same three with their output rounded to int8 blocks for a quantized linear that
+    # takes the int8 GEMV (``QuantizedLinear.takes_int8_rows``); only the Triton family has them.
+    rms_norm_int8: Callable[[torch.Tensor, torch.Tensor, float], Int8Rows] | None = None
+    fused_add_rms_norm_int8: (
+        Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[Int8Rows, torch.Tensor]]
+        | None
+    ) = None
+    silu_and_mul_int8: Callable[[torch.Tensor], Int8Rows] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -171,12 +182,24 @@ class TritonAttentionBackend:
 
     def __init__(self) -> None:
         # Imported here: a CPU-only install never needs triton at import time.
-        from kernels.activation_triton import silu_and_mul
-        from kernels.norm_triton import fused_add_rms_norm, rms_norm
+        from kernels.activation_triton import silu_and_mul, silu_and_mul_int8
+        from kernels.norm_triton import (
+            fused_add_rms_norm,
+            fused_add_rms_norm_int8,
+            rms_norm,
+            rms_norm_int8,
+        )
         from kernels.paged_attention_triton import decode_graph_contexts, paged_attention
         from kernels.rotary_kv_write_triton import rotary_write_kv
 
-        self.ops = LayerOps(rms_norm, fused_add_rms_norm, silu_and_mul)
+        self.ops = LayerOps(
+            rms_norm,
+            fused_add_rms_norm,
+            silu_and_mul,
+            rms_norm_int8=rms_norm_int8,
+            fused_add_rms_norm_int8=fused_add_rms_norm_int8,
+            silu_and_mul_int8=silu_and_mul_int8,
+        )
         self._rotary_write_kv = rotary_write_kv
         self._paged_attention = paged_attention
         self._decode_graph_contexts = decode_graph_contexts

@@ -29,6 +29,7 @@ from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
 from engine.quant.linear import PackedWeight, QuantizedLinear
 from kernels.gemv_triton import GemvConfig, gemv
+from kernels.quant_gemv_int8_triton import Int8Rows
 from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
 GEMV_MAX_ROWS = 1  # rows that take the Triton GEMV instead of cuBLAS (measured at one)
@@ -51,6 +52,14 @@ def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
     )
 
 
+def takes_int8_rows(x: torch.Tensor, linear: nn.Module) -> bool:
+    """Whether the kernel producing ``linear``'s input ``x`` should round it to int8 blocks
+    itself (where its kernel family has an int8 variant): a quantized linear that multiplies
+    these rows by the int8 GEMV, which would otherwise launch a rounding kernel of its own
+    (q4_0/q4_1 at 1-4 rows, q8_0 at 2-7)."""
+    return isinstance(linear, QuantizedLinear) and linear.takes_int8_rows(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
@@ -65,6 +74,22 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def norm_for(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor | Int8Rows:
+        """``forward(x)``, rounded to int8 blocks where ``linear`` takes them."""
+        rounding = self.ops.rms_norm_int8
+        if rounding is not None and takes_int8_rows(x, linear):
+            return rounding(x, self.weight, self.eps)
+        return self.forward(x)
+
+    def add_and_norm_for(
+        self, x: torch.Tensor, residual: torch.Tensor, linear: nn.Module
+    ) -> tuple[torch.Tensor | Int8Rows, torch.Tensor]:
+        """``add_and_norm``, the normed rows rounded to int8 blocks where ``linear`` takes them."""
+        rounding = self.ops.fused_add_rms_norm_int8
+        if rounding is not None and takes_int8_rows(x, linear):
+            return rounding(x, residual, self.weight, self.eps)
+        return self.add_and_norm(x, residual)
 
 
 class Attention(nn.Module):
@@ -112,7 +137,7 @@ class Attention(nn.Module):
 
     def project(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where qkv_proj takes int8 rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
         """The new tokens' queries, keys and values, not yet rotated: attention rotates q and
         k, fused with the KV write (one kernel launch where rotary and the write were two)."""
@@ -149,11 +174,17 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where gate_up_proj takes int8 rows
+    ) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        rounding = self.ops.silu_and_mul_int8
         if takes_gemv(gate_up, self.down_proj):  # the activation in the GEMV's prologue
             weight = self.down_proj.weight
             down = gemv(gate_up, weight, silu_mul=True, config=LAYER_GEMV_CONFIG)
+        elif rounding is not None and takes_int8_rows(gate_up, self.down_proj):
+            down = self.down_proj(rounding(gate_up))  # the activation rounds for the int8 GEMV
         else:
             down = self.down_proj(self.ops.silu_and_mul(gate_up))
         return self.group.all_reduce(down)
@@ -193,19 +224,21 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, hidden]: the previous layer's output, or the embeddings
         residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
+        qkv_proj = self.self_attn.qkv_proj
+        normed: torch.Tensor | Int8Rows
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, normed = x, self.input_layernorm.norm_for(x, qkv_proj)
         else:
-            x, residual = self.input_layernorm.add_and_norm(x, residual)
-        return (*self.self_attn.project(x), residual)
+            normed, residual = self.input_layernorm.add_and_norm_for(x, residual, qkv_proj)
+        return (*self.self_attn.project(normed), residual)
 
     def post_attention(
         self,
         attn: torch.Tensor,  # [T, Hq * D]
         residual: torch.Tensor,  # [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output and the new residual
-        x, residual = self.post_attention_layernorm.add_and_norm(
-            self.self_attn.output(attn), residual
+        x, residual = self.post_attention_layernorm.add_and_norm_for(
+            self.self_attn.output(attn), residual, self.mlp.gate_up_proj
         )
         return self.mlp(x), residual
 

@@ -23,7 +23,15 @@ from engine.errors import ModelLoadError
 from engine.quant.scratch import DequantScratch
 from kernels.quant import QuantFormat, dequantize, empty_planes, quantize
 from kernels.quant_dequant_triton import dequant_matmul
-from kernels.quant_matmul_triton import MMA_ROWS, quant_matmul, takes_mma, uses_scaled_mm
+from kernels.quant_gemv_int8_triton import Int8Rows
+from kernels.quant_matmul_triton import (
+    MMA_ROWS,
+    quant_matmul,
+    quant_matmul_int8_rows,
+    takes_int8_rows,
+    takes_mma,
+    uses_scaled_mm,
+)
 
 # Rows from which a step dequantizes the weight once and calls cuBLAS instead of the Triton
 # GEMM (bench/quant_kernels.py times both per shape; fp8 on Hopper keeps torch._scaled_mm):
@@ -80,9 +88,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, in_features]
+        x: torch.Tensor | Int8Rows,  # [T, in_features]; rounded only where takes_int8_rows
         out: torch.Tensor | None = None,  # [T, out_features]
     ) -> torch.Tensor:  # [T, out_features]
+        if isinstance(x, Int8Rows):
+            y = quant_matmul_int8_rows(x, self.fmt, self.planes(), self.in_features, out=out)
+            return y if self.bias is None else y.add_(self.bias)
         if x.is_cuda:
             return self.kernel_forward(x, out)
         weight = dequantize(self.fmt, self.planes()).to(x.dtype)  # the reference path
@@ -98,6 +109,11 @@ class QuantizedLinear(nn.Module):
             return quant_matmul(x, self.fmt, self.planes(), self.in_features, out=out)
         y = quant_matmul(x, self.fmt, self.planes(), self.in_features) + self.bias
         return y if out is None else out.copy_(y)
+
+    def takes_int8_rows(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` would round ``x`` to int8 for the int8 GEMV: then the kernel
+        that produces ``x`` may hand it over rounded (an ``Int8Rows``), saving a launch."""
+        return x.is_cuda and takes_int8_rows(self.fmt, x.shape[0], self.in_features, x.dtype)
 
     def takes_dequant_gemm(self, x: torch.Tensor) -> bool:
         """Whether ``x``'s rows are many enough to dequantize the weight for cuBLAS (fp8 on
