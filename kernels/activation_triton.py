@@ -19,6 +19,7 @@ from kernels.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, round_bloc
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK_D = 1024  # columns per program
+INT8_BLOCK_D = 256  # ... rounding them to int8 blocks: 8 blocks, as the rounding kernel
 
 
 @triton.jit
@@ -100,6 +101,7 @@ def _launch(rows: torch.Tensor, out: torch.Tensor | Int8Rows) -> None:
     size = rows.shape[1] // 2
     block_d = max(32, min(MAX_BLOCK_D, triton.next_power_of_2(size)))
     if isinstance(out, Int8Rows):
+        block_d = min(block_d, INT8_BLOCK_D)
         values, xd, xs, stride_s = out.xq, out.xd, out.xs, out.xd.stride(0)
     else:
         values, xd, xs, stride_s = out, out, out, 0  # xd, xs: never touched

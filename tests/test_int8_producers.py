@@ -48,7 +48,8 @@ def assert_same_rows(got: Int8Rows, expected: Int8Rows) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", [64, 96, 576])  # 576: a row padded to 1,024 (18 of 32 blocks)
+# 576: a row padded to 1,024 (18 of 32 blocks) in three programs, the last ragged
+@pytest.mark.parametrize("size", [64, 96, 576])
 def test_norms_round_as_the_rounding_kernel(dtype: torch.dtype, size: int) -> None:
     gen = torch.Generator().manual_seed(size)
     x = (torch.randn(3, size, generator=gen) * 3).to(dtype).to(DEVICE)
@@ -57,16 +58,35 @@ def test_norms_round_as_the_rounding_kernel(dtype: torch.dtype, size: int) -> No
     residual = torch.randn(3, size, generator=gen).to(dtype).to(DEVICE)
     fused_residual = residual.clone()
     normed, residual = fused_add_rms_norm(x, residual, weight, 1e-6)
-    rows, fused_residual = fused_add_rms_norm_int8(x, fused_residual, weight, 1e-6)
-    assert torch.equal(fused_residual, residual)  # the sum, in place, as the float kernel
+    before = fused_residual.clone()
+    rows, total = fused_add_rms_norm_int8(x, fused_residual, weight, 1e-6)
+    assert torch.equal(total, residual)  # the sum, as the float kernel leaves it in place
+    assert torch.equal(fused_residual, before)  # a new tensor: every chunk's program reads it
     assert_same_rows(rows, round_rows_int8(normed))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", [64, 1088])  # 1,088: two programs a row, the second ragged
+@pytest.mark.parametrize("size", [64, 1088])  # 1,088: five programs a row, the last ragged
 def test_silu_and_mul_rounds_as_the_rounding_kernel(dtype: torch.dtype, size: int) -> None:
     gen = torch.Generator().manual_seed(size)
     gate_up = (torch.randn(2, 2 * size, generator=gen) * 4).to(dtype).to(DEVICE)
+    assert_same_rows(silu_and_mul_int8(gate_up), round_rows_int8(silu_and_mul(gate_up)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 4, 7])
+def test_producers_at_llama3_8b_sizes(num_rows: int) -> None:
+    """bf16 rows of 4,096 (16 programs a row) and an MLP of 14,336: bit for bit on the GPU,
+    where the statistics are a parallel reduction."""
+    x = torch.randn(num_rows, 4096, device="cuda", dtype=torch.bfloat16) * 2
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    assert_same_rows(rms_norm_int8(x, weight, 1e-5), round_rows_int8(rms_norm(x, weight, 1e-5)))
+    residual = torch.randn_like(x)
+    rows, total = fused_add_rms_norm_int8(x, residual, weight, 1e-5)
+    normed, residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, residual)
+    assert_same_rows(rows, round_rows_int8(normed))
+    gate_up = torch.randn(num_rows, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
     assert_same_rows(silu_and_mul_int8(gate_up), round_rows_int8(silu_and_mul(gate_up)))
 
 

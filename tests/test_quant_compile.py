@@ -134,12 +134,12 @@ X_QUANT_ARGUMENTS = {"x_ptr": "*bf16", "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_p
 # The kernels that round their output for the int8 GEMV (llama3-8b's hidden size and MLP)
 NORM_INT8_ID = "_rms_norm_kernel-int8"
 NORM_INT8_ARGUMENTS = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16",
-                       "out_ptr": "*bf16", "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32",
-                       "eps": "fp32", "stride_xt": "i32", "stride_xh": "i32", "stride_rt": "i32",
-                       "stride_ot": "i32", "stride_oh": "i32", "stride_qt": "i32",
-                       "stride_st": "i32"}  # fmt: skip
+                       "out_ptr": "*bf16", "sum_ptr": "*bf16", "xq_ptr": "*i8", "xd_ptr": "*fp32",
+                       "xs_ptr": "*fp32", "eps": "fp32", "stride_xt": "i32", "stride_xh": "i32",
+                       "stride_rt": "i32", "stride_ot": "i32", "stride_oh": "i32",
+                       "stride_ut": "i32", "stride_qt": "i32", "stride_st": "i32"}  # fmt: skip
 NORM_INT8 = {"NUM_HEADS": 1, "N": 4096, "BLOCK_N": 4096, "HAS_RESIDUAL": True,
-             "ROUND_INT8": True, "OUT_DTYPE": tl.bfloat16, "PDL": True}  # fmt: skip
+             "ROUND_INT8": True, "CHUNK": 256, "OUT_DTYPE": tl.bfloat16, "PDL": True}  # fmt: skip
 SILU_INT8_ID = "_silu_and_mul_kernel-int8"
 SILU_INT8_ARGUMENTS = {"gate_up_ptr": "*bf16", "out_ptr": "*i8", "xd_ptr": "*fp32",
                        "xs_ptr": "*fp32", "stride_gt": "i32", "stride_ot": "i32",
