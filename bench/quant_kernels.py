@@ -6,7 +6,8 @@
 For each linear of one decoder layer and the LM head, each format and each row count, times
 ``quant_matmul`` (the default launch shape and a grid of others: ``GEMV_GRID`` up to 8 rows,
 ``GEMM_GRID`` beyond, q4_0/q4_1's int8-activation GEMV's ``INT8_GEMV_GRID``, and for
-q8_0/q4_0/q4_1 the tensor-core kernel's ``MMA_GRID`` at every row count) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
+q8_0/q4_0/q4_1 the tensor-core kernel's ``MMA_GRID`` and the int8 tensor-core kernel's
+``INT8_MMA_GRID`` at every row count) and ``F.linear`` on the bf16 weight; beyond 8 rows also the
 dequantize-then-cuBLAS path (``dequant_matmul``) and its dequantization alone. Reports each
 time against the streaming limit (the bytes moved over the copy bandwidth measured in the same
 run), the best launch shape, and the quantized paths against cuBLAS bf16: the data for tuning
@@ -93,6 +94,10 @@ GEMM_GRID = [
 MMA_GRID = ((32, 256, 1, 4, 3), (64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (64, 512, 1, 4, 3),
             (128, 128, 1, 8, 3), (128, 256, 1, 8, 3), (64, 128, 2, 4, 3), (128, 256, 1, 4, 4),
             (64, 64, 4, 4, 4))  # fmt: skip
+# the int8 tensor-core kernel (x rounded to int8 blocks, timed with the rounding kernel),
+# the same tuple; the H100 sweep of quant-kernels-int8-mma-sweep-llama3-8b-h100.json
+INT8_MMA_GRID = ((64, 128, 1, 4, 3), (64, 128, 4, 4, 3), (64, 256, 2, 4, 4), (128, 128, 1, 8, 3),
+                 (128, 128, 2, 8, 3), (64, 64, 4, 4, 4))  # fmt: skip
 # the blocked dequantizer (q8_0/q4_0/q4_1): (weight rows, 32-element blocks, warps)
 DEQUANT_GRID = ((4, 32, 4), (2, 64, 4), (4, 64, 4), (4, 64, 8), (8, 32, 4), (8, 16, 4),
                 (8, 8, 2), (16, 8, 4), (2, 32, 2), (4, 16, 2))  # fmt: skip
@@ -155,6 +160,8 @@ def measure(
             grid = [*grid, *INT8_GEMV_GRID]
         if fmt.name in MMA_ROWS and DTYPE in MMA_DTYPES:
             grid = [*grid, *mma_configs(rows)]
+        if fmt.name in INT8_X_FORMATS and not gemv:
+            grid = [*grid, *mma_configs(rows, int8=True)]
     configs = {_key(c): c for c in [default, *grid]}
     if not gemv and not default.mma and fmt.name in MMA_ROWS and DTYPE in MMA_DTYPES:
         configs["mma_default"] = default_mma_config(rows, shape.num_cols, size_k, fmt)
@@ -174,12 +181,12 @@ def measure(
             "timings_us": timings}  # fmt: skip
 
 
-def mma_configs(rows: int) -> list[QuantMatmulConfig]:
-    """MMA_GRID with a row tile that holds ``rows`` (16 to 128)."""
+def mma_configs(rows: int, int8: bool = False) -> list[QuantMatmulConfig]:
+    """MMA_GRID (INT8_MMA_GRID) with a row tile that holds ``rows`` (16 to 128)."""
     block_m = mma_block_m(rows)
     return [
-        QuantMatmulConfig(block_m, n, k, split, warps, stages, mma=True)
-        for n, k, split, warps, stages in MMA_GRID
+        QuantMatmulConfig(block_m, n, k, split, warps, stages, mma=not int8, int8_mma=int8)
+        for n, k, split, warps, stages in (INT8_MMA_GRID if int8 else MMA_GRID)
     ]
 
 
@@ -333,6 +340,8 @@ def _key(config: QuantMatmulConfig) -> str:
     key = f"m{config.block_m}n{config.block_n}k{config.block_k}s{config.split_k}w{config.num_warps}"
     if config.mma:  # t: tensor cores
         return f"{key}p{config.num_stages}t"
+    if config.int8_mma:  # q: int8 tensor cores
+        return f"{key}p{config.num_stages}q"
     if config.int8_x:  # i: int8 activations
         return f"{key}i"
     return f"{key}{'b' if config.blocked else ''}"

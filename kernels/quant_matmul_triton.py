@@ -46,6 +46,7 @@ from kernels.quant import QK, QuantFormat
 from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, quant_gemv_int8
 from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
 from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
+from kernels.quant_mma_int8_triton import quant_mma_int8
 from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, mma_block_m, quant_mma
 
 MAX_PLANES = 4
@@ -66,6 +67,7 @@ class QuantMatmulConfig:
     blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through kernels/quant_gemv_triton.py
     int8_x: bool = False  # GEMV: q8_0/q4_0/q4_1 on x rounded to int8 (quant_gemv_int8_triton)
     mma: bool = False  # q8_0/q4_0/q4_1 on tensor cores (kernels/quant_mma_triton.py), any rows
+    int8_mma: bool = False  # ... on int8 tensor cores, x rounded (kernels/quant_mma_int8_triton.py)
 
 
 # -- dequantizing a tile ----------------------------------------------------------------------
@@ -228,7 +230,9 @@ def quant_matmul(
         return out
     strides = [p.stride(0) for p in pointers]
     cfg = config or default_config(num_rows, num_cols, size_k, fmt, x.dtype)
-    if cfg.mma:
+    if cfg.int8_mma:
+        _launch_int8_mma(x, out, pointers, fmt, size_k, cfg)
+    elif cfg.mma:
         _launch_mma(x, out, planes, pointers, fmt, size_k, cfg)
     elif num_rows <= MAX_GEMV_ROWS:
         _launch_gemv(x, out, pointers, strides, fmt, num_cols, size_k, cfg)
@@ -251,14 +255,18 @@ def quant_matmul_int8_rows(
     *,
     out: torch.Tensor | None = None,  # [M, N] in the rows' float dtype
 ) -> torch.Tensor:  # [M, N]
-    """``quant_matmul`` of rows that their producer already rounded for the int8 GEMV (where
-    ``takes_int8_rows``): the same launch, less the rounding kernel."""
+    """``quant_matmul`` of rows that their producer already rounded for the int8 kernels
+    (where ``takes_int8_rows``): the same launch, less the rounding kernel."""
     pointers = plane_arguments(fmt, planes)
     num_rows, num_cols = rows.shape[0], pointers[0].shape[0]
     if not takes_int8_rows(fmt, num_rows, size_k, rows.dtype):
-        raise ValueError(f"quant_matmul: {num_rows} rows of {fmt.name} take no int8 GEMV")
+        raise ValueError(f"quant_matmul: {num_rows} rows of {fmt.name} take no int8 kernel")
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=rows.dtype, device=rows.device)
+    if takes_int8_mma(fmt, num_rows):
+        cfg = default_int8_mma_config(num_rows, num_cols, size_k)
+        _launch_int8_mma(rows, out, pointers, fmt, size_k, cfg)
+        return out
     cfg = default_int8_gemv_config(num_rows, num_cols, size_k, fmt)
     target = split_k_target(out, cfg.split_k)
     _launch_int8_gemv(rows, target, pointers, fmt, size_k, cfg)
@@ -268,11 +276,14 @@ def quant_matmul_int8_rows(
 
 
 def takes_int8_rows(fmt: QuantFormat, num_rows: int, size_k: int, dtype: torch.dtype) -> bool:
-    """Whether ``quant_matmul`` by default multiplies ``num_rows`` rows of ``dtype`` by the
-    int8-activation GEMV, so that the kernel producing them may round them (``Int8Rows``)."""
-    return (
-        size_k % QK == 0 and not takes_mma(fmt, num_rows, dtype) and takes_int8_gemv(fmt, num_rows)
-    )
+    """Whether ``quant_matmul`` by default multiplies ``num_rows`` rows of ``dtype`` by a
+    kernel on int8-rounded activations (the int8 GEMV, the int8 tensor cores), so that the
+    kernel producing them may round them (``Int8Rows``)."""
+    if size_k % QK:
+        return False
+    if takes_int8_mma(fmt, num_rows):
+        return True
+    return not takes_mma(fmt, num_rows, dtype) and takes_int8_gemv(fmt, num_rows)
 
 
 def uses_scaled_mm(x: torch.Tensor, fmt: QuantFormat, num_cols: int, size_k: int) -> bool:
@@ -334,6 +345,21 @@ def _launch_int8_gemv(
     )  # fmt: skip
 
 
+def _launch_int8_mma(
+    x: torch.Tensor | Int8Rows,
+    out: torch.Tensor,
+    pointers: list[torch.Tensor],
+    fmt: QuantFormat,
+    size_k: int,
+    cfg: QuantMatmulConfig,
+) -> None:
+    quant_mma_int8(
+        x, out, fmt, pointers[:3], size_k, block_m=cfg.block_m, block_n=cfg.block_n,
+        blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
 def _launch_mma(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -377,8 +403,11 @@ def _launch_elementwise_gemv(
 def default_config(
     num_rows: int, num_cols: int, size_k: int, fmt: QuantFormat, dtype: torch.dtype
 ) -> QuantMatmulConfig:
-    """The launch shape ``quant_matmul`` takes when given none: the tensor-core kernel from
-    ``MMA_ROWS``, else the GEMV up to ``MAX_GEMV_ROWS`` rows, else the GEMM."""
+    """The launch shape ``quant_matmul`` takes when given none: the int8 tensor-core kernel in
+    ``INT8_MMA_ROWS``, the tensor-core kernel in ``MMA_ROWS``, the int8 GEMV in
+    ``INT8_X_ROWS``, else the GEMV up to ``MAX_GEMV_ROWS`` rows, else the GEMM."""
+    if takes_int8_mma(fmt, num_rows) and size_k % QK == 0:
+        return default_int8_mma_config(num_rows, num_cols, size_k)
     if takes_mma(fmt, num_rows, dtype):
         return default_mma_config(num_rows, num_cols, size_k, fmt)
     if takes_int8_gemv(fmt, num_rows):
@@ -440,6 +469,35 @@ def default_mma_config(
         split_k //= 2
     return QuantMatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                              num_warps=warps, num_stages=stages, mma=True)  # fmt: skip
+
+
+# Rows [low, high) that take the int8 tensor-core kernel (kernels/quant_mma_int8_triton.py).
+# H100, llama3-8b's layer linears, its one launch shape (quant-kernels-int8-mma-sweep-llama3-
+# 8b-h100.json), a layer's four linears in q8_0 against the float tensor-core kernel: 8 rows
+# 142 us against 197 (bf16 cuBLAS 165), 16 rows 164 against 209 (cuBLAS 166), 32 rows 222
+# against 278; 64 rows 305 against 314, 128 rows 428 against 416 (kept on the float kernel).
+# 4-bit weights lose at every row count (q4_0 at 8 rows 191 against 140: their nibbles are
+# unpacked and interleaved in registers, where the float kernel's conversion is cheaper).
+INT8_MMA_ROWS = {"q8_0": (8, 33)}
+
+
+def takes_int8_mma(fmt: QuantFormat, num_rows: int) -> bool:
+    """Whether ``num_rows`` rows of ``fmt`` take the int8 tensor-core kernel by default."""
+    bounds = INT8_MMA_ROWS.get(fmt.name)
+    return bounds is not None and bounds[0] <= num_rows < bounds[1]
+
+
+@functools.lru_cache(maxsize=256)
+def default_int8_mma_config(num_rows: int, num_cols: int, size_k: int) -> QuantMatmulConfig:
+    """The int8 tensor-core kernel's shape from the H100 sweep: 64-column tiles of 4 warps, K
+    steps of four blocks split four ways (every split two K steps or more), three stages.
+    The best of six shapes at 8-32 rows but for gate_up at 8 rows (no split: 69 us, 71 here)
+    and at 32 (two-block steps: 98 us, 113 here)."""
+    block_k, split_k = 4 * QK, 4
+    while split_k > 1 and size_k < split_k * block_k * 2:
+        split_k //= 2
+    return QuantMatmulConfig(block_m=mma_block_m(num_rows), block_n=64, block_k=block_k,
+                             split_k=split_k, num_warps=4, num_stages=3, int8_mma=True)  # fmt: skip
 
 
 def _fp8_mma_config(block_m: int, num_cols: int) -> QuantMatmulConfig:

@@ -36,6 +36,7 @@ def test_each_row_count_gets_its_kernels_launch_shapes_and_the_dequant_path(
     shape = quant_kernels.Shape(FORMATS[name], 48, 256)
     assert len(shape.planes) == quant_kernels.MAX_COPIES  # tiny: the copies' cap
     monkeypatch.setattr(quant_kernels, "INT8_GEMV_GRID", [QuantMatmulConfig(int8_x=True)])
+    monkeypatch.setattr(quant_kernels, "INT8_MMA_GRID", [(32, 64, 1, 4, 3)])
     decode = quant_kernels.measure(shape, 2, copy_bytes_per_s=1e9)
     # q4_0 at two rows: the int8-activation GEMV by default, and its grid beside the float one
     default = {"q4_0": "m64n1k256s1w1i", "q4_k": "m64n8k256s1w4b"}[name]
@@ -44,8 +45,11 @@ def test_each_row_count_gets_its_kernels_launch_shapes_and_the_dequant_path(
     assert "dequant_cublas_us" not in decode["summary"]
     prefill = quant_kernels.measure(shape, 20, copy_bytes_per_s=1e9)
     summary = prefill["summary"]
+    # and for q4_0 the int8 tensor-core kernel's grid (its row tile holds the 20 rows)
+    int8_mma = {"q4_0": {"m32n32k64s1w4p3q"}, "q4_k": set()}[name]
     assert set(prefill["timings_us"]) == {
-        "cublas_bf16", "m32n32k64s1w4b", "m16n32k64s1w4b", "dequant_cublas", "dequant_only"
+        "cublas_bf16", "m32n32k64s1w4b", "m16n32k64s1w4b", "dequant_cublas", "dequant_only",
+        *int8_mma,
     }  # fmt: skip
     timings = prefill["timings_us"]  # the counter: the order of the timings
     assert summary["best"] == "m32n32k64s1w4b"  # the default, timed first of the configs

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kernels.quant_gemv_int8_triton as int8_gemv
+import kernels.quant_mma_int8_triton as int8_mma
 from engine.attention.backend import LayerOps, TritonAttentionBackend
 from engine.distributed.group import TensorParallelGroup
 from engine.loader.dummy import dummy_hf_config
@@ -120,13 +121,14 @@ def test_rounded_rows_multiply_as_float_rows(name: str) -> None:
         quant_gemv_int8(rows, out, fmt, pointers, 128, block_n=1, blocks=4, split_k=1)
 
 
-def test_rows_that_take_no_int8_gemv_are_refused() -> None:
+def test_rows_that_take_no_int8_kernel_are_refused() -> None:
     fmt = FORMATS["q4_0"]
     planes = {k: v.to(DEVICE) for k, v in random_planes(fmt, 8, 64, seed=1).items()}
     rows = round_rows_int8(torch.randn(6, 64, device=DEVICE))
     assert not takes_int8_rows(fmt, 6, 64, torch.bfloat16)  # tensor cores from 5 rows
     assert not takes_int8_rows(FORMATS["q8_0"], 1, 64, torch.bfloat16)  # the float GEMV
-    with pytest.raises(ValueError, match="take no int8 GEMV"):
+    assert not takes_int8_rows(FORMATS["q8_0"], 33, 64, torch.bfloat16)  # float tensor cores
+    with pytest.raises(ValueError, match="take no int8 kernel"):
         quant_matmul_int8_rows(rows, fmt, planes, 64)
 
 
@@ -179,6 +181,7 @@ def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         return original_round(x)
 
     monkeypatch.setattr(int8_gemv, "round_rows_int8", counting_round)
+    monkeypatch.setattr(int8_mma, "round_rows_int8", counting_round)
     yield rounded
 
 
@@ -192,8 +195,11 @@ def run_layer(
     return [q, k, v, out, residual]
 
 
-# first: layer 0, whose input norm has no residual to add (~15 s each in the interpreter)
-@pytest.mark.parametrize(("name", "num_rows", "first"), [("q4_0", 1, False), ("q8_0", 2, True)])
+# first: layer 0, whose input norm has no residual to add (~15 s each in the interpreter);
+# q8_0 at 8 rows: the int8 tensor cores
+@pytest.mark.parametrize(
+    ("name", "num_rows", "first"), [("q4_0", 1, False), ("q8_0", 2, True), ("q8_0", 8, False)]
+)
 def test_a_decoder_layer_rounds_in_its_norms_and_activation(
     kernels_on_cpu: list[int], name: str, num_rows: int, first: bool
 ) -> None:

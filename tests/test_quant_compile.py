@@ -31,6 +31,7 @@ from kernels.quant_gemv_int8_triton import _quant_gemv_int8_kernel, _quantize_x_
 from kernels.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
 from kernels.quant_gemv_triton import _quant_gemv_blocked_kernel
 from kernels.quant_matmul_triton import _quant_gemm_kernel, _quant_gemv_kernel
+from kernels.quant_mma_int8_triton import _quant_mma_int8_kernel
 from kernels.quant_mma_triton import _quant_mma_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -147,6 +148,31 @@ SILU_INT8_ARGUMENTS = {"gate_up_ptr": "*bf16", "out_ptr": "*i8", "xd_ptr": "*fp3
 SILU_INT8 = {"D": 14336, "BLOCK_D": 1024, "ROUND_INT8": True, "DTYPE": tl.bfloat16, "PDL": True}
 
 
+INT8_MMA_ID = "_quant_mma_int8_kernel-q8_0"
+INT8_MMA_ARGUMENTS = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "out_ptr": "*fp32",
+                      "p0": "*fp16", "p1": "*i8", "p2": "*fp16", "s0": "i32", "s1": "i32",
+                      "s2": "i32", "M": "i32", "N": "i32", "K": "i32", "stride_qm": "i32",
+                      "stride_sm": "i32", "stride_om": "i32", "stride_split": "i32"}  # fmt: skip
+# q8_0's default shape at 16 rows
+INT8_MMA = {"FORMAT": 0, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCKS": 4, "SPLIT_K": 4, "PDL": True}
+
+
+def compile_int8_mma() -> dict[str, Any]:
+    """The int8 tensor-core kernel for sm_90: whether its dots run on wgmma in int8."""
+    signature = INT8_MMA_ARGUMENTS | {key: "constexpr" for key in INT8_MMA}
+    divisible = [i for i, arg in enumerate(INT8_MMA_ARGUMENTS) if arg not in ("M", "N")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    compiled = triton.compile(
+        ASTSource(fn=_quant_mma_int8_kernel, signature=signature, constexprs=INT8_MMA,
+                  attrs=attrs),
+        target=HOPPER, options={"num_warps": 4, "num_stages": 3},
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    s8_wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line and ".s8.s8" in line]
+    return {"cubin": bool(compiled.asm["cubin"]), "s8_wgmma": bool(s8_wgmma),
+            "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
+
+
 def compile_int8_producers() -> dict[str, dict[str, Any]]:
     return {
         NORM_INT8_ID: _compile_plain(_rms_norm_kernel, NORM_INT8_ARGUMENTS, NORM_INT8, 16),
@@ -182,7 +208,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     jobs = {case_id(index): functools.partial(compile_case, index) for index in range(len(CASES))}
     jobs |= {FP8_MMA_ID: compile_fp8_mma, INT8_GEMV_ID: compile_int8_gemv,
-             X_QUANT_ID: compile_x_quant}  # fmt: skip
+             X_QUANT_ID: compile_x_quant, INT8_MMA_ID: compile_int8_mma}  # fmt: skip
     for name, job in jobs.items():
         try:
             results[name] = job()
@@ -242,3 +268,10 @@ def test_kernels_that_round_their_output_compile(compiled: dict[str, Any], kerne
     result = compiled[kernel_id]
     assert "error" not in result, result.get("error")
     assert result["cubin"] and result["pdl"]
+
+
+def test_int8_tensor_core_kernel_compiles_to_int8_wgmma(compiled: dict[str, Any]) -> None:
+    result = compiled[INT8_MMA_ID]
+    assert "error" not in result, result.get("error")
+    assert result["cubin"] and result["pdl"]
+    assert result["s8_wgmma"]  # int8 operands on Hopper's warpgroup MMA

@@ -98,7 +98,7 @@ def test_the_int8_gemv_takes_its_rows_by_default() -> None:
     q8_0 = FORMATS["q8_0"]
     assert not default_config(1, 4096, 4096, q8_0, bf16).int8_x  # bound by its bytes
     assert all(default_config(rows, 4096, 4096, q8_0, bf16).int8_x for rows in range(2, 8))
-    assert default_config(8, 4096, 4096, q8_0, bf16).mma
+    assert default_config(8, 4096, 4096, q8_0, bf16).int8_mma  # int8 tensor cores
     assert all(takes_int8_gemv(FORMATS[name], 1) == (name != "q8_0") for name in INT8_X_ROWS)
     narrow, wide = (default_config(1, n, 4096, FORMATS["q4_0"], bf16) for n in (4096, 28672))
     assert (narrow.block_n, narrow.block_k) == (1, 2048)  # few columns: more programs
