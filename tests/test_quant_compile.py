@@ -106,16 +106,24 @@ FP8_MMA = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "SPLIT_K": 1, "DOT_FP32
 
 def compile_fp8_mma() -> dict[str, Any]:
     """The fp8 tensor-core kernel for sm_90: whether its dot multiplies e4m3 on wgmma."""
-    signature = FP8_MMA_ARGUMENTS | {key: "constexpr" for key in FP8_MMA}
-    divisible = [i for i, arg in enumerate(FP8_MMA_ARGUMENTS) if arg not in ("M", "N")]
+    return _compile_tensor_core(_fp8_mma_kernel, FP8_MMA_ARGUMENTS, FP8_MMA, "e4m3")
+
+
+def _compile_tensor_core(
+    kernel: Any, arguments: dict[str, str], constexprs: dict[str, Any], operands: str
+) -> dict[str, Any]:
+    """A tensor-core kernel for sm_90: whether it assembled, and whether its dots run on
+    Hopper's warpgroup MMA with ``operands`` (a PTX type suffix) rather than converted first."""
+    signature = arguments | {key: "constexpr" for key in constexprs}
+    divisible = [i for i, arg in enumerate(arguments) if arg not in ("M", "N")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     compiled = triton.compile(
-        ASTSource(fn=_fp8_mma_kernel, signature=signature, constexprs=FP8_MMA, attrs=attrs),
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
         target=HOPPER, options={"num_warps": 4, "num_stages": 3},
     )  # fmt: skip
     ptx = compiled.asm["ptx"]
-    fp8_wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line and "e4m3" in line]
-    return {"cubin": bool(compiled.asm["cubin"]), "fp8_wgmma": bool(fp8_wgmma),
+    wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line and operands in line]
+    return {"cubin": bool(compiled.asm["cubin"]), "wgmma": bool(wgmma),
             "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
 
 
@@ -159,18 +167,7 @@ INT8_MMA = {"FORMAT": 0, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCKS": 4, "SPLIT_K": 4
 
 def compile_int8_mma() -> dict[str, Any]:
     """The int8 tensor-core kernel for sm_90: whether its dots run on wgmma in int8."""
-    signature = INT8_MMA_ARGUMENTS | {key: "constexpr" for key in INT8_MMA}
-    divisible = [i for i, arg in enumerate(INT8_MMA_ARGUMENTS) if arg not in ("M", "N")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
-    compiled = triton.compile(
-        ASTSource(fn=_quant_mma_int8_kernel, signature=signature, constexprs=INT8_MMA,
-                  attrs=attrs),
-        target=HOPPER, options={"num_warps": 4, "num_stages": 3},
-    )  # fmt: skip
-    ptx = compiled.asm["ptx"]
-    s8_wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line and ".s8.s8" in line]
-    return {"cubin": bool(compiled.asm["cubin"]), "s8_wgmma": bool(s8_wgmma),
-            "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
+    return _compile_tensor_core(_quant_mma_int8_kernel, INT8_MMA_ARGUMENTS, INT8_MMA, ".s8.s8")
 
 
 def compile_int8_producers() -> dict[str, dict[str, Any]]:
@@ -249,7 +246,7 @@ def test_fp8_tensor_core_kernel_compiles_to_fp8_wgmma(compiled: dict[str, Any]) 
     result = compiled[FP8_MMA_ID]
     assert "error" not in result, result.get("error")
     assert result["cubin"] and result["pdl"]
-    assert result["fp8_wgmma"]  # e4m3 operands on Hopper's warpgroup MMA, not upcast first
+    assert result["wgmma"]  # e4m3 operands on Hopper's warpgroup MMA, not upcast first
 
 
 def test_int8_activation_gemv_compiles_to_dp4a(compiled: dict[str, Any]) -> None:
@@ -274,4 +271,4 @@ def test_int8_tensor_core_kernel_compiles_to_int8_wgmma(compiled: dict[str, Any]
     result = compiled[INT8_MMA_ID]
     assert "error" not in result, result.get("error")
     assert result["cubin"] and result["pdl"]
-    assert result["s8_wgmma"]  # int8 operands on Hopper's warpgroup MMA
+    assert result["wgmma"]  # int8 operands on Hopper's warpgroup MMA

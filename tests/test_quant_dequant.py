@@ -84,12 +84,13 @@ def test_quantized_linear_above_the_threshold_equals_the_triton_gemm(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     layer = quantized_linear(name, bias=name == "q8_0")
-    x = torch.randn(12, 256, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    below = layer.kernel_forward(x)  # 12 rows > 8: the Triton GEMM
+    # 40 rows: the Triton GEMM (past the GEMVs' 8 rows and q8_0's int8 tensor cores' 32)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    below = layer.kernel_forward(x)
     assert not layer.takes_dequant_gemm(x)
     monkeypatch.setattr(linear_module, "DEQUANT_GEMM_MIN_ROWS", 10)
     assert layer.takes_dequant_gemm(x)
-    out = torch.empty(12, 24, device=DEVICE)
+    out = torch.empty(40, 24, device=DEVICE)
     above = layer.kernel_forward(x, out=out)
     assert above.data_ptr() == out.data_ptr()
     assert layer.scratch.allocated_bytes == 24 * 256 * 4

@@ -324,8 +324,8 @@ def test_default_config_takes_tensor_cores_from_a_few_rows_of_16_bit_activations
     five = default_config(5, 4096, 4096, q4_0, bf16)  # below: the int8-activation GEMV
     assert five.mma and (five.block_m, five.block_n, five.split_k) == (16, 64, 4)
     assert not default_config(4, 4096, 4096, q8_0, bf16).mma
-    eight = default_config(8, 4096, 4096, q8_0, bf16)
-    assert eight.mma
+    assert default_config(8, 4096, 4096, q8_0, bf16).int8_mma  # int8 tensor cores to 32 rows
+    assert default_config(33, 4096, 4096, q8_0, bf16).mma
     assert not default_config(64, 4096, 4096, q4_0, torch.float32).mma  # the GEMM
     assert not default_config(64, 4096, 4096, FORMATS["q4_k"], bf16).mma
     wide = default_config(100, 28672, 4096, q4_0, bf16)  # gate_up: 128 columns, no split
