@@ -111,6 +111,11 @@ quant() {  # quantized weights against bf16: the bundled GGUF's blocks, llama3-8
     log quant llama3-8b
     "${PS[@]}" bench quant --model dummy:llama3-8b --formats q8_0,q4_0,q4_1,fp8 \
         --output-json "$OUT/quant-llama3-8b.json"
+    log the int8 decode paths against what they replaced, engines side by side
+    python -m bench.int8_paths --formats q4_0,q4_1 --off producers --batches 1,2,4 --rounds 6 \
+        --max-seqs 8 --output-json "$OUT/int8-paths-producers-llama3-8b.json"
+    python -m bench.int8_paths --formats q8_0 --off int8-mma --batches 8,16,32 --rounds 4 \
+        --bf16 --pa-memory-mb 6144 --output-json "$OUT/int8-paths-q8_0-mma-llama3-8b.json"
 }
 
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
