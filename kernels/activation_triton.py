@@ -5,7 +5,7 @@
 A program handles ``BLOCK_D`` columns of one row: ``silu(gate) * up``, fp32 math, with the
 reference's rounding points (``silu(gate)`` is rounded to the input dtype before the product).
 ``silu_and_mul_int8`` rounds the product to int8 blocks for a quantized ``down_proj`` that
-takes the int8 GEMV, in the same program (kernels/norm_triton.py says why).
+takes an int8 kernel, in the same program (kernels/norm_triton.py says why).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_int8(gate_up: torch.Tensor) -> Int8Rows:
-    """``silu_and_mul(gate_up)`` rounded for the int8 GEMV (``round_rows_int8`` of it, bit for
+    """``silu_and_mul(gate_up)`` rounded for the int8 kernels (``round_rows_int8`` of it, bit for
     bit) by the activation's own programs. ``gate_up: [T, 2 * D]``, D a multiple of 32."""
     rows = _check(gate_up)
     if gate_up.dim() != 2 or rows.shape[1] % 64:

@@ -128,7 +128,7 @@ def fused_add_rms_norm(
 
 
 def rms_norm_int8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Int8Rows:
-    """``rms_norm(x, weight, eps)`` rounded for the int8 GEMV (``round_rows_int8`` of it, bit
+    """``rms_norm(x, weight, eps)`` rounded for the int8 kernels (``round_rows_int8`` of it, bit
     for bit) by the norm's own program. ``x: [T, N]``, N a multiple of 32."""
     _check_norm_args(x, weight)
     _check_int8_rows(x)
@@ -142,7 +142,7 @@ def rms_norm_int8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Int8Rows
 def fused_add_rms_norm_int8(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[Int8Rows, torch.Tensor]:
-    """``fused_add_rms_norm`` with the normed rows rounded for the int8 GEMV, as
+    """``fused_add_rms_norm`` with the normed rows rounded for the int8 kernels, as
     ``rms_norm_int8``. The sum comes back in a new tensor: ``residual`` is left as it was,
     since the row's programs all read it."""
     _check_norm_args(x, weight)

@@ -59,7 +59,7 @@ def _round_half_away(v):
 def round_blocks_int8(x):
     """``x`` float32 ``[B, 32]`` -> ``(xq, dx, xs)``: each row a 32-element block rounded to
     ``xq = round(x / dx)`` with ``dx = amax / 127`` (halves away from zero), and ``xs = dx *
-    sum xq``. The kernels that produce activations for the int8 GEMV (kernels/norm_triton.py,
+    sum xq``. The norms and SiLU that round their own output (kernels/norm_triton.py,
     kernels/activation_triton.py) call this too, so that their blocks are the rounding
     kernel's bits."""
     amax = tl.max(tl.abs(x), axis=1)
@@ -94,10 +94,11 @@ def _quantize_x_kernel(
 
 @dataclass(frozen=True)
 class Int8Rows:
-    """Activation rows already rounded to int8 in 32-element blocks, ready for the int8 GEMV:
-    what ``quantize_x_int8`` returns, from that kernel or from the kernel that produced the
-    activations (a norm, SiLU), which then skips writing them in float. ``dtype``: the float
-    dtype the rows had, which the GEMV's output takes."""
+    """Activation rows already rounded to int8 in 32-element blocks, ready for the int8
+    kernels (this GEMV, kernels/quant_mma_int8_triton.py): what ``quantize_x_int8`` returns,
+    from that kernel or from the kernel that produced the activations (a norm, SiLU), which
+    then skips writing them in float. ``dtype``: the float dtype the rows had, which the
+    output takes."""
 
     xq: torch.Tensor  # [M, K] int8
     xd: torch.Tensor  # [M, K / 32] float32: each block's scale
@@ -131,7 +132,7 @@ def quantize_x_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def round_rows_int8(x: torch.Tensor) -> Int8Rows:
-    """``x [M, K]`` rounded for the int8 GEMV by a kernel of its own."""
+    """``x [M, K]`` rounded for the int8 kernels by a kernel of its own."""
     num_rows, size_k = x.shape
     rows = Int8Rows.empty(num_rows, size_k, x.dtype, x.device)
     grid = (num_rows, triton.cdiv(size_k // QK, X_BLOCKS))

@@ -248,7 +248,7 @@ def quant_matmul(
 
 
 def quant_matmul_int8_rows(
-    rows: Int8Rows,  # [M, K], M in INT8_X_ROWS' range
+    rows: Int8Rows,  # [M, K], M in INT8_X_ROWS' or INT8_MMA_ROWS' range
     fmt: QuantFormat,
     planes: dict[str, torch.Tensor],
     size_k: int,
@@ -491,8 +491,8 @@ def takes_int8_mma(fmt: QuantFormat, num_rows: int) -> bool:
 def default_int8_mma_config(num_rows: int, num_cols: int, size_k: int) -> QuantMatmulConfig:
     """The int8 tensor-core kernel's shape from the H100 sweep: 64-column tiles of 4 warps, K
     steps of four blocks split four ways (every split two K steps or more), three stages.
-    The best of six shapes at 8-32 rows but for gate_up at 8 rows (no split: 69 us, 71 here)
-    and at 32 (two-block steps: 98 us, 113 here)."""
+    Within 7% of the best of six shapes on every linear at 8-32 rows but gate_up at 32 rows
+    (K steps of two blocks: 98 us, 113 here)."""
     block_k, split_k = 4 * QK, 4
     while split_k > 1 and size_k < split_k * block_k * 2:
         split_k //= 2

@@ -81,7 +81,7 @@ class LayerOps:
     ]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     # The same three with their output rounded to int8 blocks for a quantized linear that
-    # takes the int8 GEMV (``QuantizedLinear.takes_int8_rows``); only the Triton family has them.
+    # takes an int8 kernel (``QuantizedLinear.takes_int8_rows``); only the Triton family has them.
     rms_norm_int8: Callable[[torch.Tensor, torch.Tensor, float], Int8Rows] | None = None
     fused_add_rms_norm_int8: (
         Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[Int8Rows, torch.Tensor]]

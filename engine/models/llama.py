@@ -55,8 +55,8 @@ def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
 def takes_int8_rows(x: torch.Tensor, linear: nn.Module) -> bool:
     """Whether the kernel producing ``linear``'s input ``x`` should round it to int8 blocks
     itself (where its kernel family has an int8 variant): a quantized linear that multiplies
-    these rows by the int8 GEMV, which would otherwise launch a rounding kernel of its own
-    (q4_0/q4_1 at 1-4 rows, q8_0 at 2-7)."""
+    these rows by an int8 kernel, which would otherwise launch a rounding kernel of its own
+    (the int8 GEMV: q4_0/q4_1 at 1-4 rows, q8_0 at 2-7; int8 tensor cores: q8_0 at 8-32)."""
     return isinstance(linear, QuantizedLinear) and linear.takes_int8_rows(x)
 
 
@@ -184,7 +184,7 @@ class MLP(nn.Module):
             weight = self.down_proj.weight
             down = gemv(gate_up, weight, silu_mul=True, config=LAYER_GEMV_CONFIG)
         elif rounding is not None and takes_int8_rows(gate_up, self.down_proj):
-            down = self.down_proj(rounding(gate_up))  # the activation rounds for the int8 GEMV
+            down = self.down_proj(rounding(gate_up))  # the activation rounds for the int8 kernel
         else:
             down = self.down_proj(self.ops.silu_and_mul(gate_up))
         return self.group.all_reduce(down)

@@ -111,8 +111,9 @@ class QuantizedLinear(nn.Module):
         return y if out is None else out.copy_(y)
 
     def takes_int8_rows(self, x: torch.Tensor) -> bool:
-        """Whether ``forward(x)`` would round ``x`` to int8 for the int8 GEMV: then the kernel
-        that produces ``x`` may hand it over rounded (an ``Int8Rows``), saving a launch."""
+        """Whether ``forward(x)`` would round ``x`` to int8 for an int8 kernel (GEMV or tensor
+        cores): then the kernel that produces ``x`` may hand it over rounded (an ``Int8Rows``),
+        saving a launch."""
         return x.is_cuda and takes_int8_rows(self.fmt, x.shape[0], self.in_features, x.dtype)
 
     def takes_dequant_gemm(self, x: torch.Tensor) -> bool:
