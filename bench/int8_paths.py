@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
+import torch
+
 from bench.kernels import measure_copy_bandwidth
 from bench.latency import LatencyWorkload, run_latency
 from bench.records import machine_info, save
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
-    copy = measure_copy_bandwidth("cuda") if _has_cuda() else None
+    copy = measure_copy_bandwidth("cuda") if torch.cuda.is_available() else None
     record = measure_paths(
         args.model, args.formats.split(","), args.off, batches, args.rounds, bf16=args.bf16,
         output_len=args.output_len, copy_bytes_per_s=copy, max_model_len=1024,
@@ -171,12 +173,6 @@ def main(argv: list[str] | None = None) -> None:
         print(fmt, {b: round(r, 3) for b, r in ratios.items()}, "same greedy outputs:",
               record["greedy_identical"][fmt], flush=True)  # fmt: skip
     save(record, args.output_json)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

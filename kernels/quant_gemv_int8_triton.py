@@ -95,9 +95,9 @@ def _quantize_x_kernel(
 @dataclass(frozen=True)
 class Int8Rows:
     """Activation rows already rounded to int8 in 32-element blocks, ready for the int8
-    kernels (this GEMV, kernels/quant_mma_int8_triton.py): what ``quantize_x_int8`` returns,
-    from that kernel or from the kernel that produced the activations (a norm, SiLU), which
-    then skips writing them in float. ``dtype``: the float dtype the rows had, which the
+    kernels (this GEMV, kernels/quant_mma_int8_triton.py): from the rounding kernel
+    (``round_rows_int8``) or from the kernel that produced the activations (a norm, SiLU),
+    which then skips writing them in float. ``dtype``: the float dtype the rows had, which the
     output takes."""
 
     xq: torch.Tensor  # [M, K] int8
@@ -124,15 +124,9 @@ class Int8Rows:
         return cls(xq, xd, torch.empty_like(xd), dtype)
 
 
-def quantize_x_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (K a multiple of 32) -> ``xq`` int8 [M, K], ``dx`` and ``xs`` float32
-    [M, K / 32]: each block's scale and ``dx * sum(xq)``."""
-    rows = round_rows_int8(x)
-    return rows.xq, rows.xd, rows.xs
-
-
 def round_rows_int8(x: torch.Tensor) -> Int8Rows:
-    """``x [M, K]`` rounded for the int8 kernels by a kernel of its own."""
+    """``x [M, K]`` (K a multiple of 32) rounded for the int8 kernels by a kernel of its own:
+    ``xq`` int8 [M, K], ``xd`` and ``xs`` float32 [M, K / 32]."""
     num_rows, size_k = x.shape
     rows = Int8Rows.empty(num_rows, size_k, x.dtype, x.device)
     grid = (num_rows, triton.cdiv(size_k // QK, X_BLOCKS))
@@ -144,7 +138,7 @@ def round_rows_int8(x: torch.Tensor) -> Int8Rows:
 
 
 def quantize_x_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch reference of ``quantize_x_int8`` (the same operations in float32)."""
+    """The torch reference of ``round_rows_int8`` (the same operations in float32)."""
     blocks = x.float().view(x.shape[0], -1, QK)
     amax = blocks.abs().amax(dim=-1)
     dx = amax * (1.0 / 127.0)
@@ -152,6 +146,15 @@ def quantize_x_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scaled = blocks * inv[..., None]
     q = torch.where(scaled < 0, -torch.floor(scaled.abs() + 0.5), torch.floor(scaled.abs() + 0.5))
     return q.to(torch.int8).view(x.shape), dx, dx * q.sum(dim=-1)
+
+
+def as_int8_rows(x: torch.Tensor | Int8Rows, size_k: int, caller: str) -> Int8Rows:
+    """What an int8 kernel multiplies: ``x`` itself when its producer rounded it, else ``x``
+    rounded by the rounding kernel; its rows must be the weight's ``size_k`` long."""
+    rows = x if isinstance(x, Int8Rows) else round_rows_int8(x)
+    if rows.shape[1] != size_k:
+        raise ValueError(f"{caller}: rows of {rows.shape[1]} elements, the weight's K={size_k}")
+    return rows
 
 
 @triton.jit
@@ -258,11 +261,7 @@ def quant_gemv_int8(
         raise ValueError(f"quant_gemv_int8: {fmt.name} with K={size_k} has no int8 GEMV")
     if planes[1].stride(0) % 4 or planes[1].storage_offset() % 4:
         raise ValueError("quant_gemv_int8: the quants' rows must start on 4-byte boundaries")
-    rows = x if isinstance(x, Int8Rows) else round_rows_int8(x)
-    if rows.shape[1] != size_k:
-        raise ValueError(
-            f"quant_gemv_int8: rows of {rows.shape[1]} elements, the weight's K={size_k}"
-        )
+    rows = as_int8_rows(x, size_k, "quant_gemv_int8")
     words = planes[1].view(torch.int32)  # [N, K / 4] (q8_0) or [N, K / 8] (4-bit)
     num_cols = planes[0].shape[0]
     grid = (triton.cdiv(num_cols, block_n), split_k)

@@ -263,15 +263,9 @@ def quant_matmul_int8_rows(
         raise ValueError(f"quant_matmul: {num_rows} rows of {fmt.name} take no int8 kernel")
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=rows.dtype, device=rows.device)
-    if takes_int8_mma(fmt, num_rows):
-        cfg = default_int8_mma_config(num_rows, num_cols, size_k)
-        _launch_int8_mma(rows, out, pointers, fmt, size_k, cfg)
-        return out
-    cfg = default_int8_gemv_config(num_rows, num_cols, size_k, fmt)
-    target = split_k_target(out, cfg.split_k)
-    _launch_int8_gemv(rows, target, pointers, fmt, size_k, cfg)
-    if target is not out:
-        out.copy_(target)
+    cfg = default_config(num_rows, num_cols, size_k, fmt, rows.dtype)
+    launch = _launch_int8_mma if cfg.int8_mma else _launch_int8_gemv
+    launch(rows, out, pointers, fmt, size_k, cfg)
     return out
 
 
@@ -310,11 +304,12 @@ def _launch_gemv(
     size_k: int,
     cfg: QuantMatmulConfig,
 ) -> None:
+    if cfg.int8_x and fmt.name in INT8_X_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
+        _launch_int8_gemv(x, out, pointers, fmt, size_k, cfg)
+        return
     target = split_k_target(out, cfg.split_k)
     group_size = KQUANT_FORMATS.get(fmt.name)
-    if cfg.int8_x and fmt.name in INT8_X_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
-        _launch_int8_gemv(x, target, pointers, fmt, size_k, cfg)
-    elif cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
+    if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
         quant_gemv_blocked(
             x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n,
             blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
@@ -333,16 +328,19 @@ def _launch_gemv(
 
 def _launch_int8_gemv(
     x: torch.Tensor | Int8Rows,
-    target: torch.Tensor,
+    out: torch.Tensor,
     pointers: list[torch.Tensor],
     fmt: QuantFormat,
     size_k: int,
     cfg: QuantMatmulConfig,
 ) -> None:
+    target = split_k_target(out, cfg.split_k)
     quant_gemv_int8(
         x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n, blocks=cfg.block_k // QK,
         split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if target is not out:
+        out.copy_(target)
 
 
 def _launch_int8_mma(

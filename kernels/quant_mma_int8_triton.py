@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kernels.pdl import pdl_launch, wait_for_producers
 from kernels.quant import QK, QuantFormat
-from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, round_rows_int8
+from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, as_int8_rows
 from kernels.quant_mma_triton import MIN_BLOCK_M, add_split_k_planes, plane_strides, split_k_planes
 
 
@@ -114,11 +114,7 @@ def quant_mma_int8(
         raise ValueError(f"quant_mma_int8: {fmt.name} with K={size_k} has no int8 tensor-core path")
     if block_m < MIN_BLOCK_M:
         raise ValueError(f"quant_mma_int8: block_m {block_m} < {MIN_BLOCK_M}")
-    rows = x if isinstance(x, Int8Rows) else round_rows_int8(x)
-    if rows.shape[1] != size_k:
-        raise ValueError(
-            f"quant_mma_int8: rows of {rows.shape[1]} elements, the weight's K={size_k}"
-        )
+    rows = as_int8_rows(x, size_k, "quant_mma_int8")
     num_cols, num_rows = planes[0].shape[0], rows.shape[0]
     grid = (triton.cdiv(num_cols, block_n), triton.cdiv(num_rows, block_m), split_k)
     target = split_k_planes(out, split_k)

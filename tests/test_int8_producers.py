@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import kernels.quant_gemv_int8_triton as int8_gemv
-import kernels.quant_mma_int8_triton as int8_mma
 from engine.attention.backend import LayerOps, TritonAttentionBackend
 from engine.distributed.group import TensorParallelGroup
 from engine.loader.dummy import dummy_hf_config
@@ -181,7 +180,6 @@ def kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         return original_round(x)
 
     monkeypatch.setattr(int8_gemv, "round_rows_int8", counting_round)
-    monkeypatch.setattr(int8_mma, "round_rows_int8", counting_round)
     yield rounded
 
 

@@ -18,8 +18,8 @@ from kernels.quant import FORMATS, dequantize
 from kernels.quant_gemv_int8_triton import (
     X_BLOCKS,
     quant_gemv_int8,
-    quantize_x_int8,
     quantize_x_int8_reference,
+    round_rows_int8,
 )
 from kernels.quant_matmul_triton import (
     INT8_X_ROWS,
@@ -46,7 +46,8 @@ def test_rounding_kernel_is_its_reference() -> None:
     x = torch.randn(3, 13 * 32, generator=gen) * 4
     x[1, 32:64] = 0.0
     x[2, 64:96] = torch.linspace(-1, 1, 32)
-    xq, dx, xs = quantize_x_int8(x.to(DEVICE))
+    rows = round_rows_int8(x.to(DEVICE))
+    xq, dx, xs = rows.xq, rows.xd, rows.xs
     rq, rd, rs = quantize_x_int8_reference(x)
     assert torch.equal(dx.cpu(), rd)
     assert (rd[1, 1] == 0) and torch.equal(rq[1, 32:64], torch.zeros(32, dtype=torch.int8))
@@ -139,7 +140,8 @@ def test_int8_gemv_at_llama3_8b_shapes(
     config = default_config(num_rows, num_cols, size_k, fmt, x.dtype)
     assert config.int8_x
     got = quant_matmul(x, fmt, planes, size_k).float()
-    xq, dx, _ = quantize_x_int8(x)  # the kernel's own rounding (an int8 step from torch's)
+    rows = round_rows_int8(x)  # the kernel's own rounding (an int8 step from torch's)
+    xq, dx = rows.xq, rows.xd
     x_used = (xq.float().view(num_rows, -1, 32) * dx[..., None]).view(num_rows, size_k)
     expected = x_used @ dequantize(fmt, planes).T
     # bf16 output: its rounding bounds the difference
