@@ -15,6 +15,7 @@ import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
+from engine.sampler import DeviceSample
 from tests.test_speculative import TIGHT, repetitive_prompts, run
 
 
@@ -68,13 +69,13 @@ def test_after_the_prompt_every_draft_pass_runs_one_token_a_row(
     assert engine.proposer is not None
     runner = engine.proposer.runner  # type: ignore[attr-defined]
     several: list[str] = []
-    sampling_logits = runner.sampling_logits
+    prepare_inputs = runner.prepare_inputs
 
-    def spy(batch: Any) -> Any:
+    def spy(batch: Any, *args: Any) -> Any:
         several.extend(e.seq.request_id for e in batch.scheduled if e.num_new_tokens > 1)
-        return sampling_logits(batch)
+        return prepare_inputs(batch, *args)
 
-    monkeypatch.setattr(runner, "sampling_logits", spy)
+    monkeypatch.setattr(runner, "prepare_inputs", spy)
     for index, prompt in enumerate(repetitive_prompts(3, seed=29)):
         engine.add_request(f"r{index}", prompt_token_ids=prompt, sampling=greedy_params(1)[0])
     while engine.has_unfinished_requests():
@@ -82,6 +83,45 @@ def test_after_the_prompt_every_draft_pass_runs_one_token_a_row(
     stats = engine.stats()
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     assert sorted(several) == ["r0", "r1", "r2"]
+
+
+def test_greedy_draft_passes_are_queued_before_any_pick_is_read(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy drafts feed the next pass from the device: within one step's drafting every
+    pass is launched before the host reads a pick (sampled drafts still wait pass by pass)."""
+    engine = LLMEngine(
+        EngineConfig(model=str(llama), speculative_model=str(llama), num_speculative_tokens=3)
+    )
+    proposer: Any = engine.proposer
+    runner = proposer.runner
+    events: list[str] = []
+    launch, propose, read = runner.launch, proposer.propose, DeviceSample.resolve
+
+    def launch_spy(*args: Any) -> Any:
+        events.append("launch")
+        return launch(*args)
+
+    def read_spy(sample: DeviceSample) -> Any:
+        events.append("read")
+        return read(sample)
+
+    def propose_spy(running: Any) -> None:
+        events.append("|")
+        propose(running)
+
+    monkeypatch.setattr(runner, "launch", launch_spy)
+    monkeypatch.setattr(proposer, "propose", propose_spy)
+    monkeypatch.setattr(DeviceSample, "resolve", read_spy)
+    monkeypatch.setattr(runner, "sampling_logits", None)  # the waiting path is not taken
+    for index, prompt in enumerate(repetitive_prompts(2, seed=31)):
+        engine.add_request(f"r{index}", prompt_token_ids=prompt, sampling=greedy_params(1)[0])
+    while engine.has_unfinished_requests():
+        engine.step()
+    rounds = [r.split() for r in " ".join(events).split("|") if r.strip()]
+    assert rounds and all(r == sorted(r) for r in rounds)  # "launch"es, then "read"s
+    assert max(r.count("launch") for r in rounds) >= 4  # the last token's pass and 3 drafts
+    assert engine.stats().num_accepted_tokens == engine.stats().num_draft_tokens > 0
 
 
 def test_sampled_drafts_are_verified_against_their_own_distribution(llama: Path) -> None:
