@@ -40,6 +40,17 @@ speculative() {  # with and without drafts, on the same greedy requests, at batc
     log speculative llama3-8b: random weights copy nothing, so this is the cost of failed drafts
     "${PS[@]}" bench speculative --model dummy:llama3-8b --batch-sizes 1,8 --max-model-len 4096 \
         --no-progress --output-json "$OUT/speculative-ngram-llama3-8b-random.json"
+    log speculative draft model: the bundled model as its own draft, its overhead
+    "${PS[@]}" bench speculative --model smollm2-135m --quantization none --max-model-len 4096 \
+        --speculative-model smollm2-135m --batch-sizes 1,8 --no-progress \
+        --output-json "$OUT/speculative-draft-smollm2-135m.json"
+    log speculative draft model: an 8B-sized target grown around the bundled model
+    local grown=${GROWN_DIR:-/tmp/spec-pair-grown}
+    python -m bench.spec_pair smollm2-135m "$grown" --noise 0.6
+    "${PS[@]}" bench speculative --model "$grown" --speculative-model smollm2-135m \
+        --max-model-len 4096 --batch-sizes 1,8 --no-progress \
+        --output-json "$OUT/speculative-draft-grown-llama3-8b-size.json"
+    rm -rf "$grown"
 }
 
 peers() {  # transformers in the same process: minutes each
