@@ -124,6 +124,23 @@ def test_greedy_draft_passes_are_queued_before_any_pick_is_read(
     assert engine.stats().num_accepted_tokens == engine.stats().num_draft_tokens > 0
 
 
+def test_greedy_requests_with_penalties_or_min_tokens_draft_pass_by_pass(llama: Path) -> None:
+    """Penalties read the drafts drawn so far, and ``min_tokens`` suppresses EOS: such rows
+    are not queued (their earlier drafts would still be placeholders on the host)."""
+    prompts = repetitive_prompts(3, seed=33)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=30),
+    ]
+    plain, _ = run(llama, prompts, params, **TIGHT)
+    spec, engine = run(
+        llama, prompts, params, speculative_model=str(llama), num_speculative_tokens=3, **TIGHT
+    )
+    assert spec == plain
+    assert engine.stats().num_accepted_tokens == engine.stats().num_draft_tokens > 0
+
+
 def test_sampled_drafts_are_verified_against_their_own_distribution(llama: Path) -> None:
     """p == q: min(1, p/q) accepts every draft; a verifier that took the draft for a point
     mass would accept it only with probability p(d)."""
