@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from bench.records import machine_info, speculative_counts
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.inputs import PromptEncoder
 from engine.llm_engine import LLMEngine
 from engine.memory import release_device_memory
 from engine.sampling_params import SamplingParams
@@ -78,8 +79,14 @@ class SpeculativeWorkload:
 
 def make_prompts(engine: LLMEngine, batch: int, seed: int) -> tuple[list[list[int]], str]:
     """``batch`` prompts (passages taken in turn) and what kind they are, for the record."""
-    encoder = engine.prompt_encoder
-    if engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None):
+    return copy_prompts(engine.prompt_encoder, engine.loaded.arch.vocab_size, batch, seed)
+
+
+def copy_prompts(
+    encoder: PromptEncoder, vocab_size: int, batch: int, seed: int
+) -> tuple[list[list[int]], str]:
+    """``make_prompts`` from a model's prompt encoder alone (what a peer engine runs)."""
+    if encoder.tokenizer is not None and getattr(encoder.tokenizer, "chat_template", None):
         texts = [
             " ".join(PASSAGES[(i + j) % len(PASSAGES)] for j in range(PASSAGES_PER_PROMPT))
             for i in range(batch)
@@ -90,7 +97,7 @@ def make_prompts(engine: LLMEngine, batch: int, seed: int) -> tuple[list[list[in
         ]
         return prompts, f"chat: repeat {PASSAGES_PER_PROMPT} paragraphs word for word"
     rng = np.random.default_rng(seed + batch)
-    runs = rng.integers(0, engine.loaded.arch.vocab_size, (batch, RUN_TOKENS)).tolist()
+    runs = rng.integers(0, vocab_size, (batch, RUN_TOKENS)).tolist()
     return [run * RUN_REPEATS for run in runs], f"token ids: a random run repeated {RUN_REPEATS}x"
 
 
@@ -213,5 +220,19 @@ def format_results(results: list[dict[str, Any]]) -> str:
             f"{r['speedup_tok_s']:6.2f}x  {tpot:>18}  "
             f"{'n/a' if rate is None else f'{rate:.0%}':>8}  "
             f"{r['num_identical_outputs']}/{r['num_requests']}"
+        )
+    return "\n".join(lines)
+
+
+def format_vllm_results(results: list[dict[str, Any]]) -> str:
+    """vLLM's two runs beside the engine's (``--compare vllm``)."""
+    lines = ["batch  vLLM plain tok/s  vLLM spec tok/s  its speedup  accepted  ours/theirs"]
+    for r in results:
+        vllm = r["vllm"]
+        rate = vllm["acceptance_rate"]
+        lines.append(
+            f"{r['batch']:5d}  {vllm['plain']['output_tok_s']:16.1f}  "
+            f"{vllm['speculative']['output_tok_s']:15.1f}  {vllm['speedup_tok_s']:10.2f}x  "
+            f"{'n/a' if rate is None else f'{rate:.0%}':>8}  {vllm['ratio']:10.2f}x"
         )
     return "\n".join(lines)

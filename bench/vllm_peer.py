@@ -10,6 +10,13 @@ generation with EOS ignored, so both engines make the same number of tokens.
     python -m bench.vllm_peer throughput --model dummy:qwen3-0.6b --num-prompts 256,1024 \\
         --input-len 100-1024 --output-len 100-1024 --max-seqs 256 --out vllm.json
     python -m bench.vllm_peer latency --model dummy:llama3-8b --batch-sizes 1,64 --out v.json
+    python -m bench.vllm_peer speculative --model DIR --speculative-method draft_model \
+        --speculative-model DRAFT_DIR --batch-sizes 1,8 --out v.json
+
+``speculative`` runs ``bench speculative``'s copy prompts (the same token ids, from the
+model's own tokenizer and chat template), greedy, stopping at EOS, once per process: the
+parent starts it twice, without and with vLLM's own speculation (``ngram`` prompt lookup or
+``draft_model``), and reads vLLM's acceptance counters.
 
 vLLM's own scheduling settings stay at its defaults (what its users get), except the number
 of running sequences, which follows the engine's ``--max-seqs``; the record says which token
@@ -19,6 +26,7 @@ budget vLLM used. ``PAGESTREAM_VLLM_ARGS`` (JSON) adds or overrides ``vllm.LLM``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -32,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bench.latency import LatencyWorkload
+    from bench.speculative import SpeculativeWorkload
     from bench.workloads import ThroughputWorkload
     from engine.config import EngineConfig
 
@@ -104,6 +113,66 @@ def latency_peer_args(config: EngineConfig, workload: LatencyWorkload) -> list[s
     ]  # fmt: skip
 
 
+def speculative_peer_args(
+    config: EngineConfig, workload: SpeculativeWorkload
+) -> tuple[list[str], list[str]]:
+    """The child's flags for ``bench speculative``'s two runs: without speculation, and with
+    vLLM's counterpart of the engine's (prompt lookup, or the same draft model's directory)."""
+    target = dataclasses.replace(config, model=_hf_dir(config.model, "model"))
+    plain = [
+        *_engine_args(target),
+        "--batch-sizes", ",".join(map(str, workload.batch_sizes)),
+        "--speculative-output-len", str(workload.output_len),
+        "--seed", str(workload.seed),
+    ]  # fmt: skip
+    spec = [*plain, "--num-speculative-tokens", str(config.speculative_tokens())]
+    if config.speculative_method() == "model":
+        assert config.speculative_model is not None
+        spec += ["--speculative-method", "draft_model",
+                 "--speculative-model", _hf_dir(config.speculative_model, "draft model")]  # fmt: skip
+    else:
+        spec += ["--speculative-method", "ngram",
+                 "--ngram-min", str(config.speculative_ngram_min),
+                 "--ngram-max", str(config.speculative_ngram_max)]  # fmt: skip
+    return plain, spec
+
+
+def _hf_dir(name: str, what: str) -> str:
+    """The Hugging Face directory the engine reads for ``name`` (a GGUF, the bundled model
+    included, is the directory it is converted into), which vLLM loads too. A speculative
+    run needs the tokenizer's chat template, so not a ``dummy:`` shape."""
+    if name.startswith("dummy:"):
+        raise PeerError(
+            f"bench speculative --compare vllm needs a {what} with weights and a tokenizer, "
+            f"not {name}"
+        )
+    from engine.loader import resolve_model_dir
+
+    return str(resolve_model_dir(name).resolve())
+
+
+def add_vllm_speculative(
+    record: dict[str, Any], plain: dict[str, Any], spec: dict[str, Any]
+) -> None:
+    """vLLM's two runs beside the engine's at each batch size; ``ratio`` is the engine's
+    tok/s with speculation over vLLM's with its own (above 1: the engine is faster),
+    ``plain_ratio`` the same without."""
+    without = {row["batch"]: row for row in plain["results"]}
+    for row in record["results"]:
+        theirs = next(r for r in spec["results"] if r["batch"] == row["batch"])
+        base = without[row["batch"]]
+        ours_spec, ours_plain = row["speculative"]["output_tok_s"], row["plain"]["output_tok_s"]
+        row["vllm"] = {
+            "plain": base,
+            "speculative": theirs,
+            "speedup_tok_s": theirs["output_tok_s"] / base["output_tok_s"],
+            "acceptance_rate": theirs.get("acceptance_rate"),
+            "ratio": ours_spec / theirs["output_tok_s"],
+            "plain_ratio": ours_plain / base["output_tok_s"],
+        }
+    record["vllm"] = {k: v for k, v in spec.items() if k != "results"}
+
+
 def _engine_args(config: EngineConfig) -> list[str]:
     if config.model.startswith("dummy:"):
         model = config.model
@@ -143,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     llm, vocab_size, model_info = _load_vllm(args)
     if args.kind == "throughput":
         results = [_throughput(llm, vocab_size, args, n) for n in args.num_prompts]
+    elif args.kind == "speculative":
+        results = [_speculative(llm, vocab_size, args, batch) for batch in args.batch_sizes]
     else:
         results = [_latency(llm, vocab_size, args, batch) for batch in args.batch_sizes]
     record = {"peer": "vllm", "kind": args.kind, **model_info, "results": results}
@@ -152,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm_peer", description=__doc__)
-    parser.add_argument("kind", choices=["throughput", "latency"])
+    parser.add_argument("kind", choices=["throughput", "latency", "speculative"])
     parser.add_argument("--model", required=True, help="dummy:<shape> or an HF directory")
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-seqs", type=int, default=256)
@@ -166,6 +237,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", type=_ints, default=(1, 8, 32, 64))
     parser.add_argument("--latency-input-len", type=int, default=128)
     parser.add_argument("--latency-output-len", type=int, default=128)
+    parser.add_argument("--speculative-output-len", type=int, default=256)
+    parser.add_argument("--speculative-method", choices=["ngram", "draft_model"])
+    parser.add_argument("--speculative-model", help="the draft model's HF directory")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-max", type=int, default=4)
     return parser
 
 
@@ -186,10 +263,12 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
     import torch
     import vllm
 
+    speculative = args.kind == "speculative"
     settings: dict[str, Any] = {
         "model": model_dir,
         "load_format": load_format,
-        "skip_tokenizer_init": True,
+        # the copy prompts come from the tokenizer's chat template, and requests end at EOS
+        "skip_tokenizer_init": not speculative,
         "dtype": "bfloat16",
         "max_num_seqs": args.max_seqs,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -198,6 +277,7 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
         "quantization": args.quantization,
         # latency repeats the same prompts: cached prefixes would skip the prefill it times
         "enable_prefix_caching": args.kind != "latency",
+        **_speculative_settings(args),
         **json.loads(os.environ.get(VLLM_ARGS_ENV, "{}")),
     }
     llm = vllm.LLM(**settings)
@@ -210,6 +290,24 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
         **_scheduler_settings(llm),
     }
     return llm, vocab_size, info
+
+
+def _speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``vllm.LLM`` arguments of a speculative run: the method, and statistics on (vLLM
+    counts drafts only then)."""
+    if args.kind != "speculative":
+        return {}
+    if args.speculative_method is None:
+        return {"disable_log_stats": False}
+    config: dict[str, Any] = {
+        "method": args.speculative_method,
+        "num_speculative_tokens": args.num_speculative_tokens,
+    }
+    if args.speculative_method == "draft_model":
+        config["model"] = args.speculative_model
+    else:
+        config.update(prompt_lookup_min=args.ngram_min, prompt_lookup_max=args.ngram_max)
+    return {"disable_log_stats": False, "speculative_config": config}
 
 
 def _scheduler_settings(llm: Any) -> dict[str, Any]:
@@ -289,6 +387,60 @@ def _throughput(llm: Any, vocab_size: int, args: argparse.Namespace, num: int) -
     }
     print(f"vllm throughput {num} prompts: {result['output_tok_s']:.0f} out tok/s", flush=True)
     return result
+
+
+def _speculative(llm: Any, vocab_size: int, args: argparse.Namespace, batch: int) -> dict[str, Any]:
+    """``bench speculative``'s run at one batch size: the same prompt ids, warmed up on the
+    prompts reversed (no prefix-cache hits), greedy, ``--speculative-output-len`` tokens at
+    most; the drafts vLLM made and kept in that run."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from bench.speculative import WARMUP_OUTPUT_LEN, copy_prompts
+    from engine.inputs import PromptEncoder
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    encoder = PromptEncoder(args.model, tokenizer, vocab_size, args.max_model_len or 1 << 30)
+    prompts, _ = copy_prompts(encoder, vocab_size, batch, args.seed)
+
+    def generate(token_ids: list[list[int]], num_tokens: int) -> list[Any]:
+        greedy = SamplingParams(temperature=0, max_tokens=num_tokens, detokenize=False)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in token_ids]
+        return list(llm.generate(inputs, greedy, use_tqdm=False))
+
+    generate([p[::-1] for p in prompts], WARMUP_OUTPUT_LEN)
+    before = _draft_counts(llm)
+    start_s = time.perf_counter()
+    outs = generate(prompts, args.speculative_output_len)
+    elapsed_s = time.perf_counter() - start_s
+    after = _draft_counts(llm)
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    result: dict[str, Any] = {
+        "batch": batch,
+        "elapsed_s": elapsed_s,
+        "output_tokens": num_out,
+        "output_tok_s": num_out / elapsed_s,
+    }
+    if before is not None and after is not None and after[0] > before[0]:
+        drafted, accepted = after[0] - before[0], after[1] - before[1]
+        result.update(num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                      acceptance_rate=accepted / drafted)  # fmt: skip
+    print(f"vllm speculative batch {batch}: {result['output_tok_s']:.1f} out tok/s", flush=True)
+    return result
+
+
+def _draft_counts(llm: Any) -> tuple[int, int] | None:
+    """vLLM's (draft tokens, accepted tokens) so far; None without speculation or metrics."""
+    try:
+        values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    except Exception:  # statistics off, or another metrics API
+        return None
+    drafted = values.get("vllm:spec_decode_num_draft_tokens")
+    accepted = values.get("vllm:spec_decode_num_accepted_tokens")
+    if drafted is None or accepted is None:
+        return None
+    return int(drafted), int(accepted)
 
 
 def _latency(llm: Any, vocab_size: int, args: argparse.Namespace, batch: int) -> dict[str, Any]:

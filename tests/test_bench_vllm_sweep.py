@@ -5,12 +5,21 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.latency import LatencyWorkload
+from bench.speculative import SpeculativeWorkload
 from bench.sweep import hold_ratios
-from bench.vllm_peer import INSTALL_HINT, PeerError, latency_peer_args, throughput_peer_args
+from bench.vllm_peer import (
+    INSTALL_HINT,
+    PeerError,
+    add_vllm_speculative,
+    latency_peer_args,
+    speculative_peer_args,
+    throughput_peer_args,
+)
 from bench.workloads import ThroughputWorkload
 from engine.config import EngineConfig
 from tests.test_cli import BENCH_ARGS, SMALL_POOL, run_cli
@@ -19,7 +28,7 @@ NO_VLLM = importlib.util.find_spec("vllm") is None
 
 
 @pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here")
-@pytest.mark.parametrize("verb", ["throughput", "latency"])
+@pytest.mark.parametrize("verb", ["throughput", "latency", "speculative"])
 def test_compare_vllm_without_vllm_is_one_clear_error(
     verb: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -88,3 +97,43 @@ def test_the_peer_gets_the_engines_workload_and_limits(tmp_path: Path) -> None:
         "--batch-sizes", "1,8", "--latency-input-len", "128", "--latency-output-len", "64",
         "--seed", "0",
     ]  # fmt: skip
+
+
+def test_the_speculative_peer_runs_the_same_model_and_draft_directories(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    target, draft = tiny_model_dirs["llama"], tiny_model_dirs["mistral"]
+    workload = SpeculativeWorkload((1, 8), output_len=64, seed=2)
+    config = EngineConfig(model=str(target), speculative_model=str(draft), max_seqs=8,
+                          num_speculative_tokens=3)  # fmt: skip
+    plain, spec = speculative_peer_args(config, workload)
+    assert plain == [
+        "--model", str(target.resolve()), "--max-seqs", "8", "--batch-sizes", "1,8",
+        "--speculative-output-len", "64", "--seed", "2",
+    ]  # fmt: skip
+    assert spec == [
+        *plain, "--num-speculative-tokens", "3", "--speculative-method", "draft_model",
+        "--speculative-model", str(draft.resolve()),
+    ]  # fmt: skip
+    lookup = EngineConfig(model=str(target), speculative="ngram", speculative_ngram_max=3)
+    assert speculative_peer_args(lookup, workload)[1][-8:] == [
+        "--num-speculative-tokens", "4", "--speculative-method", "ngram",
+        "--ngram-min", "1", "--ngram-max", "3",
+    ]  # fmt: skip
+    for model, draft_name in (("dummy:tiny", str(draft)), (str(target), "dummy:tiny")):
+        with pytest.raises(PeerError, match="weights and a tokenizer, not dummy:tiny"):
+            speculative_peer_args(EngineConfig(model=model, speculative_model=draft_name), workload)
+
+
+def test_vllms_runs_sit_beside_the_engines_with_both_ratios() -> None:
+    def run(tok_s: float) -> dict[str, Any]:
+        return {"output_tok_s": tok_s}
+
+    record = {"results": [{"batch": 1, "plain": run(100.0), "speculative": run(300.0)}]}
+    plain = {"results": [{"batch": 1, **run(80.0)}]}
+    spec = {"vllm": "0.26.0", "results": [{"batch": 1, **run(60.0), "acceptance_rate": 0.8}]}
+    add_vllm_speculative(record, plain, spec)
+    row = record["results"][0]["vllm"]
+    assert row["speedup_tok_s"] == pytest.approx(0.75) and row["acceptance_rate"] == 0.8
+    assert row["ratio"] == pytest.approx(5.0) and row["plain_ratio"] == pytest.approx(1.25)
+    assert record["vllm"] == {"vllm": "0.26.0"}

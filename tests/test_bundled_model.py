@@ -124,3 +124,22 @@ def test_streamed_text_deltas_never_split_a_character(llm: LLM) -> None:
     assert all("\ufffd" not in delta for delta in deltas)
     assert "".join(deltas) == text
     assert "" in deltas[:-1]  # some steps held back an incomplete character
+
+
+def test_a_peer_builds_the_speculative_benchs_prompts_from_the_directory(
+    llm: LLM, model_dir: Path
+) -> None:
+    """``bench speculative --compare vllm``: vLLM's child process, given the converted
+    directory, makes the very prompt ids the engine runs (the copy task in the chat template)."""
+    from transformers import AutoTokenizer
+
+    from bench.speculative import copy_prompts, make_prompts
+    from engine.inputs import PromptEncoder
+
+    vocab_size = llm.engine.loaded.arch.vocab_size
+    encoder = PromptEncoder(
+        str(model_dir), AutoTokenizer.from_pretrained(model_dir), vocab_size, 4096
+    )
+    ours, kind = make_prompts(llm.engine, 3, seed=0)
+    assert kind.startswith("chat:")
+    assert copy_prompts(encoder, vocab_size, 3, seed=0) == (ours, kind)

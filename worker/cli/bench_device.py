@@ -126,11 +126,29 @@ def configure_speculative(parser: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--output-len", type=positive_int, default=256, help="most tokens a request makes"
     )
+    w.add_argument(
+        "--compare",
+        choices=["vllm"],
+        help="vllm: also run vLLM's offline API (subprocesses, before the engine loads) on the "
+        "same prompts, without and with its own prompt lookup or draft model",
+    )
     finish_engine_bench(parser, w, _run_bench_speculative)
 
 
 def _run_bench_speculative(args: argparse.Namespace) -> int:
-    from bench.speculative import SpeculativeWorkload, format_results, run_speculative
+    from bench.speculative import (
+        SpeculativeWorkload,
+        format_results,
+        format_vllm_results,
+        run_speculative,
+    )
+    from bench.vllm_peer import (
+        PeerError,
+        add_vllm_speculative,
+        check_vllm_importable,
+        run_vllm_peer,
+        speculative_peer_args,
+    )
     from engine import PagestreamError
     from engine.config_flags import engine_config_from_args
 
@@ -139,10 +157,22 @@ def _run_bench_speculative(args: argparse.Namespace) -> int:
         # --num-speculative-tokens alone means prompt lookup here
         lookup = args.speculative == "off" and args.speculative_model is None
         config = engine_config_from_args(args, speculative="ngram" if lookup else args.speculative)
+        peers = None
+        if args.compare == "vllm":  # first, on an empty GPU, each run in its own process
+            check_vllm_importable()
+            plain_args, spec_args = speculative_peer_args(config, workload)
+            peers = (
+                run_vllm_peer("speculative", plain_args),
+                run_vllm_peer("speculative", spec_args),
+            )
         record = run_speculative(config, workload, use_tqdm=not args.no_progress)
-    except PagestreamError as exc:
+        if peers is not None:
+            add_vllm_speculative(record, *peers)
+    except (PagestreamError, PeerError) as exc:
         raise CommandError(str(exc)) from exc
     print(format_results(record["results"]))
+    if peers is not None:
+        print(format_vllm_results(record["results"]))
     save(record, args.output_json)
     return 0
 
