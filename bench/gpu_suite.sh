@@ -93,6 +93,14 @@ vllm() {  # vLLM 0.26 in a subprocess, on the same prompts, in the same run
     log latency llama3-8b against vllm
     "${PS[@]}" bench latency --model dummy:llama3-8b --batch-sizes 1,64 --max-model-len 4096 \
         --compare vllm --no-progress --output-json "$OUT/latency-llama3-8b-vs-vllm.json"
+    log speculative draft model against vllm: an 8B-sized target grown around the bundled model
+    local grown=${GROWN_DIR:-/tmp/spec-pair-grown} draft
+    draft=$(python -c "from engine.loader import resolve_model_dir as r; print(r('smollm2-135m'))")
+    python -m bench.spec_pair smollm2-135m "$grown" --noise 0.6
+    "${PS[@]}" bench speculative --model "$grown" --speculative-model "$draft" \
+        --batch-sizes 1,8 --max-model-len 4096 --max-seqs 8 --compare vllm --no-progress \
+        --output-json "$OUT/speculative-draft-grown-vs-vllm.json"
+    rm -rf "$grown"
 }
 
 offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: host tier off/on
