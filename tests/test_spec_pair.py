@@ -12,7 +12,8 @@ import torch
 from bench.spec_pair import GrownShape, grow_target, main
 from engine import SamplingParams
 from engine.errors import ModelLoadError
-from tests.test_speculative import TIGHT, repetitive_prompts, run
+from tests.test_speculative import TIGHT, repetitive_prompts
+from tests.test_speculative_draft_model import drafted_like_plain
 
 SHAPE = GrownShape(heads=8, intermediate=192, layers=3)  # the tiny llama: 4 heads, 128, 2
 
@@ -76,11 +77,7 @@ def test_the_draft_has_every_greedy_draft_accepted_by_its_grown_target(
     """Through the engine (its own model code, pools and verifier), with preemption."""
     prompts = repetitive_prompts(4, seed=41)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 4
-    plain, _ = run(grown, prompts, params, **TIGHT)
-    spec, engine = run(
-        grown, prompts, params, speculative_model=str(llama), num_speculative_tokens=4, **TIGHT
-    )
-    assert spec == plain
+    _, engine = drafted_like_plain(grown, llama, prompts, params, 4, **TIGHT)
     stats = engine.stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
 

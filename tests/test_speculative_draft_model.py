@@ -28,18 +28,32 @@ def greedy_params(num: int) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=36 + i, ignore_eos=True) for i in range(num)]
 
 
+def drafted_like_plain(
+    target: Path,
+    draft: Path,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    num_drafts: int,
+    **settings: Any,
+) -> tuple[list[list[int]], LLMEngine]:
+    """Plain decoding's tokens, after checking that drafting from ``draft`` gives the same;
+    and the drafting engine, for its statistics."""
+    plain, _ = run(target, prompts, params, **settings)
+    spec, engine = run(
+        target, prompts, params, speculative_model=str(draft), num_speculative_tokens=num_drafts,
+        **settings,
+    )  # fmt: skip
+    assert spec == plain
+    return plain, engine
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_a_perturbed_draft_gives_plain_greedy_tokens(
     llama: Path, perturbed_llama: Path, preemption: str
 ) -> None:
     prompts, params = repetitive_prompts(5, seed=21), greedy_params(5)
     settings = dict(TIGHT, preemption=preemption)
-    plain, _ = run(llama, prompts, params, **settings)
-    spec, engine = run(
-        llama, prompts, params, speculative_model=str(perturbed_llama), num_speculative_tokens=3,
-        **settings,
-    )  # fmt: skip
-    assert spec == plain
+    _, engine = drafted_like_plain(llama, perturbed_llama, prompts, params, 3, **settings)
     stats = engine.stats()
     assert stats.num_preemptions > 0
     assert 0.2 < stats.acceptance_rate < 1  # both accepted and rejected drafts ran
@@ -47,11 +61,7 @@ def test_a_perturbed_draft_gives_plain_greedy_tokens(
 
 def test_the_model_as_its_own_draft_has_every_greedy_draft_accepted(llama: Path) -> None:
     prompts, params = repetitive_prompts(4, seed=23), greedy_params(4)
-    plain, _ = run(llama, prompts, params, **TIGHT)
-    spec, engine = run(
-        llama, prompts, params, speculative_model=str(llama), num_speculative_tokens=4, **TIGHT
-    )
-    assert spec == plain
+    plain, engine = drafted_like_plain(llama, llama, prompts, params, 4, **TIGHT)
     stats = engine.stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert stats.num_steps < sum(len(tokens) for tokens in plain) / 2
@@ -133,11 +143,7 @@ def test_greedy_requests_with_penalties_or_min_tokens_draft_pass_by_pass(llama: 
         SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.5, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=30, min_tokens=30),
     ]
-    plain, _ = run(llama, prompts, params, **TIGHT)
-    spec, engine = run(
-        llama, prompts, params, speculative_model=str(llama), num_speculative_tokens=3, **TIGHT
-    )
-    assert spec == plain
+    _, engine = drafted_like_plain(llama, llama, prompts, params, 3, **TIGHT)
     assert engine.stats().num_accepted_tokens == engine.stats().num_draft_tokens > 0
 
 
