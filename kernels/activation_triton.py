@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, round_blocks_int8
+from kernels.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK_D = 1024  # columns per program
@@ -49,13 +49,11 @@ def _silu_and_mul_kernel(
     silu = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
     out = (silu * up).to(DTYPE)
     if ROUND_INT8:  # 3. rounded to int8 blocks (BLOCK_D holds whole ones), as round_rows_int8
-        q, dx, xs = round_blocks_int8(tl.reshape(out.to(tl.float32), (BLOCK_D // 32, 32)))
         blk = tl.program_id(1) * (BLOCK_D // 32) + tl.arange(0, BLOCK_D // 32)
-        mask_b = blk < D // 32
-        q_ptrs = out_ptr + token * stride_ot + tl.reshape(offs_d, (BLOCK_D // 32, 32))
-        tl.store(q_ptrs, q, mask=mask_b[:, None])
-        tl.store(xd_ptr + token * stride_st + blk, dx, mask=mask_b)
-        tl.store(xs_ptr + token * stride_st + blk, xs, mask=mask_b)
+        store_blocks_int8(
+            tl.reshape(out.to(tl.float32), (BLOCK_D // 32, 32)), blk, D // 32,
+            out_ptr + token * stride_ot, xd_ptr + token * stride_st, xs_ptr + token * stride_st,
+        )  # fmt: skip
     else:
         tl.store(out_ptr + token * stride_ot + offs_d, out, mask=mask)
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, round_blocks_int8
+from kernels.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements a program rounds to int8 (8 blocks, as the rounding kernel's programs): a row's
@@ -82,13 +82,11 @@ def _rms_norm_kernel(
         normed = (xc.to(tl.float32) * rstd).to(xc.dtype)
         weight = tl.load(weight_ptr + offs_c, mask=mask_c, other=0.0)
         out = (weight.to(tl.float32) * normed.to(tl.float32)).to(OUT_DTYPE)
-        q, dx, xs = round_blocks_int8(tl.reshape(out.to(tl.float32), (CHUNK // 32, 32)))
         blk = tl.program_id(1) * (CHUNK // 32) + tl.arange(0, CHUNK // 32)
-        mask_b = blk < N // 32
-        q_ptrs = xq_ptr + token * stride_qt + tl.reshape(offs_c, (CHUNK // 32, 32))
-        tl.store(q_ptrs, q, mask=mask_b[:, None])
-        tl.store(xd_ptr + token * stride_st + blk, dx, mask=mask_b)
-        tl.store(xs_ptr + token * stride_st + blk, xs, mask=mask_b)
+        store_blocks_int8(
+            tl.reshape(out.to(tl.float32), (CHUNK // 32, 32)), blk, N // 32,
+            xq_ptr + token * stride_qt, xd_ptr + token * stride_st, xs_ptr + token * stride_st,
+        )  # fmt: skip
     else:  # 3. times the weight, in the output (promoted) dtype
         normed = (x32 * rstd).to(x.dtype)
         weight = tl.load(weight_ptr + offs_n, mask=mask, other=0.0)

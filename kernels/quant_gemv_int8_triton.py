@@ -60,14 +60,27 @@ def round_blocks_int8(x):
     """``x`` float32 ``[B, 32]`` -> ``(xq, dx, xs)``: each row a 32-element block rounded to
     ``xq = round(x / dx)`` with ``dx = amax / 127`` (halves away from zero), and ``xs = dx *
     sum xq``. The norms and SiLU that round their own output (kernels/norm_triton.py,
-    kernels/activation_triton.py) call this too, so that their blocks are the rounding
-    kernel's bits."""
+    kernels/activation_triton.py) call it too, through ``store_blocks_int8``, so that their
+    blocks are the rounding kernel's bits."""
     amax = tl.max(tl.abs(x), axis=1)
     dx = amax * (1.0 / 127.0)  # a product, as torch computes amax / 127.0 on CUDA
     safe = tl.where(amax > 0, amax, 1.0)
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe), 0.0)
     q = _round_half_away(x * inv[:, None])
     return q.to(tl.int8), dx, dx * tl.sum(q, axis=1)
+
+
+@triton.jit
+def store_blocks_int8(x, blk, num_blocks, xq_row, xd_row, xs_row):
+    """Round ``x`` (float32 ``[B, 32]``: blocks ``blk`` of one row) with ``round_blocks_int8``
+    and store the quants, scales and sums at that row's pointers; blocks from ``num_blocks``
+    on are not stored. The rounding kernel and the kernels that round their own output share
+    it."""
+    q, dx, xs = round_blocks_int8(x)
+    mask_b = blk < num_blocks
+    tl.store(xq_row + blk[:, None] * 32 + tl.arange(0, 32)[None, :], q, mask=mask_b[:, None])
+    tl.store(xd_row + blk, dx, mask=mask_b)
+    tl.store(xs_row + blk, xs, mask=mask_b)
 
 
 @triton.jit
@@ -86,10 +99,8 @@ def _quantize_x_kernel(
     mask_b = blk < K // 32
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask_b[:, None], other=0.0).to(tl.float32)
-    q, dx, xs = round_blocks_int8(x)
-    tl.store(xq_ptr + row * stride_qm + offs, q, mask=mask_b[:, None])
-    tl.store(xd_ptr + row * stride_sm + blk, dx, mask=mask_b)
-    tl.store(xs_ptr + row * stride_sm + blk, xs, mask=mask_b)
+    store_blocks_int8(x, blk, K // 32, xq_ptr + row * stride_qm, xd_ptr + row * stride_sm,
+                      xs_ptr + row * stride_sm)  # fmt: skip
 
 
 @dataclass(frozen=True)
