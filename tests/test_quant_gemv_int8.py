@@ -40,6 +40,20 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return (xq.float().view(x.shape[0], -1, 32) * dx[..., None]).view(x.shape)
 
 
+def ragged_case(
+    name: str, num_rows: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """21 columns (ragged for any power-of-two tile) by 40 blocks (ragged for K steps and
+    splits) of ``name``: x, rounded x times the dequantized weight, the planes on DEVICE."""
+    fmt = FORMATS[name]
+    num_cols, size_k = 21, 40 * 32
+    planes = random_planes(fmt, num_cols, size_k, seed=num_rows)
+    x = torch.randn(num_rows, size_k, generator=torch.Generator().manual_seed(seed))
+    expected = rounded(x) @ dequantize(fmt, planes).T
+    pointers = plane_arguments(fmt, {k: v.to(DEVICE) for k, v in planes.items()})[:3]
+    return x, expected, pointers
+
+
 def test_rounding_kernel_is_its_reference() -> None:
     gen = torch.Generator().manual_seed(0)
     # 13 blocks: a program's 8 and a ragged 5; a block of zeros; a block of ties at 127/2
@@ -66,16 +80,11 @@ def test_rounding_kernel_is_its_reference() -> None:
 def test_gemv_is_the_dequantized_weight_times_rounded_x(
     name: str, num_rows: int, split_k: int
 ) -> None:
-    fmt = FORMATS[name]
-    # 21 columns: ragged for tiles of 2 and 4; 40 blocks: ragged for 16-block steps and splits
-    num_cols, size_k = 21, 40 * 32
-    planes = random_planes(fmt, num_cols, size_k, seed=num_rows)
-    x = torch.randn(num_rows, size_k, generator=torch.Generator().manual_seed(split_k))
-    expected = rounded(x) @ dequantize(fmt, planes).T
-    pointers = plane_arguments(fmt, {k: v.to(DEVICE) for k, v in planes.items()})
+    fmt, size_k = FORMATS[name], 40 * 32
+    x, expected, pointers = ragged_case(name, num_rows, seed=split_k)
     for block_n, blocks in ((1, 64), (2, 16), (4, 32)):
-        out = torch.zeros(num_rows, num_cols, device=DEVICE)
-        quant_gemv_int8(x.to(DEVICE), out, fmt, pointers[:3], size_k, block_n=block_n,
+        out = torch.zeros(expected.shape, device=DEVICE)
+        quant_gemv_int8(x.to(DEVICE), out, fmt, pointers, size_k, block_n=block_n,
                         blocks=blocks, split_k=split_k)  # fmt: skip
         # exact integer products; the float32 scale products and sums in another order
         torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())

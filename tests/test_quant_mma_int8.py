@@ -18,7 +18,7 @@ from kernels.quant_matmul_triton import (
     takes_int8_rows,
 )
 from kernels.quant_mma_int8_triton import quant_mma_int8
-from tests.test_quant_gemv_int8 import rounded
+from tests.test_quant_gemv_int8 import ragged_case, rounded
 from tests.test_quant_kernels import DEVICE, random_planes
 
 
@@ -27,14 +27,10 @@ from tests.test_quant_kernels import DEVICE, random_planes
 def test_kernel_is_the_dequantized_weight_times_rounded_x(
     name: str, num_rows: int, split_k: int
 ) -> None:
-    fmt = FORMATS[name]
-    # 21 columns: a ragged 16-column tile; 40 blocks: a ragged K step and uneven splits
-    num_cols, size_k = 21, 40 * 32
-    planes = random_planes(fmt, num_cols, size_k, seed=num_rows)
-    x = torch.randn(num_rows, size_k, generator=torch.Generator().manual_seed(split_k))
-    expected = rounded(x) @ dequantize(fmt, planes).T
-    pointers = plane_arguments(fmt, {k: v.to(DEVICE) for k, v in planes.items()})[:3]
-    out = torch.zeros(num_rows, num_cols, device=DEVICE)
+    # a ragged 16-column tile; a ragged K step and uneven splits
+    fmt, size_k = FORMATS[name], 40 * 32
+    x, expected, pointers = ragged_case(name, num_rows, seed=split_k)
+    out = torch.zeros(expected.shape, device=DEVICE)
     quant_mma_int8(x.to(DEVICE), out, fmt, pointers, size_k, block_m=16, block_n=16, blocks=3,
                    split_k=split_k)  # fmt: skip
     # exact integer dots; the float32 scale products and sums in another order
