@@ -97,14 +97,19 @@ def read_draft(config: dict[str, Any]) -> DraftShape:
     )
 
 
-def default_grown_shape(draft: DraftShape) -> GrownShape:
-    """As large as llama3-8b: whole groups of heads up to a 4,096 hidden size, its MLP width
-    and layer count (never smaller than the draft)."""
+def grown_shape(
+    draft: DraftShape,
+    heads: int | None = None,
+    intermediate: int | None = None,
+    layers: int | None = None,
+) -> GrownShape:
+    """The sizes asked for, the others as large as llama3-8b's: whole groups of heads up to a
+    4,096 hidden size, its MLP width and layer count (never smaller than the draft's)."""
     groups = max(DEFAULT_HIDDEN // draft.head_dim // draft.group, draft.kv_heads)
     return GrownShape(
-        heads=groups * draft.group,
-        intermediate=max(DEFAULT_INTERMEDIATE, draft.intermediate),
-        layers=max(DEFAULT_LAYERS, draft.layers),
+        heads=heads or groups * draft.group,
+        intermediate=intermediate or max(DEFAULT_INTERMEDIATE, draft.intermediate),
+        layers=layers or max(DEFAULT_LAYERS, draft.layers),
     )
 
 
@@ -239,7 +244,9 @@ def grow_target(
     draft_name: str,
     out_dir: Path,
     *,
-    grown: GrownShape | None = None,
+    heads: int | None = None,
+    intermediate: int | None = None,
+    layers: int | None = None,
     noise: float = 0.0,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
@@ -249,7 +256,7 @@ def grow_target(
 ) -> Path:
     """Write the grown target of ``draft_name`` (anything ``--model`` takes but ``dummy:``)
     into ``out_dir`` as a Hugging Face directory: config, sharded safetensors with their
-    index, and the draft's tokenizer files."""
+    index, and the draft's tokenizer files. Sizes not given: ``grown_shape``'s."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -260,7 +267,7 @@ def grow_target(
     draft_dir = resolve_model_dir(draft_name)
     base = json.loads((draft_dir / "config.json").read_text())
     draft = read_draft(base)
-    grown = grown or default_grown_shape(draft)
+    grown = grown_shape(draft, heads, intermediate, layers)
     check_grown_shape(draft, grown)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(draft_dir.glob("*.safetensors")):
@@ -323,20 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    grown = None
-    if args.heads or args.intermediate_size or args.layers:
-        from engine.loader import resolve_model_dir
-
-        draft = read_draft(json.loads((resolve_model_dir(args.draft) / "config.json").read_text()))
-        default = default_grown_shape(draft)
-        grown = GrownShape(
-            heads=args.heads or default.heads,
-            intermediate=args.intermediate_size or default.intermediate,
-            layers=args.layers or default.layers,
-        )
     try:
         out = grow_target(
-            args.draft, args.out, grown=grown, noise=args.noise, seed=args.seed,
+            args.draft, args.out, heads=args.heads, intermediate=args.intermediate_size,
+            layers=args.layers, noise=args.noise, seed=args.seed,
             dtype=getattr(torch, args.dtype), device=args.device,
         )  # fmt: skip
     except ModelLoadError as error:

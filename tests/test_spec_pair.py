@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from bench.spec_pair import GrownShape, grow_target, main
+from bench.spec_pair import grow_target, main
 from engine import SamplingParams
 from engine.errors import ModelLoadError
 from tests.test_speculative import TIGHT, repetitive_prompts
 from tests.test_speculative_draft_model import drafted_like_plain
 
-SHAPE = GrownShape(heads=8, intermediate=192, layers=3)  # the tiny llama: 4 heads, 128, 2
+
+def grow_tiny(draft: Path, out: Path, **settings: Any) -> Path:
+    """The tiny llama (4 heads, MLP 128, 2 layers) grown to 8 heads, 192 and 3, in fp32."""
+    return grow_target(
+        str(draft), out, heads=8, intermediate=192, layers=3, dtype=torch.float32,
+        use_tqdm=False, **settings,
+    )  # fmt: skip
 
 
 def logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -34,9 +41,7 @@ def llama(tiny_model_dirs: dict[str, Path]) -> Path:
 @pytest.fixture(scope="module")
 def grown(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("grown")
-    return grow_target(
-        str(llama), out, grown=SHAPE, dtype=torch.float32, shard_bytes=200_000, use_tqdm=False
-    )
+    return grow_tiny(llama, out, shard_bytes=200_000)
 
 
 def test_the_grown_model_has_the_shape_asked_for_in_shards(llama: Path, grown: Path) -> None:
@@ -63,10 +68,7 @@ def test_noise_makes_the_two_disagree_more_as_it_grows(llama: Path, tmp_path: Pa
     small = logits(llama, ids)
     errors = []
     for noise in (0.05, 0.5):
-        out = grow_target(
-            str(llama), tmp_path / str(noise), grown=SHAPE, noise=noise, dtype=torch.float32,
-            use_tqdm=False,
-        )  # fmt: skip
+        out = grow_tiny(llama, tmp_path / str(noise), noise=noise)
         errors.append((logits(out, ids) - small).abs().max().item())
     assert 1e-3 < errors[0] < errors[1]
 
@@ -88,9 +90,9 @@ def test_a_draft_that_cannot_be_grown_is_refused(
     with pytest.raises(ModelLoadError, match="not \\['Qwen2ForCausalLM'\\]"):
         grow_target(str(tiny_model_dirs["qwen2"]), tmp_path / "q", use_tqdm=False)
     with pytest.raises(ModelLoadError, match="multiple of its 2 queries per KV head"):
-        grow_target(str(llama), tmp_path / "h", grown=GrownShape(7, 192, 3), use_tqdm=False)
+        grow_target(str(llama), tmp_path / "h", heads=7, intermediate=192, layers=3, use_tqdm=False)
     with pytest.raises(ModelLoadError, match="cannot be smaller"):
-        grow_target(str(llama), tmp_path / "l", grown=GrownShape(8, 192, 1), use_tqdm=False)
+        grow_target(str(llama), tmp_path / "l", heads=8, intermediate=192, layers=1, use_tqdm=False)
     with pytest.raises(ModelLoadError, match="noise must be >= 0"):
         grow_target(str(llama), tmp_path / "n", noise=-1.0, use_tqdm=False)
 
