@@ -134,9 +134,10 @@ def test_greedy_draft_passes_are_queued_before_any_pick_is_read(
     assert engine.stats().num_accepted_tokens == engine.stats().num_draft_tokens > 0
 
 
-def test_greedy_requests_with_penalties_or_min_tokens_draft_pass_by_pass(llama: Path) -> None:
-    """Penalties read the drafts drawn so far, and ``min_tokens`` suppresses EOS: such rows
-    are not queued (their earlier drafts would still be placeholders on the host)."""
+def test_greedy_requests_with_penalties_or_min_tokens_give_plain_tokens(llama: Path) -> None:
+    """Penalties read the drafts drawn so far, so their rows draft pass by pass (queued, the
+    earlier drafts would still be placeholders on the host); ``min_tokens`` counts them and
+    suppresses EOS before, which queued passes must keep."""
     prompts = repetitive_prompts(3, seed=33)
     params = [
         SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, ignore_eos=True),
@@ -144,6 +145,8 @@ def test_greedy_requests_with_penalties_or_min_tokens_draft_pass_by_pass(llama: 
         SamplingParams(temperature=0, max_tokens=30, min_tokens=30),
     ]
     _, engine = drafted_like_plain(llama, llama, prompts, params, 3, **TIGHT)
+    assert engine.stats().num_accepted_tokens == engine.stats().num_draft_tokens > 0
+    _, engine = drafted_like_plain(llama, llama, prompts, [params[2]] * 3, 3, **TIGHT)  # queued
     assert engine.stats().num_accepted_tokens == engine.stats().num_draft_tokens > 0
 
 

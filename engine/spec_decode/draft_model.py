@@ -150,11 +150,11 @@ class DraftModelProposer:
         (a prompt, a resumed sequence) first runs as one chunk within the token budget, and a
         row whose chunk does not reach its last token drafts nothing this step.
 
-        When every row takes the plain argmax the passes are queued without waiting: each
-        pass's picks stay on the device and feed the next pass (as asynchronous scheduling
-        feeds a step), and the host reads them all once the last pass is queued. Otherwise the
-        passes wait for each other: a sampled row needs the distribution of each draft, and
-        penalties or ``min_tokens`` need the tokens drawn so far on the host."""
+        When every row is greedy the passes are queued without waiting: each pass's picks
+        stay on the device and feed the next pass (as asynchronous scheduling feeds a step),
+        and the host reads them all once the last pass is queued. Otherwise the passes wait
+        for each other: a sampled row needs the distribution of each draft, and penalties
+        count the tokens drawn so far, which must be on the host."""
         shadows = {self._shadows[seq].seq: k for seq, k in wanted.items()}
         chunked, budget = ScheduledBatch(), self.max_batched_tokens
         for shadow in shadows:
@@ -166,7 +166,9 @@ class DraftModelProposer:
         left_behind = {
             e.seq for e in chunked.scheduled if e.num_new_tokens < e.seq.num_uncomputed_tokens
         }
-        if all(shadow.picks_argmax for shadow in shadows):
+        # as asynchronous scheduling: a row may run ahead of its picks unless its sampling
+        # reads its own past tokens (penalties; the engine's _in_flight_needs_history)
+        if all(s.sampling.is_greedy and not s.sampling.has_penalties for s in shadows):
             drafted = self._draft_queued(shadows, chunked, left_behind)
         else:
             drafted = self._draft_waiting(shadows, chunked, left_behind)
@@ -186,7 +188,7 @@ class DraftModelProposer:
             [
                 ScheduledSeq(shadow, 1)
                 for shadow, k in shadows.items()
-                if shadow not in left_behind and drawn.get(shadow, 0) < k
+                if shadow not in left_behind and drawn[shadow] < k
             ]
         )
 
@@ -208,9 +210,10 @@ class DraftModelProposer:
     def _draft_queued(
         self, shadows: dict[Sequence, int], first: ScheduledBatch, left_behind: set[Sequence]
     ) -> dict[Sequence, list[torch.Tensor | None]]:
-        """Plain argmax rows: every pass queued behind the last, each draft a
+        """Greedy rows without penalties: every pass queued behind the last, each draft a
         ``PENDING_TOKEN`` on the host until the passes are all queued, then read back at once
-        (nothing reads a row's earlier drafts on the host in between)."""
+        (nothing reads a row's earlier drafts on the host in between; ``min_tokens`` counts
+        them, which the placeholders keep right)."""
         launched: list[LaunchedStep] = []
         drawn: dict[Sequence, int] = dict.fromkeys(shadows, 0)
         batch = first
