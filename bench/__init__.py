@@ -5,5 +5,5 @@ Workloads (``workloads``), the offline engine's throughput and latency (``throug
 through Redis or the OpenAI gateway (``serve``, ``gateway``), peers measured in the same run
 (``peers``: transformers; ``vllm_peer``: vLLM in a subprocess; ``compare``), and the JSON
 records and their plots (``records``, ``plots``). The engine never imports this package; the
-``pagestream bench`` commands (``worker/cli/``) call into it.
+``pagestream bench`` commands (``commands/``) call into it.
 """

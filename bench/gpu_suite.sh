@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
-PS=(python -m worker)
+PS=(python -m commands)
 log() { echo "== $(date +%T) $*" >&2; }
 
 benchmarks() {

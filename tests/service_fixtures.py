@@ -110,9 +110,9 @@ def start_worker(text_model_dir: Path, redis_server: RedisServer) -> Iterator[An
 def spawn_worker(
     model_dir: Path, server: RedisServer, name: str, log_dir: Path, *extra: str
 ) -> subprocess.Popen[bytes]:
-    """``python -m worker worker ...`` as a child process (for SIGKILL and SIGTERM)."""
+    """``python -m commands worker ...`` as a child process (for SIGKILL and SIGTERM)."""
     args = [
-        sys.executable, "-m", "worker", "worker", "--redis-url", server.url, "--name", name,
+        sys.executable, "-m", "commands", "worker", "--redis-url", server.url, "--name", name,
         "--model", str(model_dir), "--device", "cpu", "--lease-s", "1.5", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -23,13 +23,13 @@ from arq.jobs import DeserializationError, SerializationError
 
 from clients import BatchState, BatchStatus, Client
 from clients.batch import BATCH_FUNCTION, BatchKeys, deserialize_job, serialize_job
+from commands import main as cli_main
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.redis_server import RedisServer
 from tests.service_fixtures import FAST, STOP_TIMEOUT_S, spawn_worker
 from tests.test_worker_service import random_prompts
 from worker.batch import BatchSettings
 from worker.batch_runner import BatchRunner, serve_with_batches
-from worker.cli import main as cli_main
 from worker.engine_thread import EngineThread
 from worker.service import WorkerService
 from worker.settings import WorkerSettings

@@ -13,7 +13,7 @@ import pytest
 
 from bench.fleet import TARGET_EFFICIENCY, _add_efficiency, available_cores, fleet_workers
 from bench.host_cpu import CpuTimes, busy_cores, read_cpu_times
-from worker.cli import main as cli_main
+from commands import main as cli_main
 from worker.errors import EXIT_USAGE
 
 NUM_PROMPTS = 8  # per worker

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from bench.streams import StreamTiming, summarize
-from worker.cli import main as cli_main
+from commands import main as cli_main
 from worker.local_stack import engine_flags
 
 NUM_PROMPTS = 12

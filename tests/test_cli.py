@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from bench.workloads import ThroughputWorkload, make_random_prompts
+from commands import main
 from engine import LLM, SamplingParams
 from tests.conftest import build_tiny_model
-from worker.cli import main
 
 # A 16 MiB KV pool instead of the CPU default of 1 GiB: plenty for these tiny models.
 SMALL_POOL = ["--pa-memory-mb", "16"]
@@ -102,7 +102,7 @@ def test_generate_help_lists_every_engine_and_sampling_flag(
 
 def test_top_level_help_does_not_import_torch() -> None:
     script = (
-        "import sys; from worker.cli import main; main(['--help']); print('torch' in sys.modules)"
+        "import sys; from commands import main; main(['--help']); print('torch' in sys.modules)"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from clients import AsyncClient, DoneEvent, FinishReason, TokenEvent, Usage, protocol
+from commands import main
 from tests.redis_server import RedisServer
-from worker.cli import main
 
 
 def test_clients_never_import_torch() -> None:

@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from commands import build_parser
 from tests.test_dockerfile import parse_dockerfile
-from worker.cli import build_parser
 from worker.env_flags import ENV_PREFIX, env_var, flag_actions
 from worker.settings import DEFAULT_GRACE_S
 

@@ -15,7 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE_PATH = ROOT / "Dockerfile"
 DOCKERIGNORE_PATH = ROOT / ".dockerignore"
-PACKAGES = ("engine", "kernels", "worker", "clients", "bench")  # what `pip install .` needs
+PACKAGES = (
+    "engine",
+    "kernels",
+    "worker",
+    "clients",
+    "bench",
+    "commands",
+)  # what `pip install .` needs
 
 
 # -- Dockerfile ---------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from worker.cli import build_parser, main
+from commands import build_parser, main
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -144,7 +144,7 @@ def test_the_command_serves_with_keys_from_the_environment(stack: Stack, tmp_pat
     port = free_port()
     env = {**os.environ, "PAGESTREAM_API_KEY": "k1,k2", "PYTHONUNBUFFERED": "1"}
     code = ("import sys, runpy; sys.argv = ['pagestream', 'gateway', *sys.argv[1:]]; "
-            "from worker.cli import main; rc = main(); "
+            "from commands import main; rc = main(); "
             "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")  # fmt: skip
     args = [sys.executable, "-c", code, "--redis-url", stack.redis.url, "--port", str(port),
             "--log-level", "WARNING", "--workers", "2"]  # fmt: skip

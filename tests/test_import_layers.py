@@ -2,12 +2,15 @@
 
 Layers, highest first (a module may import its own layer and any lower one):
 
-    worker.cli   the ``pagestream`` commands (and ``worker.__main__``, ``python -m worker``)
-    bench        benchmarks and their records
+    commands     the ``pagestream`` commands (and ``python -m commands``)
+    bench        benchmarks and their records (the service's benchmarks start the service)
     worker       the service (and the gateway), with no command code
     clients      the client library         } these two never import each other
     engine       the inference engine       }
     kernels      Triton kernels and their torch references
+
+Packages are the layers, so no two packages import each other: an arrow between packages points
+down or not at all.
 
 Every import counts, also those inside functions (lazy imports are still dependencies) and
 under ``TYPE_CHECKING``. ``from package import name`` counts as an import of the submodule
@@ -21,10 +24,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("worker", "bench", "clients", "engine", "kernels")
+PACKAGES = ("commands", "worker", "bench", "clients", "engine", "kernels")
 # (layer, rank): a higher rank may import a lower one
-LAYERS = (("worker.cli", 4), ("worker.__main__", 4), ("bench", 3), ("worker", 2), ("clients", 1),
-          ("engine", 1), ("kernels", 0))  # fmt: skip
+LAYERS = (
+    ("commands", 4),
+    ("bench", 3),
+    ("worker", 2),
+    ("clients", 1),
+    ("engine", 1),
+    ("kernels", 0),
+)
 APART = {("clients", "engine"), ("engine", "clients")}  # same rank, never each other
 
 Graph = dict[str, set[str]]
@@ -79,6 +88,17 @@ def _closest(name: str, known: set[str]) -> str:
     while name not in known and "." in name:
         name = name.rsplit(".", 1)[0]
     return name
+
+
+def package_graph(graph: Graph) -> Graph:
+    """The import graph folded onto top-level packages: ``bench -> worker`` if any module of
+    bench imports any module of worker."""
+    folded: Graph = {}
+    for source, targets in graph.items():
+        package = source.split(".")[0]
+        folded.setdefault(package, set()).update(t.split(".")[0] for t in targets)
+        folded[package].discard(package)
+    return folded
 
 
 def layer_of(module: str) -> tuple[str, int]:
@@ -145,11 +165,15 @@ def test_no_layer_imports_a_higher_one() -> None:
     assert upward_imports(import_graph(module_files())) == []
 
 
+def test_no_two_packages_import_each_other() -> None:
+    assert cycles(package_graph(import_graph(module_files()))) == []
+
+
 def test_the_checker_sees_every_package_and_lazy_imports() -> None:
     graph = import_graph(module_files())
-    assert {"worker.cli", "worker.cli.bench", "bench.throughput", "engine.llm_engine"} <= set(graph)
-    # worker.cli registers its commands inside a function: still an edge
-    assert "worker.cli.bench" in graph["worker.cli"]
+    assert {"commands", "commands.bench", "bench.throughput", "engine.llm_engine"} <= set(graph)
+    # commands registers its subcommands inside a function: still an edge
+    assert "commands.bench" in graph["commands"]
     assert "clients.protocol" in graph["clients.aio"]  # `from clients import protocol`
 
 
@@ -165,7 +189,7 @@ def test_checker_finds_a_circle_and_an_upward_import(tmp_path: Path) -> None:
         "engine/d.py": "from worker.service import run\n",
         "worker/__init__.py": "",
         "worker/service.py": "from engine.a import f\nrun = f\n",
-        "worker/cli/__init__.py": "",
+        "commands/__init__.py": "",
         "clients/__init__.py": "",
         "clients/e.py": "from engine.d import run\n",
     }
@@ -175,6 +199,8 @@ def test_checker_finds_a_circle_and_an_upward_import(tmp_path: Path) -> None:
         path.write_text(text)
     graph = import_graph(module_files(tmp_path))
     assert cycles(graph) == [["engine.a", "engine.b", "engine.c"]]
+    # engine -> worker (d) and worker -> engine (service): a circle between packages
+    assert cycles(package_graph(graph)) == [["engine", "worker"]]
     assert upward_imports(graph) == [
         "clients.e (clients) imports engine.d (engine)",
         "engine.d (engine) imports worker.service (worker)",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from commands import build_parser
+from commands.parser import LazyParser
 from engine.config_flags import add_engine_args
-from worker.cli import build_parser
-from worker.cli.parser import LazyParser
 from worker.env_flags import ENV_PREFIX, env_var, flag_actions
 
 ROOT = Path(__file__).resolve().parents[1]

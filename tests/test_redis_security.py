@@ -23,11 +23,11 @@ from redis.exceptions import NoPermissionError
 
 from clients import Client, DoneEvent, FinishReason, TokenEvent
 from clients.batch import BatchState
+from commands import main as cli_main
 from tests.redis_server import RedisServer
 from tests.service_fixtures import STOP_TIMEOUT_S, InProcessWorker, worker_settings
 from worker.batch import BatchSettings
 from worker.batch_runner import BatchRunner, serve_with_batches
-from worker.cli import main as cli_main
 from worker.engine_thread import EngineThread
 from worker.local_stack import free_port, redis_server_binary, wait_until
 from worker.service import WorkerService

@@ -41,7 +41,7 @@ class Up:
         self.tmp_dir.mkdir()
         self.stderr_path = tmp_path / "up.stderr"
         env = {**os.environ, "TMPDIR": str(self.tmp_dir), "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "worker", "up", "--port", "0",
+        command = [sys.executable, "-m", "commands", "up", "--port", "0",
                    "--data-dir", str(self.data_dir), "--grace-s", "5", "--gateway-port", "0",
                    *flags]  # fmt: skip
         with self.stderr_path.open("w") as stderr:
@@ -175,7 +175,7 @@ def test_up_refuses_a_busy_port_with_one_line(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "worker", "up", "--port", str(port),
+            [sys.executable, "-m", "commands", "up", "--port", str(port),
              "--data-dir", str(tmp_path / "data")],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
@@ -228,7 +228,7 @@ def test_up_stops_redis_and_fails_when_its_worker_dies(
     up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING")
     url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
     children = up.children()
-    worker_cmdline = b"-m\x00worker\x00worker\x00"  # not the gateway's `-m worker gateway`
+    worker_cmdline = b"-m\x00commands\x00worker\x00"  # not the gateway's `-m commands gateway`
     worker = next(
         pid for pid in children if worker_cmdline in Path(f"/proc/{pid}/cmdline").read_bytes()
     )

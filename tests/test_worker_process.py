@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from clients import AsyncClient, Completion, FinishReason, protocol
+from commands import main
 from engine import LLM, SamplingParams
 from tests.redis_server import RedisServer
 from tests.service_fixtures import WORDS, spawn_worker
-from worker.cli import main
 from worker.local_stack import free_port
 
 KEYS = protocol.Keys()
@@ -168,7 +168,7 @@ def test_a_worker_that_cannot_reach_redis_stops_at_once_on_sigterm(
 ) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     log_path = tmp_path / "worker.log"
-    command = [sys.executable, "-m", "worker", "worker", "--redis-url", url, "--device", "cpu",
+    command = [sys.executable, "-m", "commands", "worker", "--redis-url", url, "--device", "cpu",
                "--model", str(text_model_dir), "--batch-jobs", batch_jobs]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -32,6 +32,9 @@ WORKER_START_TIMEOUT_S = 300.0  # loading a model, profiling memory, capturing g
 GATEWAY_START_TIMEOUT_S = 30.0  # the gateway imports no torch: it answers within seconds
 REDIS_START_TIMEOUT_S = 10.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# The `pagestream` program, run by module so it needs no installed console script. A process
+# boundary, not an import: the command package sits above the service and may import it.
+PAGESTREAM = (sys.executable, "-m", "commands")
 
 
 def redis_server_binary() -> str:
@@ -140,7 +143,7 @@ class WorkerProcess:
         self.redis_url = redis_url
         self.prefix = prefix
         self.name = name
-        self.command = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url,
+        self.command = [*PAGESTREAM, "worker", "--redis-url", redis_url,
                         "--prefix", prefix, "--name", name, *flags]  # fmt: skip
         self.supervised = supervised
         self.env = dict(env or {})  # on top of this process's environment
@@ -216,7 +219,7 @@ class GatewayProcess:
         supervised: bool = False,
     ) -> None:
         self.port = port
-        self.command = [sys.executable, "-m", "worker", "gateway", "--redis-url", redis_url,
+        self.command = [*PAGESTREAM, "gateway", "--redis-url", redis_url,
                         "--prefix", prefix, "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
         self.supervised = supervised
         self.process: subprocess.Popen[bytes] | None = None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from commands.parser import CommandError, LazyParser, Subparsers
 from worker.arg_types import int_list, int_range, positive_int
-from worker.cli.parser import CommandError, LazyParser, Subparsers
 
 
 def register(subparsers: Subparsers) -> None:
@@ -19,7 +19,7 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _configure_bench(parser: argparse.ArgumentParser) -> None:
-    from worker.cli import bench_device
+    from commands import bench_device
 
     kinds = parser.add_subparsers(
         title="benchmarks", dest="benchmark", metavar="BENCHMARK", parser_class=LazyParser
@@ -148,7 +148,7 @@ def _configure_bench_throughput(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_bench_multiturn(parser: argparse.ArgumentParser) -> None:
-    from worker.cli.bench_device import finish_engine_bench
+    from commands.bench_device import finish_engine_bench
 
     w = parser.add_argument_group("workload")
     w.add_argument("--num-sessions", type=positive_int, default=64, help="chats (default 64)")

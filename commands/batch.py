@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from commands.parser import EXIT_USAGE, CommandError, LazyParser, Subparsers
 from worker.arg_types import add_client_sampling_args, client_sampling
-from worker.cli.parser import EXIT_USAGE, CommandError, LazyParser, Subparsers
 from worker.settings import DEFAULT_REDIS_URL
 
 

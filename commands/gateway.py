@@ -17,8 +17,8 @@ from typing import Any
 
 from clients.aio import DEFAULT_REDIS_URL
 from clients.protocol import DEFAULT_PREFIX
+from commands.parser import CommandError, Subparsers
 from worker.arg_types import positive_int
-from worker.cli.parser import CommandError, Subparsers
 from worker.gateway import config
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     """Handler of ``pagestream gateway``: serve until SIGINT/SIGTERM."""
     import uvicorn
 
-    from worker.cli.parser import redact_url
+    from commands.parser import redact_url
     from worker.gateway.app import create_app
 
     settings = settings_from_args(args)

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from worker.cli.parser import (
+from commands.parser import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
@@ -75,7 +75,7 @@ def _register_generate(subparsers: Subparsers) -> None:
 
 
 def _configure_generate(parser: argparse.ArgumentParser) -> None:
-    from worker.cli import generate
+    from commands import generate
 
     generate.add_arguments(parser)
     parser.set_defaults(handler=generate.run, command_prog=parser.prog)
@@ -83,7 +83,7 @@ def _configure_generate(parser: argparse.ArgumentParser) -> None:
 
 def _registrars() -> tuple[Callable[[Subparsers], None], ...]:
     # Each module registers its own subcommands; none of them imports torch at this point.
-    from worker.cli import batch, bench, gateway, service, up
+    from commands import batch, bench, gateway, service, up
 
     return (
         up.register,

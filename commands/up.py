@@ -23,10 +23,10 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from clients.protocol import DEFAULT_PREFIX
-from worker.cli.parser import CommandError, Subparsers
+from commands.parser import CommandError, Subparsers
 from worker.settings import DEFAULT_GRACE_S
 
-if TYPE_CHECKING:  # imported when the command runs: local_stack imports worker.cli
+if TYPE_CHECKING:  # imported when the command runs: local_stack imports commands
     from worker.local_stack import GatewayProcess, RedisProcess, WorkerProcess
 
 DEFAULT_PORT = 6379
@@ -103,7 +103,7 @@ def run_up(args: argparse.Namespace) -> int:
             gateway.start()
         print(_banner(redis.url, data_dir, args, gateway), flush=True)
         if args.demo:
-            from worker.cli.up_demo import run_demo
+            from commands.up_demo import run_demo
 
             run_demo(redis.url, args.prefix)
             print("\nthe demo is done; still serving (Ctrl-C stops)", flush=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.records import save
+from commands.parser import CommandError
 from worker.arg_types import int_list, positive_int
-from worker.cli.parser import CommandError
 
 # -- latency ---------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Any
 
+from commands.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
 from worker.arg_types import add_client_sampling_args, client_sampling, positive_int
-from worker.cli.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
 from worker.settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
@@ -229,7 +229,7 @@ def run_health(args: argparse.Namespace) -> int:
             [keys.worker(args.name)] if args.name else list(client.scan_iter(keys.worker_pattern()))
         )
         values: list[Any] = [client.get(name) for name in names]
-    finally:  # an unreachable Redis is one line from worker.cli.main
+    finally:  # an unreachable Redis is one line from commands.main
         client.close()
     now_ms = time.time() * 1000
     for value in values:

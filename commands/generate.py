@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from commands.parser import EXIT_USAGE, CommandError
 from engine import (
     InvalidRequestError,
     LLMEngine,
@@ -27,7 +28,6 @@ from engine import (
     SamplingParams,
 )
 from engine.config_flags import add_engine_args, engine_config_from_args
-from worker.cli.parser import EXIT_USAGE, CommandError
 from worker.defaults import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from worker.jsonl_lines import (
     BatchItem,
