@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Redis and a worker with the bundled model on this machine, a demo through the client, then
-# serving until Ctrl-C (UP_FLAGS adds flags: make up UP_FLAGS="--port 0 --max-seqs 32").
+# serving until Ctrl-C (UP_FLAGS adds flags: make up UP_FLAGS="--redis-port 0 --max-seqs 32").
 up: $(STAMP)
 	$(BIN)/pagestream up --demo $(UP_FLAGS)
 

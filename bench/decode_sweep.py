@@ -77,7 +77,7 @@ def sweep(device: torch.device) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--output-json", default="decode-attention-sweep.json")
     args = parser.parse_args(argv)
     from bench.records import machine_info

@@ -33,7 +33,7 @@ GRID = [
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b", help="a dummy: shape name")
     parser.add_argument("--rows", default="1,4")
     parser.add_argument("--out", type=Path, default=None)

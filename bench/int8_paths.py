@@ -149,7 +149,7 @@ def _greedy_agreement(first: LLM, second: LLM) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dummy:llama3-8b")
     parser.add_argument("--formats", default="q4_0")
     parser.add_argument("--off", choices=PATHS, default="producers")

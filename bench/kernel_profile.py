@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dummy:llama3-8b")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--context", type=int, default=800)

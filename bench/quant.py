@@ -198,7 +198,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     add_quant_args(parser)
     args = parser.parse_args(argv)
     save(run_from_args(args), args.output_json)

@@ -379,7 +379,7 @@ def _time_us(fn: Callable[[], Any]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b", help="a dummy: shape name")
     parser.add_argument("--formats", default="q8_0,q4_0,q4_1,q4_k,q6_k,fp8")
     parser.add_argument("--rows", default="1,8,144,4096")

@@ -99,7 +99,7 @@ def _graph_time_us(run_all_layers: Callable[[], None]) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048, 8192])
     parser.add_argument("--fp8", action="store_true", help="an fp8 (e4m3) pool with scales")
     args = parser.parse_args(argv)

@@ -315,6 +315,7 @@ def grow_target(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m bench.spec_pair",
         description="Grow a target model around a draft model (see the module's docstring).",
     )

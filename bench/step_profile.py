@@ -38,7 +38,7 @@ def timed(totals: dict[str, float], key: str, fn: Callable[..., Any]) -> Callabl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE")

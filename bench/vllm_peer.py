@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.vllm_peer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.vllm_peer", description=__doc__
+    )
     parser.add_argument("kind", choices=["throughput", "latency", "speculative"])
     parser.add_argument("--model", required=True, help="dummy:<shape> or an HF directory")
     parser.add_argument("--out", required=True)

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import shutil
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,6 +30,8 @@ class LazyParser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args: Any, configure: Configure | None = None, **kwargs: Any) -> None:
+        # No abbreviations: `--max-token 5` must be an error, not `--max-tokens 5`
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._configure = configure
         self._env_replaced: dict[str, Any] = {}
@@ -42,12 +47,42 @@ class LazyParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         self._ensure_configured()
         namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not self._has_subcommands():
+            # Said here, the error shows this command's usage; left to the top-level parser,
+            # `pagestream submit hi --bogus` would print the usage of `pagestream` itself.
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
         resolve_exclusive(self, namespace, self._env_replaced)
         return namespace, extras
+
+    def _has_subcommands(self) -> bool:
+        return any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
 
     def format_help(self) -> str:
         self._ensure_configured()
         return super().format_help()
+
+
+def invocation(cwd: Path | None = None) -> tuple[str, str]:
+    """How a user in ``cwd`` runs this ``pagestream`` and its Python, for messages that print
+    commands to paste: the bare names where the PATH finds these very programs, else their
+    paths (``.venv/bin/pagestream`` from a checkout whose virtualenv is not activated)."""
+    cwd = Path.cwd() if cwd is None else cwd
+    python = Path(sys.executable)
+    script = python.parent / PROG
+    pagestream = (
+        _as_typed(script, cwd) if script.exists() else f"{_as_typed(python, cwd)} -m commands"
+    )
+    return pagestream, _as_typed(python, cwd)
+
+
+def _as_typed(program: Path, cwd: Path) -> str:
+    found = shutil.which(program.name)
+    # absolute(), not resolve(): a virtualenv's python is a link to the base interpreter
+    if found is not None and Path(found).absolute() == program.absolute():
+        return program.name
+    if program.is_relative_to(cwd):
+        return str(program.relative_to(cwd))
+    return str(program)
 
 
 def redis_failure(exc: BaseException, redis_url: str | None) -> str | None:
@@ -84,6 +119,7 @@ __all__ = [
     "Handler",
     "LazyParser",
     "Subparsers",
+    "invocation",
     "redact_url",
     "redis_failure",
 ]

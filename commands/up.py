@@ -23,13 +23,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from clients.protocol import DEFAULT_PREFIX
-from commands.parser import CommandError, Subparsers
+from commands.parser import CommandError, Subparsers, invocation
 from worker.settings import DEFAULT_GRACE_S
 
-if TYPE_CHECKING:  # imported when the command runs: local_stack imports commands
+if TYPE_CHECKING:  # imported when the command runs, so `pagestream --help` stays cheap
     from worker.local_stack import GatewayProcess, RedisProcess, WorkerProcess
 
-DEFAULT_PORT = 6379
+DEFAULT_REDIS_PORT = 6379
 DEFAULT_GATEWAY_PORT = 8000
 STOP_MARGIN_S = 15.0  # beyond --grace-s: handing entries back, flushing telemetry
 POLL_INTERVAL_S = 0.5
@@ -58,8 +58,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     from engine.config_flags import add_engine_args
 
     g = parser.add_argument_group("local stack")
-    g.add_argument("--port", type=int, default=DEFAULT_PORT,
-                   help=f"Redis port on 127.0.0.1; 0 = any free port (default {DEFAULT_PORT})")  # fmt: skip
+    g.add_argument("--redis-port", type=int, default=DEFAULT_REDIS_PORT,
+                   help=f"Redis port on 127.0.0.1; 0 = any free port (default {DEFAULT_REDIS_PORT})")  # fmt: skip
     g.add_argument("--data-dir", type=Path, default=None,
                    help=f"Redis data (AOF) folder (default {default_data_dir()})")  # fmt: skip
     g.add_argument("--demo", action="store_true",
@@ -81,7 +81,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     data_dir = (args.data_dir or default_data_dir()).expanduser()
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = _check_port(args.port)
+    port = _check_redis_port(args.redis_port)
     gateway_port = None if args.no_gateway else _check_gateway_port(args.gateway_port)
     redis = RedisProcess(data_dir, port=port, appendonly=True, supervised=True)
     flags = ["--grace-s", str(args.grace_s), "--log-level", args.log_level, *engine_flags(args)]
@@ -115,7 +115,7 @@ def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_port(port: int) -> int:
+def _check_redis_port(port: int) -> int:
     from worker.local_stack import free_port
 
     if port == 0:
@@ -125,7 +125,7 @@ def _check_port(port: int) -> int:
             sock.bind(("127.0.0.1", port))
         except OSError:
             raise CommandError(
-                f"port {port} is in use (another Redis?): pass --port 0 for a free port, or run "
+                f"port {port} is in use (another Redis?): pass --redis-port 0 for a free port, or run "
                 f"`pagestream worker --redis-url redis://localhost:{port}/0` against that Redis"
             ) from None
     return port
@@ -149,7 +149,7 @@ def _check_gateway_port(port: int) -> int:
 def _banner(
     redis_url: str, data_dir: Path, args: argparse.Namespace, gateway: GatewayProcess | None
 ) -> str:
-    url_flag = "" if args.port == DEFAULT_PORT else f" --redis-url {redis_url}"
+    url_flag = "" if args.redis_port == DEFAULT_REDIS_PORT else f" --redis-url {redis_url}"
     prefix_flag = "" if args.prefix == DEFAULT_PREFIX else f" --prefix {args.prefix}"
     flags = url_flag + prefix_flag
     http = []
@@ -159,15 +159,16 @@ def _banner(
             f"  curl {gateway.url}/chat/completions -H 'Content-Type: application/json' "
             """-d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'""",
         ]
+    pagestream, python = invocation()
     return "\n".join([
         "",
         f"pagestream is up: redis at {redis_url} (data in {data_dir}), one worker ({args.model})",
         "send requests from another terminal:",
-        f'  pagestream submit{flags} "The capital of France is" --max-tokens 32',
-        f'  pagestream submit{flags} --chat "Write a haiku about paged memory."',
-        f"  python -c 'from clients import Client; print(Client(\"{redis_url}\")"
+        f'  {pagestream} submit{flags} "The capital of France is" --max-tokens 32',
+        f'  {pagestream} submit{flags} --chat "Write a haiku about paged memory."',
+        f"  {python} -c 'from clients import Client; print(Client(\"{redis_url}\")"
         '.complete(prompt="Hello", max_tokens=16).text)\'',
-        f"  pagestream health{flags}",
+        f"  {pagestream} health{flags}",
         *http,
         "Ctrl-C stops the worker (it finishes in-flight requests first) and then Redis.",
     ])  # fmt: skip

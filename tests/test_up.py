@@ -41,7 +41,7 @@ class Up:
         self.tmp_dir.mkdir()
         self.stderr_path = tmp_path / "up.stderr"
         env = {**os.environ, "TMPDIR": str(self.tmp_dir), "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "commands", "up", "--port", "0",
+        command = [sys.executable, "-m", "commands", "up", "--redis-port", "0",
                    "--data-dir", str(self.data_dir), "--grace-s", "5", "--gateway-port", "0",
                    *flags]  # fmt: skip
         with self.stderr_path.open("w") as stderr:
@@ -175,13 +175,13 @@ def test_up_refuses_a_busy_port_with_one_line(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "commands", "up", "--port", str(port),
+            [sys.executable, "-m", "commands", "up", "--redis-port", str(port),
              "--data-dir", str(tmp_path / "data")],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        f"pagestream up: error: port {port} is in use (another Redis?): pass --port 0 for a "
+        f"pagestream up: error: port {port} is in use (another Redis?): pass --redis-port 0 for a "
         f"free port, or run `pagestream worker --redis-url redis://localhost:{port}/0` "
         "against that Redis"
     ]

@@ -321,7 +321,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     from engine.config_flags import add_engine_args
     from worker.env_flags import flag_actions
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     add_engine_args(parser)
     flags: list[str] = []
     for action in flag_actions(parser):
