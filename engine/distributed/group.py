@@ -8,6 +8,7 @@ timeout) carries rank 0's step messages, which are Python objects on the host.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 CONTROL_TIMEOUT = datetime.timedelta(days=3650)  # no limit in practice: see ``join``
+# NVLink multicast stays off on every rank (NCCL's NVLS algorithms, torch symmetric memory,
+# NVSHMEM): the GPU hosts this runs on are to run without it. A value already set wins.
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 @dataclass
@@ -37,6 +45,8 @@ class TensorParallelGroup:
     ) -> TensorParallelGroup:
         """Form the group with the other ranks, all of whom have reached ``store``."""
         backend = "nccl" if device.type == "cuda" else "gloo"
+        for name, value in NO_MULTICAST_ENV.items():  # before NCCL reads them, on every rank
+            os.environ.setdefault(name, value)
         dist.init_process_group(
             backend,
             store=store,
