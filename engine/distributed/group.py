@@ -3,6 +3,10 @@
 Two process groups: the device group (NCCL on CUDA, gloo on the CPU) carries the model's
 all-reduces and gathers, also inside CUDA graphs; the control group (always gloo, without a
 timeout) carries rank 0's step messages, which are Python objects on the host.
+
+A rank leaves by aborting its communicators, which waits for no one: NCCL's
+``destroy_process_group`` flushes and finalizes them, a wait on the other ranks that never ends
+when one of them is gone, stopping or stuck in a collective (see ``ranks.RankProcesses.stop``).
 """
 
 from __future__ import annotations
@@ -65,8 +69,23 @@ class TensorParallelGroup:
         return f"pagestream-rank-{rank}-ready"
 
     def leave(self) -> None:
-        if self.size > 1 and dist.is_initialized():
+        """Drop this rank's side of every group without waiting for the other ranks (they may
+        be gone or stuck); afterwards ``dist.is_initialized()`` is False."""
+        if self.size == 1 or not dist.is_initialized():
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private
+        if abort is not None:
+            abort()
+        else:  # may wait on the others: callers bound it, and leave once they are gone
             dist.destroy_process_group()
+
+    def interrupt(self) -> None:
+        """Abort the device group's communicators, from any thread: a collective waiting for
+        a rank that is gone returns (NCCL's would wait until its timeout). The group is
+        unusable afterwards; ``leave`` still cleans up."""
+        abort = getattr(self.device_group, "abort", None)  # absent in older torch
+        if abort is not None:
+            abort()
 
     # -- the model's collectives -------------------------------------------------------------
 
