@@ -79,11 +79,11 @@ class LLMEngine:
                 setup = setup_rank(config, self.device, self.group, source)
         except BaseException:
             if self.ranks is not None:  # failing or stuck in the start: they are not told
-                self.ranks.stop(self.group if self.group.size > 1 else None, serving=False)
+                self.ranks.stop()
             raise
         self._take_setup(setup)
         if self.ranks is not None:  # at shutdown(), or at exit if it is never called
-            self._stop_ranks = weakref.finalize(self, self.ranks.stop, self.group, True)
+            self._stop_ranks = weakref.finalize(self, self.ranks.stop)
 
     def _take_setup(self, setup: RankSetup) -> None:
         config, runtime, backend = self.config, setup.runtime, setup.backend
@@ -119,7 +119,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave their group (nothing to do at
-        tensor_parallel_size 1). The engine cannot step afterwards."""
+        tensor_parallel_size 1), within seconds whatever state they are in. The engine cannot
+        step afterwards."""
         if self._stop_ranks is not None:
             self._stop_ranks()  # runs once
 

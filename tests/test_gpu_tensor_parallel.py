@@ -1,12 +1,12 @@
 """Tensor parallelism on two GPUs (NCCL; skipped with fewer): the tokens of one GPU, CUDA
-graphs with the all-reduces captured inside them, and a rank that dies ends the process."""
+graphs with the all-reduces captured inside them, and the process of a two-GPU engine ends
+however it ends (shutdown, end of script, Ctrl-C, a rank killed): NCCL's teardown waited on
+ranks that were gone or stuck, forever (issue 28)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-import time
+import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import random_prompts
+from tests.test_tensor_parallel_exit import (
+    ExitRun,
+    assert_ended_in_order,
+    assert_stopped_cleanly,
+    run_exit_script,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,7 +28,7 @@ pytestmark = [
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
 PROMPTS = random_prompts([5, 37, 70, 16, 101], 320, seed=3)
-ROOT = Path(__file__).resolve().parent.parent
+DEAD_RANK_EXIT_BOUND_S = 30.0  # the error, rank 0's bounded teardown and CUDA's own exit
 
 
 def _tokens(model: str, **settings: object) -> tuple[list[list[int]], bool]:
@@ -53,27 +59,43 @@ def test_swapped_pages_come_back_on_both_ranks(tiny_model_dirs: dict[str, Path])
     assert _tokens(model, tensor_parallel_size=2, **settings)[0] == _tokens(model, **settings)[0]
 
 
-def test_a_dead_rank_ends_the_engine_process_without_a_hang(
-    tiny_model_dirs: dict[str, Path],
+def _exit_run(scenario: str, model_dir: Path, ctrl_c_after: str | None = None) -> ExitRun:
+    args = ("--model", str(model_dir), "--device", "cuda")
+    return run_exit_script(scenario, *args, ctrl_c_after=ctrl_c_after)
+
+
+def test_shutdown_ends_the_process(tiny_model_dirs: dict[str, Path]) -> None:
+    run = _exit_run("shutdown", tiny_model_dirs["llama"])
+    assert run.returncode == 0, run.output[-4000:]
+    assert_stopped_cleanly(run)
+
+
+def test_the_end_of_the_script_ends_the_process(tiny_model_dirs: dict[str, Path]) -> None:
+    """The hang of issue 28: the finalizer's teardown at exit, without shutdown()."""
+    run = _exit_run("fall-off", tiny_model_dirs["llama"])
+    assert run.returncode == 0, run.output[-4000:]
+    assert_stopped_cleanly(run)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "ctrl_c_after"), [("interrupt-step", None), ("wait-for-ctrl-c", "decoding")]
+)
+def test_ctrl_c_mid_generation_ends_the_process(
+    scenario: str, ctrl_c_after: str | None, tiny_model_dirs: dict[str, Path]
 ) -> None:
-    """NCCL waits for a dead peer inside the step: rank 0 must still end, on its own."""
-    script = textwrap.dedent(f"""
-        import os, signal
-        from engine import EngineConfig, LLMEngine, SamplingParams
-        engine = LLMEngine(EngineConfig(model={str(tiny_model_dirs["llama"])!r},
-                                        device="cuda", tensor_parallel_size=2))
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        engine.add_request("r", prompt_token_ids=[5, 6, 7], sampling=params)
-        for _ in range(3):
-            engine.step()
-        os.kill(engine.ranks.children[0].pid, signal.SIGKILL)
-        while True:
-            engine.step()
-    """)
-    start_s = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode != 0
-    assert "EngineDeadError" in done.stderr or "exiting" in done.stderr, done.stderr[-2000:]
-    assert time.monotonic() - start_s < 90
+    run = _exit_run(scenario, tiny_model_dirs["llama"], ctrl_c_after)
+    assert run.returncode == -signal.SIGINT, run.output[-4000:]
+    assert_ended_in_order(run, "(0|-9)", after="decoding")
+
+
+def test_a_dead_rank_is_an_error_and_the_process_ends(tiny_model_dirs: dict[str, Path]) -> None:
+    """NCCL waits for a dead peer inside the step: rank 0 aborts the step's communicators
+    and raises (exit code 1), before the fallback exit (STUCK_EXIT_CODE), within seconds."""
+    run = _exit_run("kill-rank", tiny_model_dirs["llama"])
+    assert run.returncode == 1, run.output[-4000:]
+    (pid,) = run.rank_pids
+    assert re.search(
+        rf"EngineDeadError: tensor-parallel rank 1 \(pid {pid}\) exited with code -9", run.output
+    ), run.output[-4000:]
+    assert run.seconds_to_exit_after("decoding") < DEAD_RANK_EXIT_BOUND_S, run.output[-4000:]
+    assert_ended_in_order(run, "-9", after="decoding")

@@ -3,11 +3,16 @@
 Two process groups: the device group (NCCL on CUDA, gloo on the CPU) carries the model's
 all-reduces and gathers, also inside CUDA graphs; the control group (always gloo, without a
 timeout) carries rank 0's step messages, which are Python objects on the host.
+
+A rank leaves by aborting its communicators, which waits for no one: NCCL's
+``destroy_process_group`` flushes and finalizes them, a wait on the other ranks that never ends
+when one of them is gone, stopping or stuck in a collective (see ``ranks.RankProcesses.stop``).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +20,13 @@ import torch
 import torch.distributed as dist
 
 CONTROL_TIMEOUT = datetime.timedelta(days=3650)  # no limit in practice: see ``join``
+# NVLink multicast stays off on every rank (NCCL's NVLS algorithms, torch symmetric memory,
+# NVSHMEM): the GPU hosts this runs on are to run without it. A value already set wins.
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 @dataclass
@@ -37,6 +49,8 @@ class TensorParallelGroup:
     ) -> TensorParallelGroup:
         """Form the group with the other ranks, all of whom have reached ``store``."""
         backend = "nccl" if device.type == "cuda" else "gloo"
+        for name, value in NO_MULTICAST_ENV.items():  # before NCCL reads them, on every rank
+            os.environ.setdefault(name, value)
         dist.init_process_group(
             backend,
             store=store,
@@ -55,8 +69,23 @@ class TensorParallelGroup:
         return f"pagestream-rank-{rank}-ready"
 
     def leave(self) -> None:
-        if self.size > 1 and dist.is_initialized():
+        """Drop this rank's side of every group without waiting for the other ranks (they may
+        be gone or stuck); afterwards ``dist.is_initialized()`` is False."""
+        if self.size == 1 or not dist.is_initialized():
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private
+        if abort is not None:
+            abort()
+        else:  # may wait on the others: callers bound it, and leave once they are gone
             dist.destroy_process_group()
+
+    def interrupt(self) -> None:
+        """Abort the device group's communicators, from any thread: a collective waiting for
+        a rank that is gone returns (NCCL's would wait until its timeout). The group is
+        unusable afterwards; ``leave`` still cleans up."""
+        abort = getattr(self.device_group, "abort", None)  # absent in older torch
+        if abort is not None:
+            abort()
 
     # -- the model's collectives -------------------------------------------------------------
 

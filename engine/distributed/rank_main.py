@@ -1,25 +1,34 @@
 """A tensor-parallel rank other than 0: ``python -m engine.distributed.rank_main``, its
-``RankSpec`` pickled on stdin (started by ``RankProcesses``; not imported by the engine)."""
+``RankSpec`` pickled on stdin (started by ``RankProcesses``; not imported by the engine).
+
+It runs the steps rank 0 sends until rank 0 sends the stop message, then leaves its groups
+without waiting on rank 0 (which waits for this process to end) and exits. Ctrl-C is rank 0's
+to handle: it stops or kills this process; when rank 0's process is gone, this one ends too.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
 
 import torch
 
+from engine.distributed.group import TensorParallelGroup
 from engine.distributed.ranks import (
+    LEAVE_TIMEOUT_S,
     WATCH_INTERVAL_S,
     RankSpec,
     join_ranks,
     rank_device,
-    serve_steps,
+    run_bounded,
 )
 from engine.errors import PagestreamError
+from engine.model_runner import ModelRunner
 from engine.runtime import setup_rank
 
 logger = logging.getLogger("pagestream.engine")
@@ -33,8 +42,27 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(WATCH_INTERVAL_S)
 
 
+def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> None:
+    """Run every step rank 0 sends until it sends the stop message, ``None``."""
+    while True:
+        message = group.broadcast_object()
+        if message is None:
+            return
+        runner.run_peer_step(message)
+
+
+def leave_group(group: TensorParallelGroup, device: torch.device) -> None:
+    """This rank's side of the group, once its last step's kernels have ended."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    group.leave()
+
+
 def rank_main(spec: RankSpec) -> int:
     """Join the group, build this rank's shard and runtime, serve steps; the exit code."""
+    # a terminal's Ctrl-C reaches every process of its group, and a rank interrupted
+    # mid-collective would leave the others waiting; rank 0 stops this one
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=spec.log_level, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s"
     )
@@ -55,7 +83,8 @@ def rank_main(spec: RankSpec) -> int:
     except RuntimeError:  # a collective with a rank that is gone, or this device's own failure
         logger.exception("rank %d failed; exiting", spec.rank)
         return 1
-    group.leave()
+    logger.info("rank %d: rank 0 says stop: leaving the group", spec.rank)
+    run_bounded(lambda: leave_group(group, device), LEAVE_TIMEOUT_S, f"rank {spec.rank} leaving")
     return 0
 
 

@@ -3,13 +3,20 @@
 Each rank is ``python -m engine.distributed.rank_main`` with its ``RankSpec`` pickled on stdin
 (no re-import of the caller's ``__main__``, which ``multiprocessing``'s spawn would need). All
 ranks meet on a free localhost port, load their shard and build their runtime together; then
-rank 0 runs the engine and the others loop on ``serve_steps``.
+rank 0 runs the engine and the others serve its steps (``rank_main``).
+
+Stopping waits on nothing without a bound (``RankProcesses.stop``), at ``shutdown()``, at
+exit or after Ctrl-C: rank 0 sends the stop message only to ranks that wait for it between
+steps; they leave their groups and exit. Rank 0 gives them ``STOP_JOIN_S``, kills the rest and
+only then leaves its own side, by aborting its communicators: NCCL's
+``destroy_process_group`` waits for the other ranks, forever if one is gone or stuck.
 
 A rank that dies must not leave the others waiting in a collective forever. Rank 0 checks
-its children before every step, turns a failed collective into ``EngineDeadError``, and a
-watcher thread ends the process if a step stays stuck after a child died (an NCCL
-collective waits for a dead peer; gloo's fails at once). The other ranks end when rank 0's
-process goes away.
+its children before and after every step and turns a failed collective into
+``EngineDeadError``; a watcher thread aborts the device group's communicators when a rank dies
+mid-step on CUDA (a NCCL collective waits for a dead peer; gloo's fails at once) and ends the
+process if the step is still stuck ``STUCK_AFTER_DEATH_S`` later. The other ranks end when
+rank 0's process goes away, and leave Ctrl-C to rank 0.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,16 +42,17 @@ from engine.config import EngineConfig
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError, EngineDeadError
 from engine.loader import ModelSource
-from engine.model_runner import ModelRunner
 
 logger = logging.getLogger("pagestream.engine")
 
 TIMEOUT_ENV = "PAGESTREAM_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0  # rendezvous and collectives: loading a large shard is slow
 WATCH_INTERVAL_S = 0.2
-STUCK_AFTER_DEATH_S = 15.0  # a step still stuck this long after a rank died ends the process
+STUCK_AFTER_DEATH_S = 10.0  # a step still stuck this long after a rank died ends the process
 STUCK_EXIT_CODE = 70
-STOP_JOIN_S = 10.0
+STOP_JOIN_S = 5.0  # the ranks' time to leave their groups and exit after the stop message
+KILL_WAIT_S = 5.0  # a killed rank's time to go (a process inside the GPU driver takes a while)
+LEAVE_TIMEOUT_S = 5.0  # aborting a rank's communicators
 ENGINE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds `engine/`
 
 
@@ -86,8 +94,11 @@ class RankProcesses:
         self.config = config
         self.size = config.tensor_parallel_size
         self.children: list[subprocess.Popen[bytes]] = []
-        self._in_step_since: float | None = None
-        self._death_seen = threading.Event()
+        self.group: TensorParallelGroup | None = None
+        self._out_of_step = False  # a step began and did not end: the ranks are not told
+        self._step_started_s: float | None = None  # while a step runs (for the watcher)
+        self._interrupts_steps = False  # the watcher aborts a step stuck on a dead rank
+        self._lock = threading.Lock()  # the watcher acts, or stop() has begun: not both
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -112,6 +123,7 @@ class RankProcesses:
             with contextlib.suppress(BrokenPipeError):  # it died at once: seen below
                 child.stdin.write(pickle.dumps(spec))
                 child.stdin.close()
+        self._interrupts_steps = device.type == "cuda"
         self._watcher = threading.Thread(
             target=self._watch, name="pagestream-tp-watch", daemon=True
         )
@@ -119,7 +131,8 @@ class RankProcesses:
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", self.size - 1,
                     ", ".join(str(c.pid) for c in self.children))  # fmt: skip
         store = self._wait_for_ranks(port)
-        return TensorParallelGroup.join(0, self.size, store, device, collective_timeout_s())
+        self.group = TensorParallelGroup.join(0, self.size, store, device, collective_timeout_s())
+        return self.group
 
     def _wait_for_ranks(self, port: int) -> dist.TCPStore:
         """The rendezvous store, once every rank has reached it; a rank that fails to start
@@ -134,88 +147,154 @@ class RankProcesses:
             time.sleep(WATCH_INTERVAL_S / 4)
         return store
 
+    def exit_reports(self, only_exited: bool = False) -> list[str]:
+        """``rank r (pid p) exited with code c`` (or ``... still runs``) for each child."""
+        return [
+            f"rank {rank} (pid {child.pid}) "
+            + ("still runs" if child.returncode is None else f"exited with code {child.returncode}")
+            for rank, child in enumerate(self.children, start=1)
+            if child.poll() is not None or not only_exited
+        ]
+
     def dead_ranks(self) -> list[str]:
         """``rank r (pid p) exited with code c`` for each child that is gone."""
-        return [
-            f"rank {rank} (pid {child.pid}) exited with code {child.returncode}"
-            for rank, child in enumerate(self.children, start=1)
-            if child.poll() is not None
-        ]
+        return self.exit_reports(only_exited=True)
 
     def check_alive(self) -> None:
         """Raise ``EngineDeadError`` if a rank is gone."""
         dead = self.dead_ranks()
         if dead:
-            raise self._dead_error(dead)
+            raise _dead_error(dead)
 
     @contextlib.contextmanager
     def collectives(self) -> Iterator[None]:
         """Around the start and each step: a failure there means a rank is gone or out of
-        step (``EngineDeadError``); a wait that outlasts a rank's death ends the process."""
+        step (``EngineDeadError``). A step that does not end (an exception, Ctrl-C) leaves the
+        ranks out of step for good."""
+        if self._out_of_step:
+            raise _dead_error(["step was left unfinished on rank 0 (interrupted)"])
         self.check_alive()
-        self._in_step_since = time.monotonic()
+        self._out_of_step = True
+        self._step_started_s = time.monotonic()
         try:
             yield
         except EngineDeadError:
             raise
         except RuntimeError as exc:  # gloo and NCCL raise RuntimeError subclasses
-            deadline_s = time.monotonic() + 2.0  # the dead child may not be reaped yet
-            while not self.dead_ranks() and time.monotonic() < deadline_s:
-                time.sleep(0.05)
-            causes = self.dead_ranks() or [f"step failed on rank 0 ({exc})"]
-            raise self._dead_error(causes) from exc
+            raise self._failed_step(exc) from exc
         finally:
-            self._in_step_since = None
+            self._step_started_s = None
+        self.check_alive()  # a step the watcher interrupted (NCCL) may seem to have run
+        self._out_of_step = False
 
-    def _dead_error(self, causes: list[str]) -> EngineDeadError:
-        self._death_seen.set()
-        return EngineDeadError(
-            f"tensor-parallel {'; '.join(causes)}: the engine cannot continue "
-            "(close it; a worker exits so that its requests go to another worker)"
-        )
+    def _failed_step(self, exc: RuntimeError) -> EngineDeadError:
+        deadline_s = time.monotonic() + 2.0  # the dead child may not be reaped yet
+        while not self.dead_ranks() and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        return _dead_error(self.dead_ranks() or [f"step failed on rank 0 ({exc})"])
 
     def _watch(self) -> None:
-        """End the process if a step is stuck after a rank died (nothing else would)."""
+        """Once a rank died mid-step: abort the device group (CUDA), so that the collective
+        waiting for it returns; end the process if the step still waits a while later."""
         died_at_s: float | None = None
         while not self._stopping.wait(WATCH_INTERVAL_S):
-            if died_at_s is None:
-                died_at_s = time.monotonic() if self.dead_ranks() else None
+            if died_at_s is None and self.dead_ranks():
+                died_at_s = time.monotonic()
+            if died_at_s is None or self._step_started_s is None:
                 continue
-            in_step = self._in_step_since is not None
-            stuck = in_step and time.monotonic() - died_at_s > STUCK_AFTER_DEATH_S
-            if stuck and not self._death_seen.is_set():
-                logger.critical(
-                    "tensor parallel: %s and the step has waited %.0f s on it: exiting",
-                    "; ".join(self.dead_ranks()), STUCK_AFTER_DEATH_S,
-                )  # fmt: skip
-                os._exit(STUCK_EXIT_CODE)
+            with self._lock:  # not once stop() has begun: it kills ranks on purpose
+                if not self._stopping.is_set():
+                    self._unstick_step(died_at_s)
 
-    def stop(self, group: TensorParallelGroup | None, serving: bool) -> None:
-        """Tell the ranks to stop if they are ``serving`` steps (a failed start left them
-        failing or stuck: they are not told), wait for them, end the rest."""
-        self._stopping.set()
-        if group is not None and serving and not self.dead_ranks():
-            with contextlib.suppress(RuntimeError):
-                group.broadcast_object(None)
-        deadline_s = time.monotonic() + STOP_JOIN_S
+    def _unstick_step(self, died_at_s: float) -> None:
+        dead = "; ".join(self.dead_ranks())
+        if self._interrupts_steps and self.group is not None:
+            self._interrupts_steps = False  # once
+            logger.error("tensor parallel: %s mid-step: aborting the step's collectives", dead)
+            run_bounded(self.group.interrupt, LEAVE_TIMEOUT_S, "aborting the step")
+        if time.monotonic() - died_at_s > STUCK_AFTER_DEATH_S:
+            logger.critical("tensor parallel: %s and the step has waited %.0f s on it: exiting",
+                            dead, STUCK_AFTER_DEATH_S)  # fmt: skip
+            os._exit(STUCK_EXIT_CODE)
+
+    def stop(self) -> None:
+        """Stop the other ranks and leave the group (at ``shutdown()``, at exit, after a
+        failed start), in seconds: each wait here has a bound, about 20 s in all at worst.
+        The ranks get the stop message only if they wait for it between steps; those that
+        have not exited ``STOP_JOIN_S`` later are killed. Rank 0 leaves its side last, once
+        no other rank runs."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+        sender = None
+        try:
+            sender = self._send_stop()
+            self._join(STOP_JOIN_S if sender is not None else 0.0)
+        finally:  # even if interrupted (a second Ctrl-C): no rank outlives rank 0's stop
+            self._kill_all()
+        if sender is not None:  # it returns once the ranks are gone, told or not
+            sender.join(LEAVE_TIMEOUT_S)
+        if self.group is not None:
+            logger.info("tensor parallel: %s; rank 0 leaves the group",
+                        "; ".join(self.exit_reports()))  # fmt: skip
+            run_bounded(self.group.leave, LEAVE_TIMEOUT_S, "rank 0 leaving the group")
+
+    def _send_stop(self) -> threading.Thread | None:
+        """Send the stop message on a thread of its own (a rank that is alive but does not
+        take it would block it), unless the ranks are not all waiting for a step."""
+        group = self.group
+        if group is None or self._out_of_step or self.dead_ranks():
+            return None
+        sender = threading.Thread(
+            target=_broadcast_stop, args=(group,), name="pagestream-tp-stop", daemon=True
+        )
+        sender.start()
+        return sender
+
+    def _join(self, timeout_s: float) -> None:
+        deadline_s = time.monotonic() + timeout_s
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(max(deadline_s - time.monotonic(), 0.0))
+
+    def _kill_all(self) -> None:
+        for child in self.children:
             if child.poll() is None:
                 child.kill()
-                child.wait()
-        if group is not None:
-            with contextlib.suppress(RuntimeError):
-                group.leave()
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # one inside the GPU driver
+                child.wait(KILL_WAIT_S)
 
 
-def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> None:
-    """A rank other than 0: run every step rank 0 sends until it sends ``None``."""
-    while True:
-        message = group.broadcast_object()
-        if message is None:
-            return
-        runner.run_peer_step(message)
+def _broadcast_stop(group: TensorParallelGroup) -> None:
+    with contextlib.suppress(RuntimeError):  # a rank was killed before it took the message
+        group.broadcast_object(None)
+
+
+def _dead_error(causes: list[str]) -> EngineDeadError:
+    return EngineDeadError(
+        f"tensor-parallel {'; '.join(causes)}: the engine cannot continue "
+        "(close it; a worker exits so that its requests go to another worker)"
+    )
+
+
+def run_bounded(action: Callable[[], None], timeout_s: float, what: str) -> bool:
+    """Run ``action`` on a daemon thread and wait at most ``timeout_s`` for it: whether it
+    ended. One that fails or outlasts the wait is logged and left behind."""
+
+    def run() -> None:
+        try:
+            action()
+        except Exception:
+            logger.exception("tensor parallel: %s failed", what)
+
+    thread = threading.Thread(target=run, name="pagestream-tp-bounded", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("tensor parallel: %s took over %.0f s: going on without it", what, timeout_s)
+    return not thread.is_alive()
 
 
 def join_ranks(rank: int, size: int, port: int, device: torch.device) -> TensorParallelGroup:
