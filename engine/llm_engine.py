@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError
 from engine.inputs import PromptEncoder, check_request_fields
 from engine.loader import find_model
 from engine.memory import prefer_expandable_segments
+from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, StepOutput
 from engine.runtime import RankSetup, setup_rank
@@ -40,6 +41,17 @@ from engine.step_profile import StepProfiler
 from engine.step_types import LaunchedStep, SampledToken
 
 logger = logging.getLogger("pagestream.engine")
+
+
+def _stop_ranks(ranks: RankProcesses, runner: weakref.ref[ModelRunner]) -> None:
+    """The engine's finalizer: it holds the runner weakly, so that it keeps nothing alive."""
+
+    def release() -> None:
+        alive = runner()
+        if alive is not None:
+            alive.release_cuda_graphs()
+
+    ranks.stop(release)
 
 
 @dataclass
@@ -83,7 +95,9 @@ class LLMEngine:
             raise
         self._take_setup(setup)
         if self.ranks is not None:  # at shutdown(), or at exit if it is never called
-            self._stop_ranks = weakref.finalize(self, self.ranks.stop)
+            self._stop_ranks = weakref.finalize(
+                self, _stop_ranks, self.ranks, weakref.ref(self.runner)
+            )
 
     def _take_setup(self, setup: RankSetup) -> None:
         config, runtime, backend = self.config, setup.runtime, setup.backend

@@ -54,6 +54,13 @@ class ModelRunner:
     def uses_cuda_graphs(self) -> bool:
         return self.graphs is not None
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs and their memory pool. Before a tensor-parallel rank leaves
+        its group: a live graph that holds an NCCL all-reduce keeps its communicator, and
+        tearing that communicator down then waits."""
+        self.graphs = None
+        self.piecewise = None
+
     def capture_cuda_graphs(self, max_rows: int, max_seq_len: int, max_graph_tokens: int) -> float:
         """Capture decode graphs for every batch-size bucket up to ``max_rows`` one-token rows
         (sequences, or draft positions being verified), and piecewise graphs for steps of up to

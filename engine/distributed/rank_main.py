@@ -77,6 +77,7 @@ def rank_main(spec: RankSpec) -> int:
     try:
         setup = setup_rank(config, device, group, spec.source)
         serve_steps(setup.runtime.runner, group)
+        setup.runtime.runner.release_cuda_graphs()
     except PagestreamError as exc:  # rank 0 meets the same error and reports it
         logger.error("rank %d: %s", spec.rank, exc)
         return 1

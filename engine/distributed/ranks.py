@@ -217,12 +217,12 @@ class RankProcesses:
                             dead, STUCK_AFTER_DEATH_S)  # fmt: skip
             os._exit(STUCK_EXIT_CODE)
 
-    def stop(self) -> None:
+    def stop(self, release: Callable[[], None] | None = None) -> None:
         """Stop the other ranks and leave the group (at ``shutdown()``, at exit, after a
         failed start), in seconds: each wait here has a bound, about 20 s in all at worst.
         The ranks get the stop message only if they wait for it between steps; those that
         have not exited ``STOP_JOIN_S`` later are killed. Rank 0 leaves its side last, once
-        no other rank runs."""
+        no other rank runs, after ``release`` drops what holds its communicators."""
         with self._lock:
             if self._stopping.is_set():
                 return
@@ -238,6 +238,8 @@ class RankProcesses:
         if self.group is not None:
             logger.info("tensor parallel: %s; rank 0 leaves the group",
                         "; ".join(self.exit_reports()))  # fmt: skip
+            if release is not None:  # what still holds the communicators (CUDA graphs)
+                release()
             run_bounded(self.group.leave, LEAVE_TIMEOUT_S, "rank 0 leaving the group")
 
     def _send_stop(self) -> threading.Thread | None:
