@@ -31,6 +31,7 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "serve-fleet": _serve_fleet,
         "quant": plots_features.quant,
         "speculative": plots_features.speculative,
+        "tp-scaling": _tp_scaling,
     }
     draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table
@@ -88,6 +89,22 @@ def _latency(plt: Any, record: dict[str, Any]) -> Any:
     if all("hf_generate" in r for r in results):
         hf = [r["hf_generate"]["tpot_s"] * 1e3 for r in results]
         ax.plot(batches, hf, "s-", color="tab:gray", label="transformers generate")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("time per output token (ms)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _tp_scaling(plt: Any, record: dict[str, Any]) -> Any:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    lines: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for row in record["results"]:
+        lines[row["model"], row["tensor_parallel_size"]].append(row)
+    for (model, size), rows in sorted(lines.items()):
+        batches = [r["batch"] for r in rows]
+        ax.plot(batches, [r["tpot_s"] * 1e3 for r in rows], "o-", label=f"{model}, TP{size}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
