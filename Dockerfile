@@ -21,7 +21,7 @@ FROM ${BASE_IMAGE} AS builder
 # The GPU code is tested on torch 2.11 / triton 3.6 (torch pins the matching triton). The cu128
 # build needs a driver for CUDA 12.8 (570 or newer); with a driver of 580 or newer,
 # --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130 gives the build that
-# README's GPU records were measured with.
+# the GPU records in docs/performance.md were measured with.
 ARG TORCH_VERSION=2.11.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 

@@ -19,6 +19,7 @@ import torch
 from engine import LLM, FinishReason, SamplingParams
 from engine.loader import resolve_model_dir
 from engine.loader.gguf import BUNDLED_INSTALL_COMMAND, COMPLETE_MARKER_NAME
+from tests.doc_examples import python_example
 
 MODEL = "smollm2-135m"
 CAPITAL_PROMPT = "The capital of France is"
@@ -143,3 +144,15 @@ def test_a_peer_builds_the_speculative_benchs_prompts_from_the_directory(
     ours, kind = make_prompts(llm.engine, 3, seed=0)
     assert kind.startswith("chat:")
     assert copy_prompts(encoder, vocab_size, 3, seed=0) == (ours, kind)
+
+
+def test_the_readme_offline_example_runs(
+    llm: LLM, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's offline example, as written, on the already loaded bundled model."""
+    import engine
+
+    monkeypatch.setattr(engine, "LLM", lambda model: llm if model == MODEL else None)
+    code = python_example("README.md", "from engine import LLM")
+    exec(compile(code, "README.md", "exec"), {})
+    assert "Paris" in capsys.readouterr().out

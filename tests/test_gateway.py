@@ -4,12 +4,12 @@ model on the CPU). Greedy answers are checked against the same request through R
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
 from clients import Client
+from tests.doc_examples import python_example
 from tests.gateway_fixtures import API_KEY, CONTEXT_LEN, Stack
 
 PROMPT_IDS = [5, 6, 7, 8]
@@ -153,11 +153,23 @@ def test_bad_or_missing_api_key_is_401(stack: Stack) -> None:
     assert exc.value.body["code"] == "invalid_api_key"  # type: ignore[index]
 
 
-def test_the_readme_example_runs(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's Python example, as written, against this gateway."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## OpenAI-compatible gateway") :]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    code = code.replace("http://127.0.0.1:8000/v1", stack.base_url).replace("sk-local", API_KEY)
-    exec(compile(code, "README.md", "exec"), {})
+@pytest.mark.parametrize("doc", ["README.md", "docs/gateway.md"])
+def test_the_openai_example_runs(
+    doc: str, stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ``openai`` example of the README and of docs/gateway.md, as written, against this
+    gateway."""
+    code = python_example(doc, "from openai import OpenAI")
+    code = code.replace("http://127.0.0.1:8000/v1", stack.base_url)
+    for key in ('api_key="sk-local"', 'api_key="unused"'):
+        code = code.replace(key, "api_key=KEY")
+    exec(compile(code, doc, "exec"), {"KEY": API_KEY})
     assert "CompletionUsage(" in capsys.readouterr().out
+
+
+def test_the_readme_client_example_runs(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's example of the bundled client, as written, against this stack's Redis."""
+    code = python_example("README.md", "from clients import Client")
+    code = code.replace("redis://localhost:6379/0", stack.redis.url)
+    exec(compile(code, "README.md", "exec"), {})
+    assert "Usage(" in capsys.readouterr().out

@@ -123,7 +123,7 @@ def test_health_is_503_without_workers_or_redis(stack: Stack) -> None:
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl here")
 def test_curl_streams_a_chat_answer(stack: Stack) -> None:
-    """The README's curl example, in the same form."""
+    """The curl example of docs/gateway.md, in the same form."""
     body = json.dumps({"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4,
                        "stream": True, "ignore_eos": True})  # fmt: skip
     result = subprocess.run(
