@@ -14,14 +14,14 @@ import torch.nn.functional as F
 
 from engine import LLM
 from engine.quant.linear import QuantizedLinear
-from kernels.quant import FORMATS, dequantize
-from kernels.quant_gemv_int8_triton import (
+from kernels.linear.quant import FORMATS, dequantize
+from kernels.linear.quant_gemv_int8_triton import (
     X_BLOCKS,
     quant_gemv_int8,
     quantize_x_int8_reference,
     round_rows_int8,
 )
-from kernels.quant_matmul_triton import (
+from kernels.linear.quant_matmul_triton import (
     INT8_X_ROWS,
     QuantMatmulConfig,
     default_config,

@@ -15,7 +15,7 @@ so each weight costs a nibble extraction and one fused multiply-add, and each bl
 fp8 has one scale per row: it multiplies the finished sums. The 4-bit tiles load each block's
 16 bytes once and split them into the low nibbles (elements 0..15) and high (16..31), which
 meet ``x[0:16]`` and ``x[16:32]`` of the block. ``SPLIT_K > 1`` adds fp32 partial sums
-atomically into a zeroed buffer, as kernels/gemv_triton.py does.
+atomically into a zeroed buffer, as gemv_triton.py does.
 
 The 4-bit formats go further, as at 4.5 bits a weight the instructions, not the bytes, bound
 the kernel (H100: q4_0 and q8_0 took the same time per linear, q8_0 reading twice the bytes):
@@ -28,7 +28,7 @@ the kernel (H100: q4_0 and q8_0 took the same time per linear, q8_0 reading twic
 * Block sums stay per block in a ``[M_PAD, BLOCK_N, BLOCKS]`` accumulator and are added
   across blocks once, after the loop, not with a cross-thread reduction every step.
 
-Together with one-warp programs of two columns (kernels/quant_matmul_triton.py's
+Together with one-warp programs of two columns (quant_matmul_triton.py's
 TUNED_GEMV), q4_0 on llama3-8b's four layer linears at one row 1.21x, at two 1.17x (H100,
 quant-kernels-gemv-llama3-8b-h100.json). q8_0 keeps the per-step sums, which measured 4-6%
 faster for it than deferring them; fp8 too (not measured).
@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import store_split_k
+from kernels.linear.gemv_triton import store_split_k
+from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
 
 BLOCKED_FORMATS = ("q8_0", "q4_0", "q4_1", "fp8")
 

@@ -5,13 +5,13 @@
 Decode batches of a few dozen rows are memory-bound: the weight's bytes are the step's cost.
 ``torch._scaled_mm`` multiplies the same operands but its kernels are tuned for large M; at
 3-16 rows it ran at 0.35-0.43 of the weight's streaming limit on llama3-8b's qkv and o (H100)
-and slower than bf16 cuBLAS on down_proj (K = 14,336). Here, as in kernels/quant_mma_triton.py,
+and slower than bf16 cuBLAS on down_proj (K = 14,336). Here, as in quant_mma_triton.py,
 the tile is transposed (``out^T = w @ x^T``: the weight the dot's tall side, the batch its
 narrow one, padded to 16); a K split (possible, not the default: long K steps filled the
 GPU better) stores a plane per split that the launcher adds in a fixed order.
 
 The activations are rounded as ``torch._scaled_mm``'s path rounds them
-(kernels/fp8_rows_triton.py: e4m3 with a scale per row); the dot multiplies e4m3 by e4m3
+(fp8_rows_triton.py: e4m3 with a scale per row); the dot multiplies e4m3 by e4m3
 into fp32 and the epilogue applies both scales, so the product is the same W8A8 one.
 """
 
@@ -21,14 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_rows_triton import quantize_rows_fp8_triton
-from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant_mma_triton import (
+from kernels.linear.fp8_rows_triton import quantize_rows_fp8_triton
+from kernels.linear.quant_mma_triton import (
     MIN_BLOCK_M,
     add_split_k_planes,
     plane_strides,
     split_k_planes,
 )
+from kernels.pdl import pdl_launch, wait_for_producers
 
 
 @triton.jit

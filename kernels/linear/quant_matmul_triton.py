@@ -3,29 +3,29 @@
 """Matmul against quantized weights in Triton: ``out = x @ dequantize(w).T``.
 
 The weight never exists in float outside registers: each program loads its tile's quants and
-scales from the format's planes (kernels/quant.py) and dequantizes them where the products
+scales from the format's planes (quant.py) and dequantizes them where the products
 are formed, so a step reads the packed bytes only (4.5 bits a weight for q4_0 against 16).
 
 ``weight_tile`` turns element coordinates ``(n, k)`` (any broadcastable shapes) into float32
 weights for every format, from ggml's per-block layout. Two kernels here use it, and
-kernels/quant_dequant_triton.py writes its tiles out as a float weight:
+quant_dequant_triton.py writes its tiles out as a float weight:
 
 * GEMV (``M <= MAX_GEMV_ROWS``, decode; in ``INT8_X_ROWS``' range on int8-rounded
-  activations, kernels/quant_gemv_int8_triton.py): a program owns ``BLOCK_N`` output columns
+  activations, quant_gemv_int8_triton.py): a program owns ``BLOCK_N`` output columns
   for all rows of ``x`` and walks ``K`` (optionally split over programs that add fp32 partial sums
   atomically); memory-bound, it streams the planes once. q8_0, q4_0, q4_1 and fp8 take
-  kernels/quant_gemv_triton.py instead, which applies each block's scale once to a block sum,
-  and q4_k/q6_k kernels/quant_gemv_kquant_triton.py, which loads their super-blocks in
+  quant_gemv_blocked_triton.py instead, which applies each block's scale once to a block sum,
+  and q4_k/q6_k quant_gemv_kquant_triton.py, which loads their super-blocks in
   contiguous groups (``QuantMatmulConfig.blocked``; off, every format dequantizes element
   by element here).
 * GEMM (prefill): ``BLOCK_M x BLOCK_N`` output tiles; each ``K`` step dequantizes a
   ``[BLOCK_K, BLOCK_N]`` weight tile into the activation dtype and feeds ``tl.dot``. From
   ``DEQUANT_GEMM_MIN_ROWS`` rows up, engine/quant/linear.py dequantizes the whole weight once
-  and calls cuBLAS instead (kernels/quant_dequant_triton.py).
+  and calls cuBLAS instead (quant_dequant_triton.py).
 
-Decode batches in ``MMA_ROWS``' range take tensor cores instead: kernels/quant_mma_triton.py
-for q8_0/q4_0/q4_1, kernels/fp8_mma_triton.py for fp8 (W8A8), which beyond its range takes
-``torch._scaled_mm`` (kernels/fp8_rows_triton.py).
+Decode batches in ``MMA_ROWS``' range take tensor cores instead: quant_mma_triton.py
+for q8_0/q4_0/q4_1, fp8_mma_triton.py for fp8 (W8A8), which beyond its range takes
+``torch._scaled_mm`` (fp8_rows_triton.py).
 """
 
 from __future__ import annotations
@@ -37,17 +37,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_mma_triton import fp8_mma
-from kernels.fp8_rows_triton import fp8_scaled_mm
-from kernels.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
-from kernels.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
+from kernels.linear.fp8_mma_triton import fp8_mma
+from kernels.linear.fp8_rows_triton import fp8_scaled_mm
+from kernels.linear.gemv_triton import MAX_ROWS as MAX_GEMV_ROWS
+from kernels.linear.gemv_triton import SUPPORTED_DTYPES, split_k_target, store_split_k
+from kernels.linear.quant import QK, QuantFormat
+from kernels.linear.quant_gemv_blocked_triton import BLOCKED_FORMATS, quant_gemv_blocked
+from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, quant_gemv_int8
+from kernels.linear.quant_gemv_kquant_triton import (
+    KQUANT_FORMATS,
+    _q4_k_scale_min,
+    quant_gemv_kquant,
+)
+from kernels.linear.quant_mma_int8_triton import quant_mma_int8
+from kernels.linear.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, mma_block_m, quant_mma
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
-from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, quant_gemv_int8
-from kernels.quant_gemv_kquant_triton import KQUANT_FORMATS, _q4_k_scale_min, quant_gemv_kquant
-from kernels.quant_gemv_triton import BLOCKED_FORMATS, quant_gemv_blocked
-from kernels.quant_mma_int8_triton import quant_mma_int8
-from kernels.quant_mma_triton import MIN_BLOCK_M, MMA_DTYPES, mma_block_m, quant_mma
 
 MAX_PLANES = 4
 SCALED_MM_MIN_CAPABILITY = (9, 0)  # torch._scaled_mm with row-wise scales
@@ -64,10 +68,10 @@ class QuantMatmulConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through kernels/quant_gemv_triton.py
+    blocked: bool = True  # GEMV: q8_0/q4_0/q4_1/fp8 through quant_gemv_blocked_triton.py
     int8_x: bool = False  # GEMV: q8_0/q4_0/q4_1 on x rounded to int8 (quant_gemv_int8_triton)
-    mma: bool = False  # q8_0/q4_0/q4_1 on tensor cores (kernels/quant_mma_triton.py), any rows
-    int8_mma: bool = False  # ... on int8 tensor cores, x rounded (kernels/quant_mma_int8_triton.py)
+    mma: bool = False  # q8_0/q4_0/q4_1 on tensor cores (quant_mma_triton.py), any rows
+    int8_mma: bool = False  # ... on int8 tensor cores, x rounded (quant_mma_int8_triton.py)
 
 
 # -- dequantizing a tile ----------------------------------------------------------------------
@@ -76,7 +80,7 @@ class QuantMatmulConfig:
 @triton.jit
 def weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, n, k, mask, FORMAT: tl.constexpr):
     """float32 weights at rows ``n``, columns ``k`` (broadcast together); planes in the order
-    of kernels/quant.py's FORMATS, ``s*`` their row strides."""
+    of quant.py's FORMATS, ``s*`` their row strides."""
     if FORMAT == 0:  # q8_0: d, qs
         d = tl.load(p0 + n * s0 + k // 32, mask=mask, other=0.0).to(tl.float32)
         q = tl.load(p1 + n * s1 + k, mask=mask, other=0).to(tl.float32)
@@ -282,7 +286,7 @@ def takes_int8_rows(fmt: QuantFormat, num_rows: int, size_k: int, dtype: torch.d
 
 def uses_scaled_mm(x: torch.Tensor, fmt: QuantFormat, num_cols: int, size_k: int) -> bool:
     """Whether fp8 rows take ``torch._scaled_mm`` by default: from ``MMA_ROWS["fp8"][1]``
-    rows (fewer take the GEMV or kernels/fp8_mma_triton.py), on Hopper+, bf16, aligned."""
+    rows (fewer take the GEMV or fp8_mma_triton.py), on Hopper+, bf16, aligned."""
     return x.shape[0] >= MMA_ROWS["fp8"][1] and scaled_mm_fits(x, fmt, num_cols, size_k)
 
 
@@ -425,7 +429,7 @@ def default_config(
 # blocked dequantizer + cuBLAS (quant-kernels-dequant-llama3-8b-h100.json): q4_0 at 128 rows
 # 348 us against 386, at 160
 # rows (two row tiles) 594 against 398; q8_0 at 128 rows 429 against 424; q4_1 at 64 rows 293
-# against 386, at 96 rows (a 128-row tile) 410 against 391. fp8 (kernels/fp8_mma_triton.py,
+# against 386, at 96 rows (a 128-row tile) 410 against 391. fp8 (fp8_mma_triton.py,
 # W8A8) from 2 rows, where its one-row GEMV stops winning, to 128, beyond which
 # torch._scaled_mm takes over (quant-kernels-fp8-mma-sweep-llama3-8b-h100.json, a layer's
 # four linears: 2 rows 98 us against the GEMV's 126 and _scaled_mm's 148; 8 rows 98 against
@@ -469,7 +473,7 @@ def default_mma_config(
                              num_warps=warps, num_stages=stages, mma=True)  # fmt: skip
 
 
-# Rows [low, high) that take the int8 tensor-core kernel (kernels/quant_mma_int8_triton.py).
+# Rows [low, high) that take the int8 tensor-core kernel (quant_mma_int8_triton.py).
 # H100, llama3-8b's layer linears, its one launch shape (quant-kernels-int8-mma-sweep-llama3-
 # 8b-h100.json), a layer's four linears in q8_0 against the float tensor-core kernel: 8 rows
 # 142 us against 197 (bf16 cuBLAS 165), 16 rows 164 against 209 (cuBLAS 166), 32 rows 222
@@ -542,7 +546,7 @@ def default_gemv_config(num_cols: int, size_k: int, fmt: QuantFormat) -> QuantMa
     return QuantMatmulConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
 
 
-# Rows that take the int8-activation GEMV (kernels/quant_gemv_int8_triton.py: x rounded to
+# Rows that take the int8-activation GEMV (quant_gemv_int8_triton.py: x rounded to
 # int8, dp4a), one-warp programs. H100, llama3-8b (quant-kernels-int8-llama3-8b-h100.json), a
 # layer's four linears, the rounding kernel included: q4_0 at one row 54 us against the float
 # GEMV's 81 (limit 41), two rows 69 against 119; q4_1 59 against 107 at one row; a q4_0 LM

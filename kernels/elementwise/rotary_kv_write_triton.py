@@ -19,15 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write_triton import (
+from kernels.attention.kv_write_triton import (
     PoolScales,
     _fp8_scale,
     _store_fp8,
     _store_token,
     check_write_args,
 )
+from kernels.elementwise.rotary_triton import _rotate_heads, _rotated_halves, check_rotary_args
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.rotary_triton import _rotate_heads, _rotated_halves, check_rotary_args
 
 
 @triton.jit

@@ -4,7 +4,7 @@
 
 One program stores one new token: all its KV heads, K and V. A negative slot skips the token
 (padded rows of a CUDA graph). With an fp8 pool the program quantizes each (token, kv head)
-vector with its own float32 scale, exactly as ``kernels.paged_attention.quantize_fp8`` does.
+vector with its own float32 scale, exactly as ``paged_attention.quantize_fp8`` does.
 The engine launches the fused ``rotary_kv_write_triton``, built from this file's helpers.
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from kernels.attention.paged_attention import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 E4M3_MAX = tl.constexpr(FP8_MAX)  # globals a kernel reads must be constexpr
@@ -146,7 +146,7 @@ def write_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store new K and V rows in the pool; matches ``kernels.paged_attention.write_kv_ref``.
+    """Store new K and V rows in the pool; matches ``paged_attention.write_kv_ref``.
 
     Shapes: ``k, v: [T, Hkv, D]`` (any strides, each its own); ``k_cache, v_cache: [NB, BS,
     Hkv, D]`` (any strides, e.g. a layer's slice of a bigger pool, same for both);

@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-def"
 """Decode GEMV for q4_k and q6_k weights, walking their super-blocks in contiguous groups.
 
-The element-wise GEMV (kernels/quant_matmul_triton.py) computes every weight's byte address
+The element-wise GEMV (quant_matmul_triton.py) computes every weight's byte address
 on its own, which scatters the loads. Here a program loads whole groups of a super-block as
 ``[BLOCK_N, GROUPS, W]`` tiles of contiguous bytes:
 
@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import store_split_k
+from kernels.linear.gemv_triton import store_split_k
+from kernels.linear.quant import QK_K, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK_K, QuantFormat
 
 KQUANT_FORMATS = {"q4_k": 64, "q6_k": 128}  # format -> elements of a group
 
@@ -33,7 +33,7 @@ KQUANT_FORMATS = {"q4_k": 64, "q6_k": 128}  # format -> elements of a group
 @triton.jit
 def _q4_k_scale_min(scales_row, sub, mask):
     """The 6-bit scale and min of sub-blocks ``sub`` (0..7) of the super-blocks at
-    ``scales_row`` (kernels/quant.py: q4_k_scales_mins spells out the packing)."""
+    ``scales_row`` (quant.py: q4_k_scales_mins spells out the packing)."""
     a = tl.load(scales_row + sub % 4, mask=mask, other=0).to(tl.int32)
     b = tl.load(scales_row + sub % 4 + 4, mask=mask, other=0).to(tl.int32)
     c = tl.load(scales_row + sub % 4 + 8, mask=mask, other=0).to(tl.int32)

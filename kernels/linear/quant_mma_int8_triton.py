@@ -2,11 +2,11 @@
 # mypy: disable-error-code="no-untyped-def"
 """Decode batches of q8_0, q4_0 and q4_1 on int8 tensor cores, the activations rounded to int8.
 
-kernels/quant_mma_triton.py forms every weight as a 16-bit float before its dot: for q8_0 an
+quant_mma_triton.py forms every weight as a 16-bit float before its dot: for q8_0 an
 int-to-float conversion and a scale product per weight, which bounds it at 8-16 rows (H100,
 llama3-8b, a layer's four linears at 8 rows: 207 us in q8_0 against bf16 cuBLAS's 165 and a
 77 us streaming limit). Here, as llama.cpp's ``mmq`` kernels do, the activations come as the
-int8 GEMV takes them (kernels/quant_gemv_int8_triton.py: 32-element blocks ``x ~ dx * xq``,
+int8 GEMV takes them (quant_gemv_int8_triton.py: 32-element blocks ``x ~ dx * xq``,
 from the kernel that produced them or the rounding kernel) and each 32-element block of the
 weight meets them in one int8 dot, scaled once per output:
 
@@ -28,10 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.quant import QK, QuantFormat
+from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, as_int8_rows
+from kernels.linear.quant_mma_triton import (
+    MIN_BLOCK_M,
+    add_split_k_planes,
+    plane_strides,
+    split_k_planes,
+)
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
-from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, as_int8_rows
-from kernels.quant_mma_triton import MIN_BLOCK_M, add_split_k_planes, plane_strides, split_k_planes
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-def"
 """Decode GEMV for q8_0, q4_0 and q4_1 with the activations rounded to int8: integer dot products.
 
-At one row the 4-bit GEMV of kernels/quant_gemv_triton.py is bound by instruction issue, not
+At one row the 4-bit GEMV of quant_gemv_blocked_triton.py is bound by instruction issue, not
 by bytes (H100, llama3-8b's gate_up: 82% of issue slots taken, 42% of DRAM bandwidth): every
 weight costs a nibble extraction, a conversion to float and an FMA. Here, as in llama.cpp's
 ``mmvq`` kernels, ``x`` is first rounded to int8 in 32-element blocks, each with its own scale
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import store_split_k
+from kernels.linear.gemv_triton import store_split_k
+from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
 
 INT8_X_FORMATS = ("q8_0", "q4_0", "q4_1")
 X_BLOCKS = 8  # 32-element blocks of x per program of the rounding kernel
@@ -59,9 +59,9 @@ def _round_half_away(v):
 def round_blocks_int8(x):
     """``x`` float32 ``[B, 32]`` -> ``(xq, dx, xs)``: each row a 32-element block rounded to
     ``xq = round(x / dx)`` with ``dx = amax / 127`` (halves away from zero), and ``xs = dx *
-    sum xq``. The norms and SiLU that round their own output (kernels/norm_triton.py,
-    kernels/activation_triton.py) call it too, through ``store_blocks_int8``, so that their
-    blocks are the rounding kernel's bits."""
+    sum xq``. The norms and SiLU that round their own output (kernels/elementwise/norm_triton.py,
+    kernels/elementwise/activation_triton.py) call it too, through ``store_blocks_int8``, so
+    that their blocks are the rounding kernel's bits."""
     amax = tl.max(tl.abs(x), axis=1)
     dx = amax * (1.0 / 127.0)  # a product, as torch computes amax / 127.0 on CUDA
     safe = tl.where(amax > 0, amax, 1.0)
@@ -106,7 +106,7 @@ def _quantize_x_kernel(
 @dataclass(frozen=True)
 class Int8Rows:
     """Activation rows already rounded to int8 in 32-element blocks, ready for the int8
-    kernels (this GEMV, kernels/quant_mma_int8_triton.py): from the rounding kernel
+    kernels (this GEMV, quant_mma_int8_triton.py): from the rounding kernel
     (``round_rows_int8``) or from the kernel that produced the activations (a norm, SiLU),
     which then skips writing them in float. ``dtype``: the float dtype the rows had, which the
     output takes."""

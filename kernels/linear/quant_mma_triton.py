@@ -15,7 +15,7 @@ batch its narrow one, padded to 16), and two facts keep the weight's conversion 
   ``x[16:32]``: two dots, no shuffle of the quants.
 
 Each weight ``d * (q - 8)`` (q4_0), ``d * q + m`` (q4_1) or ``d * q`` (q8_0) is formed in
-fp32 and rounded once to the activations' dtype, the bits kernels/quant_dequant_triton.py
+fp32 and rounded once to the activations' dtype, the bits quant_dequant_triton.py
 writes for cuBLAS, and one dot per nibble half spans the K step's blocks. (A variant that ran
 one dot per block on the bare ``magic + q`` and scaled its fp32 result was exact, 1.1-2.3x
 slower for q4_0 from 16 to 144 rows and 1-9% faster for q8_0, and its
@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
 
 MMA_FORMATS = ("q8_0", "q4_0", "q4_1")
 MMA_DTYPES = (torch.bfloat16, torch.float16)
