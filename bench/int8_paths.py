@@ -46,7 +46,7 @@ AGREEMENT_PROMPTS = 16
 def path_off(path: str) -> Iterator[None]:
     """While the block runs, engines are built without ``path`` (one of PATHS)."""
     import engine.models.llama as llama
-    import kernels.linear.quant_matmul_triton as quant_matmul
+    import kernels.linear.quant_matmul_config as quant_config
 
     if path == "producers":
         shipped = llama.takes_int8_rows
@@ -56,12 +56,12 @@ def path_off(path: str) -> Iterator[None]:
         finally:
             llama.takes_int8_rows = shipped
     else:
-        rows = dict(quant_matmul.INT8_MMA_ROWS)
-        quant_matmul.INT8_MMA_ROWS.clear()
+        rows = dict(quant_config.INT8_MMA_ROWS)
+        quant_config.INT8_MMA_ROWS.clear()
         try:
             yield
         finally:
-            quant_matmul.INT8_MMA_ROWS.update(rows)
+            quant_config.INT8_MMA_ROWS.update(rows)
 
 
 def measure_paths(

@@ -53,15 +53,15 @@ from kernels.linear.quant import (
 from kernels.linear.quant_dequant_triton import BLOCKED_FORMATS as DEQUANT_BLOCKED_FORMATS
 from kernels.linear.quant_dequant_triton import dequant_matmul, dequantize_into
 from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS
-from kernels.linear.quant_matmul_triton import (
+from kernels.linear.quant_matmul_config import (
     MAX_GEMV_ROWS,
     MMA_ROWS,
     QuantMatmulConfig,
     default_config,
     default_mma_config,
-    quant_matmul,
     scaled_mm_fits,
 )
+from kernels.linear.quant_matmul_triton import quant_matmul
 from kernels.linear.quant_mma_triton import MMA_DTYPES, mma_block_m
 
 DEVICE = "cuda"

@@ -27,13 +27,8 @@ from kernels.elementwise.norm_triton import (
 )
 from kernels.linear.quant import FORMATS
 from kernels.linear.quant_gemv_int8_triton import Int8Rows, quant_gemv_int8, round_rows_int8
-from kernels.linear.quant_matmul_triton import (
-    default_int8_gemv_config,
-    plane_arguments,
-    quant_matmul,
-    quant_matmul_int8_rows,
-    takes_int8_rows,
-)
+from kernels.linear.quant_matmul_config import default_int8_gemv_config, takes_int8_rows
+from kernels.linear.quant_matmul_triton import plane_arguments, quant_matmul, quant_matmul_int8_rows
 from tests.test_quant_kernels import DEVICE, random_planes
 
 CUDA = DEVICE == "cuda"

@@ -21,14 +21,13 @@ from kernels.linear.quant_gemv_int8_triton import (
     quantize_x_int8_reference,
     round_rows_int8,
 )
-from kernels.linear.quant_matmul_triton import (
+from kernels.linear.quant_matmul_config import (
     INT8_X_ROWS,
     QuantMatmulConfig,
     default_config,
-    plane_arguments,
-    quant_matmul,
     takes_int8_gemv,
 )
+from kernels.linear.quant_matmul_triton import plane_arguments, quant_matmul
 from tests.test_quant_kernels import DEVICE, random_planes
 
 CUDA = DEVICE == "cuda"

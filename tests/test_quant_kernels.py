@@ -28,7 +28,7 @@ from kernels.linear.quant import (
     quantize_rows_fp8,
 )
 from kernels.linear.quant_gemv_blocked_triton import BLOCKED_FORMATS
-from kernels.linear.quant_matmul_triton import (
+from kernels.linear.quant_matmul_config import (
     MAX_GEMV_ROWS,
     MMA_ROWS,
     QuantMatmulConfig,
@@ -36,9 +36,9 @@ from kernels.linear.quant_matmul_triton import (
     default_gemm_config,
     default_gemv_config,
     default_mma_config,
-    quant_matmul,
     uses_scaled_mm,
 )
+from kernels.linear.quant_matmul_triton import quant_matmul
 from kernels.linear.quant_mma_triton import MMA_FORMATS, add_split_k_planes
 
 GGML_TYPES = {

@@ -24,14 +24,8 @@ from engine.quant.scratch import DequantScratch
 from kernels.linear.quant import QuantFormat, dequantize, empty_planes, quantize
 from kernels.linear.quant_dequant_triton import dequant_matmul
 from kernels.linear.quant_gemv_int8_triton import Int8Rows
-from kernels.linear.quant_matmul_triton import (
-    MMA_ROWS,
-    quant_matmul,
-    quant_matmul_int8_rows,
-    takes_int8_rows,
-    takes_mma,
-    uses_scaled_mm,
-)
+from kernels.linear.quant_matmul_config import MMA_ROWS, takes_int8_rows, takes_mma, uses_scaled_mm
+from kernels.linear.quant_matmul_triton import quant_matmul, quant_matmul_int8_rows
 
 # Rows from which a step dequantizes the weight once and calls cuBLAS instead of the Triton
 # GEMM (bench/quant_kernels.py times both per shape; fp8 on Hopper keeps torch._scaled_mm):

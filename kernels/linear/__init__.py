@@ -1,9 +1,11 @@
 """Matmuls against a layer's weight: ``out = x @ w.T`` with ``w`` dense, packed or fp8.
 
 ``quant.py`` holds the weight formats (q8_0, q4_0, q4_1, q4_k, q6_k, fp8), their planes and
-the torch reference that dequantizes them. ``quant_matmul_triton.quant_matmul`` picks a kernel
-by row count: the GEMVs for decode (blocked, k-quant, int8-activation, element-wise), the
-tensor-core kernels for small batches (float, int8, fp8), the GEMM beyond; from many rows the
-weight is dequantized for cuBLAS (``quant_dequant_triton.py``). ``gemv_triton.py`` is the
-dense GEMV of 16-bit weights.
+the torch reference that dequantizes them. ``quant_matmul_triton.quant_matmul`` launches the
+kernel that ``quant_matmul_config.py`` picks by format and row count: the decode GEMVs
+(``quant_gemv_blocked``, ``_kquant``, ``_int8``, and ``quant_gemm_triton.py``'s element-wise
+one), the tensor-core kernels for small batches (``quant_mma``, ``quant_mma_int8``,
+``fp8_mma``), the GEMM beyond (``quant_gemm_triton.py``); from many rows the weight is
+dequantized for cuBLAS (``quant_dequant_triton.py``). ``gemv_triton.py`` is the GEMV of
+16-bit weights.
 """

@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-def"
 """A packed weight dequantized into a float buffer, then a dense cuBLAS matmul.
 
-The GEMM of quant_matmul_triton.py dequantizes each weight tile once per row tile,
+The GEMM of quant_gemm_triton.py dequantizes each weight tile once per row tile,
 inside the ``tl.dot`` loop; with many rows (large decode batches, prefill) that work and the
 untuned tiles cost more than the packed bytes save. Here the weight is written out once as
 ``[N, K]`` in the activations' dtype and multiplied by cuBLAS: the dequantization (reading the
@@ -35,7 +35,8 @@ import triton.language as tl
 
 from kernels.linear.gemv_triton import SUPPORTED_DTYPES
 from kernels.linear.quant import QuantFormat
-from kernels.linear.quant_matmul_triton import plane_arguments, weight_tile
+from kernels.linear.quant_gemm_triton import weight_tile
+from kernels.linear.quant_matmul_triton import plane_arguments
 
 DEQUANT_BLOCK_N = 16  # output rows of the weight per program
 DEQUANT_BLOCK_K = 256  # columns per program: a 512-byte bf16 store per row

@@ -28,7 +28,7 @@ the kernel (H100: q4_0 and q8_0 took the same time per linear, q8_0 reading twic
 * Block sums stay per block in a ``[M_PAD, BLOCK_N, BLOCKS]`` accumulator and are added
   across blocks once, after the loop, not with a cross-thread reduction every step.
 
-Together with one-warp programs of two columns (quant_matmul_triton.py's
+Together with one-warp programs of two columns (quant_matmul_config.py's
 TUNED_GEMV), q4_0 on llama3-8b's four layer linears at one row 1.21x, at two 1.17x (H100,
 quant-kernels-gemv-llama3-8b-h100.json). q8_0 keeps the per-step sums, which measured 4-6%
 faster for it than deferring them; fp8 too (not measured).

@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-def"
 """Decode GEMV for q4_k and q6_k weights, walking their super-blocks in contiguous groups.
 
-The element-wise GEMV (quant_matmul_triton.py) computes every weight's byte address
+The element-wise GEMV (quant_gemm_triton.py) computes every weight's byte address
 on its own, which scatters the loads. Here a program loads whole groups of a super-block as
 ``[BLOCK_N, GROUPS, W]`` tiles of contiguous bytes:
 
