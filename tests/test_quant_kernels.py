@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from kernels.linear.common import add_split_k_planes
 from kernels.linear.fp8_rows_triton import fp8_scaled_mm, quantize_rows_fp8_triton
 from kernels.linear.quant import (
     FORMATS,
@@ -39,7 +40,7 @@ from kernels.linear.quant_matmul_config import (
     uses_scaled_mm,
 )
 from kernels.linear.quant_matmul_triton import quant_matmul
-from kernels.linear.quant_mma_triton import MMA_FORMATS, add_split_k_planes
+from kernels.linear.quant_mma_triton import MMA_FORMATS
 
 GGML_TYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,

@@ -21,13 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.fp8_rows_triton import quantize_rows_fp8_triton
-from kernels.linear.quant_mma_triton import (
-    MIN_BLOCK_M,
+from kernels.linear.common import (
     add_split_k_planes,
     plane_strides,
     split_k_planes,
+    store_split_k_plane,
 )
+from kernels.linear.fp8_rows_triton import quantize_rows_fp8_triton
+from kernels.linear.quant_mma_triton import MIN_BLOCK_M
 from kernels.pdl import pdl_launch, wait_for_producers
 
 
@@ -70,8 +71,7 @@ def _fp8_mma_kernel(
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     acc = acc * w_scale[:, None] * x_scale[None, :]
-    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    store_split_k_plane(out_ptr, acc, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split)
 
 
 def fp8_mma(

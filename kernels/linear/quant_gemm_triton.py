@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.gemv_triton import store_split_k
+from kernels.linear.common import store_split_k
 from kernels.linear.quant import QuantFormat
 from kernels.linear.quant_gemv_kquant_triton import _q4_k_scale_min
 from kernels.pdl import pdl_launch, wait_for_producers
@@ -124,9 +124,8 @@ def _quant_gemv_kernel(
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         # 3. acc[m, n] += x[m, :] . w[n, :]
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
-    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
+    store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ so each weight costs a nibble extraction and one fused multiply-add, and each bl
 fp8 has one scale per row: it multiplies the finished sums. The 4-bit tiles load each block's
 16 bytes once and split them into the low nibbles (elements 0..15) and high (16..31), which
 meet ``x[0:16]`` and ``x[16:32]`` of the block. ``SPLIT_K > 1`` adds fp32 partial sums
-atomically into a zeroed buffer, as gemv_triton.py does.
+atomically into a zeroed buffer (common.py: ``store_split_k``).
 
 The 4-bit formats go further, as at 4.5 bits a weight the instructions, not the bytes, bound
 the kernel (H100: q4_0 and q8_0 took the same time per linear, q8_0 reading twice the bytes):
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.gemv_triton import store_split_k
+from kernels.linear.common import store_split_k
 from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
 
@@ -156,9 +156,8 @@ def _quant_gemv_blocked_kernel(
         acc = tl.sum(acc, axis=2)
     if FORMAT == 5:  # 3. fp8: the row scale, once
         acc *= tl.load(p1 + offs_n * s1, mask=mask_n, other=0.0)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
-    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
+    store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K)
 
 
 def quant_gemv_blocked(

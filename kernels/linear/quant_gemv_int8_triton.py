@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.gemv_triton import store_split_k
+from kernels.linear.common import store_split_k
 from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
 
@@ -248,9 +248,8 @@ def _quant_gemv_int8_kernel(
             else:  # q4_1
                 block = d * dx * dots.to(tl.float32) + mins * xs
             acc += tl.where(offs_m[:, None, None] == m, block[None, :, :], 0.0)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
-    store_split_k(out_ptr, out_ptrs, tl.sum(acc, axis=2), out_mask, SPLIT_K)
+    store_split_k(out_ptr, tl.sum(acc, axis=2), offs_m, offs_n, out_mask, stride_om, SPLIT_K)
 
 
 def quant_gemv_int8(

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.gemv_triton import store_split_k
+from kernels.linear.common import store_split_k
 from kernels.linear.quant import QK_K, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
 
@@ -138,9 +138,8 @@ def _quant_gemv_kquant_kernel(
                 part = _q6_k_group_sums(x_ptr, p0, p1, p2, p3, s0, s1, s2, s3, offs_n, N, g0,
                                         num_groups, m, M, stride_xm, GROUPS)  # fmt: skip
             acc += tl.where(offs_m[:, None] == m, tl.sum(part, axis=1)[None, :], 0.0)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
-    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
+    store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K)
 
 
 def quant_gemv_kquant(

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.linear.common import split_k_target
 from kernels.linear.fp8_mma_triton import fp8_mma
 from kernels.linear.fp8_rows_triton import fp8_scaled_mm
-from kernels.linear.gemv_triton import SUPPORTED_DTYPES, split_k_target
+from kernels.linear.gemv_triton import SUPPORTED_DTYPES
 from kernels.linear.quant import QK, QuantFormat
 from kernels.linear.quant_gemm_triton import quant_gemm, quant_gemv_elementwise
 from kernels.linear.quant_gemv_blocked_triton import BLOCKED_FORMATS, quant_gemv_blocked

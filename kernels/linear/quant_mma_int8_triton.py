@@ -28,14 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.quant import QK, QuantFormat
-from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, as_int8_rows
-from kernels.linear.quant_mma_triton import (
-    MIN_BLOCK_M,
+from kernels.linear.common import (
     add_split_k_planes,
     plane_strides,
     split_k_planes,
+    store_split_k_plane,
 )
+from kernels.linear.quant import QK, QuantFormat
+from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, as_int8_rows
+from kernels.linear.quant_mma_triton import MIN_BLOCK_M
 from kernels.pdl import pdl_launch, wait_for_producers
 
 
@@ -96,8 +97,7 @@ def _quant_mma_int8_kernel(
                 mins = tl.load(p2 + offs_n * s2 + blk, mask=valid_n, other=0.0)
                 xs = tl.load(xs_ptr + offs_m * stride_sm + blk, mask=valid_m, other=0.0)
                 acc += mins.to(tl.float32)[:, None] * xs[None, :]
-    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    store_split_k_plane(out_ptr, acc, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split)
 
 
 def quant_mma_int8(

@@ -34,6 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.common import (
+    add_split_k_planes,
+    plane_strides,
+    split_k_planes,
+    store_split_k_plane,
+)
 from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
 
@@ -114,8 +120,7 @@ def _quant_mma_kernel(
         else:
             acc = tl.dot(w_lo, x_lo, acc)
             acc = tl.dot(w_hi, x_hi, acc)
-    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    store_split_k_plane(out_ptr, acc, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split)
 
 
 def quant_mma(
@@ -152,50 +157,3 @@ def quant_mma(
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip
     add_split_k_planes(out, target)
-
-
-def split_k_planes(out: torch.Tensor, split_k: int) -> torch.Tensor:
-    """Where a tensor-core kernel's programs store: ``out`` itself, or with K split an fp32
-    plane per split, ``[SPLIT_K, M, N]``, that ``add_split_k_planes`` sums in a fixed order."""
-    if split_k == 1:
-        return out
-    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
-
-
-def plane_strides(target: torch.Tensor) -> tuple[int, int]:
-    """The kernels' ``stride_om`` and ``stride_split`` (0 when there are no planes)."""
-    return target.stride(-2), target.stride(0) if target.dim() == 3 else 0
-
-
-ADD_PLANES_BLOCK = 1024  # output elements per program of the plane sum
-
-
-@triton.jit
-def _add_planes_kernel(
-    planes_ptr, out_ptr, N, numel, stride_om,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """``out = planes[0] + planes[1] + ...`` in that order, in float32, rounded once."""
-    wait_for_producers(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(planes_ptr + offs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):
-        acc += tl.load(planes_ptr + split * numel + offs, mask=mask, other=0.0)
-    out_ptrs = out_ptr + (offs // N) * stride_om + offs % N
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def add_split_k_planes(out: torch.Tensor, target: torch.Tensor) -> None:
-    """Sum the K splits' planes into ``out`` (nothing when the kernel stored into ``out``):
-    one kernel, the planes added in split order and rounded once to ``out``'s dtype (torch's
-    ``sum`` then ``copy_`` took two, 4.1 us a linear on an H100, 9% of a q4_0 llama3-8b
-    decode step at batch 8)."""
-    if target is out:
-        return
-    num_rows, num_cols = out.shape
-    numel = num_rows * num_cols
-    _add_planes_kernel[(triton.cdiv(numel, ADD_PLANES_BLOCK),)](
-        target, out, num_cols, numel, out.stride(0), SPLIT_K=target.shape[0],
-        BLOCK=ADD_PLANES_BLOCK, **pdl_launch(out),
-    )  # fmt: skip
