@@ -1,10 +1,12 @@
 # @triton.jit functions take Triton pointers and blocks, which have no Python types:
 # mypy: disable-error-code="no-untyped-def"
-"""Pieces the linear kernels share: how the K splits' partial sums meet in ``out``.
+"""Pieces the linear kernels share: a program's tile, its run of K, and how the K splits meet.
 
-A narrow weight gives too few output tiles to fill the GPU; splitting K over ``SPLIT_K``
-programs (grid axis 1 of a GEMV, axis 2 of a tensor-core kernel) makes more. Their fp32
-partial sums meet in one of two ways:
+A kernel reads its program ids first (its grid in one place); ``tile_offsets`` turns one into
+the program's offsets along that axis and their mask. A narrow weight gives too few output
+tiles to fill the GPU; splitting K over ``SPLIT_K`` programs (grid axis 1 of a GEMV, axis 2
+of a tensor-core kernel) makes more, each walking a run of whole K steps (``k_split``). Their
+fp32 partial sums meet in one of two ways:
 
 * the GEMVs add them atomically into a zeroed fp32 buffer (``split_k_target``,
   ``store_split_k``) that the launcher copies into ``out``;
@@ -29,6 +31,23 @@ ADD_PLANES_BLOCK = 1024  # output elements per program of the plane sum
 
 
 @triton.jit
+def tile_offsets(pid, BLOCK: tl.constexpr, size):
+    """Program ``pid``'s ``BLOCK`` offsets along its grid axis, and the mask of those below
+    ``size``."""
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    return offs, offs < size
+
+
+@triton.jit
+def k_split(pid_k, total, STEP: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The run of K that split ``pid_k`` of ``SPLIT_K`` walks when ``total`` (elements, blocks
+    or groups) is split: ``(first, length)``, the length a whole number of ``STEP``s; the last
+    run may reach past ``total`` (the loads mask it)."""
+    per_split = tl.cdiv(total, SPLIT_K * STEP) * STEP
+    return pid_k * per_split, per_split
+
+
+@triton.jit
 def store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K: tl.constexpr):
     """A GEMV program's fp32 tile ``acc [M_PAD, BLOCK_N]`` of ``out [M, N]`` (last stride 1)
     at rows ``offs_m``, columns ``offs_n``: stored when the program covered all of K, else
@@ -41,11 +60,12 @@ def store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K: tl
 
 
 @triton.jit
-def store_split_k_plane(out_ptr, acc, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split):
+def store_split_k_plane(
+    out_ptr, acc, pid_k, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split
+):
     """A tensor-core program's tile ``acc = out^T [BLOCK_N, BLOCK_M]``, rounded to ``out``'s
-    dtype, into the plane of its K split (grid axis 2; ``stride_split`` 0 without planes)."""
-    out_ptrs = (out_ptr + tl.program_id(2) * stride_split + offs_m[None, :] * stride_om
-                + offs_n[:, None])  # fmt: skip
+    dtype, into the plane of its K split ``pid_k`` (``stride_split`` 0 without planes)."""
+    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
@@ -77,8 +97,7 @@ def _add_planes_kernel(
 ):  # fmt: skip
     """``out = planes[0] + planes[1] + ...`` in that order, in float32, rounded once."""
     wait_for_producers(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    offs, mask = tile_offsets(tl.program_id(0), BLOCK, numel)
     acc = tl.load(planes_ptr + offs, mask=mask, other=0.0)
     for split in tl.static_range(1, SPLIT_K):
         acc += tl.load(planes_ptr + split * numel + offs, mask=mask, other=0.0)

@@ -23,9 +23,11 @@ import triton.language as tl
 
 from kernels.linear.common import (
     add_split_k_planes,
+    k_split,
     plane_strides,
     split_k_planes,
     store_split_k_plane,
+    tile_offsets,
 )
 from kernels.linear.fp8_rows_triton import quantize_rows_fp8_triton
 from kernels.linear.quant_mma_triton import MIN_BLOCK_M
@@ -48,13 +50,10 @@ def _fp8_mma_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
+    offs_m, mask_m = tile_offsets(pid_m, BLOCK_M, M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per_split
+    k_start, k_per_split = k_split(pid_k, K, BLOCK_K, SPLIT_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
@@ -71,7 +70,9 @@ def _fp8_mma_kernel(
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     acc = acc * w_scale[:, None] * x_scale[None, :]
-    store_split_k_plane(out_ptr, acc, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split)
+    store_split_k_plane(
+        out_ptr, acc, pid_k, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split
+    )
 
 
 def fp8_mma(

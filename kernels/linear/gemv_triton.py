@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.common import split_k_target, store_split_k
+from kernels.linear.common import k_split, split_k_target, store_split_k, tile_offsets
 from kernels.pdl import pdl_launch, wait_for_producers
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -65,12 +65,10 @@ def _gemv_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
-    mask_n = offs_n < N
     mask_m = offs_m < M
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per_split
+    k_start, k_per_split = k_split(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

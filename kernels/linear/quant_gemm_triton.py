@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.common import store_split_k
+from kernels.linear.common import k_split, store_split_k, tile_offsets
 from kernels.linear.quant import QuantFormat
 from kernels.linear.quant_gemv_kquant_triton import _q4_k_scale_min
 from kernels.pdl import pdl_launch, wait_for_producers
@@ -105,12 +105,10 @@ def _quant_gemv_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
-    mask_n = offs_n < N
     mask_m = offs_m < M
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per_split
+    k_start, k_per_split = k_split(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -139,10 +137,8 @@ def _quant_gemm_kernel(
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, mask_m = tile_offsets(pid_m, BLOCK_M, M)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

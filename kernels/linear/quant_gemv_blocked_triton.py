@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.common import store_split_k
+from kernels.linear.common import k_split, store_split_k, tile_offsets
 from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
 
@@ -120,12 +120,10 @@ def _quant_gemv_blocked_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
-    mask_n = offs_n < N
     num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
+    first_block, blocks_per_split = k_split(pid_k, num_blocks, BLOCKS, SPLIT_K)
     FOUR_BIT: tl.constexpr = FORMAT == 1 or FORMAT == 2
     if FOUR_BIT:  # block sums, added across blocks after the loop
         acc = tl.zeros((M_PAD, BLOCK_N, BLOCKS), dtype=tl.float32)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.common import store_split_k
+from kernels.linear.common import k_split, store_split_k, tile_offsets
 from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
 
@@ -95,8 +95,7 @@ def _quantize_x_kernel(
     """Row ``program_id(0)``, ``BLOCKS`` blocks from ``program_id(1) * BLOCKS``."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
-    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    mask_b = blk < K // 32
+    blk, mask_b = tile_offsets(tl.program_id(1), BLOCKS, K // 32)
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask_b[:, None], other=0.0).to(tl.float32)
     store_blocks_int8(x, blk, K // 32, xq_ptr + row * stride_qm, xd_ptr + row * stride_sm,
@@ -198,14 +197,12 @@ def _quant_gemv_int8_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
     offs_4 = tl.arange(0, 4)
     offs_8 = tl.arange(0, 8)
-    mask_n = offs_n < N
     num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
+    first_block, blocks_per_split = k_split(pid_k, num_blocks, BLOCKS, SPLIT_K)
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCKS), dtype=tl.float32)  # per block, added at the end
     for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
         blk = b0 + tl.arange(0, BLOCKS)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.common import store_split_k
+from kernels.linear.common import k_split, store_split_k, tile_offsets
 from kernels.linear.quant import QK_K, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
 
@@ -120,12 +120,10 @@ def _quant_gemv_kquant_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
-    mask_n = offs_n < N
     num_groups = K // GROUP_SIZE
-    groups_per_split = tl.cdiv(num_groups, SPLIT_K * GROUPS) * GROUPS
-    first = pid_k * groups_per_split
+    first, groups_per_split = k_split(pid_k, num_groups, GROUPS, SPLIT_K)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for g0 in range(first, first + groups_per_split, GROUPS):
         grp = g0 + tl.arange(0, GROUPS)

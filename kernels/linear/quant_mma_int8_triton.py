@@ -30,9 +30,11 @@ import triton.language as tl
 
 from kernels.linear.common import (
     add_split_k_planes,
+    k_split,
     plane_strides,
     split_k_planes,
     store_split_k_plane,
+    tile_offsets,
 )
 from kernels.linear.quant import QK, QuantFormat
 from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, as_int8_rows
@@ -56,18 +58,15 @@ def _quant_mma_int8_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
+    offs_m, mask_m = tile_offsets(pid_m, BLOCK_M, M)
     offs_32 = tl.arange(0, 32)
     if FORMAT == 0:  # noqa: SIM108 (constexpr branches)  q8_0: elements in order
         order = offs_32
     else:  # 4-bit: element j beside element 16 + j, as the nibbles come out
         order = offs_32 // 2 + (offs_32 % 2) * 16
     num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
+    first_block, blocks_per_split = k_split(pid_k, num_blocks, BLOCKS, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
     for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
         for i in tl.static_range(BLOCKS):
@@ -97,7 +96,9 @@ def _quant_mma_int8_kernel(
                 mins = tl.load(p2 + offs_n * s2 + blk, mask=valid_n, other=0.0)
                 xs = tl.load(xs_ptr + offs_m * stride_sm + blk, mask=valid_m, other=0.0)
                 acc += mins.to(tl.float32)[:, None] * xs[None, :]
-    store_split_k_plane(out_ptr, acc, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split)
+    store_split_k_plane(
+        out_ptr, acc, pid_k, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split
+    )
 
 
 def quant_mma_int8(

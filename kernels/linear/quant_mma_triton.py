@@ -36,9 +36,11 @@ import triton.language as tl
 
 from kernels.linear.common import (
     add_split_k_planes,
+    k_split,
     plane_strides,
     split_k_planes,
     store_split_k_plane,
+    tile_offsets,
 )
 from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
@@ -73,16 +75,13 @@ def _quant_mma_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
+    offs_m, mask_m = tile_offsets(pid_m, BLOCK_M, M)
     offs_16 = tl.arange(0, 16)
     # the K step's elements in dot order: block b's first (or second) 16 elements
     half_k = (tl.arange(0, BLOCKS * 16) // 16) * 32 + tl.arange(0, BLOCKS * 16) % 16
     num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
+    first_block, blocks_per_split = k_split(pid_k, num_blocks, BLOCKS, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
     for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
         blk = b0 + tl.arange(0, BLOCKS)
@@ -120,7 +119,9 @@ def _quant_mma_kernel(
         else:
             acc = tl.dot(w_lo, x_lo, acc)
             acc = tl.dot(w_hi, x_hi, acc)
-    store_split_k_plane(out_ptr, acc, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split)
+    store_split_k_plane(
+        out_ptr, acc, pid_k, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split
+    )
 
 
 def quant_mma(
