@@ -69,6 +69,11 @@ def store_split_k_plane(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
+def rows_pad(num_rows: int) -> int:
+    """A GEMV's ``M_PAD``: its rows of ``x`` padded to a power of two (``tl.arange``'s size)."""
+    return max(triton.next_power_of_2(num_rows), 1)
+
+
 def split_k_target(out: torch.Tensor, split_k: int) -> torch.Tensor:
     """Where a GEMV's programs put their sums: ``out``, or with K split a zeroed fp32 buffer
     the splits add into (partial sums meet in fp32 and round once: copy it into ``out``)."""

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.common import k_split, split_k_target, store_split_k, tile_offsets
+from kernels.linear.common import k_split, rows_pad, split_k_target, store_split_k, tile_offsets
 from kernels.pdl import pdl_launch, wait_for_producers
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -113,7 +113,7 @@ def gemv(
     _gemv_kernel[grid](
         x, weight, target, num_rows, num_cols, size_k,
         x.stride(0), weight.stride(0), target.stride(0),
-        M_PAD=max(triton.next_power_of_2(num_rows), 1), BLOCK_N=cfg.block_n,
+        M_PAD=rows_pad(num_rows), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU_MUL=silu_mul,
         EVEN_K=size_k % (cfg.block_k * cfg.split_k) == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.common import k_split, store_split_k, tile_offsets
+from kernels.linear.common import k_split, rows_pad, store_split_k, tile_offsets
 from kernels.linear.quant import QuantFormat
 from kernels.linear.quant_gemv_kquant_triton import _q4_k_scale_min
 from kernels.pdl import pdl_launch, wait_for_producers
@@ -179,7 +179,7 @@ def quant_gemv_elementwise(
     _quant_gemv_kernel[grid](
         x, out, *planes, *(p.stride(0) for p in planes), x.shape[0], num_cols, size_k,
         x.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
-        M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n,
+        M_PAD=rows_pad(x.shape[0]), BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip

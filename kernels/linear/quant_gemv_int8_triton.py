@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.common import k_split, store_split_k, tile_offsets
+from kernels.linear.common import k_split, rows_pad, store_split_k, tile_offsets
 from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
 
@@ -276,7 +276,7 @@ def quant_gemv_int8(
         rows.xq.view(torch.int32), rows.xd, rows.xs, out, planes[0], words, planes[2],
         planes[0].stride(0), words.stride(0), planes[2].stride(0), rows.shape[0], num_cols,
         size_k, rows.xq.stride(0) // 4, rows.xd.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
-        M_PAD=max(triton.next_power_of_2(rows.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
+        M_PAD=rows_pad(rows.shape[0]), BLOCK_N=block_n, BLOCKS=blocks,
         SPLIT_K=split_k, ASM=rows.device.type == "cuda",
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(out),
     )  # fmt: skip

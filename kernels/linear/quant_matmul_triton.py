@@ -99,25 +99,30 @@ def quant_matmul_int8_rows(
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=rows.dtype, device=rows.device)
     cfg = default_config(num_rows, num_cols, size_k, fmt, rows.dtype)
-    launch = _launch_int8_mma if cfg.int8_mma else _launch_int8_gemv
+    launch = _launch_int8_mma if cfg.int8_mma else _launch_gemv
     launch(rows, out, pointers, fmt, size_k, cfg)
     return out
 
 
 def _launch_gemv(
-    x: torch.Tensor,
+    x: torch.Tensor | Int8Rows,
     out: torch.Tensor,
     pointers: list[torch.Tensor],
     fmt: QuantFormat,
     size_k: int,
     cfg: QuantMatmulConfig,
 ) -> None:
-    if cfg.int8_x and fmt.name in INT8_X_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
-        _launch_int8_gemv(x, out, pointers, fmt, size_k, cfg)
-        return
+    """The GEMV that ``cfg`` picks for the format (rounded rows: the int8 GEMV); with K split
+    its programs add into an fp32 buffer, copied into ``out`` after."""
     target = split_k_target(out, cfg.split_k)
+    whole_blocks = size_k % QK == 0 and cfg.block_k >= QK
     group_size = KQUANT_FORMATS.get(fmt.name)
-    if cfg.blocked and fmt.name in BLOCKED_FORMATS and size_k % QK == 0 and cfg.block_k >= QK:
+    if isinstance(x, Int8Rows) or (cfg.int8_x and fmt.name in INT8_X_FORMATS and whole_blocks):
+        quant_gemv_int8(
+            x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n, blocks=cfg.block_k // QK,
+            split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    elif cfg.blocked and fmt.name in BLOCKED_FORMATS and whole_blocks:
         quant_gemv_blocked(
             x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n,
             blocks=cfg.block_k // QK, split_k=cfg.split_k, num_warps=cfg.num_warps,
@@ -133,23 +138,6 @@ def _launch_gemv(
             x, target, fmt, pointers, size_k, block_n=cfg.block_n, block_k=cfg.block_k,
             split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if target is not out:
-        out.copy_(target)
-
-
-def _launch_int8_gemv(
-    x: torch.Tensor | Int8Rows,
-    out: torch.Tensor,
-    pointers: list[torch.Tensor],
-    fmt: QuantFormat,
-    size_k: int,
-    cfg: QuantMatmulConfig,
-) -> None:
-    target = split_k_target(out, cfg.split_k)
-    quant_gemv_int8(
-        x, target, fmt, pointers[:3], size_k, block_n=cfg.block_n, blocks=cfg.block_k // QK,
-        split_k=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
     if target is not out:
         out.copy_(target)
 
