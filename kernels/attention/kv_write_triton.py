@@ -52,6 +52,14 @@ def _store_fp8(x32, cache_ptrs, mask, scale):
 
 
 @triton.jit
+def _slot_offsets(slot, BLOCK_SIZE: tl.constexpr, stride_cb, stride_cs, stride_sb, stride_ss):
+    """Slot ``page * BLOCK_SIZE + row``'s offsets: of its rows in the pool, of its scales."""
+    page = slot // BLOCK_SIZE
+    row = slot % BLOCK_SIZE
+    return page * stride_cb + row * stride_cs, page * stride_sb + row * stride_ss
+
+
+@triton.jit
 def _store_token(
     x_ptr,  # this token's [Hkv, D], at its strides
     cache_ptr,  # the slot's [Hkv, D] rows in the pool
@@ -115,15 +123,14 @@ def _write_kv_kernel(
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
-        page = slot // BLOCK_SIZE
-        row = slot % BLOCK_SIZE
+        cache_offset, scale_offset = _slot_offsets(
+            slot, BLOCK_SIZE, stride_cb, stride_cs, stride_sb, stride_ss
+        )
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask_h = offs_h < NUM_KV_HEADS
         mask_d = offs_d < HEAD_DIM
         # 2. K then V: [Hkv, D] each, quantized per head when the pool is fp8
-        cache_offset = page * stride_cb + row * stride_cs
-        scale_offset = page * stride_sb + row * stride_ss
         _store_token(
             k_ptr + token * stride_kt, k_cache_ptr + cache_offset, k_scale_ptr + scale_offset,
             offs_h, offs_d, mask_h, mask_d,
