@@ -20,7 +20,7 @@ from kernels.elementwise.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.elementwise.rotary_kv_write import rotary_write_kv_ref
 
 if TYPE_CHECKING:
-    from kernels.linear.quant_gemv_int8_triton import Int8Rows
+    from kernels.linear.int8_rows_triton import Int8Rows
 
 ATTN_BACKEND_ENV = "PAGESTREAM_ATTN_BACKEND"
 BACKEND_CHOICES = ("auto", "torch", "triton")

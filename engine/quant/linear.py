@@ -21,9 +21,9 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.quant.scratch import DequantScratch
+from kernels.linear.int8_rows_triton import Int8Rows
 from kernels.linear.quant import QuantFormat, dequantize, empty_planes, quantize
 from kernels.linear.quant_dequant_triton import dequant_matmul
-from kernels.linear.quant_gemv_int8_triton import Int8Rows
 from kernels.linear.quant_matmul_config import MMA_ROWS, takes_int8_rows, takes_mma, uses_scaled_mm
 from kernels.linear.quant_matmul_triton import quant_matmul, quant_matmul_int8_rows
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
+from kernels.linear.int8_rows_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
 from kernels.pdl import pdl_launch, wait_for_producers
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

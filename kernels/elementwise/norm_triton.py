@@ -7,13 +7,13 @@ included: the sum ``x + residual`` is rounded to the input dtype, the statistics
 the normalized row is cast back to the input dtype, and only then multiplied by the weight.
 
 ``rms_norm_int8`` and ``fused_add_rms_norm_int8`` feed a quantized linear that takes the int8
-GEMV (kernels/linear/quant_gemv_int8_triton.py): the normalized row, rounded to its float dtype as
-above, is rounded to int8 blocks by the norm's own programs and never written in float. That
-saves the rounding kernel's launch, two of the four a decoder layer has (H100, q4_0
-llama3-8b at one row: 128 launches of 1.4 us, 7% of the step). One program rounding a whole
-row made the step slower than the two launches (2.56 against 2.44 ms): a row is split into
-chunks, each program recomputing the row's statistics, so that the rounding spreads over
-SMs as the rounding kernel's does.
+GEMV (kernels/linear/quant_gemv_int8_triton.py): the normalized row, rounded to its float
+dtype as above, is rounded to int8 blocks (kernels/linear/int8_rows_triton.py) by the norm's
+own programs and never written in float. That saves the rounding kernel's launch, two of the
+four a decoder layer has (H100, q4_0 llama3-8b at one row: 128 launches of 1.4 us, 7% of the
+step). One program rounding a whole row made the step slower than the two launches (2.56
+against 2.44 ms): a row is split into chunks, each program recomputing the row's statistics,
+so that the rounding spreads over SMs as the rounding kernel's does.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
+from kernels.linear.int8_rows_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
 from kernels.pdl import pdl_launch, wait_for_producers
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

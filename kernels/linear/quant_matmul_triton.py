@@ -26,10 +26,11 @@ from kernels.linear.common import split_k_target
 from kernels.linear.fp8_mma_triton import fp8_mma
 from kernels.linear.fp8_rows_triton import fp8_scaled_mm
 from kernels.linear.gemv_triton import SUPPORTED_DTYPES
+from kernels.linear.int8_rows_triton import Int8Rows
 from kernels.linear.quant import QK, QuantFormat
 from kernels.linear.quant_gemm_triton import quant_gemm, quant_gemv_elementwise
 from kernels.linear.quant_gemv_blocked_triton import BLOCKED_FORMATS, quant_gemv_blocked
-from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, quant_gemv_int8
+from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS, quant_gemv_int8
 from kernels.linear.quant_gemv_kquant_triton import KQUANT_FORMATS, quant_gemv_kquant
 from kernels.linear.quant_matmul_config import (
     MAX_GEMV_ROWS,

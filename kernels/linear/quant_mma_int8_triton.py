@@ -6,7 +6,7 @@ quant_mma_triton.py forms every weight as a 16-bit float before its dot: for q8_
 int-to-float conversion and a scale product per weight, which bounds it at 8-16 rows (H100,
 llama3-8b, a layer's four linears at 8 rows: 207 us in q8_0 against bf16 cuBLAS's 165 and a
 77 us streaming limit). Here, as llama.cpp's ``mmq`` kernels do, the activations come as the
-int8 GEMV takes them (quant_gemv_int8_triton.py: 32-element blocks ``x ~ dx * xq``,
+int8 GEMV takes them (int8_rows_triton.py: 32-element blocks ``x ~ dx * xq``,
 from the kernel that produced them or the rounding kernel) and each 32-element block of the
 weight meets them in one int8 dot, scaled once per output:
 
@@ -36,8 +36,9 @@ from kernels.linear.common import (
     store_split_k_plane,
     tile_offsets,
 )
+from kernels.linear.int8_rows_triton import Int8Rows, as_int8_rows
 from kernels.linear.quant import QK, QuantFormat
-from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, as_int8_rows
+from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS
 from kernels.linear.quant_mma_triton import MIN_BLOCK_M
 from kernels.pdl import pdl_launch, wait_for_producers
 
