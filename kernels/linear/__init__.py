@@ -6,6 +6,8 @@ kernel that ``quant_matmul_config.py`` picks by format and row count: the decode
 (``quant_gemv_blocked``, ``_kquant``, ``_int8``, and ``quant_gemm_triton.py``'s element-wise
 one), the tensor-core kernels for small batches (``quant_mma``, ``quant_mma_int8``,
 ``fp8_mma``), the GEMM beyond (``quant_gemm_triton.py``); from many rows the weight is
-dequantized for cuBLAS (``quant_dequant_triton.py``). ``gemv_triton.py`` is the GEMV of
-16-bit weights.
+dequantized for cuBLAS (``quant_dequant_triton.py``). The int8 kernels multiply activations
+rounded to int8 blocks (``int8_rows_triton.py``), fp8 ones rows rounded to e4m3
+(``fp8_rows_triton.py``). ``gemv_triton.py`` is the GEMV of 16-bit weights; ``common.py``
+holds what the kernels share (tile offsets, the K split and its stores).
 """
