@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import triton
 
-import kernels.paged_attention_triton as decode
+import kernels.attention.paged_attention_triton as decode
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 32
 SPLITS, WARPS, STAGES, TILE_BYTES = (1, 2, 4), (4, 8), (2, 3, 4), (16384, 32768)

@@ -24,7 +24,7 @@ from bench.kernels import measure_copy_bandwidth
 from bench.records import machine_info
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
-from kernels.gemv_triton import GemvConfig, default_config, gemv
+from kernels.linear.gemv_triton import GemvConfig, default_config, gemv
 
 GRID = [
     GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 def _measure(
     name: str, rows: int, num_cols: int, size_k: int, silu_mul: bool, copy_bytes_per_s: float
 ) -> dict[str, Any]:
-    from kernels.activation_triton import silu_and_mul
+    from kernels.elementwise.activation_triton import silu_and_mul
 
     x = torch.randn(rows, 2 * size_k if silu_mul else size_k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(num_cols, size_k, device="cuda", dtype=torch.bfloat16) * 0.02

@@ -8,10 +8,11 @@
 Two paths have no engine flag, being the defaults where they were measured faster, so this
 bench builds an engine with one of them off beside the one that ships, each format:
 - ``producers``: the norms and SiLU round a quantized linear's input to int8 blocks
-  themselves (kernels/norm_triton.py, kernels/activation_triton.py); off, each linear
-  launches the rounding kernel (``engine.models.llama.takes_int8_rows`` patched out);
+  themselves (kernels/elementwise/norm_triton.py, kernels/elementwise/activation_triton.py);
+  off, each linear launches the rounding kernel (``engine.models.llama.takes_int8_rows``
+  patched out);
 - ``int8-mma``: q8_0 batches of ``INT8_MMA_ROWS`` on int8 tensor cores
-  (kernels/quant_mma_int8_triton.py); off, the float tensor-core kernel.
+  (kernels/linear/quant_mma_int8_triton.py); off, the float tensor-core kernel.
 The patch holds while the engine is built, so its decode CUDA graphs keep that path (steps
 that run eagerly afterwards, prefill, take the shipped one). ``--bf16`` adds the float model.
 All engines stay loaded and the latency runs (bench/latency.py) alternate between them,
@@ -45,7 +46,7 @@ AGREEMENT_PROMPTS = 16
 def path_off(path: str) -> Iterator[None]:
     """While the block runs, engines are built without ``path`` (one of PATHS)."""
     import engine.models.llama as llama
-    import kernels.quant_matmul_triton as quant_matmul
+    import kernels.linear.quant_matmul_config as quant_config
 
     if path == "producers":
         shipped = llama.takes_int8_rows
@@ -55,12 +56,12 @@ def path_off(path: str) -> Iterator[None]:
         finally:
             llama.takes_int8_rows = shipped
     else:
-        rows = dict(quant_matmul.INT8_MMA_ROWS)
-        quant_matmul.INT8_MMA_ROWS.clear()
+        rows = dict(quant_config.INT8_MMA_ROWS)
+        quant_config.INT8_MMA_ROWS.clear()
         try:
             yield
         finally:
-            quant_matmul.INT8_MMA_ROWS.update(rows)
+            quant_config.INT8_MMA_ROWS.update(rows)
 
 
 def measure_paths(

@@ -83,8 +83,8 @@ def _bench_point(
 ) -> dict[str, Any]:
     import triton.testing
 
-    from kernels.paged_attention import paged_attention_ref
-    from kernels.paged_attention_triton import paged_attention
+    from kernels.attention.paged_attention import paged_attention_ref
+    from kernels.attention.paged_attention_triton import paged_attention
 
     # Disjoint page sets, cycled call after call: a replay cannot run out of L2.
     pool, input_sets = _decode_inputs(

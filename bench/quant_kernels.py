@@ -39,8 +39,8 @@ from bench.kernels import measure_copy_bandwidth
 from bench.records import machine_info, save
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
-from kernels.fp8_rows_triton import fp8_scaled_mm
-from kernels.quant import (
+from kernels.linear.fp8_rows_triton import fp8_scaled_mm
+from kernels.linear.quant import (
     FORMATS,
     IN_SITU_FORMATS,
     QuantFormat,
@@ -50,19 +50,19 @@ from kernels.quant import (
     quantize,
     quantize_rows_fp8,
 )
-from kernels.quant_dequant_triton import BLOCKED_FORMATS as DEQUANT_BLOCKED_FORMATS
-from kernels.quant_dequant_triton import dequant_matmul, dequantize_into
-from kernels.quant_gemv_int8_triton import INT8_X_FORMATS
-from kernels.quant_matmul_triton import (
+from kernels.linear.quant_dequant_triton import BLOCKED_FORMATS as DEQUANT_BLOCKED_FORMATS
+from kernels.linear.quant_dequant_triton import dequant_matmul, dequantize_into
+from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS
+from kernels.linear.quant_matmul_config import (
     MAX_GEMV_ROWS,
     MMA_ROWS,
     QuantMatmulConfig,
     default_config,
     default_mma_config,
-    quant_matmul,
     scaled_mm_fits,
 )
-from kernels.quant_mma_triton import MMA_DTYPES, mma_block_m
+from kernels.linear.quant_matmul_triton import quant_matmul
+from kernels.linear.quant_mma_triton import MMA_DTYPES, mma_block_m
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16  # of the activations, the dense weight and the dequantized one
@@ -79,7 +79,7 @@ GEMV_GRID = [
         (32, 256, 4, 8),
     )
 ]  # fmt: skip
-# q4_0/q4_1 on int8-rounded x (kernels/quant_gemv_int8_triton.py): (block_n, block_k, warps)
+# q4_0/q4_1 on int8-rounded x (kernels/linear/quant_gemv_int8_triton.py): (block_n, block_k, warps)
 INT8_GEMV_GRID = [
     QuantMatmulConfig(block_n=n, block_k=k, num_warps=warps, int8_x=True)
     for n, k, warps in ((1, 2048, 1), (2, 1024, 1), (2, 512, 1), (4, 512, 1), (4, 1024, 2))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
+from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
 
 NUM_LAYERS = 32
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -33,9 +33,9 @@ def bench_rotary_write_kv(token_counts: Sequence[int], fp8: bool) -> list[dict[s
 
 
 def _bench_point(num_tokens: int, fp8: bool) -> dict[str, Any]:
-    from kernels.kv_write_triton import write_kv
-    from kernels.rotary_kv_write_triton import rotary_write_kv
-    from kernels.rotary_triton import rotary
+    from kernels.attention.kv_write_triton import write_kv
+    from kernels.elementwise.rotary_kv_write_triton import rotary_write_kv
+    from kernels.elementwise.rotary_triton import rotary
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     cache_dtype = torch.float8_e4m3fn if fp8 else dtype

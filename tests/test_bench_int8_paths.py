@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import engine.models.llama as llama
-import kernels.quant_matmul_triton as quant_matmul
+import kernels.linear.quant_matmul_config as quant_matmul
 from bench import int8_paths
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import bench.quant_kernels as quant_kernels
-from kernels.quant import FORMATS, dequantize
-from kernels.quant_matmul_triton import QuantMatmulConfig, quant_matmul
+from kernels.linear.quant import FORMATS, dequantize
+from kernels.linear.quant_matmul_config import QuantMatmulConfig
+from kernels.linear.quant_matmul_triton import quant_matmul
 from tests.test_quant_kernels import random_planes
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.gemv_triton import MAX_ROWS, GemvConfig, default_config, gemv
+from kernels.elementwise.activation import silu_and_mul_ref
+from kernels.linear.gemv_triton import MAX_ROWS, GemvConfig, default_config, gemv
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, 8])

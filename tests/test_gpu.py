@@ -93,7 +93,7 @@ def test_decode_graphs_switch_to_the_split_variant_past_a_short_context(
 ) -> None:
     """Small batches capture an unsplit graph for contexts up to UNSPLIT_MAX_CONTEXT and a
     split one beyond; a request growing across the bound gives the eager tokens."""
-    from kernels.paged_attention_triton import UNSPLIT_MAX_CONTEXT
+    from kernels.attention.paged_attention_triton import UNSPLIT_MAX_CONTEXT
 
     monkeypatch.setenv(ATTN_BACKEND_ENV, "triton")
     settings = dict(device="cuda", dtype="float32", max_model_len=2048, pa_memory_mb=512)
@@ -194,8 +194,8 @@ def test_a_step_too_large_for_the_device_is_an_error_at_start() -> None:
 
 @pytest.mark.parametrize("num_kv_splits", [None, 32])
 def test_split_decode_at_a_128k_context_matches_the_reference(num_kv_splits: int | None) -> None:
-    from kernels.paged_attention import paged_attention_ref
-    from kernels.paged_attention_triton import paged_attention
+    from kernels.attention.paged_attention import paged_attention_ref
+    from kernels.attention.paged_attention_triton import paged_attention
 
     context, block_size = 131072, 32
     gen = torch.Generator("cuda").manual_seed(0)
@@ -218,8 +218,8 @@ def test_split_decode_at_a_128k_context_matches_the_reference(num_kv_splits: int
 @pytest.mark.parametrize("num_rows", [1, 4, 8])
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_gemv_at_llama3_8b_sizes_matches_torch(num_rows: int, silu_mul: bool) -> None:
-    from kernels.activation import silu_and_mul_ref
-    from kernels.gemv_triton import gemv
+    from kernels.elementwise.activation import silu_and_mul_ref
+    from kernels.linear.gemv_triton import gemv
 
     gen = torch.Generator("cuda").manual_seed(num_rows)
     size_k = 14336 if silu_mul else 4096

@@ -11,29 +11,25 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import kernels.quant_gemv_int8_triton as int8_gemv
+import kernels.linear.int8_rows_triton as int8_gemv
 from engine.attention.backend import LayerOps, TritonAttentionBackend
 from engine.distributed.group import TensorParallelGroup
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
 from engine.models.llama import DecoderLayer
 from engine.quant.linear import QuantizedLinear
-from kernels.activation_triton import silu_and_mul, silu_and_mul_int8
-from kernels.norm_triton import (
+from kernels.elementwise.activation_triton import silu_and_mul, silu_and_mul_int8
+from kernels.elementwise.norm_triton import (
     fused_add_rms_norm,
     fused_add_rms_norm_int8,
     rms_norm,
     rms_norm_int8,
 )
-from kernels.quant import FORMATS
-from kernels.quant_gemv_int8_triton import Int8Rows, quant_gemv_int8, round_rows_int8
-from kernels.quant_matmul_triton import (
-    default_int8_gemv_config,
-    plane_arguments,
-    quant_matmul,
-    quant_matmul_int8_rows,
-    takes_int8_rows,
-)
+from kernels.linear.int8_rows_triton import Int8Rows, round_rows_int8
+from kernels.linear.quant import FORMATS
+from kernels.linear.quant_gemv_int8_triton import quant_gemv_int8
+from kernels.linear.quant_matmul_config import default_int8_gemv_config, takes_int8_rows
+from kernels.linear.quant_matmul_triton import plane_arguments, quant_matmul, quant_matmul_int8_rows
 from tests.test_quant_kernels import DEVICE, random_planes
 
 CUDA = DEVICE == "cuda"

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.paged_attention import paged_attention_ref, write_kv_ref
-from kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+from kernels.attention.paged_attention import paged_attention_ref, write_kv_ref
+from kernels.elementwise.activation import silu_and_mul_ref
+from kernels.elementwise.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
 
 
 def dense_attention(

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm_triton import fused_add_rms_norm
+from kernels.elementwise.norm_triton import fused_add_rms_norm
+from kernels.linear.quant import FORMATS, quantize
+from kernels.linear.quant_matmul_triton import quant_matmul
 from kernels.pdl import PDL_ENV, pdl_launch, uses_pdl
-from kernels.quant import FORMATS, quantize
-from kernels.quant_matmul_triton import quant_matmul
 
 
 def test_cpu_tensors_launch_the_ordinary_way() -> None:

@@ -23,16 +23,17 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.activation_triton import _silu_and_mul_kernel
-from kernels.fp8_mma_triton import _fp8_mma_kernel
-from kernels.norm_triton import _rms_norm_kernel
-from kernels.quant import FORMATS
-from kernels.quant_gemv_int8_triton import _quant_gemv_int8_kernel, _quantize_x_kernel
-from kernels.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
-from kernels.quant_gemv_triton import _quant_gemv_blocked_kernel
-from kernels.quant_matmul_triton import _quant_gemm_kernel, _quant_gemv_kernel
-from kernels.quant_mma_int8_triton import _quant_mma_int8_kernel
-from kernels.quant_mma_triton import _quant_mma_kernel
+from kernels.elementwise.activation_triton import _silu_and_mul_kernel
+from kernels.elementwise.norm_triton import _rms_norm_kernel
+from kernels.linear.fp8_mma_triton import _fp8_mma_kernel
+from kernels.linear.int8_rows_triton import _quantize_x_kernel
+from kernels.linear.quant import FORMATS
+from kernels.linear.quant_gemm_triton import _quant_gemm_kernel, _quant_gemv_kernel
+from kernels.linear.quant_gemv_blocked_triton import _quant_gemv_blocked_kernel
+from kernels.linear.quant_gemv_int8_triton import _quant_gemv_int8_kernel
+from kernels.linear.quant_gemv_kquant_triton import _quant_gemv_kquant_kernel
+from kernels.linear.quant_mma_int8_triton import _quant_mma_int8_kernel
+from kernels.linear.quant_mma_triton import _quant_mma_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q8_0": ["*fp16", "*i8"], "q4_1": ["*fp16", "*u8", "*fp16"],

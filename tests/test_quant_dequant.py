@@ -17,9 +17,9 @@ from engine import LLM, SamplingParams
 from engine.quant.linear import QuantizedLinear, allocate_dequant_scratch
 from engine.quant.plan import swap_in_quantized
 from engine.quant.scratch import DequantScratch
-from kernels.quant import FORMATS, dequantize
-from kernels.quant_dequant_triton import dequant_matmul, dequantize_into
-from kernels.quant_matmul_triton import MMA_ROWS, uses_scaled_mm
+from kernels.linear.quant import FORMATS, dequantize
+from kernels.linear.quant_dequant_triton import dequant_matmul, dequantize_into
+from kernels.linear.quant_matmul_config import MMA_ROWS, uses_scaled_mm
 from tests.test_quant_kernels import DEVICE, random_planes
 
 CUDA = DEVICE == "cuda"

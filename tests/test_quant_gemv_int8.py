@@ -14,21 +14,16 @@ import torch.nn.functional as F
 
 from engine import LLM
 from engine.quant.linear import QuantizedLinear
-from kernels.quant import FORMATS, dequantize
-from kernels.quant_gemv_int8_triton import (
-    X_BLOCKS,
-    quant_gemv_int8,
-    quantize_x_int8_reference,
-    round_rows_int8,
-)
-from kernels.quant_matmul_triton import (
+from kernels.linear.int8_rows_triton import X_BLOCKS, quantize_x_int8_reference, round_rows_int8
+from kernels.linear.quant import FORMATS, dequantize
+from kernels.linear.quant_gemv_int8_triton import quant_gemv_int8
+from kernels.linear.quant_matmul_config import (
     INT8_X_ROWS,
     QuantMatmulConfig,
     default_config,
-    plane_arguments,
-    quant_matmul,
     takes_int8_gemv,
 )
+from kernels.linear.quant_matmul_triton import plane_arguments, quant_matmul
 from tests.test_quant_kernels import DEVICE, random_planes
 
 CUDA = DEVICE == "cuda"

@@ -15,8 +15,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from kernels.fp8_rows_triton import fp8_scaled_mm, quantize_rows_fp8_triton
-from kernels.quant import (
+from kernels.linear.common import add_split_k_planes
+from kernels.linear.fp8_rows_triton import fp8_scaled_mm, quantize_rows_fp8_triton
+from kernels.linear.quant import (
     FORMATS,
     FP8_MAX,
     GGML_BLOCK_FIELDS,
@@ -27,8 +28,8 @@ from kernels.quant import (
     quantize,
     quantize_rows_fp8,
 )
-from kernels.quant_gemv_triton import BLOCKED_FORMATS
-from kernels.quant_matmul_triton import (
+from kernels.linear.quant_gemv_blocked_triton import BLOCKED_FORMATS
+from kernels.linear.quant_matmul_config import (
     MAX_GEMV_ROWS,
     MMA_ROWS,
     QuantMatmulConfig,
@@ -36,10 +37,10 @@ from kernels.quant_matmul_triton import (
     default_gemm_config,
     default_gemv_config,
     default_mma_config,
-    quant_matmul,
     uses_scaled_mm,
 )
-from kernels.quant_mma_triton import MMA_FORMATS, add_split_k_planes
+from kernels.linear.quant_matmul_triton import quant_matmul
+from kernels.linear.quant_mma_triton import MMA_FORMATS
 
 GGML_TYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,

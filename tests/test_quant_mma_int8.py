@@ -7,17 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quant import FORMATS, dequantize
-from kernels.quant_gemv_int8_triton import round_rows_int8
-from kernels.quant_matmul_triton import (
-    INT8_MMA_ROWS,
-    default_config,
-    plane_arguments,
-    quant_matmul,
-    quant_matmul_int8_rows,
-    takes_int8_rows,
-)
-from kernels.quant_mma_int8_triton import quant_mma_int8
+from kernels.linear.int8_rows_triton import round_rows_int8
+from kernels.linear.quant import FORMATS, dequantize
+from kernels.linear.quant_matmul_config import INT8_MMA_ROWS, default_config, takes_int8_rows
+from kernels.linear.quant_matmul_triton import plane_arguments, quant_matmul, quant_matmul_int8_rows
+from kernels.linear.quant_mma_int8_triton import quant_mma_int8
 from tests.test_quant_gemv_int8 import ragged_case, rounded
 from tests.test_quant_kernels import DEVICE, random_planes
 

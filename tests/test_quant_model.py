@@ -21,7 +21,7 @@ from engine.loader.quantized import resolve_quant_load
 from engine.models.arch import ModelArch
 from engine.quant.linear import QuantizedLinear
 from engine.quant.plan import check_plan_device, in_situ_plan
-from kernels.quant import FORMATS, dequantize, quantize
+from kernels.linear.quant import FORMATS, dequantize, quantize
 from tests.test_gguf import (
     TINY_CHAT_TEMPLATE,
     TINY_LAYERS,

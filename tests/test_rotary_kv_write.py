@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.paged_attention import FP8_DTYPE, dequantize_fp8
-from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
-from kernels.rotary_kv_write import rotary_write_kv_ref
+from kernels.attention.paged_attention import FP8_DTYPE, dequantize_fp8
+from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
+from kernels.elementwise.rotary_kv_write import rotary_write_kv_ref
 from tests.test_triton_kernels import DEVICE, DTYPES, KERNELS, TOLERANCE, assert_close
 
 rotary_write_kv = KERNELS["rotary_kv_write_triton"].rotary_write_kv

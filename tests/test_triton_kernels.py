@@ -20,14 +20,14 @@ if not CUDA:
 
 # Dependencies before dependents: a reload must see the reloaded helpers.
 KERNEL_MODULES = (
-    "kernels.kv_write_triton",
-    "kernels.paged_attention_common",
-    "kernels.paged_attention_prefill_triton",
-    "kernels.paged_attention_triton",
-    "kernels.norm_triton",
-    "kernels.rotary_triton",
-    "kernels.rotary_kv_write_triton",
-    "kernels.activation_triton",
+    "kernels.attention.kv_write_triton",
+    "kernels.attention.paged_attention_common",
+    "kernels.attention.paged_attention_prefill_triton",
+    "kernels.attention.paged_attention_triton",
+    "kernels.elementwise.norm_triton",
+    "kernels.elementwise.rotary_triton",
+    "kernels.elementwise.rotary_kv_write_triton",
+    "kernels.elementwise.activation_triton",
 )
 
 
@@ -46,7 +46,7 @@ def import_kernels() -> dict[str, ModuleType]:
         module = importlib.import_module(name)
         jitted = [v for v in vars(module).values() if hasattr(v, "fn") and hasattr(v, "run")]
         stale = stale or (not CUDA and not all(isinstance(v, InterpretedFunction) for v in jitted))
-        modules[name.split(".")[1]] = importlib.reload(module) if stale else module
+        modules[name.rsplit(".", 1)[1]] = importlib.reload(module) if stale else module
     return modules
 
 
@@ -56,10 +56,10 @@ rotary_triton = KERNELS["rotary_triton"]
 activation_triton = KERNELS["activation_triton"]
 kv_write_triton = KERNELS["kv_write_triton"]
 
-from kernels.activation import silu_and_mul_ref  # noqa: E402
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref  # noqa: E402
-from kernels.paged_attention import write_kv_ref  # noqa: E402
-from kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref  # noqa: E402
+from kernels.attention.paged_attention import write_kv_ref  # noqa: E402
+from kernels.elementwise.activation import silu_and_mul_ref  # noqa: E402
+from kernels.elementwise.norm import fused_add_rms_norm_ref, rms_norm_ref  # noqa: E402
+from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # One rounding step of each dtype: kernels that follow the reference's rounding points agree

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention_ref
+from kernels.attention.paged_attention import paged_attention_ref
 from tests.test_triton_kernels import CUDA, DEVICE, KERNELS
 
 paged_attention = KERNELS["paged_attention_triton"].paged_attention
@@ -256,7 +256,7 @@ def test_gpu_decode_is_cuda_graph_capturable() -> None:
 
 
 def test_short_contexts_decode_unsplit_and_graphs_capture_both_variants() -> None:
-    from kernels.paged_attention_triton import (
+    from kernels.attention.paged_attention_triton import (
         UNSPLIT_MAX_CONTEXT,
         decode_graph_contexts,
         default_num_kv_splits,

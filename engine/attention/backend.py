@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.paged_attention import paged_attention_ref
-from kernels.rotary_kv_write import rotary_write_kv_ref
+from kernels.attention.paged_attention import paged_attention_ref
+from kernels.elementwise.activation import silu_and_mul_ref
+from kernels.elementwise.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.elementwise.rotary_kv_write import rotary_write_kv_ref
 
 if TYPE_CHECKING:
-    from kernels.quant_gemv_int8_triton import Int8Rows
+    from kernels.linear.int8_rows_triton import Int8Rows
 
 ATTN_BACKEND_ENV = "PAGESTREAM_ATTN_BACKEND"
 BACKEND_CHOICES = ("auto", "torch", "triton")
@@ -182,15 +182,15 @@ class TritonAttentionBackend:
 
     def __init__(self) -> None:
         # Imported here: a CPU-only install never needs triton at import time.
-        from kernels.activation_triton import silu_and_mul, silu_and_mul_int8
-        from kernels.norm_triton import (
+        from kernels.attention.paged_attention_triton import decode_graph_contexts, paged_attention
+        from kernels.elementwise.activation_triton import silu_and_mul, silu_and_mul_int8
+        from kernels.elementwise.norm_triton import (
             fused_add_rms_norm,
             fused_add_rms_norm_int8,
             rms_norm,
             rms_norm_int8,
         )
-        from kernels.paged_attention_triton import decode_graph_contexts, paged_attention
-        from kernels.rotary_kv_write_triton import rotary_write_kv
+        from kernels.elementwise.rotary_kv_write_triton import rotary_write_kv
 
         self.ops = LayerOps(
             rms_norm,

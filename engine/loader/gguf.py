@@ -73,7 +73,7 @@ BLOCK_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# GGML block types whose linear weights can stay packed (kernels/quant.py's format names)
+# GGML block types whose linear weights can stay packed (kernels/linear/quant.py's format names)
 GGML_BLOCK_FORMATS = {
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "q4_0",

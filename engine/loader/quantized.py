@@ -24,7 +24,7 @@ from engine.models.arch import ModelArch
 from engine.quant.linear import PackedWeight
 from engine.quant.plan import QuantPlan, check_plan_device, hf_weight_names, in_situ_plan
 from engine.quant.plan import packed_plan as plan_from_formats
-from kernels.quant import FORMATS, IN_SITU_FORMATS, planes_from_ggml
+from kernels.linear.quant import FORMATS, IN_SITU_FORMATS, planes_from_ggml
 
 if TYPE_CHECKING:
     from gguf import GGUFReader

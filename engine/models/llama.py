@@ -28,9 +28,9 @@ from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
 from engine.quant.linear import PackedWeight, QuantizedLinear
-from kernels.gemv_triton import GemvConfig, gemv
-from kernels.quant_gemv_int8_triton import Int8Rows
-from kernels.rotary import rope_cos_sin_cache, rope_inv_freq
+from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
+from kernels.linear.gemv_triton import GemvConfig, gemv
+from kernels.linear.int8_rows_triton import Int8Rows
 
 GEMV_MAX_ROWS = 1  # rows that take the Triton GEMV instead of cuBLAS (measured at one)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)

@@ -1,10 +1,10 @@
 """``QuantizedLinear``: a linear layer whose weight stays packed in a quantized format.
 
 On CUDA the matmul runs in the Triton kernels that dequantize in registers
-(kernels/quant_matmul_triton.py; q8_0/q4_0/q4_1 on tensor cores from a few rows) up to
+(kernels/linear/quant_matmul_triton.py; q8_0/q4_0/q4_1 on tensor cores from a few rows) up to
 ``DEQUANT_GEMM_MIN_ROWS`` rows (``MMA_ROWS`` for the tensor-core kernel); from there on the
 weight is dequantized into a scratch buffer that the model's quantized linears share and
-multiplied by cuBLAS (kernels/quant_dequant_triton.py, engine/quant/scratch.py). Elsewhere a
+multiplied by cuBLAS (kernels/linear/quant_dequant_triton.py, engine/quant/scratch.py). Elsewhere a
 reference dequantizes the whole weight to the activations' dtype and calls ``F.linear``
 (correct, not fast: CPU serving defaults to float weights). The planes are buffers, so
 ``model.to(dtype)`` must not be used on a model that holds these: the loader casts parameters
@@ -21,17 +21,11 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.quant.scratch import DequantScratch
-from kernels.quant import QuantFormat, dequantize, empty_planes, quantize
-from kernels.quant_dequant_triton import dequant_matmul
-from kernels.quant_gemv_int8_triton import Int8Rows
-from kernels.quant_matmul_triton import (
-    MMA_ROWS,
-    quant_matmul,
-    quant_matmul_int8_rows,
-    takes_int8_rows,
-    takes_mma,
-    uses_scaled_mm,
-)
+from kernels.linear.int8_rows_triton import Int8Rows
+from kernels.linear.quant import QuantFormat, dequantize, empty_planes, quantize
+from kernels.linear.quant_dequant_triton import dequant_matmul
+from kernels.linear.quant_matmul_config import MMA_ROWS, takes_int8_rows, takes_mma, uses_scaled_mm
+from kernels.linear.quant_matmul_triton import quant_matmul, quant_matmul_int8_rows
 
 # Rows from which a step dequantizes the weight once and calls cuBLAS instead of the Triton
 # GEMM (bench/quant_kernels.py times both per shape; fp8 on Hopper keeps torch._scaled_mm):

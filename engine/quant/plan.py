@@ -14,7 +14,7 @@ from engine.errors import ConfigError
 from engine.models.arch import ModelArch
 from engine.quant.linear import QuantizedLinear
 from engine.quant.scratch import DequantScratch
-from kernels.quant import FORMATS, QuantFormat
+from kernels.linear.quant import FORMATS, QuantFormat
 
 QuantPlan = dict[str, QuantFormat]
 

@@ -1,5 +1,5 @@
 """The float weight room that a model's quantized linears share for the dequantize-then-cuBLAS
-path (kernels/quant_dequant_triton.py).
+path (kernels/linear/quant_dequant_triton.py).
 
 One buffer per device and dtype, sized once for the largest linear (an LM head beyond
 ``MAX_SLICE_ROWS`` output rows is taken in slices): linears run one after another, so one

@@ -1,11 +1,11 @@
 # @triton.jit functions take Triton pointers and blocks, which have no Python types:
 # mypy: disable-error-code="no-untyped-def"
-"""SiLU-and-mul in Triton, matching ``kernels.activation.silu_and_mul_ref``.
+"""SiLU-and-mul in Triton, matching ``activation.silu_and_mul_ref``.
 
 A program handles ``BLOCK_D`` columns of one row: ``silu(gate) * up``, fp32 math, with the
 reference's rounding points (``silu(gate)`` is rounded to the input dtype before the product).
 ``silu_and_mul_int8`` rounds the product to int8 blocks for a quantized ``down_proj`` that
-takes an int8 kernel, in the same program (kernels/norm_triton.py says why).
+takes an int8 kernel, in the same program (norm_triton.py says why).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.int8_rows_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK_D = 1024  # columns per program

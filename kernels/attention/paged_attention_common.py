@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write_triton import check_pool, check_scales
-from kernels.paged_attention import FP8_DTYPE
+from kernels.attention.kv_write_triton import check_pool, check_scales
+from kernels.attention.paged_attention import FP8_DTYPE
 
 LOG2_E = 1.4426950408889634  # the kernels use exp2: scores are scaled by log2(e)
 E4M3_MAX = tl.constexpr(448.0)  # v scales are folded into p as v_scale * 448 (= the amax)

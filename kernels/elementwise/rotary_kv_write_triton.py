@@ -19,15 +19,22 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write_triton import (
+from kernels.attention.kv_write_triton import (
     PoolScales,
     _fp8_scale,
+    _slot_offsets,
     _store_fp8,
     _store_token,
     check_write_args,
 )
+from kernels.elementwise.rotary_triton import (
+    _position_rows,
+    _rotate_heads,
+    _rotated_halves,
+    check_rotary_args,
+    rotary_shape,
+)
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.rotary_triton import _rotate_heads, _rotated_halves, check_rotary_args
 
 
 @triton.jit
@@ -90,9 +97,7 @@ def _rotary_write_kv_kernel(
 ):  # fmt: skip
     wait_for_producers(PDL)
     token = tl.program_id(0)
-    position = tl.load(positions_ptr + token)
-    cos_row = cos_ptr + position * stride_cp
-    sin_row = sin_ptr + position * stride_cp
+    cos_row, sin_row = _position_rows(positions_ptr, cos_ptr, sin_ptr, token, stride_cp)
     # 1. q in place, padding rows included: attention reads it from there
     _rotate_heads(
         q_ptr + token * stride_qt, cos_row, sin_row, stride_qh,
@@ -101,10 +106,9 @@ def _rotary_write_kv_kernel(
     # 2. the token's slot; a negative one is padding and stores nothing
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
-        page = slot // BLOCK_SIZE
-        row = slot % BLOCK_SIZE
-        cache_offset = page * stride_cb + row * stride_cs
-        scale_offset = page * stride_sb + row * stride_ss
+        cache_offset, scale_offset = _slot_offsets(
+            slot, BLOCK_SIZE, stride_cb, stride_cs, stride_sb, stride_ss
+        )
         # 3. K rotated on its way into the pool, then V as it is
         _store_rotated_heads(
             k_ptr + token * stride_kt, cos_row, sin_row,
@@ -148,8 +152,7 @@ def rotary_write_kv(
     check_rotary_args(q, k, positions, cos_cache, sin_cache)
     check_write_args(k, v, k_cache, v_cache, slot_mapping)
     scales = PoolScales.of(k_cache, k_scale, v_scale)
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_tokens, head_dim = q.shape[0], q.shape[2]
     if num_tokens == 0:
         return q
     _rotary_write_kv_kernel[(num_tokens,)](
@@ -157,13 +160,8 @@ def rotary_write_kv(
         k_cache, v_cache, scales.k, scales.v, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v.stride(), cos_cache.stride(0),
         *k_cache.stride(), *scales.strides,
-        NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HALF=head_dim // 2,
+        **rotary_shape(q, k),
         BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_D=triton.next_power_of_2(head_dim),
         IS_FP8=scales.is_fp8,
         **pdl_launch(q),

@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-def"
 """A packed weight dequantized into a float buffer, then a dense cuBLAS matmul.
 
-The GEMM of kernels/quant_matmul_triton.py dequantizes each weight tile once per row tile,
+The GEMM of quant_gemm_triton.py dequantizes each weight tile once per row tile,
 inside the ``tl.dot`` loop; with many rows (large decode batches, prefill) that work and the
 untuned tiles cost more than the packed bytes save. Here the weight is written out once as
 ``[N, K]`` in the activations' dtype and multiplied by cuBLAS: the dequantization (reading the
@@ -33,9 +33,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import SUPPORTED_DTYPES
-from kernels.quant import QuantFormat
-from kernels.quant_matmul_triton import plane_arguments, weight_tile
+from kernels.linear.common import tile_offsets
+from kernels.linear.gemv_triton import SUPPORTED_DTYPES
+from kernels.linear.quant import QuantFormat
+from kernels.linear.quant_gemm_triton import weight_tile
+from kernels.linear.quant_matmul_triton import plane_arguments
 
 DEQUANT_BLOCK_N = 16  # output rows of the weight per program
 DEQUANT_BLOCK_K = 256  # columns per program: a 512-byte bf16 store per row
@@ -56,9 +58,9 @@ def _dequantize_blocked_kernel(
 ):  # fmt: skip
     """A program: ``BLOCK_N`` rows by ``BLOCKS`` 32-element blocks of q8_0 (0), q4_0 (1) or
     q4_1 (2), written as two ``[BLOCK_N, BLOCKS, 16]`` halves."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    mask_nb = (offs_n < N)[:, None] & (blk < K // 32)[None, :]  # [BLOCK_N, BLOCKS]
+    offs_n, mask_n = tile_offsets(tl.program_id(0), BLOCK_N, N)
+    blk, mask_b = tile_offsets(tl.program_id(1), BLOCKS, K // 32)
+    mask_nb = mask_n[:, None] & mask_b[None, :]  # [BLOCK_N, BLOCKS]
     mask = mask_nb[:, :, None]
     rows = offs_n[:, None, None]
     offs_16 = tl.arange(0, 16)[None, None, :]
@@ -93,9 +95,9 @@ def _dequantize_kernel(
     stride_on,  # out: [N, K], last stride 1
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    offs_n, mask_n = tile_offsets(tl.program_id(0), BLOCK_N, N)
+    offs_k, mask_k = tile_offsets(tl.program_id(1), BLOCK_K, K)
+    mask = mask_n[:, None] & mask_k[None, :]
     w = weight_tile(p0, p1, p2, p3, s0, s1, s2, s3, offs_n[:, None], offs_k[None, :], mask,
                     FORMAT)  # fmt: skip
     out_ptrs = out_ptr + offs_n[:, None] * stride_on + offs_k[None, :]

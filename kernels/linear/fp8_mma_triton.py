@@ -5,13 +5,13 @@
 Decode batches of a few dozen rows are memory-bound: the weight's bytes are the step's cost.
 ``torch._scaled_mm`` multiplies the same operands but its kernels are tuned for large M; at
 3-16 rows it ran at 0.35-0.43 of the weight's streaming limit on llama3-8b's qkv and o (H100)
-and slower than bf16 cuBLAS on down_proj (K = 14,336). Here, as in kernels/quant_mma_triton.py,
+and slower than bf16 cuBLAS on down_proj (K = 14,336). Here, as in quant_mma_triton.py,
 the tile is transposed (``out^T = w @ x^T``: the weight the dot's tall side, the batch its
 narrow one, padded to 16); a K split (possible, not the default: long K steps filled the
 GPU better) stores a plane per split that the launcher adds in a fixed order.
 
 The activations are rounded as ``torch._scaled_mm``'s path rounds them
-(kernels/fp8_rows_triton.py: e4m3 with a scale per row); the dot multiplies e4m3 by e4m3
+(fp8_rows_triton.py: e4m3 with a scale per row); the dot multiplies e4m3 by e4m3
 into fp32 and the epilogue applies both scales, so the product is the same W8A8 one.
 """
 
@@ -21,14 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_rows_triton import quantize_rows_fp8_triton
-from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant_mma_triton import (
-    MIN_BLOCK_M,
+from kernels.linear.common import (
     add_split_k_planes,
+    k_split,
     plane_strides,
     split_k_planes,
+    store_split_k_plane,
+    tile_offsets,
 )
+from kernels.linear.fp8_rows_triton import quantize_rows_fp8_triton
+from kernels.linear.quant_mma_triton import MIN_BLOCK_M
+from kernels.pdl import pdl_launch, wait_for_producers
 
 
 @triton.jit
@@ -47,13 +50,10 @@ def _fp8_mma_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
+    offs_m, mask_m = tile_offsets(pid_m, BLOCK_M, M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per_split
+    k_start, k_per_split = k_split(pid_k, K, BLOCK_K, SPLIT_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
@@ -70,8 +70,9 @@ def _fp8_mma_kernel(
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     acc = acc * w_scale[:, None] * x_scale[None, :]
-    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    store_split_k_plane(
+        out_ptr, acc, pid_k, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split
+    )
 
 
 def fp8_mma(

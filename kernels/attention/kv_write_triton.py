@@ -4,7 +4,7 @@
 
 One program stores one new token: all its KV heads, K and V. A negative slot skips the token
 (padded rows of a CUDA graph). With an fp8 pool the program quantizes each (token, kv head)
-vector with its own float32 scale, exactly as ``kernels.paged_attention.quantize_fp8`` does.
+vector with its own float32 scale, exactly as ``paged_attention.quantize_fp8`` does.
 The engine launches the fused ``rotary_kv_write_triton``, built from this file's helpers.
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from kernels.attention.paged_attention import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 E4M3_MAX = tl.constexpr(FP8_MAX)  # globals a kernel reads must be constexpr
@@ -49,6 +49,14 @@ def _store_fp8(x32, cache_ptrs, mask, scale):
     """fp32 rows [BLOCK_H, BLOCK_D] divided by their head's scale [BLOCK_H], stored as e4m3."""
     stored = _round_to_e4m3_grid(x32 / scale[:, None])
     tl.store(cache_ptrs, stored.to(cache_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _slot_offsets(slot, BLOCK_SIZE: tl.constexpr, stride_cb, stride_cs, stride_sb, stride_ss):
+    """Slot ``page * BLOCK_SIZE + row``'s offsets: of its rows in the pool, of its scales."""
+    page = slot // BLOCK_SIZE
+    row = slot % BLOCK_SIZE
+    return page * stride_cb + row * stride_cs, page * stride_sb + row * stride_ss
 
 
 @triton.jit
@@ -115,15 +123,14 @@ def _write_kv_kernel(
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
-        page = slot // BLOCK_SIZE
-        row = slot % BLOCK_SIZE
+        cache_offset, scale_offset = _slot_offsets(
+            slot, BLOCK_SIZE, stride_cb, stride_cs, stride_sb, stride_ss
+        )
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask_h = offs_h < NUM_KV_HEADS
         mask_d = offs_d < HEAD_DIM
         # 2. K then V: [Hkv, D] each, quantized per head when the pool is fp8
-        cache_offset = page * stride_cb + row * stride_cs
-        scale_offset = page * stride_sb + row * stride_ss
         _store_token(
             k_ptr + token * stride_kt, k_cache_ptr + cache_offset, k_scale_ptr + scale_offset,
             offs_h, offs_d, mask_h, mask_d,
@@ -146,7 +153,7 @@ def write_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store new K and V rows in the pool; matches ``kernels.paged_attention.write_kv_ref``.
+    """Store new K and V rows in the pool; matches ``paged_attention.write_kv_ref``.
 
     Shapes: ``k, v: [T, Hkv, D]`` (any strides, each its own); ``k_cache, v_cache: [NB, BS,
     Hkv, D]`` (any strides, e.g. a layer's slice of a bigger pool, same for both);

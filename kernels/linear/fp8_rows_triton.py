@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-def"
 """Activations to fp8 e4m3 with a scale per row (dynamic, per token), in one kernel.
 
-``torch._scaled_mm`` multiplies fp8 operands; the W8A8 path (kernels/quant.py's
+``torch._scaled_mm`` multiplies fp8 operands; the W8A8 path (quant.py's
 ``fp8_scaled_mm``) first rounds each row of ``x`` to e4m3 under the scale ``amax / 448``.
 In torch ops that is seven kernels and three fp32 copies of ``x`` per linear (abs, amax,
 the scale, the fp32 copy, the division, the clamp, the cast); here one program reads its row,
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.quant import FP8_MAX, quantize_rows_fp8
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import FP8_MAX, quantize_rows_fp8
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
 INV_E4M3_MAX = tl.constexpr(1.0 / FP8_MAX)  # rounded to fp32 where it multiplies, as in torch
@@ -67,7 +67,7 @@ def _quantize_rows_fp8_kernel(
 
 def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (last stride 1) -> (e4m3 ``[M, K]``, float32 scales ``[M, 1]``), equal to
-    kernels/quant.py's ``quantize_rows_fp8``."""
+    quant.py's ``quantize_rows_fp8``."""
     if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or x.stride(-1) != 1:
         raise ValueError(
             f"quantize_rows_fp8: x [M, K] in {SUPPORTED_DTYPES} with last stride 1, got "
@@ -91,7 +91,7 @@ def fp8_scaled_mm(x: torch.Tensor, planes: dict[str, torch.Tensor]) -> torch.Ten
     """``x [M, K] @ w.T`` on fp8 tensor cores: x quantized per row, ``torch._scaled_mm`` with
     both row scales (W8A8; bf16 out). For prefill and decode batches beyond the GEMV, where
     the fp8 matmul's speed pays for the activations' rounding; the GEMV keeps x in its dtype
-    (kernels/quant_gemv_triton.py). CPU tensors take the torch reference of the rounding."""
+    (quant_gemv_blocked_triton.py). CPU tensors take the torch reference of the rounding."""
     if x.is_cuda:
         x_fp8, x_scale = quantize_rows_fp8_triton(x)
     else:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.common import k_split, rows_pad, split_k_target, store_split_k, tile_offsets
 from kernels.pdl import pdl_launch, wait_for_producers
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,16 +41,6 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-
-
-@triton.jit
-def store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K: tl.constexpr):
-    """A GEMV program's fp32 tile of ``out``: stored when the program covered all of K, else
-    added atomically (the launcher zeroed ``out``, and the K splits sum into it)."""
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
 
 
 @triton.jit
@@ -74,12 +65,10 @@ def _gemv_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
-    mask_n = offs_n < N
     mask_m = offs_m < M
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per_split
+    k_start, k_per_split = k_split(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -100,9 +89,8 @@ def _gemv_kernel(
             x = (silu * up).to(w_ptr.dtype.element_ty).to(tl.float32)
         # 3. acc[m, n] += x[m, :] . w[n, :]
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
-    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
+    store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K)
 
 
 def gemv(
@@ -125,7 +113,7 @@ def gemv(
     _gemv_kernel[grid](
         x, weight, target, num_rows, num_cols, size_k,
         x.stride(0), weight.stride(0), target.stride(0),
-        M_PAD=max(triton.next_power_of_2(num_rows), 1), BLOCK_N=cfg.block_n,
+        M_PAD=rows_pad(num_rows), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU_MUL=silu_mul,
         EVEN_K=size_k % (cfg.block_k * cfg.split_k) == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
@@ -133,14 +121,6 @@ def gemv(
     if target is not out:
         out.copy_(target)
     return out
-
-
-def split_k_target(out: torch.Tensor, split_k: int) -> torch.Tensor:
-    """Where a GEMV's programs put their sums: ``out``, or with K split a zeroed fp32 buffer
-    the splits add into (partial sums meet in fp32 and round once: copy it into ``out``)."""
-    if split_k == 1:
-        return out
-    return torch.zeros(out.shape, dtype=torch.float32, device=out.device)
 
 
 def default_config(num_cols: int, size_k: int) -> GemvConfig:

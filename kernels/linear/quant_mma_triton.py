@@ -15,7 +15,7 @@ batch its narrow one, padded to 16), and two facts keep the weight's conversion 
   ``x[16:32]``: two dots, no shuffle of the quants.
 
 Each weight ``d * (q - 8)`` (q4_0), ``d * q + m`` (q4_1) or ``d * q`` (q8_0) is formed in
-fp32 and rounded once to the activations' dtype, the bits kernels/quant_dequant_triton.py
+fp32 and rounded once to the activations' dtype, the bits quant_dequant_triton.py
 writes for cuBLAS, and one dot per nibble half spans the K step's blocks. (A variant that ran
 one dot per block on the bare ``magic + q`` and scaled its fp32 result was exact, 1.1-2.3x
 slower for q4_0 from 16 to 144 rows and 1-9% faster for q8_0, and its
@@ -34,8 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.common import (
+    add_split_k_planes,
+    k_split,
+    plane_strides,
+    split_k_planes,
+    store_split_k_plane,
+    tile_offsets,
+)
+from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
 
 MMA_FORMATS = ("q8_0", "q4_0", "q4_1")
 MMA_DTYPES = (torch.bfloat16, torch.float16)
@@ -67,16 +75,13 @@ def _quant_mma_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
+    offs_m, mask_m = tile_offsets(pid_m, BLOCK_M, M)
     offs_16 = tl.arange(0, 16)
     # the K step's elements in dot order: block b's first (or second) 16 elements
     half_k = (tl.arange(0, BLOCKS * 16) // 16) * 32 + tl.arange(0, BLOCKS * 16) % 16
     num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
+    first_block, blocks_per_split = k_split(pid_k, num_blocks, BLOCKS, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
     for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
         blk = b0 + tl.arange(0, BLOCKS)
@@ -114,8 +119,9 @@ def _quant_mma_kernel(
         else:
             acc = tl.dot(w_lo, x_lo, acc)
             acc = tl.dot(w_hi, x_hi, acc)
-    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    store_split_k_plane(
+        out_ptr, acc, pid_k, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split
+    )
 
 
 def quant_mma(
@@ -152,50 +158,3 @@ def quant_mma(
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip
     add_split_k_planes(out, target)
-
-
-def split_k_planes(out: torch.Tensor, split_k: int) -> torch.Tensor:
-    """Where a tensor-core kernel's programs store: ``out`` itself, or with K split an fp32
-    plane per split, ``[SPLIT_K, M, N]``, that ``add_split_k_planes`` sums in a fixed order."""
-    if split_k == 1:
-        return out
-    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
-
-
-def plane_strides(target: torch.Tensor) -> tuple[int, int]:
-    """The kernels' ``stride_om`` and ``stride_split`` (0 when there are no planes)."""
-    return target.stride(-2), target.stride(0) if target.dim() == 3 else 0
-
-
-ADD_PLANES_BLOCK = 1024  # output elements per program of the plane sum
-
-
-@triton.jit
-def _add_planes_kernel(
-    planes_ptr, out_ptr, N, numel, stride_om,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """``out = planes[0] + planes[1] + ...`` in that order, in float32, rounded once."""
-    wait_for_producers(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(planes_ptr + offs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):
-        acc += tl.load(planes_ptr + split * numel + offs, mask=mask, other=0.0)
-    out_ptrs = out_ptr + (offs // N) * stride_om + offs % N
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def add_split_k_planes(out: torch.Tensor, target: torch.Tensor) -> None:
-    """Sum the K splits' planes into ``out`` (nothing when the kernel stored into ``out``):
-    one kernel, the planes added in split order and rounded once to ``out``'s dtype (torch's
-    ``sum`` then ``copy_`` took two, 4.1 us a linear on an H100, 9% of a q4_0 llama3-8b
-    decode step at batch 8)."""
-    if target is out:
-        return
-    num_rows, num_cols = out.shape
-    numel = num_rows * num_cols
-    _add_planes_kernel[(triton.cdiv(numel, ADD_PLANES_BLOCK),)](
-        target, out, num_cols, numel, out.stride(0), SPLIT_K=target.shape[0],
-        BLOCK=ADD_PLANES_BLOCK, **pdl_launch(out),
-    )  # fmt: skip

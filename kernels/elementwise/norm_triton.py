@@ -1,19 +1,19 @@
 # @triton.jit functions take Triton pointers and blocks, which have no Python types:
 # mypy: disable-error-code="no-untyped-def"
-"""RMSNorm and fused residual-add + RMSNorm in Triton, matching ``kernels.norm``.
+"""RMSNorm and fused residual-add + RMSNorm in Triton, matching ``norm``.
 
 One program normalizes one row. The math follows ``rms_norm_ref`` step by step, roundings
 included: the sum ``x + residual`` is rounded to the input dtype, the statistics are fp32,
 the normalized row is cast back to the input dtype, and only then multiplied by the weight.
 
 ``rms_norm_int8`` and ``fused_add_rms_norm_int8`` feed a quantized linear that takes the int8
-GEMV (kernels/quant_gemv_int8_triton.py): the normalized row, rounded to its float dtype as
-above, is rounded to int8 blocks by the norm's own programs and never written in float. That
-saves the rounding kernel's launch, two of the four a decoder layer has (H100, q4_0
-llama3-8b at one row: 128 launches of 1.4 us, 7% of the step). One program rounding a whole
-row made the step slower than the two launches (2.56 against 2.44 ms): a row is split into
-chunks, each program recomputing the row's statistics, so that the rounding spreads over
-SMs as the rounding kernel's does.
+GEMV (kernels/linear/quant_gemv_int8_triton.py): the normalized row, rounded to its float
+dtype as above, is rounded to int8 blocks (kernels/linear/int8_rows_triton.py) by the norm's
+own programs and never written in float. That saves the rounding kernel's launch, two of the
+four a decoder layer has (H100, q4_0 llama3-8b at one row: 128 launches of 1.4 us, 7% of the
+step). One program rounding a whole row made the step slower than the two launches (2.56
+against 2.44 ms): a row is split into chunks, each program recomputing the row's statistics,
+so that the rounding spreads over SMs as the rounding kernel's does.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.int8_rows_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant_gemv_int8_triton import TL_FLOAT_DTYPES, Int8Rows, store_blocks_int8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements a program rounds to int8 (8 blocks, as the rounding kernel's programs): a row's
@@ -95,7 +95,7 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; matches ``kernels.norm.rms_norm_ref``.
+    """RMSNorm over the last dim; matches ``norm.rms_norm_ref``.
 
     Shapes: ``x: [T, N]`` or ``[T, H, N]`` (per-head norms, e.g. Qwen3's q/k norm), last
     stride 1, other strides free; ``weight: [N]`` contiguous. Returns a new contiguous tensor

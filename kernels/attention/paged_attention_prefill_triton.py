@@ -1,6 +1,6 @@
 # @triton.jit functions take Triton pointers and blocks, which have no Python types:
 # mypy: disable-error-code="no-untyped-def"
-"""The prefill / mixed phase of ``paged_attention`` (see kernels/paged_attention_triton.py).
+"""The prefill / mixed phase of ``paged_attention`` (see paged_attention_triton.py).
 
 Flash attention over the page pool for sequences with any number of new tokens. The new tokens
 are a sequence's last ``query_len`` positions: causal among themselves, full over the cached
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention_common import (
+from kernels.attention.paged_attention_common import (
     E4M3_MAX,
     LOG2_E,
     NEG_BIG,

@@ -2,11 +2,11 @@
 # mypy: disable-error-code="no-untyped-def"
 """Decode GEMV for q8_0, q4_0 and q4_1 with the activations rounded to int8: integer dot products.
 
-At one row the 4-bit GEMV of kernels/quant_gemv_triton.py is bound by instruction issue, not
+At one row the 4-bit GEMV of quant_gemv_blocked_triton.py is bound by instruction issue, not
 by bytes (H100, llama3-8b's gate_up: 82% of issue slots taken, 42% of DRAM bandwidth): every
 weight costs a nibble extraction, a conversion to float and an FMA. Here, as in llama.cpp's
 ``mmvq`` kernels, ``x`` is first rounded to int8 in 32-element blocks, each with its own scale
-and sum (ggml's q8_1: ``x ~ dx * xq``), and a 32-bit word of packed weights meets a word of
+and sum (ggml's q8_1: ``x ~ dx * xq``, int8_rows_triton.py), and a 32-bit word of packed weights meets a word of
 ``xq`` in one ``dp4a`` (four int8 products added into an int32):
 
     word & 0x0F0F0F0F          the low nibbles of 4 bytes: elements j..j+3 of the block
@@ -29,143 +29,16 @@ in integer arithmetic, the same sums.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import store_split_k
+from kernels.linear.common import k_split, rows_pad, store_split_k, tile_offsets
+from kernels.linear.int8_rows_triton import Int8Rows, as_int8_rows
+from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
 
 INT8_X_FORMATS = ("q8_0", "q4_0", "q4_1")
-X_BLOCKS = 8  # 32-element blocks of x per program of the rounding kernel
-# the float dtypes as kernels take them for a constexpr (the kernels that round their output)
-TL_FLOAT_DTYPES = {
-    torch.float16: tl.float16,
-    torch.bfloat16: tl.bfloat16,
-    torch.float32: tl.float32,
-}
-
-
-@triton.jit
-def _round_half_away(v):
-    r = tl.floor(tl.abs(v) + 0.5)
-    return tl.where(v < 0, -r, r)
-
-
-@triton.jit
-def round_blocks_int8(x):
-    """``x`` float32 ``[B, 32]`` -> ``(xq, dx, xs)``: each row a 32-element block rounded to
-    ``xq = round(x / dx)`` with ``dx = amax / 127`` (halves away from zero), and ``xs = dx *
-    sum xq``. The norms and SiLU that round their own output (kernels/norm_triton.py,
-    kernels/activation_triton.py) call it too, through ``store_blocks_int8``, so that their
-    blocks are the rounding kernel's bits."""
-    amax = tl.max(tl.abs(x), axis=1)
-    dx = amax * (1.0 / 127.0)  # a product, as torch computes amax / 127.0 on CUDA
-    safe = tl.where(amax > 0, amax, 1.0)
-    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe), 0.0)
-    q = _round_half_away(x * inv[:, None])
-    return q.to(tl.int8), dx, dx * tl.sum(q, axis=1)
-
-
-@triton.jit
-def store_blocks_int8(x, blk, num_blocks, xq_row, xd_row, xs_row):
-    """Round ``x`` (float32 ``[B, 32]``: blocks ``blk`` of one row) with ``round_blocks_int8``
-    and store the quants, scales and sums at that row's pointers; blocks from ``num_blocks``
-    on are not stored. The rounding kernel and the kernels that round their own output share
-    it."""
-    q, dx, xs = round_blocks_int8(x)
-    mask_b = blk < num_blocks
-    tl.store(xq_row + blk[:, None] * 32 + tl.arange(0, 32)[None, :], q, mask=mask_b[:, None])
-    tl.store(xd_row + blk, dx, mask=mask_b)
-    tl.store(xs_row + blk, xs, mask=mask_b)
-
-
-@triton.jit
-def _quantize_x_kernel(
-    x_ptr, xq_ptr, xd_ptr, xs_ptr,
-    K,
-    stride_xm,  # x: [M, K], last stride 1
-    stride_qm,  # xq: [M, K] int8
-    stride_sm,  # xd, xs: [M, K / 32] float32
-    BLOCKS: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Row ``program_id(0)``, ``BLOCKS`` blocks from ``program_id(1) * BLOCKS``."""
-    wait_for_producers(PDL)
-    row = tl.program_id(0)
-    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    mask_b = blk < K // 32
-    offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask_b[:, None], other=0.0).to(tl.float32)
-    store_blocks_int8(x, blk, K // 32, xq_ptr + row * stride_qm, xd_ptr + row * stride_sm,
-                      xs_ptr + row * stride_sm)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Int8Rows:
-    """Activation rows already rounded to int8 in 32-element blocks, ready for the int8
-    kernels (this GEMV, kernels/quant_mma_int8_triton.py): from the rounding kernel
-    (``round_rows_int8``) or from the kernel that produced the activations (a norm, SiLU),
-    which then skips writing them in float. ``dtype``: the float dtype the rows had, which the
-    output takes."""
-
-    xq: torch.Tensor  # [M, K] int8
-    xd: torch.Tensor  # [M, K / 32] float32: each block's scale
-    xs: torch.Tensor  # [M, K / 32] float32: dx * sum(xq)
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.xq.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.xq.device
-
-    @classmethod
-    def empty(
-        cls, num_rows: int, size_k: int, dtype: torch.dtype, device: torch.device
-    ) -> Int8Rows:
-        if size_k % QK:
-            raise ValueError(f"int8 rows need whole {QK}-element blocks, got K={size_k}")
-        xq = torch.empty(num_rows, size_k, dtype=torch.int8, device=device)
-        xd = torch.empty(num_rows, size_k // QK, dtype=torch.float32, device=device)
-        return cls(xq, xd, torch.empty_like(xd), dtype)
-
-
-def round_rows_int8(x: torch.Tensor) -> Int8Rows:
-    """``x [M, K]`` (K a multiple of 32) rounded for the int8 kernels by a kernel of its own:
-    ``xq`` int8 [M, K], ``xd`` and ``xs`` float32 [M, K / 32]."""
-    num_rows, size_k = x.shape
-    rows = Int8Rows.empty(num_rows, size_k, x.dtype, x.device)
-    grid = (num_rows, triton.cdiv(size_k // QK, X_BLOCKS))
-    _quantize_x_kernel[grid](
-        x, rows.xq, rows.xd, rows.xs, size_k, x.stride(0), rows.xq.stride(0), rows.xd.stride(0),
-        BLOCKS=X_BLOCKS, **pdl_launch(x),
-    )  # fmt: skip
-    return rows
-
-
-def quantize_x_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch reference of ``round_rows_int8`` (the same operations in float32)."""
-    blocks = x.float().view(x.shape[0], -1, QK)
-    amax = blocks.abs().amax(dim=-1)
-    dx = amax * (1.0 / 127.0)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
-    scaled = blocks * inv[..., None]
-    q = torch.where(scaled < 0, -torch.floor(scaled.abs() + 0.5), torch.floor(scaled.abs() + 0.5))
-    return q.to(torch.int8).view(x.shape), dx, dx * q.sum(dim=-1)
-
-
-def as_int8_rows(x: torch.Tensor | Int8Rows, size_k: int, caller: str) -> Int8Rows:
-    """What an int8 kernel multiplies: ``x`` itself when its producer rounded it, else ``x``
-    rounded by the rounding kernel; its rows must be the weight's ``size_k`` long."""
-    rows = x if isinstance(x, Int8Rows) else round_rows_int8(x)
-    if rows.shape[1] != size_k:
-        raise ValueError(f"{caller}: rows of {rows.shape[1]} elements, the weight's K={size_k}")
-    return rows
 
 
 @triton.jit
@@ -198,14 +71,12 @@ def _quant_gemv_int8_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
     offs_4 = tl.arange(0, 4)
     offs_8 = tl.arange(0, 8)
-    mask_n = offs_n < N
     num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
+    first_block, blocks_per_split = k_split(pid_k, num_blocks, BLOCKS, SPLIT_K)
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCKS), dtype=tl.float32)  # per block, added at the end
     for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
         blk = b0 + tl.arange(0, BLOCKS)
@@ -248,9 +119,8 @@ def _quant_gemv_int8_kernel(
             else:  # q4_1
                 block = d * dx * dots.to(tl.float32) + mins * xs
             acc += tl.where(offs_m[:, None, None] == m, block[None, :, :], 0.0)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
-    store_split_k(out_ptr, out_ptrs, tl.sum(acc, axis=2), out_mask, SPLIT_K)
+    store_split_k(out_ptr, tl.sum(acc, axis=2), offs_m, offs_n, out_mask, stride_om, SPLIT_K)
 
 
 def quant_gemv_int8(
@@ -280,7 +150,7 @@ def quant_gemv_int8(
         rows.xq.view(torch.int32), rows.xd, rows.xs, out, planes[0], words, planes[2],
         planes[0].stride(0), words.stride(0), planes[2].stride(0), rows.shape[0], num_cols,
         size_k, rows.xq.stride(0) // 4, rows.xd.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
-        M_PAD=max(triton.next_power_of_2(rows.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
+        M_PAD=rows_pad(rows.shape[0]), BLOCK_N=block_n, BLOCKS=blocks,
         SPLIT_K=split_k, ASM=rows.device.type == "cuda",
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(out),
     )  # fmt: skip

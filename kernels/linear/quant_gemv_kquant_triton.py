@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-def"
 """Decode GEMV for q4_k and q6_k weights, walking their super-blocks in contiguous groups.
 
-The element-wise GEMV (kernels/quant_matmul_triton.py) computes every weight's byte address
+The element-wise GEMV (quant_gemm_triton.py) computes every weight's byte address
 on its own, which scatters the loads. Here a program loads whole groups of a super-block as
 ``[BLOCK_N, GROUPS, W]`` tiles of contiguous bytes:
 
@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import store_split_k
+from kernels.linear.common import k_split, rows_pad, store_split_k, tile_offsets
+from kernels.linear.quant import QK_K, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK_K, QuantFormat
 
 KQUANT_FORMATS = {"q4_k": 64, "q6_k": 128}  # format -> elements of a group
 
@@ -33,7 +33,7 @@ KQUANT_FORMATS = {"q4_k": 64, "q6_k": 128}  # format -> elements of a group
 @triton.jit
 def _q4_k_scale_min(scales_row, sub, mask):
     """The 6-bit scale and min of sub-blocks ``sub`` (0..7) of the super-blocks at
-    ``scales_row`` (kernels/quant.py: q4_k_scales_mins spells out the packing)."""
+    ``scales_row`` (quant.py: q4_k_scales_mins spells out the packing)."""
     a = tl.load(scales_row + sub % 4, mask=mask, other=0).to(tl.int32)
     b = tl.load(scales_row + sub % 4 + 4, mask=mask, other=0).to(tl.int32)
     c = tl.load(scales_row + sub % 4 + 8, mask=mask, other=0).to(tl.int32)
@@ -120,12 +120,10 @@ def _quant_gemv_kquant_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
-    mask_n = offs_n < N
     num_groups = K // GROUP_SIZE
-    groups_per_split = tl.cdiv(num_groups, SPLIT_K * GROUPS) * GROUPS
-    first = pid_k * groups_per_split
+    first, groups_per_split = k_split(pid_k, num_groups, GROUPS, SPLIT_K)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for g0 in range(first, first + groups_per_split, GROUPS):
         grp = g0 + tl.arange(0, GROUPS)
@@ -138,9 +136,8 @@ def _quant_gemv_kquant_kernel(
                 part = _q6_k_group_sums(x_ptr, p0, p1, p2, p3, s0, s1, s2, s3, offs_n, N, g0,
                                         num_groups, m, M, stride_xm, GROUPS)  # fmt: skip
             acc += tl.where(offs_m[:, None] == m, tl.sum(part, axis=1)[None, :], 0.0)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
-    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
+    store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K)
 
 
 def quant_gemv_kquant(
@@ -164,7 +161,7 @@ def quant_gemv_kquant(
     _quant_gemv_kquant_kernel[grid](
         x, out, *planes, *(p.stride(0) for p in planes), x.shape[0], planes[0].shape[0],
         size_k, x.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
-        M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n,
+        M_PAD=rows_pad(x.shape[0]), BLOCK_N=block_n,
         GROUPS=block_k // group_size, GROUP_SIZE=group_size, SPLIT_K=split_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip

@@ -1,6 +1,6 @@
 # @triton.jit functions take Triton pointers and blocks, which have no Python types:
 # mypy: disable-error-code="no-untyped-def"
-"""Paged attention in Triton, matching ``kernels.paged_attention.paged_attention_ref``.
+"""Paged attention in Triton, matching ``paged_attention.paged_attention_ref``.
 
 A batch is split in two phases, each one launch (two for split decode):
 - decode (the first ``num_decodes`` sequences, one new token each): flash-decoding. A program
@@ -10,7 +10,7 @@ A batch is split in two phases, each one launch (two for split decode):
   contiguous run of tiles computed in the kernel from the device ``seq_len``; partial outputs
   and log-sum-exps go to a scratch buffer that ``_reduce_splits_kernel`` folds.
 - prefill (the other sequences, any query length): flash attention, GQA packed as well, in
-  ``kernels/paged_attention_prefill_triton.py``.
+  ``paged_attention_prefill_triton.py``.
 The grids depend only on tensor shapes and host ints: the launch is CUDA-graph capturable.
 """
 
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import FP8_DTYPE
-from kernels.paged_attention_common import (
+from kernels.attention.paged_attention import FP8_DTYPE
+from kernels.attention.paged_attention_common import (
     E4M3_MAX,
     LOG2_E,
     NEG_BIG,
@@ -34,7 +34,7 @@ from kernels.paged_attention_common import (
     dot_precision,
     pow2_at_least,
 )
-from kernels.paged_attention_prefill_triton import launch_prefill
+from kernels.attention.paged_attention_prefill_triton import launch_prefill
 from kernels.pdl import pdl_launch, wait_for_producers
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the head group is padded to this

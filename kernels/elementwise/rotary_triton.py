@@ -75,6 +75,13 @@ def _rotate_heads(
 
 
 @triton.jit
+def _position_rows(positions_ptr, cos_ptr, sin_ptr, token, stride_cp):
+    """The cos and sin table rows [D] of ``token``'s position."""
+    position = tl.load(positions_ptr + token)
+    return cos_ptr + position * stride_cp, sin_ptr + position * stride_cp
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh,  # q: [T, Hq, D], last stride 1
@@ -88,9 +95,7 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    position = tl.load(positions_ptr + token)
-    cos_row = cos_ptr + position * stride_cp
-    sin_row = sin_ptr + position * stride_cp
+    cos_row, sin_row = _position_rows(positions_ptr, cos_ptr, sin_ptr, token, stride_cp)
     _rotate_heads(
         q_ptr + token * stride_qt, cos_row, sin_row, stride_qh,
         NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF,
@@ -115,20 +120,24 @@ def rotary(
     ``cos_cache, sin_cache: [max_pos, D]`` float32 (``rope_cos_sin_cache``), last stride 1.
     """
     check_rotary_args(q, k, positions, cos_cache, sin_cache)
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_tokens = q.shape[0]
     if num_tokens == 0:
         return q, k
     _rotary_kernel[(num_tokens,)](
         q, k, positions, cos_cache, sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
-        NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=k.shape[1],
-        HALF=head_dim // 2,
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        **rotary_shape(q, k),
     )  # fmt: skip
     return q, k
+
+
+def rotary_shape(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:
+    """The rotary kernels' head counts and half head dim, and their power-of-two blocks."""
+    num_q_heads, num_kv_heads, half = q.shape[1], k.shape[1], q.shape[2] // 2
+    return {"NUM_Q_HEADS": num_q_heads, "NUM_KV_HEADS": num_kv_heads, "HALF": half,
+            "BLOCK_HQ": triton.next_power_of_2(num_q_heads),
+            "BLOCK_HKV": triton.next_power_of_2(num_kv_heads),
+            "BLOCK_HALF": triton.next_power_of_2(half)}  # fmt: skip
 
 
 def check_rotary_args(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import write_kv_ref
-from kernels.rotary import rotary_ref
+from kernels.attention.paged_attention import write_kv_ref
+from kernels.elementwise.rotary import rotary_ref
 
 
 def rotary_write_kv_ref(

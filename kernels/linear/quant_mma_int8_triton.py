@@ -2,11 +2,11 @@
 # mypy: disable-error-code="no-untyped-def"
 """Decode batches of q8_0, q4_0 and q4_1 on int8 tensor cores, the activations rounded to int8.
 
-kernels/quant_mma_triton.py forms every weight as a 16-bit float before its dot: for q8_0 an
+quant_mma_triton.py forms every weight as a 16-bit float before its dot: for q8_0 an
 int-to-float conversion and a scale product per weight, which bounds it at 8-16 rows (H100,
 llama3-8b, a layer's four linears at 8 rows: 207 us in q8_0 against bf16 cuBLAS's 165 and a
 77 us streaming limit). Here, as llama.cpp's ``mmq`` kernels do, the activations come as the
-int8 GEMV takes them (kernels/quant_gemv_int8_triton.py: 32-element blocks ``x ~ dx * xq``,
+int8 GEMV takes them (int8_rows_triton.py: 32-element blocks ``x ~ dx * xq``,
 from the kernel that produced them or the rounding kernel) and each 32-element block of the
 weight meets them in one int8 dot, scaled once per output:
 
@@ -28,10 +28,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.common import (
+    add_split_k_planes,
+    k_split,
+    plane_strides,
+    split_k_planes,
+    store_split_k_plane,
+    tile_offsets,
+)
+from kernels.linear.int8_rows_triton import Int8Rows, as_int8_rows
+from kernels.linear.quant import QK, QuantFormat
+from kernels.linear.quant_gemv_int8_triton import INT8_X_FORMATS
+from kernels.linear.quant_mma_triton import MIN_BLOCK_M
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
-from kernels.quant_gemv_int8_triton import INT8_X_FORMATS, Int8Rows, as_int8_rows
-from kernels.quant_mma_triton import MIN_BLOCK_M, add_split_k_planes, plane_strides, split_k_planes
 
 
 @triton.jit
@@ -50,18 +59,15 @@ def _quant_mma_int8_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
+    offs_m, mask_m = tile_offsets(pid_m, BLOCK_M, M)
     offs_32 = tl.arange(0, 32)
     if FORMAT == 0:  # noqa: SIM108 (constexpr branches)  q8_0: elements in order
         order = offs_32
     else:  # 4-bit: element j beside element 16 + j, as the nibbles come out
         order = offs_32 // 2 + (offs_32 % 2) * 16
     num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
+    first_block, blocks_per_split = k_split(pid_k, num_blocks, BLOCKS, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
     for b0 in range(first_block, first_block + blocks_per_split, BLOCKS):
         for i in tl.static_range(BLOCKS):
@@ -91,8 +97,9 @@ def _quant_mma_int8_kernel(
                 mins = tl.load(p2 + offs_n * s2 + blk, mask=valid_n, other=0.0)
                 xs = tl.load(xs_ptr + offs_m * stride_sm + blk, mask=valid_m, other=0.0)
                 acc += mins.to(tl.float32)[:, None] * xs[None, :]
-    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    store_split_k_plane(
+        out_ptr, acc, pid_k, offs_n, mask_n, offs_m, mask_m, stride_om, stride_split
+    )
 
 
 def quant_mma_int8(

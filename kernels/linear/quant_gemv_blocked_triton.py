@@ -15,7 +15,7 @@ so each weight costs a nibble extraction and one fused multiply-add, and each bl
 fp8 has one scale per row: it multiplies the finished sums. The 4-bit tiles load each block's
 16 bytes once and split them into the low nibbles (elements 0..15) and high (16..31), which
 meet ``x[0:16]`` and ``x[16:32]`` of the block. ``SPLIT_K > 1`` adds fp32 partial sums
-atomically into a zeroed buffer, as kernels/gemv_triton.py does.
+atomically into a zeroed buffer (common.py: ``store_split_k``).
 
 The 4-bit formats go further, as at 4.5 bits a weight the instructions, not the bytes, bound
 the kernel (H100: q4_0 and q8_0 took the same time per linear, q8_0 reading twice the bytes):
@@ -28,7 +28,7 @@ the kernel (H100: q4_0 and q8_0 took the same time per linear, q8_0 reading twic
 * Block sums stay per block in a ``[M_PAD, BLOCK_N, BLOCKS]`` accumulator and are added
   across blocks once, after the loop, not with a cross-thread reduction every step.
 
-Together with one-warp programs of two columns (kernels/quant_matmul_triton.py's
+Together with one-warp programs of two columns (quant_matmul_config.py's
 TUNED_GEMV), q4_0 on llama3-8b's four layer linears at one row 1.21x, at two 1.17x (H100,
 quant-kernels-gemv-llama3-8b-h100.json). q8_0 keeps the per-step sums, which measured 4-6%
 faster for it than deferring them; fp8 too (not measured).
@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv_triton import store_split_k
+from kernels.linear.common import k_split, rows_pad, store_split_k, tile_offsets
+from kernels.linear.quant import QK, QuantFormat
 from kernels.pdl import pdl_launch, wait_for_producers
-from kernels.quant import QK, QuantFormat
 
 BLOCKED_FORMATS = ("q8_0", "q4_0", "q4_1", "fp8")
 
@@ -120,12 +120,10 @@ def _quant_gemv_blocked_kernel(
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_m = tl.arange(0, M_PAD)
-    mask_n = offs_n < N
     num_blocks = K // 32
-    blocks_per_split = tl.cdiv(num_blocks, SPLIT_K * BLOCKS) * BLOCKS
-    first_block = pid_k * blocks_per_split
+    first_block, blocks_per_split = k_split(pid_k, num_blocks, BLOCKS, SPLIT_K)
     FOUR_BIT: tl.constexpr = FORMAT == 1 or FORMAT == 2
     if FOUR_BIT:  # block sums, added across blocks after the loop
         acc = tl.zeros((M_PAD, BLOCK_N, BLOCKS), dtype=tl.float32)
@@ -156,9 +154,8 @@ def _quant_gemv_blocked_kernel(
         acc = tl.sum(acc, axis=2)
     if FORMAT == 5:  # 3. fp8: the row scale, once
         acc *= tl.load(p1 + offs_n * s1, mask=mask_n, other=0.0)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & mask_n[None, :]
-    store_split_k(out_ptr, out_ptrs, acc, out_mask, SPLIT_K)
+    store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K)
 
 
 def quant_gemv_blocked(
@@ -182,6 +179,6 @@ def quant_gemv_blocked(
     _quant_gemv_blocked_kernel[grid](
         x, out, *planes, *(p.stride(0) for p in planes), x.shape[0], num_cols, size_k,
         x.stride(0), out.stride(0), FORMAT=fmt.kernel_id,
-        M_PAD=max(triton.next_power_of_2(x.shape[0]), 1), BLOCK_N=block_n, BLOCKS=blocks,
+        M_PAD=rows_pad(x.shape[0]), BLOCK_N=block_n, BLOCKS=blocks,
         SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
     )  # fmt: skip
