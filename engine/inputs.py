@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, wrong_type
 
 
 class PromptEncoder:
@@ -63,7 +63,7 @@ class PromptEncoder:
             text = self.apply_chat_template(messages)
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
         if not isinstance(prompt, str):
-            raise InvalidRequestError("prompt", "must be a string")
+            raise wrong_type("prompt", "a string", prompt)
         return list(self.tokenizer(prompt).input_ids) if prompt else []
 
     def _check(self, token_ids: list[int]) -> None:

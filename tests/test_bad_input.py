@@ -91,6 +91,17 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], dict[str, Any]], str, str]] = {
         "max_tokens",
     ),
     "empty stop string": (with_sampling(stop=[""]), "stop", "non-empty"),
+    "temperature not a number": (
+        with_sampling(temperature="hot"),
+        "temperature",
+        'expected a number, got str "hot"',
+    ),
+    "max_tokens not an integer": (
+        with_sampling(max_tokens=8.0),
+        "max_tokens",
+        "expected an integer, got float 8.0",
+    ),
+    "prompt not a string": (with_request(prompt=5), "prompt", "expected a string, got int 5"),
     "priority not an integer": (
         with_request(prompt_token_ids=GOOD_TOKEN_IDS, priority="high"),
         "priority",

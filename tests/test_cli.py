@@ -191,6 +191,48 @@ def test_generate_file_keeps_order_overrides_and_reports_bad_lines(
     assert "5 errors" in err
 
 
+# A JSONL line's field of the wrong type: (field, value, the error message). The message says
+# what the field holds, not that a string is out of range.
+MISTYPED_FIELDS = [
+    ("temperature", "hot", 'expected a number, got str "hot"'),
+    ("max_tokens", "ten", 'expected an integer, got str "ten"'),
+    ("max_tokens", 2.5, "expected an integer, got float 2.5"),
+    ("top_p", [0.9], "expected a number, got list [0.9]"),
+    ("top_k", True, "expected an integer, got bool true"),
+    ("presence_penalty", None, "expected a number, got null"),
+    ("seed", "42", 'expected an integer or null, got str "42"'),
+    ("logprobs", 1.5, "expected an integer or null, got float 1.5"),
+    ("ignore_eos", "no", 'expected true or false, got str "no"'),
+    ("stop", 5, "expected a string or a list of strings, got int 5"),
+    ("stop", ["x", 7], "expected a list of strings; [1] is int 7"),
+    ("stop_token_ids", ["2"], 'expected a list of integers; [0] is str "2"'),
+    ("prompt", 5, "expected a string, got int 5"),
+]
+
+
+def mistyped_lines() -> list[str]:
+    lines = []
+    for field, value, _ in MISTYPED_FIELDS:
+        line = {"prompt": "x", field: value}
+        lines.append(json.dumps(line))
+    return lines
+
+
+def test_generate_file_names_the_type_a_field_should_have(
+    chat_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join([*mistyped_lines(), json.dumps({"prompt": "x"})]) + "\n")
+    args = ["generate", "--input", str(source), "--model", chat_model, "--max-tokens", "2"]
+    code, out, err = run_cli([*args, "--no-progress", *SMALL_POOL], capsys)
+    assert code == 0
+    *errors, good = read_jsonl(out)
+    got = [(r["error"]["field"], r["error"]["message"]) for r in errors]
+    assert got == [(field, message) for field, _, message in MISTYPED_FIELDS]
+    assert len(good["token_ids"]) == 2  # the good line still runs
+    assert f"{len(MISTYPED_FIELDS)} errors" in err
+
+
 def test_generate_file_matches_offline_generate_and_writes_stdout(
     chat_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -47,6 +47,9 @@ BAD_ENTRIES: dict[str, tuple[dict[str, bytes], str | None, list[str]]] = {
     "not a map": ({"msg": pack([1, 2, 3])}, None, ["Expected `object`"]),
     "no id": ({"msg": pack({"prompt": "w5"})}, None, ["id"]),
     "wrong type": ({"msg": pack(good("r-type", max_tokens="ten"))}, "r-type", ["max_tokens", "int"]),
+    "temperature a string": (
+        {"msg": pack(good("r-hot", temperature="hot"))}, "r-hot", ["temperature", "Expected `float`, got `str`"],
+    ),
     "unknown field": ({"msg": pack(good("r-unknown", colour="red"))}, "r-unknown", ["colour"]),
     "prompt over the limit": (
         {"msg": pack(good("r-long", prompt=" ".join(WORDS[4:24])))}, "r-long",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import InvalidRequestError, RequestOutput, SamplingParams
+from engine.errors import wrong_type
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 REQUEST_FIELDS = frozenset({"id", "prompt", "messages"})
@@ -64,7 +65,7 @@ def _request_of(obj: dict[str, Any], chat: bool) -> Request:
     if "messages" in obj:
         return {"messages": obj["messages"]}
     if not isinstance(obj["prompt"], str):
-        raise InvalidRequestError("prompt", "must be a string")
+        raise wrong_type("prompt", "a string", obj["prompt"])
     return chat_request(obj["prompt"]) if chat else {"prompt": obj["prompt"]}
 
 
