@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequestError, describe, wrong_type
 
 MAX_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 16  # when a request sets none (fewer where the context ends first)
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,14 @@ class SamplingParams:
     ``repetition_penalty`` divides positive logits (multiplies negative ones) of every token
     seen in the prompt or output; ``presence_penalty`` subtracts a constant from every token
     seen in the output; ``frequency_penalty`` subtracts once per occurrence in the output.
+
+    A request whose prompt + ``max_tokens`` exceeds the model's context is refused, unless
+    ``clamp_max_tokens`` (or the engine's ``clamp_max_tokens``) lowers ``max_tokens`` to fit.
+    ``max_tokens=None``: ``DEFAULT_MAX_TOKENS``, lowered to fit without asking.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = None
+    clamp_max_tokens: bool = False
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,9 +66,13 @@ class SamplingParams:
 
     def _validate(self) -> None:
         """Ranges (the types are right by now; NaN fails every comparison)."""
-        _check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
-        _check(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
+        _check(
+            self.min_tokens <= (self.max_tokens or DEFAULT_MAX_TOKENS),
+            "min_tokens",
+            f"must not exceed max_tokens ({DEFAULT_MAX_TOKENS} when not set)",
+        )
         _check(self.temperature >= 0, "temperature", "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", "must be >= 1, or 0/-1 for off")
@@ -82,6 +92,13 @@ class SamplingParams:
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}]",
         )
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """These settings with ``max_tokens`` (and ``min_tokens`` no higher)."""
+        if max_tokens == self.max_tokens:
+            return self
+        min_tokens = min(self.min_tokens, max_tokens)
+        return dataclasses.replace(self, max_tokens=max_tokens, min_tokens=min_tokens)
 
     @property
     def is_greedy(self) -> bool:
@@ -123,7 +140,8 @@ _BOOLEAN = (_is_bool, "true or false")
 _INTEGER_OR_NULL = (_is_int_or_none, "an integer or null")
 # The type of every field: (test, words for the error)
 FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
-    "max_tokens": _INTEGER,
+    "max_tokens": _INTEGER_OR_NULL,
+    "clamp_max_tokens": _BOOLEAN,
     "min_tokens": _INTEGER,
     "temperature": _NUMBER,
     "top_p": _NUMBER,

@@ -161,15 +161,17 @@ def test_bad_lines_become_error_records_and_the_job_continues(
         '{"max_tokens": 3}',
         '{"prompt": "w5", "temperature": -1}',
         '["a list"]',
+        '{"prompt": "w5", "max_tokens": 1000}',  # past the context of 256 tokens
         '{"prompt": "w8 w9", "max_tokens": 2, "id": "last"}',
     ]
     result = client.batch_result(client.submit_batch(lines=lines), timeout_s=WAIT_S)
     assert (result.status.state, result.status.done, result.status.failed) == (
-        BatchState.COMPLETE, 7, 5,
+        BatchState.COMPLETE, 8, 6,
     )  # fmt: skip
     errors = [r["error"]["field"] if "error" in r else None for r in result.records]
-    assert errors == [None, "line", "colour", "prompt", "temperature", "line", None]
-    assert [r["id"] for r in result.records] == [1, 2, 3, 4, 5, 6, "last"]
+    assert errors == [None, "line", "colour", "prompt", "temperature", "line", "max_tokens", None]
+    assert "lower max_tokens to at most" in result.records[6]["error"]["message"]
+    assert [r["id"] for r in result.records] == [1, 2, 3, 4, 5, 6, 7, "last"]
     assert result.records[-1]["text"]
 
 

@@ -195,8 +195,8 @@ def test_generate_file_keeps_order_overrides_and_reports_bad_lines(
 # what the field holds, not that a string is out of range.
 MISTYPED_FIELDS = [
     ("temperature", "hot", 'expected a number, got str "hot"'),
-    ("max_tokens", "ten", 'expected an integer, got str "ten"'),
-    ("max_tokens", 2.5, "expected an integer, got float 2.5"),
+    ("max_tokens", "ten", 'expected an integer or null, got str "ten"'),
+    ("max_tokens", 2.5, "expected an integer or null, got float 2.5"),
     ("top_p", [0.9], "expected a number, got list [0.9]"),
     ("top_k", True, "expected an integer, got bool true"),
     ("presence_penalty", None, "expected a number, got null"),
@@ -247,6 +247,31 @@ def test_generate_file_matches_offline_generate_and_writes_stdout(
     results = read_jsonl(out)
     assert [r["token_ids"] for r in results] == [e.token_ids for e in expected]
     assert [r["text"] for r in results] == [e.text for e in expected]
+
+
+def test_generate_refuses_max_tokens_past_the_context_in_one_line(
+    chat_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    context = 256  # the tiny model's
+    args = ["generate", "--model", chat_model, *SMALL_POOL]
+    code, out, err = run_cli([*args, "Hello world", "--max-tokens", "1000"], capsys)
+    assert (code, out) == (2, "")
+    assert f"--max-tokens: this model's context is {context} tokens; the prompt has " in err
+    assert "max_tokens asks for 1000 more: lower max_tokens to at most" in err
+    assert "Traceback" not in err
+    # a file: the line that asks too much is an error record; one that asks nothing gets the
+    # default (256 tokens) lowered to what fits
+    source = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "Hello world", "max_tokens": 1000}, {"prompt": "Hello world"}]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out, _ = run_cli([*args, "--input", str(source), "--ignore-eos", "--no-progress"], capsys)
+    assert code == 0
+    refused, clamped = read_jsonl(out)
+    assert refused["error"]["field"] == "max_tokens"
+    assert "lower max_tokens to at most" in refused["error"]["message"]
+    usage = clamped["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == context
+    assert clamped["finish_reason"] == "length"
 
 
 # -- errors a user can cause -------------------------------------------------------------

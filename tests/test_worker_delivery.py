@@ -123,6 +123,15 @@ def test_every_kind_of_bad_entry_is_dead_lettered_and_the_worker_serves_on(
     r.close()
 
 
+def test_a_request_that_asks_to_clamp_is_lowered_to_the_workers_limit(
+    strict_worker: Any, redis_server: RedisServer
+) -> None:
+    with Client(redis_server.url) as client:
+        done = client.complete("w5 w6", max_tokens=1000, clamp_max_tokens=True, timeout_s=30,
+                               ignore_eos=True)  # fmt: skip
+    assert (len(done.token_ids), done.finish_reason) == (MAX_OUTPUT_TOKENS, FinishReason.LENGTH)
+
+
 def test_random_bytes_never_stop_the_worker(start_worker: Any, redis_server: RedisServer) -> None:
     start_worker("w1")
     r = redis_server.client()

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine import InvalidRequestError, RequestOutput, SamplingParams
 from engine.errors import wrong_type
+from worker.defaults import with_default_max_tokens
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 REQUEST_FIELDS = frozenset({"id", "prompt", "messages"})
@@ -71,7 +72,7 @@ def _request_of(obj: dict[str, Any], chat: bool) -> Request:
 
 def _sampling_of(obj: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
     overrides = {name: value for name, value in obj.items() if name in SAMPLING_FIELDS}
-    return SamplingParams(**{**defaults, **overrides})
+    return SamplingParams(**with_default_max_tokens({**defaults, **overrides}))
 
 
 def result_record(item: BatchItem, result: RequestOutput) -> dict[str, Any]:
