@@ -100,7 +100,9 @@ class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A generation request: exactly one of ``prompt``, ``messages``, ``token_ids``.
 
     ``deadline_ms`` and ``enqueued_at_ms`` are wall-clock Unix times in milliseconds; the
-    sampling fields mean what they mean in the engine's ``SamplingParams``.
+    sampling fields mean what they mean in the engine's ``SamplingParams``: a prompt +
+    ``max_tokens`` past the model's context is refused unless ``clamp_max_tokens`` asks to
+    lower ``max_tokens`` to fit; no ``max_tokens``: 16, lowered to fit without asking.
     """
 
     v: int = PROTOCOL_VERSION
@@ -109,7 +111,8 @@ class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     messages: list[Message] | None = None
     token_ids: list[int] | None = None
     # sampling
-    max_tokens: int = 16
+    max_tokens: int | None = None
+    clamp_max_tokens: bool = False
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -132,9 +135,9 @@ class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 SAMPLING_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "logprobs",
+    "max_tokens", "clamp_max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "logprobs",
 )  # fmt: skip
 
 

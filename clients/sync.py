@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
+import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -12,6 +15,7 @@ from clients.batch import BatchResult, BatchStatus
 from clients.protocol import DEFAULT_PREFIX, DoneEvent, RestartEvent, TokenEvent
 
 T = TypeVar("T")
+CLOSE_TIMEOUT_S = 10.0  # closing waits this long for Redis before stopping the loop anyway
 
 
 class Client:
@@ -19,6 +23,8 @@ class Client:
 
     >>> with Client("redis://localhost:6379/0") as client:
     ...     print(client.complete(prompt="Hello", max_tokens=8, temperature=0).text)
+
+    A client that is never closed closes itself when garbage-collected or at interpreter exit.
     """
 
     def __init__(
@@ -30,10 +36,15 @@ class Client:
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="pagestream-client", daemon=True
+            target=_run_loop, args=(self._loop,), name="pagestream-client", daemon=True
         )
         self._thread.start()
         self._client = AsyncClient(redis_url, prefix=prefix, timeout_s=timeout_s)
+        # Without this, a client left open leaves its stream reader blocked in XREAD on a loop
+        # that interpreter exit freezes; the garbage collector then destroys the pending task
+        # off its loop ("Task was destroyed but it is pending!"). The finalizer holds no
+        # reference to ``self``, so dropping the client runs it; ``atexit`` runs the rest.
+        self._finalizer = weakref.finalize(self, _shut_down, self._loop, self._thread, self._client)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -50,13 +61,8 @@ class Client:
                 self._run(events.aclose())  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        """Close the Redis connections and stop the loop thread."""
-        if self._loop.is_closed():
-            return
-        self._run(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        """Close the Redis connections and stop the loop thread (again: a no-op)."""
+        self._finalizer()
 
     def __enter__(self) -> Client:
         return self
@@ -111,3 +117,24 @@ class Client:
     ) -> BatchStatus:
         """See ``AsyncClient.abort_batch``."""
         return self._run(self._client.abort_batch(job_id, wait=wait, timeout_s=timeout_s))
+
+
+def _shut_down(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncClient
+) -> None:
+    """Close ``client`` on its own loop, then stop the loop and its thread."""
+    if loop.is_closed():
+        return
+    if threading.current_thread() is thread:  # dropped by a callback on the loop itself
+        loop.create_task(client.close()).add_done_callback(lambda _: loop.stop())
+        return
+    future = asyncio.run_coroutine_threadsafe(client.close(), loop)
+    with contextlib.suppress(concurrent.futures.TimeoutError):  # Redis unreachable: stop anyway
+        future.result(CLOSE_TIMEOUT_S)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    loop.run_forever()
+    loop.close()

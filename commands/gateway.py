@@ -47,8 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-s", type=float, default=config.DEFAULT_TIMEOUT_S,
                    help=f"a request's deadline (default {config.DEFAULT_TIMEOUT_S:g})")  # fmt: skip
     g.add_argument("--chat-max-tokens", type=positive_int, default=config.DEFAULT_CHAT_MAX_TOKENS,
-                   help="max_tokens of a chat request that sets none "
-                   f"(default {config.DEFAULT_CHAT_MAX_TOKENS})")  # fmt: skip
+                   help="max_tokens of a chat request that sets none, lowered to what the "
+                   f"model's context leaves (default {config.DEFAULT_CHAT_MAX_TOKENS})")  # fmt: skip
     g.add_argument("--workers", type=positive_int, default=1,
                    help="server processes sharing the port (default 1); each streams about "
                    "15,000 tokens/s on one core")  # fmt: skip

@@ -28,7 +28,7 @@ from engine import (
     SamplingParams,
 )
 from engine.config_flags import add_engine_args, engine_config_from_args
-from worker.defaults import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
+from worker.defaults import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, with_default_max_tokens
 from worker.jsonl_lines import (
     BatchItem,
     Request,
@@ -69,9 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def add_sampling_args(
-    parser: argparse.ArgumentParser, *, default_max_tokens: int = DEFAULT_MAX_TOKENS
-) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Sampling flags; unset ones keep the ``SamplingParams`` defaults."""
     g = parser.add_argument_group(
         "sampling",
@@ -81,8 +79,8 @@ def add_sampling_args(
     g.add_argument(
         "--max-tokens",
         type=int,
-        default=default_max_tokens,
-        help=f"most tokens to generate (default {default_max_tokens})",
+        help="most tokens to generate; past the model's context a request is refused (unless "
+        f"--clamp-max-tokens on). Default {DEFAULT_MAX_TOKENS}, or what the context leaves",
     )
     g.add_argument("--min-tokens", type=int, help="generate at least this many tokens")
     g.add_argument(
@@ -150,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if items is None:
             request = chat_request(args.prompt) if args.chat else {"prompt": args.prompt}
-            return stream_one(engine, request, SamplingParams(**defaults))
+            sampling = SamplingParams(**with_default_max_tokens(defaults))
+            return stream_one(engine, request, sampling)
         with _open_output(args.output) as out:
             return run_file(engine, items, out, show_progress=not args.no_progress)
     finally:

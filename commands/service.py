@@ -15,6 +15,7 @@ from typing import Any
 
 from commands.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
 from worker.arg_types import add_client_sampling_args, client_sampling, positive_int
+from worker.defaults import with_default_max_tokens
 from worker.settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
@@ -78,7 +79,12 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
         help=f"on SIGTERM, let in-flight requests finish this long (default {DEFAULT_GRACE_S:g})",
     )
     g.add_argument("--max-prompt-tokens", type=positive_int, help="refuse longer prompts")
-    g.add_argument("--max-output-tokens", type=positive_int, help="refuse a larger max_tokens")
+    g.add_argument(
+        "--max-output-tokens",
+        type=positive_int,
+        help="refuse a larger max_tokens (lower it with --clamp-max-tokens on); default: no limit "
+        "but the model's context",
+    )
     g.add_argument(
         "--max-entry-bytes",
         type=positive_int,
@@ -149,7 +155,7 @@ def _configure_submit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, help="give up (and cancel) after this long")
     parser.add_argument("--priority", type=int, default=0, help="lower runs first (default 0)")
     parser.add_argument("--tenant", default="default", help="tenant for quotas")
-    add_client_sampling_args(parser, max_tokens=256, temperature=0.0)
+    add_client_sampling_args(parser, temperature=0.0)
     parser.set_defaults(handler=run_submit, command_prog=parser.prog)
 
 
@@ -157,7 +163,7 @@ def run_submit(args: argparse.Namespace) -> int:
     """Handler of ``pagestream submit``: print text as it arrives, a summary to stderr."""
     from clients import Client, ClientError, DoneEvent, RestartEvent, TokenEvent
 
-    sampling = client_sampling(args)
+    sampling = with_default_max_tokens(client_sampling(args))
     prompt: dict[str, Any] = (
         {"messages": [{"role": "user", "content": args.prompt}]}
         if args.chat

@@ -45,6 +45,9 @@ class EngineConfig:
     max_batched_tokens: int = 8192
     prefill_chunk: int = 4096
     max_model_len: int | None = None  # default: the model's own context length
+    # A request whose prompt + max_tokens passes max_model_len: False = refused, True = its
+    # max_tokens is lowered to what fits (a prompt that fills the context is refused anyway).
+    clamp_max_tokens: bool = False
     prefix_caching: bool = True
     preemption: PreemptionMode = "recompute"
     swap_space_mb: int = 4096

@@ -105,6 +105,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="longest sequence (prompt + output); default: the model's context length",
     )
     g.add_argument(
+        "--clamp-max-tokens",
+        type=_on_off,
+        default=False,
+        metavar="on/off",
+        help="on = lower a request's max_tokens to what the context leaves after its prompt; "
+        "off = refuse a request whose prompt + max_tokens exceeds --max-model-len (default off)",
+    )
+    g.add_argument(
         "--prefix-caching",
         type=_on_off,
         default=True,

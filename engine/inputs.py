@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, wrong_type
+from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 class PromptEncoder:
@@ -63,7 +64,7 @@ class PromptEncoder:
             text = self.apply_chat_template(messages)
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
         if not isinstance(prompt, str):
-            raise InvalidRequestError("prompt", "must be a string")
+            raise wrong_type("prompt", "a string", prompt)
         return list(self.tokenizer(prompt).input_ids) if prompt else []
 
     def _check(self, token_ids: list[int]) -> None:
@@ -82,6 +83,30 @@ class PromptEncoder:
                 f"has {len(token_ids)} tokens; the model context is {self.max_model_len} tokens, "
                 f"so a prompt may have at most {self.max_model_len - 1}",
             )
+
+
+def max_tokens_within_context(
+    sampling: SamplingParams, num_prompt_tokens: int, max_model_len: int, *, clamp: bool
+) -> int:
+    """The ``max_tokens`` a request runs with: what it asks for when the context has room.
+
+    Past the context it is refused, or lowered to fit when ``clamp`` (the engine's setting)
+    or the request's own ``clamp_max_tokens`` says so. No ``max_tokens``: the default, lowered
+    to fit. (The prompt itself was checked: it leaves room for at least one token.)
+    """
+    room = max_model_len - num_prompt_tokens
+    asked = sampling.max_tokens
+    if asked is None:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if asked <= room:
+        return asked
+    if clamp or sampling.clamp_max_tokens:
+        return room
+    raise InvalidRequestError(
+        "max_tokens",
+        f"this model's context is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
+        f"and max_tokens asks for {asked} more: lower max_tokens to at most {room}",
+    )
 
 
 def is_int(value: object) -> bool:

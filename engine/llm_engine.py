@@ -26,7 +26,7 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.ranks import RankProcesses, check_devices, rank_device
 from engine.distributed.shard import ShardPlan
 from engine.errors import InvalidRequestError
-from engine.inputs import PromptEncoder, check_request_fields
+from engine.inputs import PromptEncoder, check_request_fields, max_tokens_within_context
 from engine.loader import find_model
 from engine.memory import prefer_expandable_segments
 from engine.model_runner import ModelRunner
@@ -113,7 +113,7 @@ class LLMEngine:
         self.pool_source = runtime.plan.source
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
         self._inbox = _Inbox()
-        self.outputs = OutputProcessor(self.scheduler, self.max_model_len, self._forget)
+        self.outputs = OutputProcessor(self.scheduler, self._forget)
         self.async_scheduling = config.async_scheduling_wanted(self.device.type)
         self.proposer = runtime.proposer
         self._num_draft_tokens = 0
@@ -152,11 +152,16 @@ class LLMEngine:
         tenant: str = "default",
         timeout_s: float | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ``InvalidRequestError``."""
+        """Validate and queue a request; returns its id. Raises ``InvalidRequestError``, also
+        when the prompt + ``max_tokens`` exceeds the context (see ``SamplingParams``)."""
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         sampling = sampling or SamplingParams()
         token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
+        max_tokens = max_tokens_within_context(
+            sampling, len(token_ids), self.max_model_len, clamp=self.config.clamp_max_tokens
+        )
+        sampling = sampling.with_max_tokens(max_tokens)
         check_request_fields(priority, tenant, timeout_s)
         now_s = time.monotonic()
         seq = Sequence(
@@ -168,7 +173,7 @@ class LLMEngine:
             tenant=tenant,
             deadline_s=None if timeout_s is None else now_s + timeout_s,
             eos_token_ids=frozenset() if sampling.ignore_eos else self.eos_token_ids,
-            length_limit=min(len(token_ids) + sampling.max_tokens, self.max_model_len),
+            length_limit=len(token_ids) + max_tokens,  # within the context
             generator=None if sampling.seed is None else make_generator(sampling.seed),
         )
         if self.tokenizer is not None:

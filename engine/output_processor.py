@@ -19,11 +19,8 @@ class OutputProcessor:
     ``on_finished`` is told of every sequence that ends here (the engine forgets its id).
     """
 
-    def __init__(
-        self, scheduler: Scheduler, max_model_len: int, on_finished: Callable[[Sequence], None]
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, on_finished: Callable[[Sequence], None]) -> None:
         self.scheduler = scheduler
-        self.max_model_len = max_model_len
         self.on_finished = on_finished
 
     def append_sampled(self, sampled: SampledToken) -> StepOutput:
@@ -82,9 +79,7 @@ class OutputProcessor:
                 return FinishReason.STOP
             if token_id in seq.eos_token_ids:
                 return FinishReason.STOP
-        if num_output >= params.max_tokens:
-            return FinishReason.LENGTH
-        if num_output + len(seq.prompt_token_ids) >= self.max_model_len:
+        if len(seq.prompt_token_ids) + num_output >= seq.length_limit:  # max_tokens reached
             return FinishReason.LENGTH
         return None
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, describe, wrong_type
 
 MAX_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 16  # when a request sets none (fewer where the context ends first)
 
 
 @dataclass(frozen=True)
@@ -17,9 +20,14 @@ class SamplingParams:
     ``repetition_penalty`` divides positive logits (multiplies negative ones) of every token
     seen in the prompt or output; ``presence_penalty`` subtracts a constant from every token
     seen in the output; ``frequency_penalty`` subtracts once per occurrence in the output.
+
+    A request whose prompt + ``max_tokens`` exceeds the model's context is refused, unless
+    ``clamp_max_tokens`` (or the engine's ``clamp_max_tokens``) lowers ``max_tokens`` to fit.
+    ``max_tokens=None``: ``DEFAULT_MAX_TOKENS``, lowered to fit without asking.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = None
+    clamp_max_tokens: bool = False
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,51 +48,57 @@ class SamplingParams:
         # Accept lists (JSON) and a bare string for stop; store tuples so params stay hashable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        self._check_types()
         for name in ("stop", "stop_token_ids"):
-            value = getattr(self, name)
-            _check(isinstance(value, (list, tuple)), name, "must be a list")
-            object.__setattr__(self, name, tuple(value))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            _check(isinstance(getattr(self, name), bool), name, "must be true or false")
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
 
+    def _check_types(self) -> None:
+        """Types before ranges: ``"hot"`` is not a number, rather than a number below 0."""
+        for field in dataclasses.fields(self):  # in order: the first wrong field is named
+            value = getattr(self, field.name)
+            if field.name in LIST_TYPES:
+                _check_list(field.name, value, *LIST_TYPES[field.name])
+            elif not FIELD_TYPES[field.name][0](value):
+                raise wrong_type(field.name, FIELD_TYPES[field.name][1], value)
+
     def _validate(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
-        _check(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be >= 1, or 0/-1 for off")
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        """Ranges (the types are right by now; NaN fails every comparison)."""
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         _check(
-            _is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty",
-            "must be > 0 (1 = off)",
+            self.min_tokens <= (self.max_tokens or DEFAULT_MAX_TOKENS),
+            "min_tokens",
+            f"must not exceed max_tokens ({DEFAULT_MAX_TOKENS} when not set)",
         )
+        _check(self.temperature >= 0, "temperature", "must be >= 0")
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", "must be >= 1, or 0/-1 for off")
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_is_num(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
+            _check(-2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]")
         _check(
-            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            self.seed is None or -(2**63) <= self.seed < 2**64,
             "seed",
             "must be an integer of 64 bits, in [-2**63, 2**64)",
         )
+        _check(all(self.stop), "stop", "must be non-empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         _check(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
-        )
-        _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be non-negative integers",
-        )
-        _check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}]",
         )
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """These settings with ``max_tokens`` (and ``min_tokens`` no higher)."""
+        if max_tokens == self.max_tokens:
+            return self
+        min_tokens = min(self.min_tokens, max_tokens)
+        return dataclasses.replace(self, max_tokens=max_tokens, min_tokens=min_tokens)
 
     @property
     def is_greedy(self) -> bool:
@@ -108,8 +122,58 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_num(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_int_or_none(value: object) -> bool:
+    return value is None or _is_int(value)
+
+
+_INTEGER = (_is_int, "an integer")
+_NUMBER = (_is_number, "a number")
+_BOOLEAN = (_is_bool, "true or false")
+_INTEGER_OR_NULL = (_is_int_or_none, "an integer or null")
+# The type of every field: (test, words for the error)
+FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "max_tokens": _INTEGER_OR_NULL,
+    "clamp_max_tokens": _BOOLEAN,
+    "min_tokens": _INTEGER,
+    "temperature": _NUMBER,
+    "top_p": _NUMBER,
+    "top_k": _INTEGER,
+    "min_p": _NUMBER,
+    "repetition_penalty": _NUMBER,
+    "presence_penalty": _NUMBER,
+    "frequency_penalty": _NUMBER,
+    "seed": _INTEGER_OR_NULL,
+    "ignore_eos": _BOOLEAN,
+    "logprobs": _INTEGER_OR_NULL,
+    "include_stop_str_in_output": _BOOLEAN,
+    "skip_special_tokens": _BOOLEAN,
+}
+# ... or, for lists: (test of an item, words for the items, words for what else may be given)
+LIST_TYPES: dict[str, tuple[Callable[[object], bool], str, str]] = {
+    "stop": (lambda item: isinstance(item, str), "strings", "a string or "),
+    "stop_token_ids": (_is_int, "integers", ""),
+}
+
+
+def _check_list(
+    name: str, value: object, is_item: Callable[[object], bool], items: str, alternative: str
+) -> None:
+    """``value`` is a list (or tuple) whose every item passes ``is_item``."""
+    if not isinstance(value, (list, tuple)):
+        raise wrong_type(name, f"{alternative}a list of {items}", value)
+    for index, item in enumerate(value):
+        if not is_item(item):
+            raise InvalidRequestError(
+                name, f"expected a list of {items}; [{index}] is {describe(item)}"
+            )
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

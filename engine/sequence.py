@@ -77,7 +77,7 @@ class Sequence:
     num_preemptions: int = 0
     # Trailing PENDING_TOKEN placeholders in output_token_ids (at most 2: one per step in flight)
     num_pending_tokens: int = 0
-    # No more tokens past this many (prompt + max_tokens, capped by the model's context)
+    # No more tokens past this many (prompt + max_tokens, within the model's context)
     length_limit: int = 1 << 62
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
@@ -131,10 +131,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.sampling.max_tokens
 
     def token_id(self, index: int) -> int:
         num_prompt = len(self.prompt_token_ids)

@@ -25,6 +25,7 @@ from engine import (
     SamplingParams,
     UnsupportedModelError,
 )
+from engine.sampling_params import DEFAULT_MAX_TOKENS
 from tests.conftest import TINY_COMMON, hf_greedy
 
 VOCAB_SIZE = TINY_COMMON["vocab_size"]
@@ -72,6 +73,13 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], dict[str, Any]], str, str]] = {
         "messages",
         "no chat template",
     ),
+    "max_tokens past the context": (
+        with_request(
+            prompt_token_ids=[5] * (MAX_MODEL_LEN - 4), sampling=SamplingParams(max_tokens=5)
+        ),
+        "max_tokens",
+        f"context is {MAX_MODEL_LEN} tokens; the prompt has {MAX_MODEL_LEN - 4}",
+    ),
     "timeout of zero": (
         with_request(prompt_token_ids=GOOD_TOKEN_IDS, timeout_s=0),
         "timeout_s",
@@ -91,6 +99,17 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], dict[str, Any]], str, str]] = {
         "max_tokens",
     ),
     "empty stop string": (with_sampling(stop=[""]), "stop", "non-empty"),
+    "temperature not a number": (
+        with_sampling(temperature="hot"),
+        "temperature",
+        'expected a number, got str "hot"',
+    ),
+    "max_tokens not an integer": (
+        with_sampling(max_tokens=8.0),
+        "max_tokens",
+        "expected an integer or null, got float 8.0",
+    ),
+    "prompt not a string": (with_request(prompt=5), "prompt", "expected a string, got int 5"),
     "priority not an integer": (
         with_request(prompt_token_ids=GOOD_TOKEN_IDS, priority="high"),
         "priority",
@@ -226,6 +245,49 @@ def test_generate_with_one_bad_prompt_names_it_and_runs_nothing(
     assert not llm.engine.has_unfinished_requests()
     outputs = llm.generate([GOOD_TEXT, GOOD_TEXT], GOOD_SAMPLING, use_tqdm=False)
     assert [out.token_ids for out in outputs] == [good_reference] * 2
+
+
+# -- prompt + max_tokens against the context ------------------------------------------------
+
+NEAR_FULL = [5] * (MAX_MODEL_LEN - 4)  # leaves room for 4 tokens
+
+
+def lengths(llm: LLM, sampling: SamplingParams) -> tuple[int, str | None]:
+    [out] = llm.generate(NEAR_FULL, sampling, use_tqdm=False)
+    return len(out.token_ids), out.finish_reason.value if out.finish_reason else None
+
+
+def test_max_tokens_past_the_context_is_refused_unless_clamping_is_asked(
+    text_model_dir: Path,
+) -> None:
+    llm = LLM(str(text_model_dir), max_model_len=MAX_MODEL_LEN)
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate(NEAR_FULL, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert error.value.field == "max_tokens"
+    assert error.value.message == (
+        f"this model's context is {MAX_MODEL_LEN} tokens; the prompt has {MAX_MODEL_LEN - 4} "
+        "and max_tokens asks for 10 more: lower max_tokens to at most 4"
+    )
+    assert not llm.engine.has_unfinished_requests()
+    fits = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert lengths(llm, fits) == (4, "length")  # exactly full is fine
+    # asked for by the request ...
+    clamped = SamplingParams(max_tokens=10, ignore_eos=True, clamp_max_tokens=True)
+    assert lengths(llm, clamped) == (4, "length")
+    # ... or by the engine, for every request
+    clamping = LLM(str(text_model_dir), max_model_len=MAX_MODEL_LEN, clamp_max_tokens=True)
+    assert lengths(clamping, SamplingParams(max_tokens=10, ignore_eos=True)) == (4, "length")
+    # a prompt that fills the context alone is still refused
+    with pytest.raises(InvalidRequestError) as error:
+        clamping.generate([5] * MAX_MODEL_LEN, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert error.value.field == "prompt"
+
+
+def test_without_max_tokens_the_default_is_lowered_to_fit(text_model_dir: Path) -> None:
+    llm = LLM(str(text_model_dir), max_model_len=MAX_MODEL_LEN)
+    assert lengths(llm, SamplingParams(ignore_eos=True)) == (4, "length")
+    [short] = llm.generate(GOOD_TOKEN_IDS, SamplingParams(ignore_eos=True), use_tqdm=False)
+    assert len(short.token_ids) == DEFAULT_MAX_TOKENS  # room enough: the usual default
 
 
 # -- models that cannot be loaded -------------------------------------------------------------

@@ -27,6 +27,7 @@ from commands import main as cli_main
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.redis_server import RedisServer
 from tests.service_fixtures import FAST, STOP_TIMEOUT_S, spawn_worker
+from tests.test_cli import MISTYPED_FIELDS, mistyped_lines
 from tests.test_worker_service import random_prompts
 from worker.batch import BatchSettings
 from worker.batch_runner import BatchRunner, serve_with_batches
@@ -160,16 +161,36 @@ def test_bad_lines_become_error_records_and_the_job_continues(
         '{"max_tokens": 3}',
         '{"prompt": "w5", "temperature": -1}',
         '["a list"]',
+        '{"prompt": "w5", "max_tokens": 1000}',  # past the context of 256 tokens
         '{"prompt": "w8 w9", "max_tokens": 2, "id": "last"}',
     ]
     result = client.batch_result(client.submit_batch(lines=lines), timeout_s=WAIT_S)
     assert (result.status.state, result.status.done, result.status.failed) == (
-        BatchState.COMPLETE, 7, 5,
+        BatchState.COMPLETE, 8, 6,
     )  # fmt: skip
     errors = [r["error"]["field"] if "error" in r else None for r in result.records]
-    assert errors == [None, "line", "colour", "prompt", "temperature", "line", None]
-    assert [r["id"] for r in result.records] == [1, 2, 3, 4, 5, 6, "last"]
+    assert errors == [None, "line", "colour", "prompt", "temperature", "line", "max_tokens", None]
+    assert "lower max_tokens to at most" in result.records[6]["error"]["message"]
+    assert [r["id"] for r in result.records] == [1, 2, 3, 4, 5, 6, 7, "last"]
     assert result.records[-1]["text"]
+
+
+def test_a_mistyped_field_is_named_with_the_type_it_should_have(
+    worker: BatchWorker, client: Client
+) -> None:
+    lines = [*mistyped_lines(), '{"prompt": "w5 w6", "max_tokens": 2}']
+    result = client.batch_result(client.submit_batch(lines=lines), timeout_s=WAIT_S)
+    assert result.status.failed == len(MISTYPED_FIELDS)
+    *errors, good = result.records
+    got = [(r["error"]["field"], r["error"]["message"]) for r in errors]
+    assert got == [(field, message) for field, _, message in MISTYPED_FIELDS]
+    assert len(good["token_ids"]) == 2
+    # the job's own sampling defaults are checked the same way
+    job_id = client.submit_batch(["w5"], temperature="hot")
+    status = client.batch_result(job_id, timeout_s=WAIT_S).status
+    assert status.state is BatchState.FAILED
+    assert status.error is not None
+    assert 'temperature: expected a number, got str "hot"' in status.error
 
 
 def test_unreadable_input_file_fails_the_job(worker: BatchWorker, client: Client) -> None:

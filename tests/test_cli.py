@@ -191,6 +191,48 @@ def test_generate_file_keeps_order_overrides_and_reports_bad_lines(
     assert "5 errors" in err
 
 
+# A JSONL line's field of the wrong type: (field, value, the error message). The message says
+# what the field holds, not that a string is out of range.
+MISTYPED_FIELDS = [
+    ("temperature", "hot", 'expected a number, got str "hot"'),
+    ("max_tokens", "ten", 'expected an integer or null, got str "ten"'),
+    ("max_tokens", 2.5, "expected an integer or null, got float 2.5"),
+    ("top_p", [0.9], "expected a number, got list [0.9]"),
+    ("top_k", True, "expected an integer, got bool true"),
+    ("presence_penalty", None, "expected a number, got null"),
+    ("seed", "42", 'expected an integer or null, got str "42"'),
+    ("logprobs", 1.5, "expected an integer or null, got float 1.5"),
+    ("ignore_eos", "no", 'expected true or false, got str "no"'),
+    ("stop", 5, "expected a string or a list of strings, got int 5"),
+    ("stop", ["x", 7], "expected a list of strings; [1] is int 7"),
+    ("stop_token_ids", ["2"], 'expected a list of integers; [0] is str "2"'),
+    ("prompt", 5, "expected a string, got int 5"),
+]
+
+
+def mistyped_lines() -> list[str]:
+    lines = []
+    for field, value, _ in MISTYPED_FIELDS:
+        line = {"prompt": "x", field: value}
+        lines.append(json.dumps(line))
+    return lines
+
+
+def test_generate_file_names_the_type_a_field_should_have(
+    chat_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join([*mistyped_lines(), json.dumps({"prompt": "x"})]) + "\n")
+    args = ["generate", "--input", str(source), "--model", chat_model, "--max-tokens", "2"]
+    code, out, err = run_cli([*args, "--no-progress", *SMALL_POOL], capsys)
+    assert code == 0
+    *errors, good = read_jsonl(out)
+    got = [(r["error"]["field"], r["error"]["message"]) for r in errors]
+    assert got == [(field, message) for field, _, message in MISTYPED_FIELDS]
+    assert len(good["token_ids"]) == 2  # the good line still runs
+    assert f"{len(MISTYPED_FIELDS)} errors" in err
+
+
 def test_generate_file_matches_offline_generate_and_writes_stdout(
     chat_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -205,6 +247,31 @@ def test_generate_file_matches_offline_generate_and_writes_stdout(
     results = read_jsonl(out)
     assert [r["token_ids"] for r in results] == [e.token_ids for e in expected]
     assert [r["text"] for r in results] == [e.text for e in expected]
+
+
+def test_generate_refuses_max_tokens_past_the_context_in_one_line(
+    chat_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    context = 256  # the tiny model's
+    args = ["generate", "--model", chat_model, *SMALL_POOL]
+    code, out, err = run_cli([*args, "Hello world", "--max-tokens", "1000"], capsys)
+    assert (code, out) == (2, "")
+    assert f"--max-tokens: this model's context is {context} tokens; the prompt has " in err
+    assert "max_tokens asks for 1000 more: lower max_tokens to at most" in err
+    assert "Traceback" not in err
+    # a file: the line that asks too much is an error record; one that asks nothing gets the
+    # default (256 tokens) lowered to what fits
+    source = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "Hello world", "max_tokens": 1000}, {"prompt": "Hello world"}]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out, _ = run_cli([*args, "--input", str(source), "--ignore-eos", "--no-progress"], capsys)
+    assert code == 0
+    refused, clamped = read_jsonl(out)
+    assert refused["error"]["field"] == "max_tokens"
+    assert "lower max_tokens to at most" in refused["error"]["message"]
+    usage = clamped["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == context
+    assert clamped["finish_reason"] == "length"
 
 
 # -- errors a user can cause -------------------------------------------------------------

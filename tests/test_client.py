@@ -127,3 +127,34 @@ def test_what_no_worker_could_read_is_refused_before_it_is_sent(
     r = redis_server.client()
     assert r.xlen(protocol.Keys().requests) == 1  # only the good one
     r.close()
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        # the ``pagestream up`` banner's one-liner: the client is dropped after the call
+        "from clients import Client; print(Client({url!r}).complete({args}).text)",
+        # a client still referenced at interpreter exit
+        "from clients import Client; client = Client({url!r}); print(client.complete({args}).text)",
+    ],
+    ids=["dropped", "at-exit"],
+)
+def test_a_sync_client_left_open_exits_cleanly(
+    start_worker: Any, redis_server: RedisServer, script: str
+) -> None:
+    """No ``with``, no ``close()``: the process still exits without complaint.
+
+    The reader task, still blocked in ``XREAD``, used to be destroyed by the garbage
+    collector at interpreter exit after its loop had stopped ("Task was destroyed but it is
+    pending!", ``RuntimeError: no running event loop``).
+    """
+    start_worker("w1")
+    code = script.format(url=redis_server.url, args="prompt='w5 w6', max_tokens=5")
+    for _ in range(5):  # the failure was a race, lost in most runs
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert run.returncode == 0, run.stderr
+        assert len(run.stdout.split()) == 5
+        for complaint in ("Task was destroyed", "RuntimeError", "Exception ignored"):
+            assert complaint not in run.stderr, run.stderr

@@ -88,3 +88,18 @@ def test_help_names_each_variable(capsys: pytest.CaptureFixture[str]) -> None:
     help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for name in ("PAGESTREAM_MODEL", "PAGESTREAM_GRACE_S", "PAGESTREAM_REDIS_URL"):
         assert f"[env {name}]" in help_text
+
+
+def test_clamping_is_off_unless_asked_and_the_output_limit_says_its_default(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.config_flags import engine_config_from_args
+
+    assert engine_config_from_args(_parse(["worker"])).clamp_max_tokens is False
+    monkeypatch.setenv("PAGESTREAM_CLAMP_MAX_TOKENS", "1")
+    assert engine_config_from_args(_parse(["worker"])).clamp_max_tokens is True
+    assert main(["worker", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "default: no limit but the model's context [env PAGESTREAM_MAX_OUTPUT_TOKENS]" in (
+        help_text
+    )

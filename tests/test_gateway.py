@@ -145,6 +145,38 @@ def test_errors_have_openai_status_and_param(client: openai.OpenAI, stack: Stack
         assert f"{CONTEXT_LEN + 4} tokens" in body["message"]  # type: ignore[index]
 
 
+def test_max_tokens_past_the_context_is_400_before_any_token(
+    client: openai.OpenAI, stack: Stack
+) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=stack.model, prompt=PROMPT_IDS,
+                                      max_tokens=10_000_000, stream=stream)  # fmt: skip
+        body = error.value.body
+        assert body["param"] == "max_tokens" and body["code"] == "context_length_exceeded"  # type: ignore[index]
+        assert (
+            f"context is {CONTEXT_LEN} tokens; the prompt has {len(PROMPT_IDS)} and max_tokens "
+            f"asks for 10000000 more: lower max_tokens to at most {CONTEXT_LEN - len(PROMPT_IDS)}"
+        ) in body["message"]  # type: ignore[index]
+
+
+def test_without_max_tokens_the_default_is_lowered_to_fit(
+    client: openai.OpenAI, stack: Stack
+) -> None:
+    # /v1/completions defaults to 16 tokens: 8 fit after this prompt
+    out = client.completions.create(model=stack.model, prompt=[5] * (CONTEXT_LEN - 8),
+                                    extra_body=IGNORE_EOS)  # fmt: skip
+    assert out.usage is not None and out.usage.completion_tokens == 8
+    assert out.choices[0].finish_reason == "length"
+    # chat defaults to --chat-max-tokens (1024): what the context leaves after the template
+    messages = [{"role": "user", "content": " ".join(["w5"] * (CONTEXT_LEN - 20))}]
+    chat = client.chat.completions.create(model=stack.model, messages=messages,  # type: ignore[arg-type]
+                                          extra_body=IGNORE_EOS)  # fmt: skip
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == CONTEXT_LEN
+    assert chat.choices[0].finish_reason == "length"
+
+
 def test_bad_or_missing_api_key_is_401(stack: Stack) -> None:
     wrong = openai.OpenAI(base_url=stack.base_url, api_key="wrong", max_retries=0)
     with wrong, pytest.raises(openai.AuthenticationError) as exc:

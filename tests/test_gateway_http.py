@@ -40,6 +40,10 @@ def test_a_body_that_is_not_json_or_has_a_wrong_type_is_400(http: httpx.Client) 
     response = http.post("/v1/completions", json={"prompt": "w5", "max_tokens": "many"})
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "max_tokens"
+    response = http.post("/v1/completions", json={"prompt": "w5", "temperature": "hot"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "temperature"
+    assert "Expected `float | null`, got `str`" in error["message"]
     response = http.post("/v1/chat/completions", json={"model": "x"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 

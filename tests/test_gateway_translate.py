@@ -26,7 +26,10 @@ def test_fields_map_onto_the_protocol() -> None:
                                  "seed": 3, "top_k": 4, "stop": ["x"], "logprobs": 2}  # fmt: skip
     assert generation.model == "m" and generation.stream and generation.include_usage
     assert generation.request_id.startswith("cmpl-")
-    assert decode_completion(b'{"prompt": "hi"}').inputs == {"prompt": "hi", "max_tokens": 16}
+    # no max_tokens: OpenAI's default of 16, lowered by the worker to fit the context
+    assert decode_completion(b'{"prompt": "hi"}').inputs == {
+        "prompt": "hi", "max_tokens": 16, "clamp_max_tokens": True,
+    }  # fmt: skip
 
 
 def test_chat_messages_and_its_max_tokens() -> None:
@@ -38,7 +41,9 @@ def test_chat_messages_and_its_max_tokens() -> None:
     assert generation.inputs["messages"] == [{"role": "system", "content": "be brief"},
                                              {"role": "user", "content": "a b"}]  # fmt: skip
     assert generation.inputs["max_tokens"] == 7 and generation.logprobs == 2
-    assert decode_chat(chat(), chat_max_tokens=100).inputs["max_tokens"] == 100
+    assert not generation.inputs["clamp_max_tokens"]  # the user's own: refused past the context
+    defaulted = decode_chat(chat(), chat_max_tokens=100).inputs
+    assert (defaulted["max_tokens"], defaulted["clamp_max_tokens"]) == (100, True)
     assert decode_chat(chat(stream=True), 100).include_usage is False
 
 

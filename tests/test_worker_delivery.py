@@ -47,6 +47,9 @@ BAD_ENTRIES: dict[str, tuple[dict[str, bytes], str | None, list[str]]] = {
     "not a map": ({"msg": pack([1, 2, 3])}, None, ["Expected `object`"]),
     "no id": ({"msg": pack({"prompt": "w5"})}, None, ["id"]),
     "wrong type": ({"msg": pack(good("r-type", max_tokens="ten"))}, "r-type", ["max_tokens", "int"]),
+    "temperature a string": (
+        {"msg": pack(good("r-hot", temperature="hot"))}, "r-hot", ["temperature", "Expected `float`, got `str`"],
+    ),
     "unknown field": ({"msg": pack(good("r-unknown", colour="red"))}, "r-unknown", ["colour"]),
     "prompt over the limit": (
         {"msg": pack(good("r-long", prompt=" ".join(WORDS[4:24])))}, "r-long",
@@ -118,6 +121,15 @@ def test_every_kind_of_bad_entry_is_dead_lettered_and_the_worker_serves_on(
     assert len(unreadable) == sum(rid is None for _, rid, _ in BAD_ENTRIES.values()) + 1
     assert all(letter.message and letter.worker == "w1" for letter in letters)
     r.close()
+
+
+def test_a_request_that_asks_to_clamp_is_lowered_to_the_workers_limit(
+    strict_worker: Any, redis_server: RedisServer
+) -> None:
+    with Client(redis_server.url) as client:
+        done = client.complete("w5 w6", max_tokens=1000, clamp_max_tokens=True, timeout_s=30,
+                               ignore_eos=True)  # fmt: skip
+    assert (len(done.token_ids), done.finish_reason) == (MAX_OUTPUT_TOKENS, FinishReason.LENGTH)
 
 
 def test_random_bytes_never_stop_the_worker(start_worker: Any, redis_server: RedisServer) -> None:

@@ -12,7 +12,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clients import AsyncClient, Client, DoneEvent, FinishReason, RestartEvent, TokenEvent, protocol
+import pytest
+
+from clients import (
+    AsyncClient,
+    Client,
+    DoneEvent,
+    ErrorCode,
+    FinishReason,
+    RequestFailedError,
+    RestartEvent,
+    TokenEvent,
+    protocol,
+)
 from engine import LLM, SamplingParams
 from tests.redis_server import RedisServer
 from tests.service_fixtures import WORDS
@@ -126,6 +138,27 @@ def test_deadline_ends_a_request_as_timeout(start_worker: Any, redis_server: Red
         # The deadline has passed when the worker admits it: the engine ends it at once.
         completion = client.complete("w5", max_tokens=250, ignore_eos=True, timeout_s=0.001)
     assert completion.finish_reason is FinishReason.TIMEOUT
+
+
+def test_max_tokens_past_the_context_is_an_error_event_and_the_worker_serves_on(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    start_worker("w1", engine=dict(max_model_len=32))
+    near_full = [5] * 28  # leaves room for 4 tokens
+    with Client(redis_server.url) as client:
+        running = client.submit("w5 w6", max_tokens=20, temperature=0, ignore_eos=True)
+        with pytest.raises(RequestFailedError) as error:
+            client.complete(token_ids=near_full, max_tokens=10, timeout_s=30)
+        assert (error.value.code, error.value.field) == (ErrorCode.INVALID_REQUEST, "max_tokens")
+        assert "context is 32 tokens; the prompt has 28" in error.value.message
+        assert "at most 4" in error.value.message
+        assert len(client.result(running, timeout_s=30).token_ids) == 20  # unaffected
+        # asked to clamp, or no max_tokens at all: as many as fit
+        for options in (dict(max_tokens=10, clamp_max_tokens=True), {}):
+            done = client.complete(token_ids=near_full, ignore_eos=True, timeout_s=30, **options)
+            assert (len(done.token_ids), done.finish_reason) == (4, FinishReason.LENGTH)
+        after = client.complete("w7 w8", max_tokens=3, ignore_eos=True, timeout_s=30)
+    assert len(after.token_ids) == 3
 
 
 def test_redis_restart_mid_run_every_request_completes(

@@ -8,6 +8,7 @@ for something this worker refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import msgspec
 from clients import protocol
 from clients.protocol import ErrorCode, Request
 from engine import InvalidRequestError, LLMEngine, SamplingParams
+from engine.sampling_params import DEFAULT_MAX_TOKENS
 from worker.settings import RequestLimits
 
 _FIELD_IN_ERROR = re.compile(r"`\$\.([A-Za-z_]\w*)|field `([A-Za-z_]\w*)`")
@@ -111,12 +113,8 @@ def engine_inputs(
     request: Request, engine: LLMEngine, limits: RequestLimits, now_ms: int
 ) -> EngineInputs:
     """Check ``request`` against ``limits`` and the model; raises ``InvalidRequestError``."""
-    if limits.max_output_tokens is not None and request.max_tokens > limits.max_output_tokens:
-        raise InvalidRequestError(
-            "max_tokens",
-            f"{request.max_tokens} is above this worker's limit of {limits.max_output_tokens}",
-        )
     sampling = SamplingParams(**{name: getattr(request, name) for name in protocol.SAMPLING_FIELDS})
+    sampling = _within_limit(sampling, limits.max_output_tokens, engine.config.clamp_max_tokens)
     messages = None
     if request.messages is not None:
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
@@ -133,6 +131,20 @@ def engine_inputs(
         tenant=request.tenant,
         timeout_s=_timeout_s(request.deadline_ms, now_ms),
     )
+
+
+def _within_limit(sampling: SamplingParams, limit: int | None, clamp: bool) -> SamplingParams:
+    """``sampling`` with a ``max_tokens`` within this worker's ``limit``: one above it is
+    refused, or lowered when clamping is asked for (as the engine does at the context); none
+    is the default, lowered to the limit."""
+    asked = sampling.max_tokens
+    if limit is None or (asked or DEFAULT_MAX_TOKENS) <= limit:
+        return sampling
+    if asked is None:
+        return dataclasses.replace(sampling.with_max_tokens(limit), clamp_max_tokens=True)
+    if clamp or sampling.clamp_max_tokens:
+        return sampling.with_max_tokens(limit)
+    raise InvalidRequestError("max_tokens", f"{asked} is above this worker's limit of {limit}")
 
 
 def _timeout_s(deadline_ms: int | None, now_ms: int) -> float | None:

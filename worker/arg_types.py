@@ -37,12 +37,15 @@ def add_client_sampling_args(
     parser: argparse.ArgumentParser,
     description: str | None = None,
     *,
-    max_tokens: int | None = None,
     temperature: float | None = None,
 ) -> None:
     """``CLIENT_SAMPLING_FLAGS`` as flags; unset ones are left to the request's defaults."""
     g = parser.add_argument_group("sampling", description)
-    g.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="default 256")
+    g.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        help="default 256, or what the model's context leaves after the prompt",
+    )
     g.add_argument(
         "--temperature", type=float, default=temperature, help="0 = greedy (the default)"
     )

@@ -42,7 +42,7 @@ from clients.batch import (
 )
 from engine import InvalidRequestError, RequestOutput, SamplingParams
 from worker.arg_types import positive_int
-from worker.defaults import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
+from worker.defaults import DEFAULT_TEMPERATURE
 from worker.delivery import REDIS_ERRORS
 from worker.engine_thread import EngineStoppedError, EngineThread
 from worker.jsonl_lines import BatchItem, error_record, parse_line, result_record
@@ -177,8 +177,8 @@ class BatchJob:
         return await self._finish(BatchState.COMPLETE)
 
     def _read_items(self) -> list[BatchItem]:
-        defaults = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE,
-                    **self.spec.sampling}  # fmt: skip
+        # no max_tokens here: parse_line gives a line that sets none the default, within the context
+        defaults = {"temperature": DEFAULT_TEMPERATURE, **self.spec.sampling}
         try:
             SamplingParams(**defaults)
         except (InvalidRequestError, TypeError) as exc:

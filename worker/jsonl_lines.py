@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import InvalidRequestError, RequestOutput, SamplingParams
+from engine.errors import wrong_type
+from worker.defaults import with_default_max_tokens
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 REQUEST_FIELDS = frozenset({"id", "prompt", "messages"})
@@ -64,13 +66,13 @@ def _request_of(obj: dict[str, Any], chat: bool) -> Request:
     if "messages" in obj:
         return {"messages": obj["messages"]}
     if not isinstance(obj["prompt"], str):
-        raise InvalidRequestError("prompt", "must be a string")
+        raise wrong_type("prompt", "a string", obj["prompt"])
     return chat_request(obj["prompt"]) if chat else {"prompt": obj["prompt"]}
 
 
 def _sampling_of(obj: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
     overrides = {name: value for name, value in obj.items() if name in SAMPLING_FIELDS}
-    return SamplingParams(**{**defaults, **overrides})
+    return SamplingParams(**with_default_max_tokens({**defaults, **overrides}))
 
 
 def result_record(item: BatchItem, result: RequestOutput) -> dict[str, Any]:

@@ -164,13 +164,15 @@ class RequestHandler:
         flight.trace.admitted()
 
     def _attributes(self, request: Request) -> dict[str, str | int | float]:
-        return {
+        attributes: dict[str, str | int | float] = {
             "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
             "gen_ai.request.model": self.service.engine_thread.engine.config.model,
-            "gen_ai.request.max_tokens": request.max_tokens,
             "pagestream.tenant": request.tenant,
             "pagestream.priority": request.priority,
         }
+        if request.max_tokens is not None:  # none: the engine's default, within the context
+            attributes["gen_ai.request.max_tokens"] = request.max_tokens
+        return attributes
 
     # -- writes outside the engine -------------------------------------------------------------
 

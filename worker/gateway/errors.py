@@ -68,7 +68,10 @@ def unsupported(param: str, message: str) -> OpenAIError:
 def from_worker(code: ErrorCode, message: str, field: str | None) -> OpenAIError:
     """A worker's ``error`` event: the request's fault (400) or the service's (500)."""
     if code in (ErrorCode.INVALID_REQUEST, ErrorCode.MALFORMED):
-        too_long = field == "prompt" and "tokens" in message
+        # a prompt over a limit, or a prompt + max_tokens past the model's context
+        too_long = (field == "prompt" and "tokens" in message) or (
+            field == "max_tokens" and "context" in message
+        )
         return OpenAIError(
             400, message, param=field, code="context_length_exceeded" if too_long else code.value
         )

@@ -84,8 +84,8 @@ def decode_chat(body: bytes, chat_max_tokens: int) -> Generation:
         )
     logprobs = _chat_logprobs(request)
     sampling = _sampling(request, default_max_tokens=chat_max_tokens)
-    if request.max_completion_tokens is not None:
-        sampling["max_tokens"] = request.max_completion_tokens
+    if request.max_completion_tokens is not None:  # the newer name wins; the user's own
+        sampling.update(max_tokens=request.max_completion_tokens, clamp_max_tokens=False)
     inputs = {"messages": _messages(request.messages), **sampling}
     return _generation("chat", "chatcmpl", request, logprobs, inputs)
 
@@ -156,10 +156,15 @@ _SAMPLING_NAMES = (
 
 
 def _sampling(request: CompletionRequest | ChatRequest, default_max_tokens: int) -> dict[str, Any]:
-    """The protocol's sampling fields that the request sets (the rest keep their defaults)."""
+    """The protocol's sampling fields that the request sets (the rest keep their defaults).
+
+    No ``max_tokens``: ``default_max_tokens``, which the worker lowers to what the model's
+    context leaves after the prompt (one that the request sets is refused past the context).
+    """
     sampling = {name: getattr(request, name) for name in _SAMPLING_NAMES}
     sampling = {name: value for name, value in sampling.items() if value is not None}
-    sampling.setdefault("max_tokens", default_max_tokens)
+    if "max_tokens" not in sampling:
+        sampling.update(max_tokens=default_max_tokens, clamp_max_tokens=True)
     stop = request.stop
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
