@@ -192,10 +192,24 @@ def test_fp8_scaled_mm_rounds_only_the_activations_beyond_the_weights() -> None:
     x_fp8, x_scale = quantize_rows_fp8(x)
     assert x_scale.shape == (32, 1)
     expected = (x_fp8.float() * x_scale) @ dequantize(FORMATS["fp8"], planes).T
-    got = fp8_scaled_mm(x, planes)  # torch's CPU _scaled_mm: the op the GPU path calls
+    if DEVICE == "cpu" and not _cpu_scaled_mm_takes_row_scales():
+        pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only")
+    on_device = {name: plane.to(DEVICE) for name, plane in planes.items()}
+    got = fp8_scaled_mm(x.to(DEVICE), on_device).cpu()  # on the CPU: torch's CPU _scaled_mm
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max())
     assert not uses_scaled_mm(x, FORMATS["fp8"], 48, 64)  # CPU tensors: the Triton path
+
+
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    """torch 2.13's CPU _scaled_mm takes per-row scales; 2.11's takes per-tensor ones only."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)  # fmt: skip
+    except RuntimeError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize(
@@ -208,9 +222,10 @@ def test_fp8_row_quantization_kernel_gives_the_references_bytes(
     """One program per row, the row in registers (96, 64) or read twice (5000 > 4096); a row
     of zeros keeps scale 1, a row with one huge value takes its own scale. The interpreter's
     own cast to e4m3 rounds unlike the GPU's (subnormals, carries into the exponent), so on
-    the CPU the reference's values before the cast go through that same cast; the GPU test
-    below compares against torch's cast."""
+    the reference's values before the cast go through a Triton cast on the same device; the
+    GPU test below also compares against torch's cast."""
     x = torch.randn(num_rows, size_k, generator=torch.Generator().manual_seed(11)).to(dtype)
+    x = x.to(DEVICE)
     x[1] = 0.0
     x[0, size_k // 2] = 3e4
     x_fp8, scale = quantize_rows_fp8_triton(x)
@@ -230,7 +245,7 @@ def _cast_to_e4m3_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
 
 def triton_cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     flat = x.flatten().contiguous()
-    out = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
+    out = torch.empty(flat.shape, dtype=torch.float8_e4m3fn, device=x.device)
     _cast_to_e4m3_kernel[(triton.cdiv(flat.numel(), 256),)](flat, out, flat.numel(), BLOCK=256)
     return out.view(x.shape)
 
@@ -272,7 +287,7 @@ def test_fp8_tensor_core_kernel_gives_the_w8a8_product(
     gen = torch.Generator().manual_seed(num_rows)
     planes = quantize(torch.randn(num_cols, size_k, generator=gen), fmt)
     x = torch.randn(num_rows, size_k, generator=gen).bfloat16()
-    x_fp8, x_scale = quantize_rows_fp8_triton(x)
+    x_fp8, x_scale = (t.cpu() for t in quantize_rows_fp8_triton(x.to(DEVICE)))
     expected = (x_fp8.float() * x_scale) @ dequantize(fmt, planes).T
     config = QuantMatmulConfig(block_m=block_m, block_n=32, block_k=64, split_k=split_k,
                                mma=True)  # fmt: skip
