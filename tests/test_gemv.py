@@ -1,4 +1,5 @@
-"""The GEMV kernel against torch on random inputs (Triton's interpreter on CPU)."""
+"""The GEMV kernel against torch on random inputs (Triton's interpreter on the CPU, compiled on
+a GPU)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 
 from kernels.elementwise.activation import silu_and_mul_ref
 from kernels.linear.gemv_triton import MAX_ROWS, GemvConfig, default_config, gemv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, 8])
@@ -28,7 +31,7 @@ def test_gemv_matches_torch(
     x = torch.randn(num_rows, width, generator=gen)
     weight = torch.randn(num_cols, size_k, generator=gen)
     expected = (silu_and_mul_ref(x) if silu_mul else x) @ weight.T
-    got = gemv(x, weight, silu_mul=silu_mul, config=config)
+    got = gemv(x.to(DEVICE), weight.to(DEVICE), silu_mul=silu_mul, config=config).cpu()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -36,9 +39,11 @@ def test_gemv_writes_into_a_given_buffer_and_rounds_like_the_reference_in_bf16()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 2 * 64, generator=gen).bfloat16()
     weight = torch.randn(32, 64, generator=gen).bfloat16()
-    out = torch.empty(2, 32, dtype=torch.bfloat16)
-    result = gemv(x, weight, silu_mul=True, config=GemvConfig(block_n=8, block_k=32), out=out)
+    out = torch.empty(2, 32, dtype=torch.bfloat16, device=DEVICE)
+    result = gemv(x.to(DEVICE), weight.to(DEVICE), silu_mul=True,
+                  config=GemvConfig(block_n=8, block_k=32), out=out)  # fmt: skip
     assert result.data_ptr() == out.data_ptr()
+    out = out.cpu()
     expected = silu_and_mul_ref(x).float() @ weight.float().T
     # one bf16 rounding of the output, relative to the sums' scale (terms cancel)
     scale = expected.abs().max().item()
