@@ -116,22 +116,20 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _check_redis_port(port: int) -> int:
-    from worker.local_stack import free_port
-
-    if port == 0:
-        return free_port()
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            raise CommandError(
-                f"port {port} is in use (another Redis?): pass --redis-port 0 for a free port, or run "
-                f"`pagestream worker --redis-url redis://localhost:{port}/0` against that Redis"
-            ) from None
-    return port
+    pagestream, _ = invocation()
+    return _check_port(
+        port,
+        " (another Redis?): pass --redis-port 0 for a free port, or run "
+        f"`{pagestream} worker --redis-url redis://localhost:{port}/0` against that Redis",
+    )
 
 
 def _check_gateway_port(port: int) -> int:
+    return _check_port(port, ": pass --gateway-port 0 for a free port, or --no-gateway")
+
+
+def _check_port(port: int, advice: str) -> int:
+    """``port`` if it is free on 127.0.0.1 (0: any free port), else a ``CommandError``."""
     from worker.local_stack import free_port
 
     if port == 0:
@@ -140,9 +138,7 @@ def _check_gateway_port(port: int) -> int:
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
-            raise CommandError(
-                f"port {port} is in use: pass --gateway-port 0 for a free port, or --no-gateway"
-            ) from None
+            raise CommandError(f"port {port} is in use{advice}") from None
     return port
 
 

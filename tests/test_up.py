@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from clients import Client, FinishReason
+from commands.parser import invocation
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -180,9 +181,10 @@ def test_up_refuses_a_busy_port_with_one_line(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert result.returncode == 1
+    pagestream, _ = invocation()  # as this shell would run it; the child shares cwd and PATH
     assert result.stderr.strip().splitlines() == [
         f"pagestream up: error: port {port} is in use (another Redis?): pass --redis-port 0 for a "
-        f"free port, or run `pagestream worker --redis-url redis://localhost:{port}/0` "
+        f"free port, or run `{pagestream} worker --redis-url redis://localhost:{port}/0` "
         "against that Redis"
     ]
 
