@@ -140,14 +140,18 @@ quant() {  # quantized weights against bf16: the bundled GGUF's blocks, llama3-8
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
     log gpu tests, tensor parallel
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tensor_parallel.py || return 1
-    log latency llama3-8b on two GPUs, against latency-llama3-8b.json on one
-    "${PS[@]}" bench latency --model dummy:llama3-8b --tensor-parallel-size 2 \
-        --batch-sizes 1,8,32,64 --max-model-len 4096 --no-progress \
-        --output-json "$OUT/latency-llama3-8b-tp2.json"
-    log latency llama3-70b on two GPUs
+    log latency llama3-8b on one GPU and on two, then llama3-70b on two: tp-scaling-CARD.json
+    for tp in 1 2; do
+        "${PS[@]}" bench latency --model dummy:llama3-8b --tensor-parallel-size $tp \
+            --batch-sizes 1,8,64 --max-model-len 4096 --no-progress \
+            --output-json "/tmp/latency-llama3-8b-tp$tp.json"
+    done
     "${PS[@]}" bench latency --model dummy:llama3-70b --tensor-parallel-size 2 \
-        --batch-sizes 1,8,32 --max-model-len 4096 --no-progress \
-        --output-json "$OUT/latency-llama3-70b-tp2.json"
+        --batch-sizes 1,8,64 --max-model-len 4096 --no-progress \
+        --output-json /tmp/latency-llama3-70b-tp2.json
+    card=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+    python -m bench.tp_scaling "$OUT/tp-scaling-$card.json" /tmp/latency-llama3-8b-tp1.json \
+        /tmp/latency-llama3-8b-tp2.json /tmp/latency-llama3-70b-tp2.json
     log throughput llama3-70b and qwen2.5-32b on two GPUs
     "${PS[@]}" bench throughput --model dummy:llama3-70b --tensor-parallel-size 2 \
         --max-model-len 4096 --no-progress --output-json "$OUT/throughput-llama3-70b-tp2.json"
@@ -159,7 +163,9 @@ tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
         tests/test_triton_paged_attention.py tests/test_kv_offload.py tests/test_quant_kernels.py \
-        tests/test_quant_model.py tests/test_quant_dequant.py tests/test_gpu_speculative.py
+        tests/test_quant_model.py tests/test_quant_dequant.py tests/test_gpu_speculative.py \
+        tests/test_quant_mma_int8.py tests/test_quant_gemv_int8.py tests/test_int8_producers.py \
+        tests/test_rotary_kv_write.py tests/test_gemv.py tests/test_pdl.py
 }
 
 for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant tests}"; do
