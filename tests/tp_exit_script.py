@@ -29,7 +29,9 @@ from engine import LLM, LLMEngine, SamplingParams
 
 SCENARIOS = ("shutdown", "fall-off", "interrupt-step", "wait-for-ctrl-c", "kill-rank")
 NUM_STEPS_BEFORE = 3  # decode steps before the interruption: the ranks are mid-generation
-LONG = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)  # to max_model_len
+LONG = SamplingParams(
+    temperature=0, max_tokens=100_000, ignore_eos=True, clamp_max_tokens=True
+)  # to the context
 
 
 def main(argv: list[str] | None = None) -> LLM:
