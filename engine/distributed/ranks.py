@@ -98,6 +98,7 @@ class RankProcesses:
         self._out_of_step = False  # a step began and did not end: the ranks are not told
         self._step_started_s: float | None = None  # while a step runs (for the watcher)
         self._interrupts_steps = False  # the watcher aborts a step stuck on a dead rank
+        self._step_aborted = False  # ... and has done so: the step only seemed to run
         self._lock = threading.Lock()  # the watcher acts, or stop() has begun: not both
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -184,7 +185,8 @@ class RankProcesses:
             raise self._failed_step(exc) from exc
         finally:
             self._step_started_s = None
-        self.check_alive()  # a step the watcher interrupted (NCCL) may seem to have run
+        if self._step_aborted:  # NCCL's aborted collectives return as if they had run
+            raise _dead_error(self.dead_ranks() or ["step aborted on rank 0"])
         self._out_of_step = False
 
     def _failed_step(self, exc: RuntimeError) -> EngineDeadError:
@@ -210,6 +212,7 @@ class RankProcesses:
         dead = "; ".join(self.dead_ranks())
         if self._interrupts_steps and self.group is not None:
             self._interrupts_steps = False  # once
+            self._step_aborted = True
             logger.error("tensor parallel: %s mid-step: aborting the step's collectives", dead)
             run_bounded(self.group.interrupt, LEAVE_TIMEOUT_S, "aborting the step")
         if time.monotonic() - died_at_s > STUCK_AFTER_DEATH_S:
