@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from worker.defaults import with_default_max_tokens
 from worker.gateway.config import COMPLETIONS_MAX_TOKENS
 from worker.gateway.errors import OpenAIError, invalid_body, unsupported
 from worker.gateway.openai_types import ChatMessage, ChatRequest, CompletionRequest
@@ -163,8 +164,7 @@ def _sampling(request: CompletionRequest | ChatRequest, default_max_tokens: int)
     """
     sampling = {name: getattr(request, name) for name in _SAMPLING_NAMES}
     sampling = {name: value for name, value in sampling.items() if value is not None}
-    if "max_tokens" not in sampling:
-        sampling.update(max_tokens=default_max_tokens, clamp_max_tokens=True)
+    sampling = with_default_max_tokens(sampling, default_max_tokens)
     stop = request.stop
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
