@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from commands import build_parser, main
-from commands.parser import LazyParser, invocation
+from commands import main
+from commands.parser import invocation
 from engine.config_flags import add_engine_args
+from tests.test_docs_reference import leaf_commands
 from worker.env_flags import env_var, flag_actions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,22 +25,6 @@ SERVICE_COMMANDS = ("up", "worker", "gateway")
 # Variables these commands share on purpose: the same setting under the same name
 SHARED_ON_PURPOSE = {"PAGESTREAM_PREFIX", "PAGESTREAM_REDIS_URL", "PAGESTREAM_GRACE_S",
                      "PAGESTREAM_LOG_LEVEL"}  # fmt: skip
-
-
-def leaf_parsers() -> dict[str, argparse.ArgumentParser]:
-    found: dict[str, argparse.ArgumentParser] = {}
-
-    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
-        if isinstance(parser, LazyParser):
-            parser._ensure_configured()
-        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        if not subs:
-            found[" ".join(path)] = parser
-        for name, sub in subs[0].choices.items() if subs else ():
-            walk(sub, [*path, name])
-
-    walk(build_parser(), [])
-    return found
 
 
 # -- abbreviations -----------------------------------------------------------------------------
@@ -53,7 +38,7 @@ def test_an_abbreviated_flag_is_an_error(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_every_command_and_script_parser_refuses_abbreviations() -> None:
-    assert all(parser.allow_abbrev is False for parser in leaf_parsers().values())
+    assert all(parser.allow_abbrev is False for parser in leaf_commands().values())
     # The `python -m bench.*` scripts build plain parsers: each must say so itself
     lenient = []
     for package in PACKAGES:
@@ -96,7 +81,7 @@ def test_an_unknown_flag_shows_the_subcommands_usage(
 
 
 def test_service_commands_share_a_variable_only_for_the_same_setting() -> None:
-    parsers = leaf_parsers()
+    parsers = leaf_commands()
     engine = argparse.ArgumentParser()
     add_engine_args(engine)
     engine_vars = {env_var(action) for action in flag_actions(engine)}
@@ -109,7 +94,7 @@ def test_service_commands_share_a_variable_only_for_the_same_setting() -> None:
 
 
 def test_up_names_its_redis_port_and_the_gateway_its_http_port() -> None:
-    parsers = leaf_parsers()
+    parsers = leaf_commands()
     up = {env_var(a): a.dest for a in flag_actions(parsers["up"])}
     gateway = {env_var(a): a.dest for a in flag_actions(parsers["gateway"])}
     assert up["PAGESTREAM_REDIS_PORT"] == "redis_port"

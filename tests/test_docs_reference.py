@@ -28,7 +28,7 @@ VERB_TABLE_GROUPS = ("batch", "bench")  # sections whose table has a verb column
 FLAG_VARIABLES_ALSO_LISTED = {"PAGESTREAM_DEVICE", "PAGESTREAM_CUDA_GRAPHS"}
 
 
-def _commands() -> dict[str, argparse.ArgumentParser]:
+def leaf_commands() -> dict[str, argparse.ArgumentParser]:
     """Every leaf command ("worker", "bench serve", ...) and its configured parser."""
     found: dict[str, argparse.ArgumentParser] = {}
 
@@ -46,7 +46,7 @@ def _commands() -> dict[str, argparse.ArgumentParser]:
     return found
 
 
-COMMANDS = _commands()
+COMMANDS = leaf_commands()
 
 
 def _flags(parser: argparse.ArgumentParser) -> set[str]:
