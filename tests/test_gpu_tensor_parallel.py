@@ -51,6 +51,31 @@ def test_two_gpus_fp32_give_the_tokens_of_one(
     assert graphed == cuda_graphs
 
 
+@pytest.mark.parametrize("path", ["nccl", "one-shot", "two-shot"])
+def test_each_all_reduce_path_gives_the_tokens_of_one_gpu(
+    path: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside the decode graphs and outside them (prefill), whichever path sums."""
+    monkeypatch.setenv("PAGESTREAM_TP_ALLREDUCE", path)  # rank 0 and, inherited, rank 1
+    model = str(tiny_model_dirs["llama"])
+    settings = dict(dtype="float32", pa_block_size=16, pa_context_len=160, max_model_len=160)
+    expected, _ = _tokens(model, **settings)
+    assert _tokens(model, tensor_parallel_size=2, **settings) == (expected, True)
+
+
+def test_peer_sums_equal_the_fp32_sum_at_every_size() -> None:
+    """The bench's own check: bf16 sums of random inputs, every path, small to 4 MiB."""
+    from bench.allreduce import METHODS, run
+
+    sizes = [8, 4096, 4096 * 3 + 8, 8192 * 64, 2**21]
+    record = run(2, sizes=sizes)
+    assert {(row["bytes"] // 2, row["method"]) for row in record["results"]} == {
+        (n, m) for n in sizes for m in METHODS
+    }
+    # two bf16 values ~N(0, 1): one rounding of their sum, <= 2^-8 of |sum| < 16
+    assert max(row["max_abs_err"] for row in record["results"]) <= 0.0625
+
+
 def test_swapped_pages_come_back_on_both_ranks(tiny_model_dirs: dict[str, Path]) -> None:
     model = str(tiny_model_dirs["llama"])
     settings = dict(

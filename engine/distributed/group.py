@@ -1,8 +1,9 @@
 """The collectives of a tensor-parallel group, and how a group of size 1 skips them.
 
-Two process groups: the device group (NCCL on CUDA, gloo on the CPU) carries the model's
+Two process groups and a peer buffer: the device group (NCCL on CUDA, gloo on the CPU) carries the model's
 all-reduces and gathers, also inside CUDA graphs; the control group (always gloo, without a
-timeout) carries rank 0's step messages, which are Python objects on the host.
+timeout) carries rank 0's step messages, which are Python objects on the host. On CUDA, small all-reduces (decode's)
+take ``peer_allreduce.PeerAllReduce`` over peer-mapped buffers instead of NCCL.
 
 A rank leaves by aborting its communicators, which waits for no one: NCCL's
 ``destroy_process_group`` flushes and finalizes them, a wait on the other ranks that never ends
@@ -12,12 +13,17 @@ when one of them is gone, stopping or stuck in a collective (see ``ranks.RankPro
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine.distributed.peer_allreduce import PeerAllReduce
+
+logger = logging.getLogger("pagestream.engine")
 
 CONTROL_TIMEOUT = datetime.timedelta(days=3650)  # no limit in practice: see ``join``
 # NVLink multicast stays off on every rank (NCCL's NVLS algorithms, torch symmetric memory,
@@ -37,6 +43,7 @@ class TensorParallelGroup:
     size: int = 1
     device_group: Any = None  # dist.ProcessGroup
     control_group: Any = None
+    peer: PeerAllReduce | None = None  # small all-reduces on CUDA
 
     @property
     def is_driver(self) -> bool:
@@ -61,7 +68,13 @@ class TensorParallelGroup:
         # its own gloo group, also on the CPU: the ranks wait there for rank 0's next step for
         # as long as the engine idles, where a collective's timeout would end them
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        return cls(rank, size, dist.group.WORLD, control)
+        peer = PeerAllReduce.create(dist.group.WORLD, device, rank)
+        if rank == 0:
+            logger.info(
+                "tensor parallel: all-reduce on %s",
+                "NCCL" if peer is None else f"peer buffers ({peer.method}) and NCCL",
+            )
+        return cls(rank, size, dist.group.WORLD, control, peer)
 
     @staticmethod
     def ready_key(rank: int) -> str:
@@ -90,9 +103,13 @@ class TensorParallelGroup:
     # -- the model's collectives -------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of every rank's ``x``, in place."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.device_group)
+        """Sum of every rank's ``x``: ``x`` itself, summed in place, or a new tensor (use the
+        result, not ``x``)."""
+        if self.size == 1:
+            return x
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer.all_reduce(x)
+        dist.all_reduce(x, group=self.device_group)
         return x
 
     def gather_vocab(

@@ -1,0 +1,178 @@
+"""All-reduce latency by message size and path on one host's GPUs: NCCL against the peer-buffer
+one-shot and two-shot sums (``engine.distributed.peer_allreduce``), each checked against an
+fp32 sum and timed inside a CUDA graph as the decode graphs run them.
+
+``python -m bench.allreduce --world-size 2 --output-json OUT.json`` (a record of kind
+``allreduce``: one row per size and path, and the size table the timings suggest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.records import machine_info, save
+from engine.distributed.group import NO_MULTICAST_ENV
+from engine.distributed.peer_allreduce import MAX_PEER_BYTES, PeerAllReduce
+
+METHODS = ("nccl", "one-shot", "two-shot")
+HIDDEN_SIZES = (4096, 8192)  # llama3-8b's and llama3-70b's
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # decode batches and small prefill chunks
+CALLS_PER_GRAPH = 32
+REPLAYS = 20
+
+
+def message_sizes(max_bytes: int = MAX_PEER_BYTES) -> list[int]:
+    """bf16 element counts of the model's all-reduces at decode and small prefill sizes."""
+    sizes = {rows * hidden for rows in ROWS for hidden in HIDDEN_SIZES}
+    return sorted(n for n in sizes if 2 * n <= max_bytes)
+
+
+def _sum(x: torch.Tensor, method: str, peer: PeerAllReduce) -> torch.Tensor:
+    if method == "nccl":
+        dist.all_reduce(x)
+        return x
+    peer.method = method
+    return peer.all_reduce(x)
+
+
+def _check(numel: int, method: str, peer: PeerAllReduce, rank: int, world: int) -> float:
+    """Max |error| of one sum of random bf16 inputs against the fp32 sum of the same inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(1234 + numel)
+    inputs = [
+        torch.randn(numel, generator=gen, device="cuda", dtype=torch.float32) for _ in range(world)
+    ]
+    expected = torch.stack([t.bfloat16().float() for t in inputs]).sum(0)
+    got = _sum(inputs[rank].bfloat16(), method, peer).float()
+    return float((got - expected).abs().max())
+
+
+def _time_in_graph(numel: int, method: str, peer: PeerAllReduce) -> float:
+    """Microseconds per all-reduce, replaying a graph of ``CALLS_PER_GRAPH`` of them."""
+    x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the capture
+        for _ in range(3):
+            _sum(x.clone(), method, peer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(CALLS_PER_GRAPH):
+            y = _sum(y, method, peer) * 0.5  # keeps values bounded; a dependent chain
+    dist.barrier()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (REPLAYS * CALLS_PER_GRAPH)
+
+
+def _scale_us(numel: int) -> float:
+    """The ``* 0.5`` each timed call carries, to subtract it out."""
+    x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            x = x * 0.5
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (REPLAYS * CALLS_PER_GRAPH)
+
+
+def _rank(rank: int, world: int, port: int, sizes: list[int], queue: Any) -> None:
+    os.environ.update(NO_MULTICAST_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "one-shot")
+    rows = []
+    for numel in sizes:
+        overhead_us = _scale_us(numel)
+        for method in METHODS:
+            error = _check(numel, method, peer, rank, world)
+            us = _time_in_graph(numel, method, peer) - overhead_us
+            rows.append({"bytes": 2 * numel, "method": method, "us": us, "max_abs_err": error})
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def suggested_table(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The largest size at which one-shot, then two-shot, is still the fastest path."""
+    best: dict[int, str] = {}
+    for size in sorted({row["bytes"] for row in rows}):
+        at_size = [row for row in rows if row["bytes"] == size]
+        best[size] = min(at_size, key=lambda row: row["us"])["method"]
+    one_shot = max((s for s, m in best.items() if m == "one-shot"), default=0)
+    two_shot = max((s for s, m in best.items() if m in ("one-shot", "two-shot")), default=0)
+    return {"one_shot_max_bytes": one_shot, "two_shot_max_bytes": two_shot}
+
+
+def run(world: int, sizes: list[int] | None = None) -> dict[str, Any]:
+    """Every path at every size (bf16 element counts; default ``message_sizes()``) on GPUs
+    0..world-1: the record."""
+    sizes = sizes or message_sizes()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, sizes, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    rows = queue.get()
+    for proc in procs:
+        proc.join(60)
+    return {
+        "kind": "allreduce",
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info("cuda"),
+        "settings": {
+            "world_size": world,
+            "dtype": "bfloat16",
+            "calls_per_graph": CALLS_PER_GRAPH,
+            "replays": REPLAYS,
+            "env": {name: os.environ.get(name, value) for name, value in NO_MULTICAST_ENV.items()},
+        },
+        "results": rows,
+        "suggested_table": suggested_table(rows),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args(argv)
+    record = run(args.world_size)
+    for row in record["results"]:
+        print(
+            f"{row['bytes']:>9} B  {row['method']:>8}  {row['us']:7.2f} us  err {row['max_abs_err']:.3g}"
+        )
+    print("suggested:", record["suggested_table"])
+    save(record, args.output_json)
+
+
+if __name__ == "__main__":
+    main()

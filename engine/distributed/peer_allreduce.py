@@ -1,0 +1,149 @@
+"""Small all-reduces over peer-mapped device buffers, for the decode sizes where NCCL's
+latency, not bandwidth, sets the time (two all-reduces a layer, a few KiB to a few MiB each).
+
+Every rank of one host maps one buffer of each other rank into its address space (CUDA IPC,
+through torch's symmetric memory: ``symm_mem.empty`` + ``rendezvous``, which exchanges the
+handles over the group's store). A sum is then:
+
+- one-shot: copy the input into this rank's buffer, wait at a device-side barrier until every
+  rank has, read all ranks' buffers and add them (each rank reads ``size x`` the message);
+- two-shot: each rank sums one ``1/size`` slice of all buffers and writes it back to all of
+  them, then reads the full sum from its own (less traffic; one more barrier).
+
+Both are kernels with device-side barriers, so they are captured in the decode CUDA graphs
+like NCCL's. Larger messages go to NCCL (``PeerAllReduce.fits``). NVLink multicast is never
+used (``group.NO_MULTICAST_ENV`` sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` on every rank):
+one-shot and two-shot need only peer access.
+
+``PAGESTREAM_TP_ALLREDUCE`` picks the path: ``auto`` (the size table below), ``nccl`` (never
+this module), ``one-shot`` or ``two-shot`` (that one for every message that fits).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import ConfigError
+
+logger = logging.getLogger("pagestream.engine")
+
+ALLREDUCE_ENV = "PAGESTREAM_TP_ALLREDUCE"
+METHODS = ("auto", "nccl", "one-shot", "two-shot")
+MAX_PEER_BYTES = 8 * 2**20  # the buffer each rank maps; larger messages take NCCL
+MAX_RANKS = 8  # one host's NVLink domain
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class SizeTable:
+    """Which path sums a message of ``n`` bytes: one-shot up to ``one_shot_max_bytes``, then
+    two-shot up to ``two_shot_max_bytes``, then NCCL. Measured with
+    ``bench/allreduce.py`` (record ``bench/results/allreduce-<card>.json``)."""
+
+    one_shot_max_bytes: int
+    two_shot_max_bytes: int
+
+    def method_for(self, num_bytes: int) -> str:
+        if num_bytes <= self.one_shot_max_bytes:
+            return "one-shot"
+        if num_bytes <= self.two_shot_max_bytes:
+            return "two-shot"
+        return "nccl"
+
+
+# by group size; a size not listed uses the largest listed below it
+SIZE_TABLES = {
+    2: SizeTable(one_shot_max_bytes=512 * 2**10, two_shot_max_bytes=MAX_PEER_BYTES),
+    4: SizeTable(one_shot_max_bytes=256 * 2**10, two_shot_max_bytes=MAX_PEER_BYTES),
+    8: SizeTable(one_shot_max_bytes=128 * 2**10, two_shot_max_bytes=2 * 2**20),
+}
+
+
+def requested_method() -> str:
+    """``PAGESTREAM_TP_ALLREDUCE``, checked."""
+    method = os.environ.get(ALLREDUCE_ENV, "auto").strip().lower() or "auto"
+    if method not in METHODS:
+        raise ConfigError(f"{ALLREDUCE_ENV}={method!r}: expected one of {', '.join(METHODS)}")
+    return method
+
+
+def size_table(world_size: int) -> SizeTable:
+    return SIZE_TABLES[max(n for n in SIZE_TABLES if n <= world_size)]
+
+
+class PeerAllReduce:
+    """Sums of small device tensors across the group's ranks through peer-mapped buffers.
+
+    Made by ``create`` (None where it cannot work); every rank must make it at the same point,
+    since the buffer exchange is a collective.
+    """
+
+    def __init__(self, group: Any, device: torch.device, method: str) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem  # CUDA builds only
+
+        self.group_name: str = group.group_name
+        self.world_size = dist.get_world_size(group)
+        self.method = method
+        self.table = size_table(self.world_size)
+        # one byte buffer; each message views its prefix in its own dtype
+        self.buffer = symm_mem.empty(MAX_PEER_BYTES, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        self.ops = torch.ops.symm_mem
+        # both ops exist in the torch releases this runs on; check at once, not mid-capture
+        self.ops.one_shot_all_reduce_out, self.ops.two_shot_all_reduce_out  # noqa: B018
+
+    @classmethod
+    def create(cls, group: Any, device: torch.device, rank: int) -> PeerAllReduce | None:
+        """The peer all-reduce for ``group`` on ``device`` (rank ``rank``'s), or None: not
+        CUDA, NCCL asked for, more ranks than one host's NVLink domain, or a peer this device
+        cannot map. Every rank gets the same answer (the devices are one host's)."""
+        method = requested_method()
+        if device.type != "cuda" or method == "nccl":
+            return None
+        world_size = dist.get_world_size(group)
+        if not 2 <= world_size <= MAX_RANKS:
+            return None
+        if not _peers_reachable(device, rank, world_size):
+            logger.info("tensor parallel: no peer access between the GPUs; all-reduce on NCCL")
+            return None
+        try:
+            return cls(group, device, method)
+        except (RuntimeError, ImportError, AttributeError) as exc:  # torch without the ops
+            logger.warning("tensor parallel: peer all-reduce unavailable (%s); using NCCL", exc)
+            return None
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is summed here (else NCCL sums it)."""
+        num_bytes = x.numel() * x.element_size()
+        if x.dtype not in DTYPES or not x.is_contiguous() or num_bytes > MAX_PEER_BYTES:
+            return False
+        return self.method != "auto" or self.table.method_for(num_bytes) != "nccl"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (a new tensor; ``x`` is left as it was)."""
+        num_bytes = x.numel() * x.element_size()
+        method = self.method if self.method != "auto" else self.table.method_for(num_bytes)
+        staged = self.buffer[:num_bytes].view(x.dtype)  # [numel] in this rank's mapped buffer
+        staged.copy_(x.reshape(-1))
+        out = torch.empty_like(x)
+        if method == "one-shot":
+            self.ops.one_shot_all_reduce_out(staged, "sum", self.group_name, out.view(-1))
+        else:
+            self.ops.two_shot_all_reduce_out(staged, "sum", self.group_name, out.view(-1))
+        return out
+
+
+def _peers_reachable(device: torch.device, rank: int, world_size: int) -> bool:
+    """Whether every pair of the group's devices can map each other's memory (rank ``r``
+    runs on the first rank's device + ``r``, see ``ranks.rank_device``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    devices = range(index - rank, index - rank + world_size)
+    if devices.start < 0 or devices.stop > torch.cuda.device_count():
+        return False  # ranks on other hosts or hidden devices
+    return all(torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b)
