@@ -50,6 +50,7 @@ INSTALL_HINT = (
     "on the lent GPU, the kit in shared/peers/vllm-0.26 unpacks it"
 )
 PEER_TIMEOUT_S = 3600
+FORCE_CUDA_ENV = "PAGESTREAM_VLLM_FORCE_CUDA"  # read by vllm_site/sitecustomize.py
 
 
 class PeerError(RuntimeError):
@@ -70,7 +71,7 @@ def run_vllm_peer(kind: str, arguments: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="pagestream-vllm-") as tmp:
         out = Path(tmp) / "vllm.json"
         command = [sys.executable, "-m", "bench.vllm_peer", kind, *arguments, "--out", str(out)]
-        env = {**os.environ, "PYTHONPATH": _pythonpath()}
+        env = {**os.environ, "PYTHONPATH": _pythonpath(), FORCE_CUDA_ENV: "1"}
         print(f"vllm peer: {' '.join(command[1:])}", file=sys.stderr, flush=True)
         done = subprocess.run(command, env=env, timeout=PEER_TIMEOUT_S, check=False)
         if done.returncode != 0 or not out.exists():
@@ -198,10 +199,12 @@ def _engine_args(config: EngineConfig) -> list[str]:
 
 
 def _pythonpath() -> str:
-    """The project's root first, so the child imports the same workload code."""
+    """``vllm_site`` (its ``sitecustomize`` gives vLLM's own worker processes the CUDA
+    platform), then the project's root, so the child imports the same workload code."""
+    site = str(Path(__file__).resolve().parent / "vllm_site")
     root = str(Path(__file__).resolve().parent.parent)
     rest = os.environ.get("PYTHONPATH", "")
-    return root + (os.pathsep + rest if rest else "")
+    return os.pathsep.join(part for part in (site, root, rest) if part)
 
 
 # -- the child's side -------------------------------------------------------------------------
