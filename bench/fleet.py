@@ -11,11 +11,14 @@ count (with N = 1 first, tput(N) / (N x tput(1))). Target: ``TARGET_EFFICIENCY``
 at most the cores available.
 
 CPU: each worker gets cores / N intra-op threads (``OMP_NUM_THREADS``), so that N workers do
-not oversubscribe the cores; the clients and Redis run on the same cores. CUDA: the workers
-share the GPU. ``--pa-memory-fraction F`` (default 0.9) sizes a pool from F times the GPU's
-memory less what the GPU already holds, other processes included, so worker k of N (from 1)
-starts once worker k - 1 has beaten, with the fraction k x F / N: each gets about F / N.
-``--pa-memory-mb`` and ``--pa-context-len`` are per worker and passed on as given.
+not oversubscribe the cores; the clients and Redis run on the same cores. CUDA:
+``--worker-devices`` places the workers: ``spread`` puts worker i on GPU i mod G (data
+parallel: one worker per GPU, ``CUDA_VISIBLE_DEVICES``), ``shared`` puts them all on the first
+GPU, ``auto`` spreads them when the host has at least N GPUs. ``--pa-memory-fraction F``
+(default 0.9) sizes a pool from F times the GPU's memory less what the GPU already holds, other
+processes included, so the k-th of m workers on one GPU (from 1) starts once the one before has
+beaten, with the fraction k x F / m: each gets about F / m. ``--pa-memory-mb`` and
+``--pa-context-len`` are per worker and passed on as given.
 """
 
 from __future__ import annotations
@@ -94,7 +97,9 @@ def _run_point(
     prompts = [prompt for block in blocks for prompt in block]
     warmup = [prompt for block in blocks for prompt in warmup_prompts(block)]
     concurrency = args.concurrency * num_workers
-    with running_workers(workers, one_at_a_time=device_type == "cuda"):
+    gpus = worker_gpus(args, num_workers, device_type)
+    sharing = gpus is not None and len(set(gpus)) < len(gpus)
+    with running_workers(workers, one_at_a_time=sharing):
         groups = {"workers": [w.process.pid for w in workers if w.process is not None],
                   "redis": _local_redis_pids(redis_url)}  # fmt: skip
         results = asyncio.run(run_load(redis_url, args.prefix, prompts, warmup=warmup,
@@ -105,6 +110,7 @@ def _run_point(
         "concurrency": concurrency,
         "threads_per_worker": _threads_per_worker(num_workers, device_type, num_cores),
         "memory_fractions": _memory_fractions(args, num_workers, device_type),
+        "worker_gpus": gpus,
         **results,
         # the host's 1-minute load average (these processes included) right after the run;
         # with busy_cores' "other" (every process outside this benchmark), whether other
@@ -135,6 +141,7 @@ def fleet_workers(
     threads = _threads_per_worker(num_workers, device_type, num_cores)
     env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
     fractions = _memory_fractions(args, num_workers, device_type)
+    gpus = worker_gpus(args, num_workers, device_type)
     workers = []
     for index in range(num_workers):
         flag_args = args
@@ -142,8 +149,33 @@ def fleet_workers(
             flag_args = argparse.Namespace(**{**vars(args), "pa_memory_fraction": fractions[index]})
         name = f"fleet-{os.getpid()}-n{num_workers}-{index}"
         flags = [*WORKER_FLAGS, *engine_flags(flag_args)]
-        workers.append(WorkerProcess(redis_url, args.prefix, flags, name=name, env=env))
+        worker_env = env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": gpus[index]}
+        workers.append(WorkerProcess(redis_url, args.prefix, flags, name=name, env=worker_env))
     return workers
+
+
+def visible_gpus() -> list[str]:
+    """This host's GPUs as ``CUDA_VISIBLE_DEVICES`` names them for a child (its own list, if
+    set, else ``0..count-1``)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [name.strip() for name in listed.split(",") if name.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def worker_gpus(args: argparse.Namespace, num_workers: int, device_type: str) -> list[str] | None:
+    """The GPU each worker runs on (``CUDA_VISIBLE_DEVICES``), or None: on the CPU, or
+    ``shared`` (all on the device the engine flags name)."""
+    if device_type != "cuda" or args.worker_devices == "shared":
+        return None
+    gpus = visible_gpus()
+    if args.worker_devices == "auto" and len(gpus) < num_workers:
+        return None
+    if not gpus:
+        raise CommandError("--worker-devices spread: no GPU is visible", EXIT_USAGE)
+    return [gpus[index % len(gpus)] for index in range(num_workers)]
 
 
 def _memory_fractions(
@@ -156,7 +188,12 @@ def _memory_fractions(
     if device_type != "cuda" or args.pa_memory_mb is not None or args.pa_context_len is not None:
         return None
     fraction = args.pa_memory_fraction or DEFAULT_MEMORY_FRACTION
-    return [round(fraction * (index + 1) / num_workers, 4) for index in range(num_workers)]
+    gpus = worker_gpus(args, num_workers, device_type) or ["shared"] * num_workers
+    # the k-th worker of the m on one GPU: k x F / m (the GPU's own count, not N)
+    return [
+        round(fraction * (gpus[: index + 1].count(gpu)) / gpus.count(gpu), 4)
+        for index, gpu in enumerate(gpus)
+    ]
 
 
 def _threads_per_worker(num_workers: int, device_type: str, num_cores: int) -> int | None:

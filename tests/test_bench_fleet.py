@@ -80,6 +80,7 @@ def test_workers_sharing_a_gpu_split_its_memory_and_cpu_workers_its_cores() -> N
     add_engine_args(parser)
     args = parser.parse_args(["--model", "dummy:tiny", "--pa-memory-fraction", "0.8"])
     args.prefix = "p"
+    args.worker_devices = "shared"
     gpu = fleet_workers(args, "redis://127.0.0.1:1/0", 4, "cuda", num_cores=16)
     # Each fraction counts the workers started before it: about 0.2 of the GPU each.
     fractions = [w.command[w.command.index("--pa-memory-fraction") + 1] for w in gpu]
@@ -88,6 +89,31 @@ def test_workers_sharing_a_gpu_split_its_memory_and_cpu_workers_its_cores() -> N
     cpu = fleet_workers(args, "redis://127.0.0.1:1/0", 2, "cpu", num_cores=16)
     assert all(w.env == {"OMP_NUM_THREADS": "8"} for w in cpu)
     assert all(w.command[w.command.index("--pa-memory-fraction") + 1] == "0.8" for w in cpu)
+
+
+def test_spread_workers_get_a_gpu_each_and_its_whole_fraction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Data parallel: worker i on GPU i mod G; workers that share a GPU split its fraction."""
+    from engine.config_flags import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "dummy:tiny", "--pa-memory-fraction", "0.8"])
+    args.prefix = "p"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    args.worker_devices = "auto"
+    two = fleet_workers(args, "redis://127.0.0.1:1/0", 2, "cuda", num_cores=16)
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in two] == ["3", "5"]
+    assert [w.command[w.command.index("--pa-memory-fraction") + 1] for w in two] == ["0.8"] * 2
+    # auto with more workers than GPUs: all on the engine's device, as before
+    four = fleet_workers(args, "redis://127.0.0.1:1/0", 4, "cuda", num_cores=16)
+    assert all("CUDA_VISIBLE_DEVICES" not in w.env for w in four)
+    args.worker_devices = "spread"
+    four = fleet_workers(args, "redis://127.0.0.1:1/0", 4, "cuda", num_cores=16)
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in four] == ["3", "5", "3", "5"]
+    fractions = [w.command[w.command.index("--pa-memory-fraction") + 1] for w in four]
+    assert fractions == ["0.4", "0.4", "0.8", "0.8"]
 
 
 def test_fleet_refuses_workers_it_does_not_spawn(capsys: pytest.CaptureFixture[str]) -> None:
