@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp]...
-# (default: all but tp, which needs two GPUs)
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|
+#                       allreduce|tp|tp_vllm|data_parallel]...
+# (default: all but allreduce, tp, tp_vllm and data_parallel, which need two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
 set -uo pipefail
@@ -137,26 +138,46 @@ quant() {  # quantized weights against bf16: the bundled GGUF's blocks, llama3-8
         --bf16 --pa-memory-mb 6144 --output-json "$OUT/int8-paths-q8_0-mma-llama3-8b.json"
 }
 
+card() { python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())"; }
+
+allreduce() {  # two GPUs: NCCL against the peer-buffer sums, by message size
+    log all-reduce paths by size: allreduce-CARD.json
+    python -m bench.allreduce --world-size 2 --output-json "$OUT/allreduce-$(card).json"
+}
+
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
     log gpu tests, tensor parallel
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tensor_parallel.py || return 1
-    log latency llama3-8b on one GPU and on two, then llama3-70b on two: tp-scaling-CARD.json
-    for tp in 1 2; do
-        "${PS[@]}" bench latency --model dummy:llama3-8b --tensor-parallel-size $tp \
-            --batch-sizes 1,8,64 --max-model-len 4096 --no-progress \
-            --output-json "/tmp/latency-llama3-8b-tp$tp.json"
-    done
-    "${PS[@]}" bench latency --model dummy:llama3-70b --tensor-parallel-size 2 \
-        --batch-sizes 1,8,64 --max-model-len 4096 --no-progress \
-        --output-json /tmp/latency-llama3-70b-tp2.json
-    card=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
-    python -m bench.tp_scaling "$OUT/tp-scaling-$card.json" /tmp/latency-llama3-8b-tp1.json \
-        /tmp/latency-llama3-8b-tp2.json /tmp/latency-llama3-70b-tp2.json
-    log throughput llama3-70b and qwen2.5-32b on two GPUs
+    log latency llama3-8b on one GPU, on two with NCCL only, on two: tp-scaling-CARD.json
+    local latency=("${PS[@]}" bench latency --batch-sizes 1,8,64 --max-model-len 4096 --no-progress)
+    "${latency[@]}" --model dummy:llama3-8b --output-json "$OUT/latency-llama3-8b-tp1.json"
+    PAGESTREAM_TP_ALLREDUCE=nccl "${latency[@]}" --model dummy:llama3-8b --tensor-parallel-size 2 \
+        --output-json "$OUT/latency-llama3-8b-tp2-nccl.json"
+    "${latency[@]}" --model dummy:llama3-8b --tensor-parallel-size 2 \
+        --output-json "$OUT/latency-llama3-8b-tp2.json"
+    "${latency[@]}" --model dummy:llama3-70b --tensor-parallel-size 2 \
+        --output-json "$OUT/latency-llama3-70b-tp2.json"
+    python -m bench.tp_scaling "$OUT/tp-scaling-$(card).json" "$OUT/latency-llama3-8b-tp1.json" \
+        "$OUT/latency-llama3-8b-tp2.json" "$OUT/latency-llama3-70b-tp2.json"
+    log throughput llama3-70b on two GPUs
     "${PS[@]}" bench throughput --model dummy:llama3-70b --tensor-parallel-size 2 \
         --max-model-len 4096 --no-progress --output-json "$OUT/throughput-llama3-70b-tp2.json"
-    "${PS[@]}" bench throughput --model dummy:qwen2.5-32b --tensor-parallel-size 2 \
-        --max-model-len 4096 --no-progress --output-json "$OUT/throughput-qwen2.5-32b-tp2.json"
+}
+
+tp_vllm() {  # two GPUs, vLLM importable: vLLM 0.26 TP2 in the same run
+    log llama3-8b TP2 latency and throughput against vLLM TP2
+    "${PS[@]}" bench latency --model dummy:llama3-8b --tensor-parallel-size 2 --compare vllm \
+        --batch-sizes 1,64 --max-model-len 4096 --no-progress \
+        --output-json "$OUT/latency-llama3-8b-tp2-vs-vllm.json"
+    "${PS[@]}" bench throughput --model dummy:llama3-8b --tensor-parallel-size 2 --compare vllm \
+        --max-model-len 4096 --no-progress --output-json "$OUT/throughput-llama3-8b-tp2-vs-vllm.json"
+}
+
+data_parallel() {  # two GPUs: one worker per GPU on one stream, against one worker
+    log serve qwen3-0.6b, 1 then 2 workers, one per GPU: serve-fleet-dp-CARD.json
+    "${PS[@]}" bench serve --model dummy:qwen3-0.6b --workers 1,2 --worker-devices spread \
+        --num-prompts 256 --no-offline --vocab-size 151936 \
+        --output-json "$OUT/serve-fleet-dp-$(card).json"
 }
 
 tests() {
