@@ -118,15 +118,17 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], queue: Any) -> Non
     dist.destroy_process_group()
 
 
-def suggested_table(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """The largest size at which one-shot, then two-shot, is still the fastest path."""
-    best: dict[int, str] = {}
+def suggested_bands(rows: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """``(max_bytes, method)`` bands of the fastest path at each measured size, neighbouring
+    sizes with the same winner merged (``peer_allreduce.SizeTable``'s form)."""
+    bands: list[tuple[int, str]] = []
     for size in sorted({row["bytes"] for row in rows}):
-        at_size = [row for row in rows if row["bytes"] == size]
-        best[size] = min(at_size, key=lambda row: row["us"])["method"]
-    one_shot = max((s for s, m in best.items() if m == "one-shot"), default=0)
-    two_shot = max((s for s, m in best.items() if m in ("one-shot", "two-shot")), default=0)
-    return {"one_shot_max_bytes": one_shot, "two_shot_max_bytes": two_shot}
+        fastest = min((row for row in rows if row["bytes"] == size), key=lambda row: row["us"])
+        if bands and bands[-1][1] == fastest["method"]:
+            bands[-1] = (size, fastest["method"])
+        else:
+            bands.append((size, fastest["method"]))
+    return bands
 
 
 def run(world: int, sizes: list[int] | None = None) -> dict[str, Any]:
@@ -156,7 +158,7 @@ def run(world: int, sizes: list[int] | None = None) -> dict[str, Any]:
             "env": {name: os.environ.get(name, value) for name, value in NO_MULTICAST_ENV.items()},
         },
         "results": rows,
-        "suggested_table": suggested_table(rows),
+        "suggested_bands": suggested_bands(rows),
     }
 
 
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{row['bytes']:>9} B  {row['method']:>8}  {row['us']:7.2f} us  err {row['max_abs_err']:.3g}"
         )
-    print("suggested:", record["suggested_table"])
+    print("fastest by size:", record["suggested_bands"])
     save(record, args.output_json)
 
 

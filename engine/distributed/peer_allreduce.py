@@ -42,26 +42,26 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class SizeTable:
-    """Which path sums a message of ``n`` bytes: one-shot up to ``one_shot_max_bytes``, then
-    two-shot up to ``two_shot_max_bytes``, then NCCL. Measured with
-    ``bench/allreduce.py`` (record ``bench/results/allreduce-<card>.json``)."""
+    """Which path sums a message of ``n`` bytes: ``bands`` are ``(max_bytes, method)`` in
+    increasing order, the first band that holds ``n`` wins; past the last band, NCCL.
+    Measured with ``bench/allreduce.py`` (records ``bench/results/allreduce-<card>.json``)."""
 
-    one_shot_max_bytes: int
-    two_shot_max_bytes: int
+    bands: tuple[tuple[int, str], ...]
 
     def method_for(self, num_bytes: int) -> str:
-        if num_bytes <= self.one_shot_max_bytes:
-            return "one-shot"
-        if num_bytes <= self.two_shot_max_bytes:
-            return "two-shot"
+        for max_bytes, method in self.bands:
+            if num_bytes <= max_bytes:
+                return method
         return "nccl"
 
 
-# by group size; a size not listed uses the largest listed below it
+# By group size (a size not listed takes the largest listed below it). Two H200s
+# (allreduce-h200.json, in CUDA graphs): NCCL 7.0 us at 8 KiB against one-shot's 7.6 and
+# two-shot's 10.2; from 2 MiB two-shot leads (19.4 against NCCL's 26.9 us; 42.4 against 46.3
+# at 8 MiB). Larger groups keep NCCL until measured.
 SIZE_TABLES = {
-    2: SizeTable(one_shot_max_bytes=512 * 2**10, two_shot_max_bytes=MAX_PEER_BYTES),
-    4: SizeTable(one_shot_max_bytes=256 * 2**10, two_shot_max_bytes=MAX_PEER_BYTES),
-    8: SizeTable(one_shot_max_bytes=128 * 2**10, two_shot_max_bytes=2 * 2**20),
+    2: SizeTable(bands=((2**20, "nccl"), (MAX_PEER_BYTES, "two-shot"))),
+    4: SizeTable(bands=()),
 }
 
 
@@ -109,6 +109,8 @@ class PeerAllReduce:
         world_size = dist.get_world_size(group)
         if not 2 <= world_size <= MAX_RANKS:
             return None
+        if method == "auto" and all(m == "nccl" for _, m in size_table(world_size).bands):
+            return None  # NCCL is the fastest at every size measured: no buffer to map
         if not _peers_reachable(device, rank, world_size):
             logger.info("tensor parallel: no peer access between the GPUs; all-reduce on NCCL")
             return None
