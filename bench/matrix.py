@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from tqdm.auto import tqdm
 from bench.matrix_engine import engine_info, engine_results
 from bench.matrix_record import (
     ENGINE,
+    FIGURE_SUFFIX,
     add_result,
     load_for_resume,
     new_record,
@@ -149,19 +152,20 @@ def run_matrix(
         for group in groups
         for side in sides
     ]
-    with tqdm(
-        total=sum(len(w) for _, _, w in todo), desc="matrix", unit="run", disable=not use_tqdm
-    ) as bar:
+    progress = _Progress(sum(len(w) for _, _, w in todo), use_tqdm)
+    try:
         for group, side, workloads in todo:
             if not workloads:
                 continue
-            bar.set_description(f"matrix: {side} {group.label}")
+            progress.starting(side, group.label)
             group_config = dataclasses.replace(config, model=group.model)
             if side == ENGINE:
-                _run_engine(record, path, group, group_config, workloads, bar, use_tqdm)
+                _run_engine(record, path, group, group_config, workloads, progress, use_tqdm)
             else:
-                _run_peer(record, path, group, group_config, workloads, side, scale, bar)
+                _run_peer(record, path, group, group_config, workloads, side, scale, progress)
             _plot(record, path)
+    finally:
+        progress.close()
     return record
 
 
@@ -171,16 +175,16 @@ def _run_engine(
     group: ModelGroup,
     config: EngineConfig,
     workloads: list[MatrixWorkload],
-    bar: Any,
+    progress: _Progress,
     use_tqdm: bool,
 ) -> None:
     engine = LLMEngine(config)
     try:
         record["engines"][group.model] = engine_info(engine)
         for workload, result in engine_results(engine, workloads, use_tqdm=use_tqdm):
-            add_result(record, group.label, group.model, workload, ENGINE, result)
+            row = add_result(record, group.label, group.model, workload, ENGINE, result)
             save_record(record, path)
-            bar.update()
+            progress.done(ENGINE, row)
     finally:
         engine.shutdown()
         del engine
@@ -195,7 +199,7 @@ def _run_peer(
     workloads: list[MatrixWorkload],
     peer: str,
     scale: float,
-    bar: Any,
+    progress: _Progress,
 ) -> None:
     """The peer in its own process; each result saved as the child reports it."""
     by_name = {w.name: w for w in workloads}
@@ -207,8 +211,8 @@ def _run_peer(
         for result in peer_record["results"][num_saved:]:
             workload = by_name[result["workload"]]
             fields = {k: v for k, v in result.items() if k != "workload"}
-            add_result(record, group.label, group.model, workload, peer, fields)
-            bar.update()
+            row = add_result(record, group.label, group.model, workload, peer, fields)
+            progress.done(peer, row)
         num_saved = len(peer_record["results"])
         save_record(record, path)
 
@@ -222,6 +226,36 @@ def _run_peer(
             "--workloads", ",".join(by_name), "--scale", repr(scale),
         ]  # fmt: skip
         run_peer_module("bench.matrix_engine", arguments, name="self", on_record=on_record)
+
+
+class _Progress:
+    """The matrix's bar (its ETA) and one line per result, so that a device call's log shows
+    what finished even with --no-progress."""
+
+    def __init__(self, total: int, use_tqdm: bool) -> None:
+        self.bar = tqdm(total=total, desc="matrix", unit="run", disable=not use_tqdm)
+        self.total, self.num_done, self.start_s = total, 0, time.monotonic()
+
+    def starting(self, side: str, label: str) -> None:
+        self.bar.set_description(f"matrix: {side} {label}")
+
+    def done(self, side: str, row: dict[str, Any]) -> None:
+        self.bar.update()
+        self.num_done += 1
+        figure = row[f"{side}_{FIGURE_SUFFIX[row['metric']]}"]
+        text = (
+            f"{figure * 1e3:.2f} ms TPOT" if row["metric"] == "tpot_s" else f"{figure:,.0f} tok/s"
+        )
+        ratio = f", ratio {row['ratio']:.3f}" if "ratio" in row else ""
+        elapsed = time.strftime("%M:%S", time.gmtime(time.monotonic() - self.start_s))
+        tqdm.write(
+            f"[matrix {self.num_done}/{self.total} {elapsed}] {side} {row['model']} "
+            f"{row['workload']}: {text}{ratio}",
+            file=sys.stderr,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _plot(record: dict[str, Any], path: Path) -> None:

@@ -43,12 +43,16 @@ def _engine_settings(config: EngineConfig) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
 
 
+def _device(config: EngineConfig) -> str | None:
+    return None if config.device == "auto" else config.device
+
+
 def new_record(config: EngineConfig, peer: str | None, scale: float) -> dict[str, Any]:
     return {
         "kind": "matrix",
         "created_utc": _now(),
         "updated_utc": _now(),
-        "machine": machine_info(),
+        "machine": machine_info(_device(config)),
         "peer": peer,
         "scale": scale,
         "targets": {"output_tok_s": TOK_S_TARGET, "tpot_s": TPOT_TARGET},
@@ -70,7 +74,7 @@ def load_for_resume(
         raise ConfigError(f"--resume: cannot read the matrix record {path}: {exc}") from exc
     if record.get("kind") != "matrix":
         raise ConfigError(f"--resume: {path} is a {record.get('kind')!r} record, not a matrix")
-    here = machine_info()
+    here = machine_info(_device(config))
     mismatches = [
         f"{name} {record_value!r} (now {value!r})"
         for name, record_value, value in (
@@ -173,9 +177,9 @@ def save_record(record: dict[str, Any], path: Path) -> None:
     write_json_atomically(path, record)
 
 
-def default_path(root: Path, scale: float) -> Path:
+def default_path(root: Path, config: EngineConfig, scale: float) -> Path:
     """``<root>/matrix-<card>.json`` (``-scale<F>`` before ``.json`` for a scaled run)."""
-    card = card_slug(machine_info()["device_name"])
+    card = card_slug(machine_info(_device(config))["device_name"])
     return root / (f"matrix-{card}.json" if scale == 1 else f"matrix-{card}-scale{scale:g}.json")
 
 

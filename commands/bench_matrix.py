@@ -103,7 +103,9 @@ def _run_bench_matrix(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args, model=args.models[0])
         workloads = select_workloads(args.workloads, seed=config.seed, scale=args.scale)
         groups = plan_groups(list(args.models), workloads, config)
-        path = Path(args.output_json) if args.output_json else default_path(RESULTS_DIR, args.scale)
+        path = Path(args.output_json or RESULTS_DIR)
+        if args.output_json is None or path.is_dir():  # matrix-<card>.json in that folder
+            path = default_path(path, config, args.scale)
         record = run_matrix(
             config, groups, peer=args.compare, scale=args.scale, path=path,
             resume=args.resume, use_tqdm=not args.no_progress,
@@ -115,7 +117,8 @@ def _run_bench_matrix(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         raise
     print(format_matrix(record))
-    print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr)
+    png = path.with_suffix(".png")
+    print(f"wrote {path}" + (f" and {png}" if png.exists() else ""), file=sys.stderr)
     return 0
 
 
