@@ -96,14 +96,15 @@ def _run_bench_matrix(args: argparse.Namespace) -> int:
 
     if args.model is not None:
         raise CommandError("bench matrix runs each model of --models; leave --model out")
-    signal.signal(signal.SIGTERM, _interrupt)  # a timeout's TERM: stop the peer's process too
+    # a timeout's TERM: unwind, so that the peer's process is stopped too
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    path = Path(args.output_json or RESULTS_DIR)
     try:
         if args.compare == "vllm":
             check_vllm_importable()  # before minutes of work, not after
         config = engine_config_from_args(args, model=args.models[0])
         workloads = select_workloads(args.workloads, seed=config.seed, scale=args.scale)
         groups = plan_groups(list(args.models), workloads, config)
-        path = Path(args.output_json or RESULTS_DIR)
         if args.output_json is None or path.is_dir():  # matrix-<card>.json in that folder
             path = default_path(path, config, args.scale)
         record = run_matrix(
@@ -116,6 +117,8 @@ def _run_bench_matrix(args: argparse.Namespace) -> int:
         print(f"interrupted: {path} holds every finished result; --resume goes on from there",
               file=sys.stderr)  # fmt: skip
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(format_matrix(record))
     png = path.with_suffix(".png")
     print(f"wrote {path}" + (f" and {png}" if png.exists() else ""), file=sys.stderr)
