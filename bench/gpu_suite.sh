@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|
-#                       allreduce|tp|tp_vllm|data_parallel]...
-# (default: all but allreduce, tp, tp_vllm and data_parallel, which need two GPUs)
-# vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
-# PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
+#                       quant|tests|allreduce|tp|tp_vllm|data_parallel]...
+# (default: all but vllm, matrix, allreduce, tp, tp_vllm and data_parallel, which need vLLM or
+# two GPUs)
+# vllm, matrix and tp_vllm need vLLM importable (on the lent GPU: shared/peers/vllm-0.26's
+# recipe, then PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0). MATRIX_ARGS picks a
+# part of the matrix (e.g. "--models llama3-8b --workloads long-context"); rerun to finish
+# what is missing.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -102,6 +105,13 @@ vllm() {  # vLLM 0.26 in a subprocess, on the same prompts, in the same run
         --batch-sizes 1,8 --max-model-len 4096 --max-seqs 8 --compare vllm --no-progress \
         --output-json "$OUT/speculative-draft-grown-vs-vllm.json"
     rm -rf "$grown"
+}
+
+matrix() {  # every workload on qwen3-0.6b and llama3-8b against vLLM 0.26: $OUT/matrix-CARD.json
+    log matrix against vllm ${MATRIX_ARGS:-}
+    # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
+    "${PS[@]}" bench matrix --compare vllm --resume --no-progress --output-json "$OUT" \
+        ${MATRIX_ARGS:-}
 }
 
 offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: host tier off/on

@@ -32,6 +32,7 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "quant": plots_features.quant,
         "speculative": plots_features.speculative,
         "tp-scaling": _tp_scaling,
+        "matrix": plots_features.matrix,
     }
     draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table

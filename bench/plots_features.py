@@ -1,5 +1,6 @@
 """Plots of the feature benchmarks: quantized weights (``quant``) and speculative decoding
-(``speculative``) against the plain engine. Called by ``bench.plots.plot_record``."""
+(``speculative``) against the plain engine, and the workload ``matrix`` against a peer. Called
+by ``bench.plots.plot_record``."""
 
 from __future__ import annotations
 
@@ -59,4 +60,34 @@ def speculative(plt: Any, record: dict[str, Any]) -> Any:
     accepted.set_xlabel("batch size")
     accepted.set_ylabel("% of draft tokens accepted")
     accepted.set_ylim(0, 105)
+    return fig
+
+
+def matrix(plt: Any, record: dict[str, Any]) -> Any:
+    """Per workload, one bar per model: how far ahead of the peer pagestream is (``speedup``:
+    the tok/s ratio, or the peer's TPOT over ours), with the 1.0 and target lines. Rows still
+    missing a side are left out."""
+    rows = [row for row in record["results"] if "speedup" in row]
+    workloads = list(dict.fromkeys(row["workload"] for row in record["results"]))
+    models = record["settings"]["models"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(workloads) + 2), 3.8))
+    width = 0.8 / max(len(models), 1)
+    for index, model in enumerate(models):
+        cells = {row["workload"]: row["speedup"] for row in rows if row["model"] == model}
+        xs = [i + (index - (len(models) - 1) / 2) * width for i, w in enumerate(workloads)
+              if w in cells]  # fmt: skip
+        values = [cells[w] for w in workloads if w in cells]
+        bars = ax.bar(xs, values, width, label=model)
+        for bar, value in zip(bars, values, strict=True):
+            ax.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, value),
+                        ha="center", va="bottom", fontsize=6)  # fmt: skip
+    target = record["targets"]["output_tok_s"]
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.axhline(target, color="tab:red", linestyle="--", linewidth=0.8, label=f"target {target}")
+    ax.set_xticks(range(len(workloads)), workloads, rotation=30, ha="right", fontsize=8)
+    peer = record["peer"] or "peer"
+    ax.set_ylabel(f"pagestream / {peer}\n(TPOT rows: {peer} TPOT / ours)", fontsize=8)
+    top = max([row["speedup"] for row in rows] + [target])
+    ax.set_ylim(0, top * 1.15)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig

@@ -35,7 +35,7 @@ def run_throughput(
     _check_fits(engine, workload)
     prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
     created_utc = datetime.now(timezone.utc)
-    results = _measure(engine, prompts, use_tqdm)
+    results = _measure(engine, prompts, use_tqdm, workload.num_warmup_prompts)
     return {
         "kind": "throughput",
         "created_utc": created_utc.isoformat(timespec="seconds"),
@@ -50,10 +50,9 @@ def run_throughput(
 
 
 def _check_fits(engine: LLMEngine, workload: ThroughputWorkload) -> None:
-    longest = workload.input_len[1] + workload.output_len[1]
-    if longest > engine.max_model_len:
+    if workload.longest_request_len > engine.max_model_len:
         raise ConfigError(
-            f"the longest request ({workload.input_len[1]} + {workload.output_len[1]} tokens) "
+            f"the longest request ({workload.longest_request_len} tokens) "
             f"exceeds the context of {engine.max_model_len} tokens: lower --input-len / "
             "--output-len or raise --max-model-len"
         )
@@ -79,8 +78,10 @@ class _Tally:
         ]
 
 
-def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> dict[str, Any]:
-    _warm_up(engine, prompts)
+def _measure(
+    engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool, num_warmup_prompts: int
+) -> dict[str, Any]:
+    _warm_up(engine, warmup_prompts(prompts, num_warmup_prompts))
     stats_before = engine.stats()
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
@@ -129,7 +130,7 @@ def prefix_cache_counts(before: EngineStats, after: EngineStats) -> dict[str, in
 
 
 def _warm_up(engine: LLMEngine, prompts: list[BenchPrompt]) -> None:
-    for index, prompt in enumerate(warmup_prompts(prompts)):
+    for index, prompt in enumerate(prompts):
         _add(engine, f"warmup-{index}", prompt.token_ids, prompt.output_len)
     while engine.has_unfinished_requests():
         engine.step()

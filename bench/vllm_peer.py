@@ -12,11 +12,15 @@ generation with EOS ignored, so both engines make the same number of tokens.
     python -m bench.vllm_peer latency --model dummy:llama3-8b --batch-sizes 1,64 --out v.json
     python -m bench.vllm_peer speculative --model DIR --speculative-method draft_model \
         --speculative-model DRAFT_DIR --batch-sizes 1,8 --out v.json
+    python -m bench.vllm_peer matrix --model dummy:llama3-8b --workloads standard-256,tpot-b1 \
+        --out v.json
 
 ``speculative`` runs ``bench speculative``'s copy prompts (the same token ids, from the
 model's own tokenizer and chat template), greedy, stopping at EOS, once per process: the
 parent starts it twice, without and with vLLM's own speculation (``ngram`` prompt lookup or
-``draft_model``), and reads vLLM's acceptance counters.
+``draft_model``), and reads vLLM's acceptance counters. ``matrix`` runs ``bench matrix``'s
+workloads by name (``bench/matrix_workloads.py``) on one load of the model. The record is
+rewritten after each result, so the parent can follow it (``bench/peer_process.py``).
 
 vLLM's own scheduling settings stay at its defaults (what its users get), except the number
 of running sequences, which follows the engine's ``--max-seqs``; the record says which token
@@ -31,15 +35,19 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.peer_process import OnRecord, run_peer_module, write_json_atomically
+from bench.peer_process import PeerError as PeerError  # where the commands import it from
+
 if TYPE_CHECKING:
     from bench.latency import LatencyWorkload
+    from bench.matrix_workloads import MatrixWorkload
     from bench.speculative import SpeculativeWorkload
     from bench.workloads import ThroughputWorkload
     from engine.config import EngineConfig
@@ -49,12 +57,8 @@ INSTALL_HINT = (
     "vLLM is not importable here: install it (pip install vllm) or put it on PYTHONPATH; "
     "on the lent GPU, the kit in shared/peers/vllm-0.26 unpacks it"
 )
-PEER_TIMEOUT_S = 3600
 FORCE_CUDA_ENV = "PAGESTREAM_VLLM_FORCE_CUDA"  # read by vllm_site/sitecustomize.py
-
-
-class PeerError(RuntimeError):
-    """vLLM could not run the workload (not installed, or the subprocess failed)."""
+VLLM_SITE = Path(__file__).resolve().parent / "vllm_site"  # its sitecustomize.py
 
 
 # -- the parent's side ------------------------------------------------------------------------
@@ -65,19 +69,20 @@ def check_vllm_importable() -> None:
         raise PeerError(INSTALL_HINT)
 
 
-def run_vllm_peer(kind: str, arguments: list[str]) -> dict[str, Any]:
-    """Run this module's ``kind`` (throughput or latency) in a subprocess; its JSON record."""
+def run_vllm_peer(
+    kind: str, arguments: list[str], on_record: OnRecord | None = None
+) -> dict[str, Any]:
+    """Run this module's ``kind`` in a subprocess; its JSON record (``on_record`` gets it
+    after each result, while the child still runs)."""
     check_vllm_importable()
-    with tempfile.TemporaryDirectory(prefix="pagestream-vllm-") as tmp:
-        out = Path(tmp) / "vllm.json"
-        command = [sys.executable, "-m", "bench.vllm_peer", kind, *arguments, "--out", str(out)]
-        env = {**os.environ, "PYTHONPATH": _pythonpath(), FORCE_CUDA_ENV: "1"}
-        print(f"vllm peer: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-        done = subprocess.run(command, env=env, timeout=PEER_TIMEOUT_S, check=False)
-        if done.returncode != 0 or not out.exists():
-            raise PeerError(f"the vLLM peer failed (exit code {done.returncode}); see its output")
-        record: dict[str, Any] = json.loads(out.read_text())
-        return record
+    return run_peer_module(
+        "bench.vllm_peer",
+        [kind, *arguments],
+        name="vLLM",
+        on_record=on_record,
+        env={FORCE_CUDA_ENV: "1"},
+        path_first=str(VLLM_SITE),
+    )
 
 
 def add_vllm_latency(record: dict[str, Any], vllm: dict[str, Any]) -> None:
@@ -136,6 +141,18 @@ def speculative_peer_args(
                  "--ngram-min", str(config.speculative_ngram_min),
                  "--ngram-max", str(config.speculative_ngram_max)]  # fmt: skip
     return plain, spec
+
+
+def matrix_peer_args(
+    config: EngineConfig, workloads: list[MatrixWorkload], scale: float
+) -> list[str]:
+    """The child's flags for ``bench matrix``: the engine's limits and the workloads by name."""
+    return [
+        *_engine_args(config),
+        "--workloads", ",".join(w.name for w in workloads),
+        "--scale", repr(scale),
+        "--seed", str(config.seed),
+    ]  # fmt: skip
 
 
 def _hf_dir(name: str, what: str) -> str:
@@ -198,37 +215,43 @@ def _engine_args(config: EngineConfig) -> list[str]:
     return args
 
 
-def _pythonpath() -> str:
-    """``vllm_site`` (its ``sitecustomize`` gives vLLM's own worker processes the CUDA
-    platform), then the project's root, so the child imports the same workload code."""
-    site = str(Path(__file__).resolve().parent / "vllm_site")
-    root = str(Path(__file__).resolve().parent.parent)
-    rest = os.environ.get("PYTHONPATH", "")
-    return os.pathsep.join(part for part in (site, root, rest) if part)
-
-
 # -- the child's side -------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     llm, vocab_size, model_info = _load_vllm(args)
-    if args.kind == "throughput":
-        results = [_throughput(llm, vocab_size, args, n) for n in args.num_prompts]
-    elif args.kind == "speculative":
-        results = [_speculative(llm, vocab_size, args, batch) for batch in args.batch_sizes]
-    else:
-        results = [_latency(llm, vocab_size, args, batch) for batch in args.batch_sizes]
-    record = {"peer": "vllm", "kind": args.kind, **model_info, "results": results}
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    record: dict[str, Any] = {"peer": "vllm", "kind": args.kind, **model_info, "results": []}
+    write_json_atomically(Path(args.out), record)
+    for result in _results(llm, vocab_size, args):
+        record["results"].append(result)
+        write_json_atomically(Path(args.out), record)  # the parent follows it result by result
     return 0
+
+
+def _results(llm: Any, vocab_size: int, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    if args.kind == "throughput":
+        for num in args.num_prompts:
+            workload = _throughput_workload(args, num)
+            yield {"num_prompts": num, **_throughput(llm, vocab_size, workload)}
+    elif args.kind == "speculative":
+        for batch in args.batch_sizes:
+            yield _speculative(llm, vocab_size, args, batch)
+    elif args.kind == "matrix":
+        from bench.matrix_workloads import select_workloads
+
+        for row in select_workloads(args.workloads, seed=args.seed, scale=args.scale):
+            yield {"workload": row.name, **_matrix_result(llm, vocab_size, row)}
+    else:
+        for batch in args.batch_sizes:
+            yield _latency(llm, vocab_size, _latency_workload(args, batch), batch)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         allow_abbrev=False, prog="python -m bench.vllm_peer", description=__doc__
     )
-    parser.add_argument("kind", choices=["throughput", "latency", "speculative"])
+    parser.add_argument("kind", choices=["throughput", "latency", "speculative", "matrix"])
     parser.add_argument("--model", required=True, help="dummy:<shape> or an HF directory")
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-seqs", type=int, default=256)
@@ -248,7 +271,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--workloads", type=_names, default=(), help="matrix workload names")
+    parser.add_argument("--scale", type=float, default=1.0, help="matrix workload scale")
     return parser
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part for part in text.split(",") if part)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -370,12 +399,18 @@ def _generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> lis
     return list(llm.generate(inputs, [_greedy(n) for n in output_lens], use_tqdm=False))
 
 
-def _throughput(llm: Any, vocab_size: int, args: argparse.Namespace, num: int) -> dict[str, Any]:
-    from bench.workloads import ThroughputWorkload, make_random_prompts, warmup_prompts
+def _throughput_workload(args: argparse.Namespace, num: int) -> ThroughputWorkload:
+    from bench.workloads import ThroughputWorkload
 
-    workload = ThroughputWorkload(num, args.input_len, args.output_len, args.seed)
+    return ThroughputWorkload(num, args.input_len, args.output_len, args.seed)
+
+
+def _throughput(llm: Any, vocab_size: int, workload: ThroughputWorkload) -> dict[str, Any]:
+    """The engine's throughput run: the same prompts and warm-up, all submitted at once."""
+    from bench.workloads import make_random_prompts, warmup_prompts
+
     prompts = make_random_prompts(workload, vocab_size)
-    warm = warmup_prompts(prompts)  # the engine's own warm-up, shaped like the run
+    warm = warmup_prompts(prompts, workload.num_warmup_prompts)  # the engine's own warm-up
     _generate(llm, [p.token_ids for p in warm], [p.output_len for p in warm])
     start_s = time.perf_counter()
     outs = _generate(llm, [p.token_ids for p in prompts], [p.output_len for p in prompts])
@@ -383,15 +418,21 @@ def _throughput(llm: Any, vocab_size: int, args: argparse.Namespace, num: int) -
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p.token_ids) for p in prompts)
     result = {
-        "num_prompts": num,
         "elapsed_s": elapsed_s,
         "input_tokens": num_in,
         "output_tokens": num_out,
         "output_tok_s": num_out / elapsed_s,
         "total_tok_s": (num_in + num_out) / elapsed_s,
     }
-    print(f"vllm throughput {num} prompts: {result['output_tok_s']:.0f} out tok/s", flush=True)
+    print(f"vllm throughput {len(prompts)} prompts: {result['output_tok_s']:.0f} out tok/s")
     return result
+
+
+def _matrix_result(llm: Any, vocab_size: int, workload: MatrixWorkload) -> dict[str, Any]:
+    if workload.latency is not None:
+        return _latency(llm, vocab_size, workload.latency, workload.latency.batch_sizes[0])
+    assert workload.throughput is not None
+    return _throughput(llm, vocab_size, workload.throughput)
 
 
 def _speculative(llm: Any, vocab_size: int, args: argparse.Namespace, batch: int) -> dict[str, Any]:
@@ -448,11 +489,15 @@ def _draft_counts(llm: Any) -> tuple[int, int] | None:
     return int(drafted), int(accepted)
 
 
-def _latency(llm: Any, vocab_size: int, args: argparse.Namespace, batch: int) -> dict[str, Any]:
-    """TTFT: a 1-token run; TPOT: (time of output_len tokens - TTFT) / (output_len - 1)."""
+def _latency_workload(args: argparse.Namespace, batch: int) -> LatencyWorkload:
     from bench.latency import LatencyWorkload
 
-    workload = LatencyWorkload((batch,), args.latency_input_len, args.latency_output_len, args.seed)
+    return LatencyWorkload((batch,), args.latency_input_len, args.latency_output_len, args.seed)
+
+
+def _latency(llm: Any, vocab_size: int, workload: LatencyWorkload, batch: int) -> dict[str, Any]:
+    """TTFT: a 1-token run; TPOT: (time of output_len tokens - TTFT) / (output_len - 1). The
+    difference of two runs: a prompt served from the prefix cache cancels out of TPOT."""
     prompts = workload.prompts(batch, vocab_size)
     _generate(llm, prompts, [16] * batch)  # warm-up
 

@@ -12,7 +12,7 @@ from worker.arg_types import int_list, int_range, positive_int
 def register(subparsers: Subparsers) -> None:
     subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, latency, kernels, serve, multiturn; plot a record",
+        help="benchmarks: throughput, latency, matrix, kernels, serve, multiturn; plot a record",
         description="Benchmarks of the engine; each writes a JSON record of its results.",
         configure=_configure_bench,
     )
@@ -88,11 +88,26 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         configure=_configure_bench_multiturn,
     )
     kinds.add_parser(
+        "matrix",
+        help="a workload matrix on several models against vLLM in one session: one record per card",
+        description="Run the workload matrix (standard at 64/256/1024 prompts, prefill-heavy, "
+        "decode-heavy, shared prefix, long context, batch 1 and 64 TPOT) on each model, and with "
+        "--compare vllm the same prompts through vLLM first; write one row per model and "
+        "workload, each as it is measured, to bench/results/matrix-<card>.json and a plot.",
+        configure=_configure_bench_matrix,
+    )
+    kinds.add_parser(
         "plot",
         help="draw the PNG plot of a benchmark JSON record",
         description="Draw a PNG beside each given benchmark record (needs matplotlib).",
         configure=bench_device.configure_plot,
     )
+
+
+def _configure_bench_matrix(parser: argparse.ArgumentParser) -> None:
+    from commands.bench_matrix import configure_matrix
+
+    configure_matrix(parser)
 
 
 def _configure_bench_serve(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.vllm_peer import FORCE_CUDA_ENV, _pythonpath
+from bench.peer_process import project_pythonpath
+from bench.vllm_peer import FORCE_CUDA_ENV, VLLM_SITE
 
 PROBE = "import vllm.platforms as p; print(p.builtin_platform_plugins['cuda']())"
 
@@ -20,7 +21,7 @@ def _run(tmp_path: Path, force: str | None) -> str:
     (package / "__init__.py").write_text("")
     (package / "platforms.py").write_text("builtin_platform_plugins = {'cuda': lambda: None}\n")
     env = {k: v for k, v in os.environ.items() if k != FORCE_CUDA_ENV}
-    env["PYTHONPATH"] = _pythonpath() + os.pathsep + str(tmp_path)
+    env["PYTHONPATH"] = project_pythonpath(str(VLLM_SITE)) + os.pathsep + str(tmp_path)
     if force is not None:
         env[FORCE_CUDA_ENV] = force
     done = subprocess.run(
