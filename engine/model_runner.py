@@ -139,7 +139,7 @@ class ModelRunner:
         """Rank 0: tell the other ranks what this step runs (they wait in ``run_peer_step``)."""
         host = None if inputs is None else inputs.host
         message = StepMessage(batch.swap_out, batch.page_transfers, batch.swap_in, host)
-        self.group.broadcast_object(message)
+        self.group.send_step(message)
         if inputs is not None and inputs.host.has_pending:
             self.group.broadcast_tensor(inputs.input_ids)  # the picks exist on this rank only
 

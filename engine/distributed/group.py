@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.peer_allreduce import PeerAllReduce
+from engine.distributed.step_channel import StepChannel
+from engine.host_inputs import StepMessage
 
 logger = logging.getLogger("pagestream.engine")
 
@@ -44,6 +46,7 @@ class TensorParallelGroup:
     device_group: Any = None  # dist.ProcessGroup
     control_group: Any = None
     peer: PeerAllReduce | None = None  # small all-reduces on CUDA
+    steps: StepChannel | None = None  # rank 0's step messages (else the control group)
 
     @property
     def is_driver(self) -> bool:
@@ -84,6 +87,9 @@ class TensorParallelGroup:
     def leave(self) -> None:
         """Drop this rank's side of every group without waiting for the other ranks (they may
         be gone or stuck); afterwards ``dist.is_initialized()`` is False."""
+        if self.steps is not None:
+            self.steps.close()
+            self.steps = None
         if self.size == 1 or not dist.is_initialized():
             return
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private
@@ -127,6 +133,21 @@ class TensorParallelGroup:
         return logits.contiguous() if out is None else out.copy_(logits)
 
     # -- control -----------------------------------------------------------------------------
+
+    def send_step(self, message: StepMessage | None) -> None:
+        """Rank 0: the next step to every other rank (``None``: stop)."""
+        if self.steps is not None:
+            self.steps.send(message, overflow=self.broadcast_object)
+        else:
+            self.broadcast_object(message)
+
+    def receive_step(self) -> StepMessage | None:
+        """A rank other than 0: rank 0's next step, once it is sent."""
+        if self.steps is not None:
+            message: StepMessage | None = self.steps.receive(overflow=self.broadcast_object)
+            return message
+        received: StepMessage | None = self.broadcast_object()
+        return received
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others pass nothing)."""

@@ -27,6 +27,7 @@ from engine.distributed.ranks import (
     rank_device,
     run_bounded,
 )
+from engine.distributed.step_channel import StepChannel
 from engine.errors import PagestreamError
 from engine.model_runner import ModelRunner
 from engine.runtime import setup_rank
@@ -45,7 +46,7 @@ def _watch_parent(parent_pid: int) -> None:
 def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> None:
     """Run every step rank 0 sends until it sends the stop message, ``None``."""
     while True:
-        message = group.broadcast_object()
+        message = group.receive_step()
         if message is None:
             return
         runner.run_peer_step(message)
@@ -73,13 +74,18 @@ def rank_main(spec: RankSpec) -> int:
         torch.cuda.set_device(device)
     else:  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
+    steps = StepChannel.attach(spec.steps, spec.rank)  # before rank 0 hears this rank is up
     group = join_ranks(spec.rank, config.tensor_parallel_size, spec.port, device)
+    group.steps = steps
     try:
         setup = setup_rank(config, device, group, spec.source)
         serve_steps(setup.runtime.runner, group)
         setup.runtime.runner.release_cuda_graphs()
     except PagestreamError as exc:  # rank 0 meets the same error and reports it
         logger.error("rank %d: %s", spec.rank, exc)
+        return 1
+    except EOFError:  # rank 0's process is gone (its watcher may not have seen it yet)
+        logger.error("rank %d: rank 0 is gone; exiting", spec.rank)
         return 1
     except RuntimeError:  # a collective with a rank that is gone, or this device's own failure
         logger.exception("rank %d failed; exiting", spec.rank)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.distributed.group import TensorParallelGroup
+from engine.distributed.step_channel import ChannelEnd, StepChannel
 from engine.errors import ConfigError, EngineDeadError
 from engine.loader import ModelSource
 
@@ -66,6 +67,7 @@ class RankSpec:
     port: int
     parent_pid: int
     log_level: int  # rank 0's: the ranks log as much as it does
+    steps: ChannelEnd  # where rank 0's step messages arrive
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -111,13 +113,16 @@ class RankProcesses:
             )
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": _python_path()}
+        steps = StepChannel.create(self.size)
         for rank in range(1, self.size):
             level = logging.getLogger("pagestream.engine").getEffectiveLevel()
-            spec = RankSpec(self.config, source, rank, port, os.getpid(), level)
+            end = steps.end_for(rank)
+            spec = RankSpec(self.config, source, rank, port, os.getpid(), level, end)
             child = subprocess.Popen(
                 [sys.executable, "-m", "engine.distributed.rank_main"],
                 stdin=subprocess.PIPE,
                 env=env,
+                pass_fds=(end.read_fd,),
             )
             self.children.append(child)
             assert child.stdin is not None
@@ -131,8 +136,12 @@ class RankProcesses:
         self._watcher.start()
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", self.size - 1,
                     ", ".join(str(c.pid) for c in self.children))  # fmt: skip
-        store = self._wait_for_ranks(port)
+        try:
+            store = self._wait_for_ranks(port)
+        finally:  # the ranks have mapped the ring by now, or failed
+            steps.started()
         self.group = TensorParallelGroup.join(0, self.size, store, device, collective_timeout_s())
+        self.group.steps = steps
         return self.group
 
     def _wait_for_ranks(self, port: int) -> dist.TCPStore:
@@ -273,8 +282,8 @@ class RankProcesses:
 
 
 def _broadcast_stop(group: TensorParallelGroup) -> None:
-    with contextlib.suppress(RuntimeError):  # a rank was killed before it took the message
-        group.broadcast_object(None)
+    with contextlib.suppress(RuntimeError, OSError):  # a rank was killed before it took it
+        group.send_step(None)
 
 
 def _dead_error(causes: list[str]) -> EngineDeadError:
