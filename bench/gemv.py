@@ -1,12 +1,15 @@
 """The GEMV kernel against cuBLAS (``F.linear``) on a model's decode shapes, CUDA only.
 
     python -m bench.gemv --model llama3-8b --rows 1,4 --out bench/results/gemv-h100.json
+    python -m bench.gemv --model llama3-8b --tensor-parallel-size 2 --rows 1,64 --out OUT.json
 
 For each linear of one decoder layer (and the LM head) and each batch size in ``--rows``,
 times ``F.linear`` and every GEMV launch shape of a small grid under CUDA-graph replay (as
 decode runs), and the MLP's down projection with ``silu_and_mul`` fused into the GEMV
 against the activation kernel plus ``F.linear``. Reports achieved bandwidth against the copy
 bandwidth measured in the same run, and the best launch shape per linear.
+``--tensor-parallel-size N`` times one rank's shard of each linear (qkv, gate_up and the LM
+head split their outputs, o and down their inputs).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from kernels.linear.gemv_triton import GemvConfig, default_config, gemv
 
 GRID = [
     GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st)
-    for n, k, s, w, st in itertools.product((4, 8, 16), (256, 512), (1, 2, 4), (4,), (3, 4))
+    for n, k, s, w, st in itertools.product((4, 8, 16), (256, 512, 1024), (1, 2, 4), (4,), (3, 4))
 ]
 
 
@@ -36,18 +39,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b", help="a dummy: shape name")
     parser.add_argument("--rows", default="1,4")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="one rank's shard")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    tp = args.tensor_parallel_size
     arch = ModelArch.from_hf_config(dummy_hf_config(args.model))
     device = torch.device("cuda")
     copy_bytes_per_s = measure_copy_bandwidth(device)
     q_kv = arch.num_heads * arch.head_dim + 2 * arch.num_kv_heads * arch.head_dim
-    shapes = {  # name: (N, K, fused silu_mul)
-        "qkv": (q_kv, arch.hidden_size, False),
-        "o": (arch.hidden_size, arch.num_heads * arch.head_dim, False),
-        "gate_up": (2 * arch.intermediate_size, arch.hidden_size, False),
-        "down+silu": (arch.hidden_size, arch.intermediate_size, True),
-        "lm_head": (arch.vocab_size, arch.hidden_size, False),
+    shapes = {  # name: (N, K, fused silu_mul), of one rank's shard
+        "qkv": (q_kv // tp, arch.hidden_size, False),
+        "o": (arch.hidden_size, arch.num_heads * arch.head_dim // tp, False),
+        "gate_up": (2 * arch.intermediate_size // tp, arch.hidden_size, False),
+        "down+silu": (arch.hidden_size, arch.intermediate_size // tp, True),
+        "lm_head": (-(-arch.vocab_size // tp), arch.hidden_size, False),
     }
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -55,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
             results.append(_measure(name, rows, num_cols, size_k, silu_mul, copy_bytes_per_s))
             print(json.dumps(results[-1]["summary"]), flush=True)
     record = {"kind": "gemv", "machine": machine_info(device), "model": args.model,
-              "copy_bytes_per_s": copy_bytes_per_s, "results": results}  # fmt: skip
+              "tensor_parallel_size": tp, "copy_bytes_per_s": copy_bytes_per_s,
+              "results": results}  # fmt: skip
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1))
 
