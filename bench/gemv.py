@@ -9,7 +9,10 @@ decode runs), and the MLP's down projection with ``silu_and_mul`` fused into the
 against the activation kernel plus ``F.linear``. Reports achieved bandwidth against the copy
 bandwidth measured in the same run, and the best launch shape per linear.
 ``--tensor-parallel-size N`` times one rank's shard of each linear (qkv, gate_up and the LM
-head split their outputs, o and down their inputs).
+head split their outputs, o and down their inputs). ``--install`` writes the fastest launch
+shape of each linear the engine runs through the GEMV (o, down with the activation, the LM
+head) into ``kernels/linear/gemv_configs.json`` for this GPU, where it beats the engine's
+current choice by more than ``INSTALL_MARGIN``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,4")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="one rank's shard")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--install", action="store_true", help="write the tuned table")
     args = parser.parse_args(argv)
     tp = args.tensor_parallel_size
     arch = ModelArch.from_hf_config(dummy_hf_config(args.model))
@@ -62,8 +66,60 @@ def main(argv: list[str] | None = None) -> None:
     record = {"kind": "gemv", "machine": machine_info(device), "model": args.model,
               "tensor_parallel_size": tp, "copy_bytes_per_s": copy_bytes_per_s,
               "results": results}  # fmt: skip
+    if args.install:
+        record["installed"] = install_faster(results, torch.cuda.get_device_name(device))
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1))
+
+
+ENGINE_GEMV_LINEARS = ("o", "down+silu", "lm_head")  # where the engine calls the GEMV
+INSTALL_MARGIN = 0.03  # a config must beat the current choice by this much (noise)
+
+
+def install_faster(
+    results: list[dict[str, Any]], device_name: str, path: Path | None = None
+) -> dict[str, str]:
+    """Install each engine linear's fastest config where it beats the engine's current one
+    (the table's, else the engine's default); the installed keys and configs."""
+    from engine.models.llama import LAYER_GEMV_CONFIG
+    from kernels.linear.gemv_tuning import TUNED_PATH, install, shape_key, tuned_for
+
+    path = path or TUNED_PATH
+    chosen: dict[str, GemvConfig] = {}
+    for result in results:
+        summary = result["summary"]
+        if summary["linear"] not in ENGINE_GEMV_LINEARS:
+            continue
+        rows, silu = summary["rows"], summary["linear"] == "down+silu"
+        key = shape_key(rows, summary["N"], summary["K"], silu)
+        fallback = None if summary["linear"] == "lm_head" else LAYER_GEMV_CONFIG
+        current = tuned_for(device_name, key, fallback, path)
+        current = current or default_config(summary["N"], summary["K"])
+        current_us = result["timings_us"][config_key(current)]
+        best = summary["best"]
+        if result["timings_us"][best] < (1 - INSTALL_MARGIN) * current_us:
+            chosen[key] = parse_key(best)
+    if chosen:
+        install(device_name, chosen, path)
+    return {key: config_key(config) for key, config in chosen.items()}
+
+
+def config_key(config: GemvConfig) -> str:
+    return (
+        f"n{config.block_n}k{config.block_k}s{config.split_k}"
+        f"w{config.num_warps}st{config.num_stages}"
+    )
+
+
+def parse_key(key: str) -> GemvConfig:
+    """``config_key``'s inverse."""
+    import re
+
+    match = re.fullmatch(r"n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)", key)
+    if match is None:
+        raise ValueError(f"not a GEMV config key: {key!r}")
+    n, k, s, w, st = map(int, match.groups())
+    return GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st)
 
 
 def _measure(
@@ -80,17 +136,18 @@ def _measure(
 
     reference = cublas().float()
     timings = {"cublas": _time_us(cublas)}
-    for config in [*GRID, default_config(num_cols, size_k)]:
+    from engine.models.llama import LAYER_GEMV_CONFIG
+
+    for config in [*GRID, default_config(num_cols, size_k), LAYER_GEMV_CONFIG]:
         got = gemv(x, weight, silu_mul=silu_mul, config=config)
         error = (got.float() - reference).abs().max().item()
         scale = reference.abs().max().item()
         assert error <= 2e-2 * scale + 1e-3, (name, config, error, scale)
-        key = f"n{config.block_n}k{config.block_k}s{config.split_k}w{config.num_warps}st{config.num_stages}"
-        timings[key] = _time_us(lambda c=config: gemv(x, weight, silu_mul=silu_mul, config=c))
+        timings[config_key(config)] = _time_us(
+            lambda c=config: gemv(x, weight, silu_mul=silu_mul, config=c)
+        )
     best = min((k for k in timings if k != "cublas"), key=timings.__getitem__)
-    default_key = "n{0.block_n}k{0.block_k}s{0.split_k}w{0.num_warps}st{0.num_stages}".format(
-        default_config(num_cols, size_k)
-    )
+    default_key = config_key(default_config(num_cols, size_k))
     limit_us = weight_bytes / copy_bytes_per_s * 1e6
 
     def fraction(us: float) -> float:

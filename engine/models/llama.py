@@ -30,6 +30,7 @@ from engine.models.arch import ModelArch
 from engine.quant.linear import PackedWeight, QuantizedLinear
 from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
 from kernels.linear.gemv_triton import GemvConfig, gemv
+from kernels.linear.gemv_tuning import tuned_config
 from kernels.linear.int8_rows_triton import Int8Rows
 
 GEMV_MAX_ROWS = 1  # rows that take the Triton GEMV instead of cuBLAS (measured at one)
@@ -132,7 +133,9 @@ class Attention(nn.Module):
     def output(self, attn: torch.Tensor) -> torch.Tensor:  # [T, Hq * D] -> [T, hidden]
         """o_proj, summed over the ranks' heads."""
         if takes_gemv(attn, self.o_proj):
-            return self.group.all_reduce(gemv(attn, self.o_proj.weight, config=LAYER_GEMV_CONFIG))
+            weight = self.o_proj.weight
+            config = tuned_config(weight, attn.shape[0], False, LAYER_GEMV_CONFIG)
+            return self.group.all_reduce(gemv(attn, weight, config=config))
         return self.group.all_reduce(self.o_proj(attn))
 
     def project(
@@ -182,7 +185,8 @@ class MLP(nn.Module):
         rounding = self.ops.silu_and_mul_int8
         if takes_gemv(gate_up, self.down_proj):  # the activation in the GEMV's prologue
             weight = self.down_proj.weight
-            down = gemv(gate_up, weight, silu_mul=True, config=LAYER_GEMV_CONFIG)
+            config = tuned_config(weight, gate_up.shape[0], True, LAYER_GEMV_CONFIG)
+            down = gemv(gate_up, weight, silu_mul=True, config=config)
         elif rounding is not None and takes_int8_rows(gate_up, self.down_proj):
             down = self.down_proj(rounding(gate_up))  # the activation rounds for the int8 kernel
         else:
@@ -337,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         if takes_gemv(hidden, self.lm_head):
             # batch-1 decode: the LM head is the largest single read of the step, and the GEMV
             # streams it at the bandwidth limit where cuBLAS reached 0.93 of it (H100, bf16)
-            return gemv(hidden, weight, out=out)
+            return gemv(hidden, weight, out=out, config=tuned_config(weight, 1, False, None))
         if out is None:
             return self.lm_head(hidden)
         # into a caller's buffer (a CUDA graph's one static logits tensor); lm_head has no bias

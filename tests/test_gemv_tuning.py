@@ -1,0 +1,52 @@
+"""The tuned GEMV table: bench.gemv --install writes a shape's config only where the sweep
+beat the engine's current choice, and the engine reads it back by device and shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bench.gemv import INSTALL_MARGIN, config_key, install_faster, parse_key
+from engine.models.llama import LAYER_GEMV_CONFIG
+from kernels.linear.gemv_triton import GemvConfig, default_config
+from kernels.linear.gemv_tuning import shape_key, tuned_config, tuned_for
+
+FAST = GemvConfig(block_n=4, block_k=256, split_k=2, num_warps=4, num_stages=4)
+
+
+def _result(linear: str, n: int, k: int, current: GemvConfig, current_us: float, best_us: float):
+    timings = {config_key(current): current_us, config_key(FAST): best_us, "cublas": 99.0}
+    summary = {"linear": linear, "rows": 1, "N": n, "K": k, "best": config_key(FAST)}
+    return {"summary": summary, "timings_us": timings}
+
+
+def test_keys_round_trip() -> None:
+    assert parse_key(config_key(FAST)) == FAST
+
+
+def test_install_takes_only_clear_wins_and_the_engine_reads_them(tmp_path: Path) -> None:
+    path = tmp_path / "gemv_configs.json"
+    clear_win = 10.0 * (1 - 2 * INSTALL_MARGIN)
+    noise = 10.0 * (1 - INSTALL_MARGIN / 2)
+    results = [
+        _result("o", 4096, 2048, LAYER_GEMV_CONFIG, 10.0, clear_win),
+        _result("down+silu", 4096, 7168, LAYER_GEMV_CONFIG, 10.0, noise),
+        _result("lm_head", 64128, 4096, default_config(64128, 4096), 10.0, clear_win),
+        _result("qkv", 3072, 4096, default_config(3072, 4096), 10.0, 1.0),  # cuBLAS's, not ours
+    ]
+    installed = install_faster(results, "Test GPU", path)
+    assert installed == {
+        shape_key(1, 4096, 2048, False): config_key(FAST),
+        shape_key(1, 64128, 4096, False): config_key(FAST),
+    }
+    assert tuned_for("Test GPU", shape_key(1, 4096, 2048, False), None, path) == FAST
+    assert tuned_for("Other GPU", shape_key(1, 4096, 2048, False), None, path) is None
+    # a second sweep measures against the installed config now
+    again = [_result("o", 4096, 2048, FAST, 10.0, 9.9)]
+    assert install_faster(again, "Test GPU", path) == {}
+
+
+def test_a_cpu_weight_keeps_the_default() -> None:
+    weight = torch.empty(8, 16)
+    assert tuned_config(weight, 1, False, LAYER_GEMV_CONFIG) is LAYER_GEMV_CONFIG
