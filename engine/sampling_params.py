@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError, describe, wrong_type
+from engine.structured.params import StructuredOutputs
 
 MAX_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 16  # when a request sets none (fewer where the context ends first)
@@ -24,6 +25,8 @@ class SamplingParams:
     A request whose prompt + ``max_tokens`` exceeds the model's context is refused, unless
     ``clamp_max_tokens`` (or the engine's ``clamp_max_tokens``) lowers ``max_tokens`` to fit.
     ``max_tokens=None``: ``DEFAULT_MAX_TOKENS``, lowered to fit without asking.
+    ``structured``: the output must match a JSON schema, regex, grammar or choice list
+    (docs/structured-outputs.md).
     """
 
     max_tokens: int | None = None
@@ -43,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a bare string for stop; store tuples so params stay hashable.
@@ -115,7 +119,12 @@ class SamplingParams:
     @property
     def is_plain_greedy(self) -> bool:
         """Argmax of the raw logits is the whole story (once ``min_tokens`` is reached)."""
-        return self.is_greedy and not self.has_penalties and self.logprobs is None
+        return (
+            self.is_greedy
+            and not self.has_penalties
+            and self.logprobs is None
+            and self.structured is None
+        )
 
 
 def _is_int(value: object) -> bool:
@@ -132,6 +141,10 @@ def _is_bool(value: object) -> bool:
 
 def _is_int_or_none(value: object) -> bool:
     return value is None or _is_int(value)
+
+
+def _is_structured_or_none(value: object) -> bool:
+    return value is None or isinstance(value, StructuredOutputs)
 
 
 _INTEGER = (_is_int, "an integer")
@@ -155,6 +168,7 @@ FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "logprobs": _INTEGER_OR_NULL,
     "include_stop_str_in_output": _BOOLEAN,
     "skip_special_tokens": _BOOLEAN,
+    "structured": (_is_structured_or_none, "a StructuredOutputs or null"),
 }
 # ... or, for lists: (test of an item, words for the items, words for what else may be given)
 LIST_TYPES: dict[str, tuple[Callable[[object], bool], str, str]] = {
