@@ -14,10 +14,18 @@ def num_mask_words(vocab_size: int) -> int:
 
 
 def unpack_bitmask_ref(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[M, W] int32 -> [M, vocab_size] bool (True = allowed)."""
-    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """[M, W] int32 -> [M, vocab_size] bool (True = allowed).
+
+    Byte by byte through a 256 x 8 table (bit ``j`` of each byte): the words are little-endian,
+    so byte ``b`` of word ``w`` holds tokens ``32 w + 8 b`` to ``32 w + 8 b + 7``.
+    """
+    table = (
+        torch.arange(256, device=bitmask.device).unsqueeze(1)
+        >> torch.arange(8, device=bitmask.device)
+    ) & 1
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()  # [M, 4 W]
+    bits = table.bool()[as_bytes]  # [M, 4 W, 8]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_token_bitmask_ref(
