@@ -23,6 +23,7 @@ from engine.llm import LLM
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.step_profile import StepProfiler
+from engine.structured import StructuredOutputs
 
 BYTES_PER_GB = 1e9
 
@@ -79,15 +80,21 @@ class _Tally:
         ]
 
 
-def _measure(engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool) -> dict[str, Any]:
-    _warm_up(engine, prompts)
+def _measure(
+    engine: LLMEngine,
+    prompts: list[BenchPrompt],
+    use_tqdm: bool,
+    structured: StructuredOutputs | None = None,
+) -> dict[str, Any]:
+    """One timed run of ``prompts`` (each under ``structured`` when given: bench/structured.py)."""
+    _warm_up(engine, prompts, structured)
     stats_before = engine.stats()
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.step_profiler = profiler = StepProfiler()  # two device events per step
     start_s = time.perf_counter()
     for index, prompt in enumerate(prompts):
-        _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len)
+        _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len, structured)
     tally = _step_until_done(engine, len(prompts), start_s, use_tqdm)
     elapsed_s = time.perf_counter() - start_s
     engine.step_profiler = StepProfiler(enabled=False)
@@ -128,15 +135,25 @@ def prefix_cache_counts(before: EngineStats, after: EngineStats) -> dict[str, in
     }
 
 
-def _warm_up(engine: LLMEngine, prompts: list[BenchPrompt]) -> None:
+def _warm_up(
+    engine: LLMEngine, prompts: list[BenchPrompt], structured: StructuredOutputs | None
+) -> None:
     for index, prompt in enumerate(warmup_prompts(prompts)):
-        _add(engine, f"warmup-{index}", prompt.token_ids, prompt.output_len)
+        _add(engine, f"warmup-{index}", prompt.token_ids, prompt.output_len, structured)
     while engine.has_unfinished_requests():
         engine.step()
 
 
-def _add(engine: LLMEngine, request_id: str, token_ids: list[int], output_len: int) -> None:
-    sampling = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def _add(
+    engine: LLMEngine,
+    request_id: str,
+    token_ids: list[int],
+    output_len: int,
+    structured: StructuredOutputs | None = None,
+) -> None:
+    sampling = SamplingParams(
+        temperature=0, max_tokens=output_len, ignore_eos=True, structured=structured
+    )
     engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling)
 
 

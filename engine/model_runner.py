@@ -92,6 +92,8 @@ class ModelRunner:
             return []
         if while_gpu_busy is not None:
             while_gpu_busy()
+        if launched.unsampled_logits is not None:  # every grammar has its tokens already
+            self.sample_constrained(launched)
         return launched.resolve()
 
     @torch.inference_mode()

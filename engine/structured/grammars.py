@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.sequence import Sequence as EngineSequence
 from engine.structured.params import FIELD, StructuredOutputs
 from engine.structured.tokenizers import grammar_tokenizer
@@ -116,7 +116,11 @@ class GrammarCompiler:
             grammar = _grammar_text(structured)
         except ValueError as exc:
             raise InvalidRequestError(f"{FIELD}.{kind}", f"cannot be compiled: {exc}") from None
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        try:
+            tokenizer = self.tokenizer()
+        except ConfigError as exc:  # the model's, not the request's fault; still its error
+            raise InvalidRequestError(FIELD, str(exc)) from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(
                 f"{FIELD}.{kind}", f"cannot be compiled: {matcher.get_error()}"

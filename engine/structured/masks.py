@@ -4,6 +4,7 @@ forward is running on the device meanwhile), then applied to the logits on the d
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,9 @@ class GrammarMasks:
         self.num_words = num_mask_words(vocab_size)
         self.device = device
         self._executor: Any = None
+        # host time spent filling masks, and how many steps needed them (benchmarks read it)
+        self.fill_s = 0.0
+        self.num_fills = 0
 
     def apply(
         self,
@@ -69,7 +73,10 @@ class GrammarMasks:
         rows = masked_rows(sampling_entries, draft_entries)
         if not rows:
             return
+        start_s = time.perf_counter()
         bitmask, row_index = self.fill(rows)
+        self.fill_s += time.perf_counter() - start_s
+        self.num_fills += 1
         on_device = bitmask.to(self.device, non_blocking=True)
         index = row_index.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
@@ -81,8 +88,6 @@ class GrammarMasks:
 
     def fill(self, rows: list[MaskedRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """[M, W] int32 bitmasks of ``rows`` (drafts included) and [M] their logits rows."""
-        import llguidance.torch
-
         pin = self.device.type == "cuda"
         starts: list[int] = []
         row_index: list[int] = []
@@ -102,12 +107,16 @@ class GrammarMasks:
             for r, s in zip(rows, starts, strict=True)
             if r.draft_token_ids
         ]
+        # llguidance's executor writes each mask at pointer + index * bytes per mask, on its
+        # threads, without the GIL. (Its llguidance.torch wrappers do the same, but importing
+        # that module compiles a torch function: seconds at the first step.)
         executor = self._get_executor()
+        mask_bytes = self.num_words * 4
         if plain:
-            llguidance.torch.fill_next_token_bitmask_par(executor, plain, bitmask)
+            executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), mask_bytes, num_masks)
         if drafted:  # each draft is consumed for the mask after it, then rolled back
-            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
-                executor, drafted, bitmask
+            executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafted, bitmask.data_ptr(), mask_bytes, num_masks
             )
         return bitmask, torch.tensor(row_index, dtype=torch.int64, pin_memory=pin)
 
