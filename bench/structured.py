@@ -12,6 +12,9 @@ JSON schema, against the same prompts unconstrained in the same run, then a vali
    every output must parse and validate (CUDA graphs, asynchronous scheduling and the Triton
    mask kernel are the engine's defaults on CUDA).
 
+``--compare-vllm`` runs the same workload through vLLM in a subprocess, unconstrained and under
+the same schema (``bench/vllm_peer.py --json-schema``), and records both beside the engine's.
+
 A ``dummy:`` model has no tokenizer: SmolLM2's (bundled) maps its first 49,152 ids to text, and
 the masks forbid the rest.
 """
@@ -28,7 +31,7 @@ from typing import Any
 
 from bench.records import machine_info
 from bench.throughput import _measure, resolved_settings
-from bench.workloads import ThroughputWorkload, make_random_prompts
+from bench.workloads import BenchPrompt, ThroughputWorkload, make_random_prompts
 from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputs
 from engine.structured.grammars import GrammarCompiler
 from engine.structured.tokenizers import bundled_tokenizer
@@ -68,22 +71,19 @@ def main() -> None:
     parser.add_argument("--input-len", type=_range, default=(100, 1024), help="MIN-MAX tokens")
     parser.add_argument("--output-len", type=_range, default=(100, 1024), help="MIN-MAX tokens")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present) or cpu")
+    parser.add_argument("--compare-vllm", action="store_true", help="vLLM on the same runs")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON record here")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
-    tokenizer = _grammar_tokenizer(engine)
     workload = ThroughputWorkload(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len
     )
-    prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
-    long_schema = StructuredOutputs(json_schema=json.dumps(LONG_SCHEMA))
-    engine.grammars.matcher_for(long_schema)  # the tokenizer's grammar view, once (~1 s)
-    free = _measure(engine, prompts, use_tqdm=False)
-    masks = engine.runner.grammar_masks
-    fill_s_before, fills_before = masks.fill_s, masks.num_fills
-    constrained = _measure(engine, prompts, use_tqdm=False, structured=long_schema)
-    num_fills = masks.num_fills - fills_before
-    constrained["mask_fill_ms_per_step"] = (masks.fill_s - fill_s_before) * 1000 / max(num_fills, 1)
+    # vLLM first, in its subprocesses: the engine then has the GPU to itself
+    vllm = _vllm_runs(args, workload) if args.compare_vllm else None
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
+    tokenizer = _grammar_tokenizer(engine)
+    free, constrained = _engine_runs(
+        engine, make_random_prompts(workload, engine.loaded.arch.vocab_size)
+    )
     record: dict[str, Any] = {
         "kind": "structured",
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -101,6 +101,11 @@ def main() -> None:
             "validity": _check_validity(engine, tokenizer),
         },
     }
+    if vllm is not None:
+        record["results"]["vllm"] = vllm
+        record["results"]["vs_vllm_json_schema"] = (
+            constrained["output_tok_s"] / vllm["output_tok_s"]["json_schema"]
+        )
     text = json.dumps(record, indent=2)
     summary = {k: record["results"][k] for k in ("output_tok_s_ratio", "validity")}
     print(json.dumps(summary, indent=2))
@@ -109,6 +114,39 @@ def main() -> None:
           "mask fill per step)")  # fmt: skip
     if args.out is not None:
         args.out.write_text(text + "\n")
+
+
+def _engine_runs(
+    engine: LLMEngine, prompts: list[BenchPrompt]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The timed run of ``prompts`` unconstrained, then under ``LONG_SCHEMA``."""
+    long_schema = StructuredOutputs(json_schema=json.dumps(LONG_SCHEMA))
+    engine.grammars.matcher_for(long_schema)  # the tokenizer's grammar view, once (~1 s)
+    free = _measure(engine, prompts, use_tqdm=False)
+    masks = engine.runner.grammar_masks
+    fill_s_before, fills_before = masks.fill_s, masks.num_fills
+    constrained = _measure(engine, prompts, use_tqdm=False, structured=long_schema)
+    num_fills = masks.num_fills - fills_before
+    constrained["mask_fill_ms_per_step"] = (masks.fill_s - fill_s_before) * 1000 / max(num_fills, 1)
+    return free, constrained
+
+
+def _vllm_runs(args: argparse.Namespace, workload: ThroughputWorkload) -> dict[str, Any]:
+    """vLLM's output tok/s on the same prompts, unconstrained and under ``LONG_SCHEMA``."""
+    import tempfile
+
+    from bench.vllm_peer import run_vllm_peer, throughput_peer_args
+
+    peer_args = throughput_peer_args(EngineConfig(model=args.model), [workload])
+    runs = {"unconstrained": run_vllm_peer("throughput", peer_args)}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as schema_file:
+        schema_file.write(json.dumps(LONG_SCHEMA))
+        schema_file.flush()
+        runs["json_schema"] = run_vllm_peer(
+            "throughput", [*peer_args, "--json-schema", schema_file.name]
+        )
+    rates = {name: run["results"][0]["output_tok_s"] for name, run in runs.items()}
+    return {**runs, "output_tok_s": rates}
 
 
 def _range(text: str) -> tuple[int, int]:
