@@ -39,7 +39,8 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from engine.step_profile import StepProfiler
 from engine.step_types import LaunchedStep, SampledToken
-from engine.structured.grammars import GrammarCompiler, keep_valid_drafts
+from engine.structured.drafts import keep_valid_drafts
+from engine.structured.grammars import GrammarCompiler
 
 logger = logging.getLogger("pagestream.engine")
 

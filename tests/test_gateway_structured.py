@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.doc_examples import python_example
 from tests.gateway_fixtures import API_KEY, GatewayThread, start_gateway, wait_for
 from tests.redis_server import RedisServer
 from tests.service_fixtures import InProcessWorker, worker_settings
@@ -94,7 +95,7 @@ def test_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_vocab_model: Path, tmp_path_factory: Any) -> Iterator[openai.OpenAI]:
+def base_url(smollm2_vocab_model: Path, tmp_path_factory: Any) -> Iterator[str]:
     redis = RedisServer(tmp_path_factory.mktemp("structured-redis"), appendonly=False)
     redis.start()
     worker = InProcessWorker(smollm2_vocab_model, worker_settings(redis, "so-worker"))
@@ -105,14 +106,18 @@ def client(smollm2_vocab_model: Path, tmp_path_factory: Any) -> Iterator[openai.
         beats = redis.client()
         wait_for(lambda: beats.keys("pagestream:worker:*"), timeout_s=30)
         beats.close()
-        base_url = f"{gateway.url}/v1"
-        with openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0) as client:
-            yield client
+        yield f"{gateway.url}/v1"
     finally:
         if gateway is not None:
             gateway.stop()
         worker.stop()
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0) as client:
+        yield client
 
 
 def model_of(client: openai.OpenAI) -> str:
@@ -169,3 +174,14 @@ def test_a_schema_the_engine_cannot_compile_is_a_400(client: openai.OpenAI) -> N
             extra_body={"guided_regex": "a", "guided_choice": ["a"]},
         )  # fmt: skip
     assert two_ways.value.body["param"] == "guided_regex"  # type: ignore[index]
+
+
+def test_the_docs_openai_example_runs(base_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/structured-outputs.md's ``openai`` example, as written, against this gateway."""
+    doc = "docs/structured-outputs.md"
+    code = python_example(doc, "from openai import OpenAI")
+    code = code.replace("http://127.0.0.1:8000/v1", base_url).replace('"sk-local"', "KEY")
+    exec(compile(code, doc, "exec"), {"KEY": API_KEY})
+    content, ticket = capsys.readouterr().out.splitlines()
+    assert isinstance(json.loads(content)["city"], str)
+    assert re.fullmatch("[A-Z]{3}-[0-9]{4}", ticket)

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.errors import ConfigError, InvalidRequestError
-from engine.sequence import Sequence as EngineSequence
 from engine.structured.params import FIELD, StructuredOutputs
 from engine.structured.tokenizers import grammar_tokenizer
 
@@ -150,16 +149,3 @@ def _grammar_text(structured: StructuredOutputs) -> str:
         return str(llguidance.grammar_from("grammar", structured.grammar))  # Lark or GBNF
     assert structured.choice is not None
     return str(llguidance.grammar_from("choice", json.dumps(list(structured.choice))))
-
-
-def keep_valid_drafts(seqs: Sequence[EngineSequence]) -> None:
-    """Cut each constrained sequence's drafts before the first its grammar rejects: such a
-    draft could never be accepted, nor could any after it."""
-    for seq in seqs:
-        if seq.grammar is None or not seq.draft_token_ids:
-            continue
-        num_valid = seq.grammar.num_valid(seq.draft_token_ids)
-        if num_valid < len(seq.draft_token_ids):
-            del seq.draft_token_ids[num_valid:]
-            if seq.draft_probs is not None:
-                seq.draft_probs = seq.draft_probs[:num_valid] if num_valid else None
