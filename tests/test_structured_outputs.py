@@ -252,3 +252,36 @@ def test_a_steps_masks_allow_exactly_what_the_grammar_accepts(llm: LLM) -> None:
             accepted = drafted.num_valid([*drafts[:position], token]) == position + 1
             assert bool(allowed[1 + position, token]) == accepted, (position, token)
     assert torch.equal(allowed[0], allowed[1])  # both at the start of the same schema
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(smollm2_vocab_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model with noise on every weight: a draft that is often, not always, right."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_vocab_model, dtype=torch.float32)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    directory = tmp_path_factory.mktemp("smollm2-vocab-draft")
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_a_draft_models_unconstrained_drafts_are_cut_and_verified(
+    smollm2_vocab_model: Path, noisy_draft: Path, llm: LLM
+) -> None:
+    sampling = params(structured(json_schema=SCHEMA), len(PROMPTS))
+    texts, engine = run_engine(
+        smollm2_vocab_model, PROMPTS, sampling, speculative_model=str(noisy_draft),
+        num_speculative_tokens=3, **SETTINGS,
+    )  # fmt: skip
+    for text in texts:
+        check_json(text)
+    # the draft model drafts free text: over this noisy vocabulary nearly every first draft
+    # leaves the grammar, so the drafts are cut before verification (and the steps go on)
+    stats = engine.stats()
+    assert stats.num_draft_tokens < engine.config.speculative_tokens() * sum(map(len, texts)) // 8
+    plain = llm.generate(PROMPTS[::3], sampling[::3], use_tqdm=False)
+    assert texts[::3] == [o.text for o in plain]  # greedy: drafts change nothing
