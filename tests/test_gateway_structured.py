@@ -53,6 +53,7 @@ def body(**fields: Any) -> bytes:
         ({"structured_outputs": {"json": SCHEMA}}, {"json_schema": json.dumps(SCHEMA)}),
         ({"structured_outputs": {"choice": ["a"]}}, {"choice": ["a"]}),
         ({"structured_outputs": {"json_object": True}}, {"json_object": True}),
+        ({"guided_regex": "a", "guided_decoding_backend": "guidance"}, {"regex": "a"}),
     ],
 )
 def test_each_form_maps_to_the_protocols_structured_outputs(

@@ -21,6 +21,7 @@ from worker.gateway.openai_types import (
     VllmStructuredOutputs,
 )
 
+HONOURED_BACKENDS = frozenset({"auto", "guidance", "llguidance"})  # what the engine runs
 GUIDED_FIELDS = {  # vLLM's name -> the protocol's
     "guided_json": "json_schema",
     "guided_regex": "regex",
@@ -31,10 +32,12 @@ GUIDED_FIELDS = {  # vLLM's name -> the protocol's
 
 def structured_outputs_of(request: CompletionRequest | ChatRequest) -> dict[str, Any] | None:
     """The protocol's ``structured_outputs`` fields that ``request`` asks for, if any."""
-    if request.guided_decoding_backend is not None:
+    backend = request.guided_decoding_backend
+    if backend is not None and backend not in HONOURED_BACKENDS:
         raise unsupported(
             "guided_decoding_backend",
-            "`guided_decoding_backend` is not supported: this server always uses llguidance",
+            f"guided_decoding_backend {backend!r} is not available: this server uses "
+            "llguidance (ask for auto, guidance or llguidance, or leave it out)",
         )
     asked = {
         name: value
