@@ -269,7 +269,7 @@ def noisy_draft(smollm2_vocab_model: Path, tmp_path_factory: pytest.TempPathFact
     return directory
 
 
-def test_a_draft_models_unconstrained_drafts_are_cut_and_verified(
+def test_a_draft_model_drafts_under_the_grammar(
     smollm2_vocab_model: Path, noisy_draft: Path, llm: LLM
 ) -> None:
     sampling = params(structured(json_schema=SCHEMA), len(PROMPTS))
@@ -279,9 +279,9 @@ def test_a_draft_models_unconstrained_drafts_are_cut_and_verified(
     )  # fmt: skip
     for text in texts:
         check_json(text)
-    # the draft model drafts free text: over this noisy vocabulary nearly every first draft
-    # leaves the grammar, so the drafts are cut before verification (and the steps go on)
+    # the draft model drafts under the grammar too (free drafts over this noisy vocabulary
+    # would nearly all leave it): close to the target's own choices, often accepted
     stats = engine.stats()
-    assert stats.num_draft_tokens < engine.config.speculative_tokens() * sum(map(len, texts)) // 8
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     plain = llm.generate(PROMPTS[::3], sampling[::3], use_tqdm=False)
     assert texts[::3] == [o.text for o in plain]  # greedy: drafts change nothing

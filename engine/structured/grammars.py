@@ -52,6 +52,10 @@ class GrammarMatcher:
         """How many leading ``token_ids`` the grammar allows from here (drafts to keep)."""
         return int(self.matcher.validate_tokens(list(token_ids)))
 
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher at the same place (a draft model drafts on it)."""
+        return GrammarMatcher(self.matcher.deep_copy())
+
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` accepted tokens."""
         if num_tokens:

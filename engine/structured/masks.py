@@ -63,6 +63,7 @@ class GrammarMasks:
         self.fill_s = 0.0
         self.num_fills = 0
 
+    @torch.inference_mode()  # the logits are inference tensors, whoever calls
     def apply(
         self,
         logits: torch.Tensor,
