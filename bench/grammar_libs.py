@@ -127,7 +127,7 @@ def measure_xgrammar(tokenizer: Any, tokens: list[int], num_schemas: int) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON record here")
     parser.add_argument("--num-schemas", type=int, default=10, help="distinct schemas compiled")
     args = parser.parse_args()

@@ -65,7 +65,7 @@ CHECK_MAX_TOKENS = 256
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="dummy:qwen3-0.6b")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=_range, default=(100, 1024), help="MIN-MAX tokens")

@@ -103,3 +103,18 @@ def test_a_jsonl_line_names_a_bad_constraint() -> None:
         2, '{"prompt": "a", "structured_outputs": {"grammer": "x"}}', defaults, chat=False
     )
     assert bad.error is not None and "unknown field 'grammer'" in bad.error.message
+
+
+def test_the_generate_command_takes_structured_outputs(
+    smollm2_vocab_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commands import main
+
+    model = ["--model", str(smollm2_vocab_model), "--device", "cpu", "--max-model-len", "256"]
+    flag = ["--structured-outputs", '{"regex": "[a-z]{2}-[0-9]{3}"}']
+    assert main(["generate", *model, *flag, "--temperature", "1.0", "id?"]) == 0
+    assert re.fullmatch("[a-z]{2}-[0-9]{3}", capsys.readouterr().out.strip())
+    bad = ["--structured-outputs", '{"regex": "a", "choice": ["b"]}']
+    assert main(["generate", *model, *bad, "x"]) == 2
+    assert "--structured-outputs: set exactly one" in capsys.readouterr().err
+    assert main(["generate", *model, "--structured-outputs", "[1]", "x"]) == 2
