@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp]...
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|structured|tests|tp]...
 # (default: all but tp, which needs two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
@@ -159,6 +159,18 @@ tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
         --max-model-len 4096 --no-progress --output-json "$OUT/throughput-qwen2.5-32b-tp2.json"
 }
 
+structured() {  # constrained decoding: tests first (CUDA defaults), then the workload with and
+    # without a JSON schema; with vLLM importable, vLLM's structured outputs on the same prompts
+    log gpu tests, structured outputs
+    python -m pytest -q -x -p no:cacheprovider tests/test_gpu_structured.py \
+        tests/test_token_bitmask.py || return 1
+    log structured outputs qwen3-0.6b
+    local compare=()
+    python -c "import vllm" 2>/dev/null && compare=(--compare-vllm)
+    python -m bench.structured --model dummy:qwen3-0.6b "${compare[@]}" \
+        --out "$OUT/structured-qwen3-0.6b.json"
+}
+
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
@@ -168,6 +180,6 @@ tests() {
         tests/test_rotary_kv_write.py tests/test_gemv.py tests/test_pdl.py
 }
 
-for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant tests}"; do
+for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant structured tests}"; do
     for step in $part; do "$step"; done
 done

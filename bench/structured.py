@@ -72,6 +72,10 @@ def main() -> None:
     parser.add_argument("--output-len", type=_range, default=(100, 1024), help="MIN-MAX tokens")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present) or cpu")
     parser.add_argument("--compare-vllm", action="store_true", help="vLLM on the same runs")
+    parser.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer directory for a dummy: model (default SmolLM2's)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON record here")
     args = parser.parse_args()
     workload = ThroughputWorkload(
@@ -80,7 +84,7 @@ def main() -> None:
     # vLLM first, in its subprocesses: the engine then has the GPU to itself
     vllm = _vllm_runs(args, workload) if args.compare_vllm else None
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
-    tokenizer = _grammar_tokenizer(engine)
+    tokenizer = _grammar_tokenizer(engine, args.tokenizer)
     free, constrained = _engine_runs(
         engine, make_random_prompts(workload, engine.loaded.arch.vocab_size)
     )
@@ -154,11 +158,17 @@ def _range(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def _grammar_tokenizer(engine: LLMEngine) -> Any:
-    """The model's tokenizer, or SmolLM2's for a ``dummy:`` model (set on its compiler)."""
+def _grammar_tokenizer(engine: LLMEngine, directory: str | None) -> Any:
+    """The model's tokenizer, or for a ``dummy:`` model ``directory``'s or SmolLM2's (set on
+    its grammar compiler)."""
     if engine.tokenizer is not None:
         return engine.tokenizer
-    tokenizer = bundled_tokenizer()
+    if directory is None:
+        tokenizer = bundled_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory)
     eos = frozenset([tokenizer.eos_token_id])
     engine.grammars = GrammarCompiler(tokenizer, engine.loaded.arch.vocab_size, eos)
     return tokenizer
