@@ -285,3 +285,23 @@ def test_a_draft_model_drafts_under_the_grammar(
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     plain = llm.generate(PROMPTS[::3], sampling[::3], use_tqdm=False)
     assert texts[::3] == [o.text for o in plain]  # greedy: drafts change nothing
+
+
+def test_the_grammar_cache_drops_the_least_recently_used(llm: LLM) -> None:
+    from engine.structured.grammars import GrammarCompiler
+
+    engine = llm.engine
+    compiler = GrammarCompiler(
+        engine.tokenizer, engine.loaded.arch.vocab_size, engine.eos_token_ids, max_cached=2
+    )
+    first, second, third = (structured(regex=f"[0-9]{{{n}}}") for n in (1, 2, 3))
+    for kind in (first, second, first, third):  # first is used again before third comes
+        compiler.matcher_for(kind)
+    assert compiler.num_compiled == 3
+    compiler.matcher_for(first)  # kept: second was the least recently used
+    assert compiler.num_compiled == 3
+    compiler.matcher_for(second)
+    assert compiler.num_compiled == 4
+    matcher = compiler.matcher_for(third)  # a fresh copy: at the start of its grammar
+    digits = engine.tokenizer.encode("123", add_special_tokens=False)
+    assert matcher.num_valid(digits) == len(digits)
