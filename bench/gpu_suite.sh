@@ -2,13 +2,13 @@
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
-#                       quant|tests|allreduce|tp|tp_vllm|data_parallel]...
+#                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel]...
 # (default: all but vllm, matrix, allreduce, tp, tp_vllm and data_parallel, which need vLLM or
 # two GPUs)
 # vllm, matrix and tp_vllm need vLLM importable (on the lent GPU: shared/peers/vllm-0.26's
-# recipe, then PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0). MATRIX_ARGS picks a
-# part of the matrix (e.g. "--models llama3-8b --workloads long-context"); rerun to finish
-# what is missing.
+# recipe, then PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0); structured compares
+# with vLLM when it is importable. MATRIX_ARGS picks a part of the matrix (e.g. "--models
+# llama3-8b --workloads long-context"); rerun to finish what is missing.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -190,6 +190,18 @@ data_parallel() {  # two GPUs: one worker per GPU on one stream, against one wor
         --output-json "$OUT/serve-fleet-dp-$(card).json"
 }
 
+structured() {  # constrained decoding: tests first (CUDA defaults), then the workload with and
+    # without a JSON schema; with vLLM importable, vLLM's structured outputs on the same prompts
+    log gpu tests, structured outputs
+    python -m pytest -q -x -p no:cacheprovider tests/test_gpu_structured.py \
+        tests/test_token_bitmask.py || return 1
+    log structured outputs qwen3-0.6b
+    local compare=()
+    python -c "import vllm" 2>/dev/null && compare=(--compare-vllm)
+    python -m bench.structured --model dummy:qwen3-0.6b "${compare[@]}" \
+        --out "$OUT/structured-qwen3-0.6b.json"
+}
+
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
@@ -199,6 +211,6 @@ tests() {
         tests/test_rotary_kv_write.py tests/test_gemv.py tests/test_pdl.py
 }
 
-for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant tests}"; do
+for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant structured tests}"; do
     for step in $part; do "$step"; done
 done

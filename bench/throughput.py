@@ -17,12 +17,19 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.records import machine_info, percentiles, speculative_counts
-from bench.workloads import BenchPrompt, ThroughputWorkload, make_random_prompts, warmup_prompts
+from bench.workloads import (
+    NUM_WARMUP_PROMPTS,
+    BenchPrompt,
+    ThroughputWorkload,
+    make_random_prompts,
+    warmup_prompts,
+)
 from engine.errors import ConfigError
 from engine.llm import LLM
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.step_profile import StepProfiler
+from engine.structured import StructuredOutputs
 
 BYTES_PER_GB = 1e9
 
@@ -79,16 +86,21 @@ class _Tally:
 
 
 def _measure(
-    engine: LLMEngine, prompts: list[BenchPrompt], use_tqdm: bool, num_warmup_prompts: int
+    engine: LLMEngine,
+    prompts: list[BenchPrompt],
+    use_tqdm: bool,
+    num_warmup_prompts: int = NUM_WARMUP_PROMPTS,
+    structured: StructuredOutputs | None = None,
 ) -> dict[str, Any]:
-    _warm_up(engine, warmup_prompts(prompts, num_warmup_prompts))
+    """One timed run of ``prompts`` (each under ``structured`` when given: bench/structured.py)."""
+    _warm_up(engine, warmup_prompts(prompts, num_warmup_prompts), structured)
     stats_before = engine.stats()
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.step_profiler = profiler = StepProfiler()  # two device events per step
     start_s = time.perf_counter()
     for index, prompt in enumerate(prompts):
-        _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len)
+        _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len, structured)
     tally = _step_until_done(engine, len(prompts), start_s, use_tqdm)
     elapsed_s = time.perf_counter() - start_s
     engine.step_profiler = StepProfiler(enabled=False)
@@ -129,15 +141,25 @@ def prefix_cache_counts(before: EngineStats, after: EngineStats) -> dict[str, in
     }
 
 
-def _warm_up(engine: LLMEngine, prompts: list[BenchPrompt]) -> None:
+def _warm_up(
+    engine: LLMEngine, prompts: list[BenchPrompt], structured: StructuredOutputs | None = None
+) -> None:
     for index, prompt in enumerate(prompts):
-        _add(engine, f"warmup-{index}", prompt.token_ids, prompt.output_len)
+        _add(engine, f"warmup-{index}", prompt.token_ids, prompt.output_len, structured)
     while engine.has_unfinished_requests():
         engine.step()
 
 
-def _add(engine: LLMEngine, request_id: str, token_ids: list[int], output_len: int) -> None:
-    sampling = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def _add(
+    engine: LLMEngine,
+    request_id: str,
+    token_ids: list[int],
+    output_len: int,
+    structured: StructuredOutputs | None = None,
+) -> None:
+    sampling = SamplingParams(
+        temperature=0, max_tokens=output_len, ignore_eos=True, structured=structured
+    )
     engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling)
 
 

@@ -15,6 +15,12 @@ generation with EOS ignored, so both engines make the same number of tokens.
     python -m bench.vllm_peer matrix --model dummy:llama3-8b --workloads standard-256,tpot-b1 \
         --out v.json
 
+``throughput --json-schema FILE`` puts every request under that JSON schema through vLLM's
+structured outputs (``SamplingParams(structured_outputs=StructuredOutputsParams(json=...))``,
+its default backend unless ``PAGESTREAM_VLLM_ARGS`` sets ``structured_outputs_config``); a
+``dummy:`` model then gets the bundled SmolLM2 tokenizer, as ``bench/structured.py`` gives the
+engine.
+
 ``speculative`` runs ``bench speculative``'s copy prompts (the same token ids, from the
 model's own tokenizer and chat template), greedy, stopping at EOS, once per process: the
 parent starts it twice, without and with vLLM's own speculation (``ngram`` prompt lookup or
@@ -233,7 +239,8 @@ def _results(llm: Any, vocab_size: int, args: argparse.Namespace) -> Iterator[di
     if args.kind == "throughput":
         for num in args.num_prompts:
             workload = _throughput_workload(args, num)
-            yield {"num_prompts": num, **_throughput(llm, vocab_size, workload)}
+            schema = None if args.json_schema is None else Path(args.json_schema).read_text()
+            yield {"num_prompts": num, **_throughput(llm, vocab_size, workload, schema)}
     elif args.kind == "speculative":
         for batch in args.batch_sizes:
             yield _speculative(llm, vocab_size, args, batch)
@@ -273,6 +280,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--workloads", type=_names, default=(), help="matrix workload names")
     parser.add_argument("--scale", type=float, default=1.0, help="matrix workload scale")
+    parser.add_argument("--json-schema", help="throughput: a file holding a JSON schema")
     return parser
 
 
@@ -293,6 +301,10 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
     # The engine core in this process: simpler, and no NVML probe of a child process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model_dir, load_format, vocab_size = _model_dir(args.model)
+    if args.json_schema is not None and load_format == "dummy":
+        from engine.structured.tokenizers import bundled_tokenizer
+
+        bundled_tokenizer().save_pretrained(model_dir)
     _force_cuda_platform()
     import torch
     import vllm
@@ -301,8 +313,9 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
     settings: dict[str, Any] = {
         "model": model_dir,
         "load_format": load_format,
-        # the copy prompts come from the tokenizer's chat template, and requests end at EOS
-        "skip_tokenizer_init": not speculative,
+        # the copy prompts come from the tokenizer's chat template, and requests end at EOS;
+        # grammars map tokens to text
+        "skip_tokenizer_init": not speculative and args.json_schema is None,
         "dtype": "bfloat16",
         "max_num_seqs": args.max_seqs,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -383,20 +396,28 @@ def _force_cuda_platform() -> None:
     platforms.builtin_platform_plugins["cuda"] = lambda: "vllm.platforms.cuda.CudaPlatform"
 
 
-def _greedy(num_tokens: int) -> Any:
+def _greedy(num_tokens: int, json_schema: str | None = None) -> Any:
     from vllm import SamplingParams
 
+    structured = None
+    if json_schema is not None:  # vLLM 0.26's structured outputs (guided_json before)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(json=json_schema)
     return SamplingParams(
         max_tokens=num_tokens, min_tokens=num_tokens, ignore_eos=True, temperature=0,
-        detokenize=False,
+        detokenize=False, structured_outputs=structured,
     )  # fmt: skip
 
 
-def _generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> list[Any]:
+def _generate(
+    llm: Any, prompts: list[list[int]], output_lens: list[int], json_schema: str | None = None
+) -> list[Any]:
     from vllm.inputs import TokensPrompt
 
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    return list(llm.generate(inputs, [_greedy(n) for n in output_lens], use_tqdm=False))
+    params = [_greedy(n, json_schema) for n in output_lens]
+    return list(llm.generate(inputs, params, use_tqdm=False))
 
 
 def _throughput_workload(args: argparse.Namespace, num: int) -> ThroughputWorkload:
@@ -405,15 +426,20 @@ def _throughput_workload(args: argparse.Namespace, num: int) -> ThroughputWorklo
     return ThroughputWorkload(num, args.input_len, args.output_len, args.seed)
 
 
-def _throughput(llm: Any, vocab_size: int, workload: ThroughputWorkload) -> dict[str, Any]:
-    """The engine's throughput run: the same prompts and warm-up, all submitted at once."""
+def _throughput(
+    llm: Any, vocab_size: int, workload: ThroughputWorkload, json_schema: str | None = None
+) -> dict[str, Any]:
+    """The engine's throughput run: the same prompts and warm-up, all submitted at once (each
+    under ``json_schema`` when given)."""
     from bench.workloads import make_random_prompts, warmup_prompts
 
     prompts = make_random_prompts(workload, vocab_size)
     warm = warmup_prompts(prompts, workload.num_warmup_prompts)  # the engine's own warm-up
-    _generate(llm, [p.token_ids for p in warm], [p.output_len for p in warm])
+    _generate(llm, [p.token_ids for p in warm], [p.output_len for p in warm], json_schema)
     start_s = time.perf_counter()
-    outs = _generate(llm, [p.token_ids for p in prompts], [p.output_len for p in prompts])
+    outs = _generate(
+        llm, [p.token_ids for p in prompts], [p.output_len for p in prompts], json_schema
+    )
     elapsed_s = time.perf_counter() - start_s
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p.token_ids) for p in prompts)

@@ -28,6 +28,7 @@ from engine import (
     SamplingParams,
 )
 from engine.config_flags import add_engine_args, engine_config_from_args
+from worker.arg_types import STRUCTURED_OUTPUTS_HELP, json_object
 from worker.defaults import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, with_default_max_tokens
 from worker.jsonl_lines import (
     BatchItem,
@@ -36,12 +37,14 @@ from worker.jsonl_lines import (
     error_record,
     parse_line,
     result_record,
+    sampling_kwargs,
 )
 
 # SamplingParams fields the sampling flags set; a flag is "--" + the name with dashes ...
 SAMPLING_FLAG_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+    "structured_outputs",
 )  # fmt: skip
 FLAG_OF_FIELD = {"stop_token_ids": "--stop-token-id"}  # ... except for these
 STDIO = "-"
@@ -113,6 +116,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--logprobs", type=int, metavar="N", help="top-N log-probs per token in --input results"
     )
+    g.add_argument(
+        "--structured-outputs", type=json_object, metavar="JSON", help=STRUCTURED_OUTPUTS_HELP
+    )
 
 
 def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,7 +126,7 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
     values = {name: getattr(args, name) for name in SAMPLING_FLAG_FIELDS}
     defaults = {name: value for name, value in values.items() if value is not None}
     with user_errors():
-        SamplingParams(**defaults)
+        SamplingParams(**sampling_kwargs(defaults))
     return defaults
 
 
@@ -148,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if items is None:
             request = chat_request(args.prompt) if args.chat else {"prompt": args.prompt}
-            sampling = SamplingParams(**with_default_max_tokens(defaults))
+            sampling = SamplingParams(**sampling_kwargs(with_default_max_tokens(defaults)))
             return stream_one(engine, request, sampling)
         with _open_output(args.output) as out:
             return run_file(engine, items, out, show_progress=not args.no_progress)

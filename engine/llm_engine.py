@@ -39,6 +39,8 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from engine.step_profile import StepProfiler
 from engine.step_types import LaunchedStep, SampledToken
+from engine.structured.drafts import keep_valid_drafts
+from engine.structured.grammars import GrammarCompiler
 
 logger = logging.getLogger("pagestream.engine")
 
@@ -108,6 +110,9 @@ class LLMEngine:
             config.model, self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len
         )
         self.eos_token_ids = self.loaded.eos_token_ids
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.loaded.arch.vocab_size, self.eos_token_ids
+        )
         self.kv_cache, self.block_manager = runtime.kv_cache, runtime.block_manager
         self.host_pool, self.runner = runtime.host_pool, runtime.runner
         self.pool_source = runtime.plan.source
@@ -163,6 +168,9 @@ class LLMEngine:
         )
         sampling = sampling.with_max_tokens(max_tokens)
         check_request_fields(priority, tenant, timeout_s)
+        grammar = None  # compiled here, on the caller's thread: never on the step's path
+        if sampling.structured is not None:
+            grammar = self.grammars.matcher_for(sampling.structured)
         now_s = time.monotonic()
         seq = Sequence(
             request_id=request_id,
@@ -175,6 +183,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if sampling.ignore_eos else self.eos_token_ids,
             length_limit=len(token_ids) + max_tokens,  # within the context
             generator=None if sampling.seed is None else make_generator(sampling.seed),
+            grammar=grammar,
         )
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
@@ -239,6 +248,7 @@ class LLMEngine:
             outputs += self._process(self._take_in_flight())  # its picks feed penalties
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
+            keep_valid_drafts(self.scheduler.running)
         batch = self.scheduler.schedule(time.monotonic())
         outputs += [self.outputs.finished_output(seq) for seq in batch.finished]
         profiler.before_launch(self.device)
@@ -250,6 +260,8 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             outputs += self._process(previous)
+        if launched is not None and launched.unsampled_logits is not None:
+            self.runner.sample_constrained(launched)  # every grammar has its tokens by now
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._process(self._take_in_flight())
         profiler.end_step(batch.scheduled)

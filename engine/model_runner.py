@@ -23,6 +23,7 @@ from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec_decode.verify import DraftVerifier
 from engine.step_types import LaunchedStep, ModelInputs, SampledToken
+from engine.structured.masks import GrammarMasks, has_grammar
 
 
 class ModelRunner:
@@ -45,6 +46,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.verifier = DraftVerifier(sampler)
+        self.grammar_masks = GrammarMasks(sampler.vocab_size, device)
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.graphs: DecodeGraphs | None = None
@@ -90,6 +92,8 @@ class ModelRunner:
             return []
         if while_gpu_busy is not None:
             while_gpu_busy()
+        if launched.unsampled_logits is not None:  # every grammar has its tokens already
+            self.sample_constrained(launched)
         return launched.resolve()
 
     @torch.inference_mode()
@@ -110,21 +114,43 @@ class ModelRunner:
             return None
         logits = self._logits(inputs)
         entries = inputs.sampling_entries
+        launched = LaunchedStep(batch.scheduled, entries, None, draft_entries=inputs.draft_entries)
         if logits is None:
-            return LaunchedStep(batch.scheduled, entries, None)  # only partial prefill chunks
-        verified = None
-        if inputs.draft_entries:
-            verified = self.verifier.verify(logits[len(entries) :], inputs.draft_entries)
+            return launched  # only partial prefill chunks
+        launched.unsampled_logits = logits
+        if has_grammar(entries) or has_grammar(inputs.draft_entries):
+            return launched  # the engine calls sample_constrained (the forward runs meanwhile)
+        self._sample(launched)
+        return launched
+
+    @torch.inference_mode()
+    def sample_constrained(self, launched: LaunchedStep) -> None:
+        """Sample a launched step whose rows have grammars, once each grammar has taken every
+        token before this step: the bitmasks are filled on the host (while the forward may
+        still run) and applied to the logits on the device, outside any CUDA graph."""
+        assert launched.unsampled_logits is not None, "sampled already"
+        self.grammar_masks.apply(
+            launched.unsampled_logits, launched.sampling_entries, launched.draft_entries
+        )
+        self._sample(launched)
+
+    def _sample(self, launched: LaunchedStep) -> None:
+        """Queue the sampling (and draft verification) of ``launched``'s logits."""
+        logits, launched.unsampled_logits = launched.unsampled_logits, None
+        assert logits is not None
+        entries = launched.sampling_entries
+        if launched.draft_entries:
+            launched.verified = self.verifier.verify(logits[len(entries) :], launched.draft_entries)
             logits = logits[: len(entries)]
         if not entries:
-            return LaunchedStep(batch.scheduled, entries, None, verified)
+            return
         if all([entry.seq.picks_argmax for entry in entries]):  # a list: cheaper than a genexpr
             sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
         else:
             rows = [e.seq.sampling_row() for e in entries]
             sample = self.sampler.sample_on_device(logits, rows)
         sample.start_copy()
-        return LaunchedStep(batch.scheduled, entries, sample, verified)
+        launched.sample = sample
 
     @torch.inference_mode()
     def sampling_logits(

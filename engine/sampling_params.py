@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError, describe, wrong_type
+from engine.structured.params import StructuredOutputs
 
 MAX_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 16  # when a request sets none (fewer where the context ends first)
@@ -24,6 +25,8 @@ class SamplingParams:
     A request whose prompt + ``max_tokens`` exceeds the model's context is refused, unless
     ``clamp_max_tokens`` (or the engine's ``clamp_max_tokens``) lowers ``max_tokens`` to fit.
     ``max_tokens=None``: ``DEFAULT_MAX_TOKENS``, lowered to fit without asking.
+    ``structured``: the output must match a JSON schema, regex, grammar or choice list
+    (docs/structured-outputs.md).
     """
 
     max_tokens: int | None = None
@@ -43,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a bare string for stop; store tuples so params stay hashable.
@@ -84,6 +88,12 @@ class SamplingParams:
             self.seed is None or -(2**63) <= self.seed < 2**64,
             "seed",
             "must be an integer of 64 bits, in [-2**63, 2**64)",
+        )
+        _check(
+            self.structured is None or self.min_tokens == 0,
+            "min_tokens",
+            "cannot be combined with structured outputs (the grammar decides where the "
+            "output ends)",
         )
         _check(all(self.stop), "stop", "must be non-empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
@@ -134,6 +144,10 @@ def _is_int_or_none(value: object) -> bool:
     return value is None or _is_int(value)
 
 
+def _is_structured_or_none(value: object) -> bool:
+    return value is None or isinstance(value, StructuredOutputs)
+
+
 _INTEGER = (_is_int, "an integer")
 _NUMBER = (_is_number, "a number")
 _BOOLEAN = (_is_bool, "true or false")
@@ -155,6 +169,7 @@ FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "logprobs": _INTEGER_OR_NULL,
     "include_stop_str_in_output": _BOOLEAN,
     "skip_special_tokens": _BOOLEAN,
+    "structured": (_is_structured_or_none, "a StructuredOutputs or null"),
 }
 # ... or, for lists: (test of an item, words for the items, words for what else may be given)
 LIST_TYPES: dict[str, tuple[Callable[[object], bool], str, str]] = {

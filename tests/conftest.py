@@ -21,6 +21,7 @@ pytest_plugins = [
     "tests.redis_server",
     "tests.service_fixtures",
     "tests.gateway_fixtures",
+    "tests.structured_fixtures",
     "tests.chaos.plugin",
 ]
 

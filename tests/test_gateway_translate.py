@@ -52,7 +52,7 @@ def test_chat_messages_and_its_max_tokens() -> None:
     [
         (chat(n=3), "n"),
         (chat(tools=[{"type": "function"}]), "tools"),
-        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(response_format={"type": "structural_tag"}), "response_format"),
         (chat(logit_bias={"5": 1.0}), "logit_bias"),
         (chat(top_logprobs=2), "top_logprobs"),
         (chat(top_logprobs=21, logprobs=True), "top_logprobs"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 # The sampling flags of the client-side verbs (submit, batch submit): a request's fields.
@@ -14,6 +15,11 @@ CLIENT_SAMPLING_FLAGS = (
     "seed",
     "stop",
     "ignore_eos",
+    "structured_outputs",
+)
+STRUCTURED_OUTPUTS_HELP = (
+    'constrain the output, as a JSON object: {"json_schema": {...}}, {"json_object": true}, '
+    '{"regex": "..."}, {"grammar": "..."} or {"choice": [...]} (docs/structured-outputs.md)'
 )
 
 
@@ -54,6 +60,20 @@ def add_client_sampling_args(
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", default=None)
+    g.add_argument(
+        "--structured-outputs", type=json_object, metavar="JSON", help=STRUCTURED_OUTPUTS_HELP
+    )
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's value that must be a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object {...}")
+    return value
 
 
 def client_sampling(args: argparse.Namespace) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine import EngineStats, LLMEngine, StepOutput
+from engine import EngineStats, LLMEngine, SamplingParams, StepOutput
 
 logger = logging.getLogger("pagestream.worker.engine")
 
@@ -91,6 +91,14 @@ class EngineThread:
         self.engine.add_request(request_id, **request)
         self._wake.set()
 
+    async def compile_grammar(self, sampling: SamplingParams | None) -> None:
+        """Compile ``sampling``'s structured-output grammar into the engine's cache on a
+        thread, so that ``add_request`` finds it there and the loop never waits for a compile
+        (nor for the tokenizer's one-time grammar view, ~1 s). Raises ``InvalidRequestError``
+        for a grammar the engine cannot compile."""
+        if sampling is not None and sampling.structured is not None:
+            await asyncio.to_thread(self.engine.grammars.matcher_for, sampling.structured)
+
     def abort(self, request_id: str) -> None:
         """Cancel a request; its final output (``cancelled``) comes with the next step."""
         self.engine.abort(request_id)
@@ -107,6 +115,7 @@ class EngineThread:
         self._streams[request_id] = queue
         finished = False
         try:
+            await self.compile_grammar(request.get("sampling"))
             self.add_request(request_id, **request)
             while not finished:
                 item = await queue.get()

@@ -140,8 +140,12 @@ class RequestHandler:
         engine = service.engine_thread.engine
         try:
             inputs = engine_inputs(request, engine, service.settings.limits, now_ms)
+            await service.engine_thread.compile_grammar(inputs.sampling)  # off the loop
         except InvalidRequestError as exc:
             await self._refuse(flight, exc)
+            return
+        if flight.cancel_requested:  # a notice that came in while the grammar compiled
+            await self._finish_unstarted(flight)
             return
         if retry:  # valid: the client learns the run starts over, before any of its tokens
             await self._write_restart(request.id, entry)

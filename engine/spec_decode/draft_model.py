@@ -130,6 +130,8 @@ class DraftModelProposer:
             )  # fmt: skip
             self._shadows[seq] = shadow
         _sync(shadow, seq)
+        # drafts under the request's grammar, from where its accepted tokens left it
+        shadow.seq.grammar = None if seq.grammar is None else seq.grammar.copy()
         # the last of the k drafts is sampled but never run
         num_new = shadow.seq.num_uncomputed_tokens + k - 1
         if not self.block_manager.allocate_slots(shadow.seq, num_new):
@@ -168,7 +170,11 @@ class DraftModelProposer:
         }
         # as asynchronous scheduling: a row may run ahead of its picks unless its sampling
         # reads its own past tokens (penalties; the engine's _in_flight_needs_history)
-        if all(s.sampling.is_greedy and not s.sampling.has_penalties for s in shadows):
+        # a grammar's mask needs each draft on the host before the next pass, too
+        if all(
+            s.sampling.is_greedy and not s.sampling.has_penalties and s.grammar is None
+            for s in shadows
+        ):
             drafted = self._draft_queued(shadows, chunked, left_behind)
         else:
             drafted = self._draft_waiting(shadows, chunked, left_behind)
@@ -203,6 +209,8 @@ class DraftModelProposer:
             for shadow, (token_id, q) in self._step(batch).items():
                 shadow.output_token_ids.append(token_id)
                 probs[shadow].append(q)
+                if shadow.grammar is not None and shadow.grammar.is_usable:
+                    shadow.grammar.accept(token_id)
             batch = self._next_rows(shadows, {s: len(p) for s, p in probs.items()}, left_behind)
             if batch.is_empty:
                 return probs
@@ -251,6 +259,7 @@ class DraftModelProposer:
             entry.seq.num_computed_tokens += entry.num_new_tokens
         if logits is None:
             return {}
+        self.runner.grammar_masks.apply(logits, entries, [])  # rows with grammars only
         rows = [entry.seq.sampling_row() for entry in entries]
         probs = self.runner.sampler.target_probs(logits, rows)  # [R, V]; greedy rows one-hot
         token_ids = exponential_race(probs, draw_noise(rows, probs.shape[1], probs.device))

@@ -37,6 +37,33 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct):
+    """``response_format.json_schema``: the schema and its name (``strict`` is always kept)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class VllmStructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` extra field (one of its forms set)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     """The fields both endpoints share."""
 
@@ -59,6 +86,14 @@ class _Sampling(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
+    # structured outputs (worker/gateway/structured.py): OpenAI's, then vLLM's extensions
+    response_format: ResponseFormat | None = None
+    structured_outputs: VllmStructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -80,7 +115,6 @@ class ChatRequest(_Sampling, kw_only=True):
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------

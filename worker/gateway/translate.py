@@ -3,8 +3,9 @@
 ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``, ``top_p``, ``stop``,
 ``seed``, the penalties and the extensions map to the protocol's sampling fields of the same
 meaning; ``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
-``top_logprobs``) to the protocol's ``logprobs``. ``n`` other than 1, ``best_of``, ``echo``,
-``suffix``, ``logit_bias``, tools and structured output are refused with a 400 naming the
+``top_logprobs``) to the protocol's ``logprobs``; ``response_format`` and vLLM's ``guided_*`` /
+``structured_outputs`` to ``structured_outputs`` (``structured.py``). ``n`` other than 1,
+``best_of``, ``echo``, ``suffix``, ``logit_bias`` and tools are refused with a 400 naming the
 field. ``user`` is accepted and not used.
 """
 
@@ -21,6 +22,7 @@ from worker.defaults import with_default_max_tokens
 from worker.gateway.config import COMPLETIONS_MAX_TOKENS
 from worker.gateway.errors import OpenAIError, invalid_body, unsupported
 from worker.gateway.openai_types import ChatMessage, ChatRequest, CompletionRequest
+from worker.gateway.structured import structured_outputs_of
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -78,11 +80,6 @@ def decode_chat(body: bytes, chat_max_tokens: int) -> Generation:
     for name, value in (("tools", request.tools), ("functions", request.functions)):
         if value:
             raise unsupported(name, f"`{name}` (tool calling) is not supported")
-    response_format = (request.response_format or {}).get("type", "text")
-    if response_format != "text":
-        raise unsupported(
-            "response_format", f"response_format {response_format!r} is not supported"
-        )
     logprobs = _chat_logprobs(request)
     sampling = _sampling(request, default_max_tokens=chat_max_tokens)
     if request.max_completion_tokens is not None:  # the newer name wins; the user's own
@@ -168,6 +165,9 @@ def _sampling(request: CompletionRequest | ChatRequest, default_max_tokens: int)
     stop = request.stop
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    structured = structured_outputs_of(request)
+    if structured is not None:
+        sampling["structured_outputs"] = structured
     return sampling
 
 
