@@ -9,13 +9,14 @@ from engine.errors import (
     PagestreamError,
     UnsupportedModelError,
 )
-from engine.llm import LLM, RequestOutput
+from engine.llm import LLM, CompletionOutput, RequestOutput
 from engine.llm_engine import EngineStats, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Usage
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "ConfigError",
     "EngineConfig",
     "EngineDeadError",

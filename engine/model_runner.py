@@ -14,7 +14,7 @@ from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
 from engine.host_inputs import HostBatch, HostInputs, StepMessage, slots_of
 from engine.kv_cache import KVCache
-from engine.kv_offload import PageTransfer
+from engine.kv_offload import PageMove
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.sampler import Sampler, SamplingRow
@@ -116,6 +116,8 @@ class ModelRunner:
         if inputs.draft_entries:
             verified = self.verifier.verify(logits[len(entries) :], inputs.draft_entries)
             logits = logits[: len(entries)]
+        if batch.forks:  # new samples pick their first token from their parent's row
+            logits, entries = _with_fork_rows(logits, entries, batch.forks)
         if not entries:
             return LaunchedStep(batch.scheduled, entries, None, verified)
         if all([entry.seq.picks_argmax for entry in entries]):  # a list: cheaper than a genexpr
@@ -159,7 +161,7 @@ class ModelRunner:
     def _move_pages(
         self,
         swap_out: list[tuple[int, int]],
-        transfers: list[PageTransfer],
+        transfers: list[PageMove],
         swap_in: list[tuple[int, int]],
     ) -> None:
         # Swap-outs first: their pages may be handed to other sequences in this very step.
@@ -328,3 +330,15 @@ class ModelRunner:
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+
+def _with_fork_rows(
+    logits: torch.Tensor, entries: list[ScheduledSeq], forks: list[tuple[Sequence, Sequence]]
+) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    """[S + F, V] logits and entries with one more row per new sample: a copy of its
+    parent's row (the prompt's last position, computed once for all of them)."""
+    row_of = {id(entry.seq): row for row, entry in enumerate(entries)}
+    rows = [row_of[id(parent)] for parent, _ in forks]
+    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    fork_entries = [ScheduledSeq(child, 0) for _, child in forks]
+    return torch.cat([logits, logits[index]]), entries + fork_entries
