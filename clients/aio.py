@@ -135,7 +135,9 @@ class AsyncClient:
     ) -> str:
         """Enqueue a request (exactly one of ``prompt``/``messages``/``token_ids``); returns its id.
 
-        ``sampling``: any ``Request`` sampling field (``max_tokens``, ``temperature``, ...).
+        ``sampling``: any ``Request`` sampling field (``max_tokens``, ``temperature``, ...);
+        ``structured_outputs={"json_schema": {...}}`` (or ``json_schema={...}``, a dict or its
+        JSON text), ``{"regex": ...}``, ``{"choice": [...]}``, ... constrain the output.
         Submitting an id again is safe: the second entry is not run, and both callers read
         the first one's events. An id must be 1..256 printable characters, and integers must
         fit 64 bits (``ValueError``).

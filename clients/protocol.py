@@ -13,6 +13,7 @@ This module imports msgspec only: workers and clients both use it, and clients n
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,18 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     content: str
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The shape the output must take: exactly one field set (see the engine's
+    ``StructuredOutputs`` and docs/structured-outputs.md). ``json_schema`` is the schema's
+    JSON text; ``grammar`` is in llguidance's Lark syntax."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+
 class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A generation request: exactly one of ``prompt``, ``messages``, ``token_ids``.
 
@@ -126,6 +139,8 @@ class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # constrained decoding (added in v1 with a default: old clients never send it)
+    structured_outputs: StructuredOutputs | None = None
     # scheduling and tracing
     priority: int = 0
     tenant: str = "default"
@@ -288,10 +303,20 @@ def new_request(
     timeout_s: float | None = None,
     traceparent: str | None = None,
     now_ms: int,
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None,
+    json_schema: dict[str, Any] | str | None = None,
     **sampling: Any,
 ) -> Request:
     """The ``Request`` a client submits at ``now_ms`` (wall clock): ``timeout_s`` becomes its
-    deadline, ``messages`` its ``Message``s, ``sampling`` its sampling fields."""
+    deadline, ``messages`` its ``Message``s, ``sampling`` its sampling fields.
+
+    ``structured_outputs`` (a struct or a dict of its fields) constrains the output;
+    ``json_schema`` (a schema as a dict, or its JSON text) is short for
+    ``structured_outputs={"json_schema": ...}``."""
+    if json_schema is not None:
+        if structured_outputs is not None:
+            raise ValueError("give structured_outputs or json_schema, not both")
+        structured_outputs = {"json_schema": json_schema}
     return Request(
         id=request_id,
         prompt=prompt,
@@ -302,8 +327,24 @@ def new_request(
         deadline_ms=None if timeout_s is None else now_ms + int(timeout_s * 1000),
         traceparent=traceparent,
         enqueued_at_ms=now_ms,
+        structured_outputs=structured_outputs_of(structured_outputs),
         **sampling,
     )
+
+
+def structured_outputs_of(
+    value: StructuredOutputs | dict[str, Any] | None,
+) -> StructuredOutputs | None:
+    """``value`` as a ``StructuredOutputs``; a dict's ``json_schema`` may be the schema itself
+    (a dict), sent as its JSON text. Raises ``ValueError`` for fields it does not have."""
+    if value is None or isinstance(value, StructuredOutputs):
+        return value
+    if isinstance(value.get("json_schema"), dict):
+        value = {**value, "json_schema": json.dumps(value["json_schema"])}
+    try:
+        return msgspec.convert(value, StructuredOutputs)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"structured_outputs: {exc}") from None
 
 
 def encode_request(request: Request) -> bytes:

@@ -13,6 +13,7 @@ from engine.llm import LLM, CompletionOutput, RequestOutput
 from engine.llm_engine import EngineStats, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Usage
+from engine.structured import StructuredOutputs
 
 __all__ = [
     "LLM",
@@ -29,6 +30,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StepOutput",
+    "StructuredOutputs",
     "UnsupportedModelError",
     "Usage",
 ]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError, describe, wrong_type
+from engine.structured.params import StructuredOutputs
 
 MAX_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 16  # when a request sets none (fewer where the context ends first)
@@ -29,6 +30,8 @@ class SamplingParams:
     ``best_of`` > ``n``, ``best_of`` are generated and the ``n`` of highest cumulative
     logprob come back, once all have ended. Sample ``i`` of a seeded request uses
     ``seed + i``.
+    ``structured``: the output must match a JSON schema, regex, grammar or choice list
+    (docs/structured-outputs.md).
     """
 
     max_tokens: int | None = None
@@ -50,6 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     best_of: int | None = None  # None = n
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a bare string for stop; store tuples so params stay hashable.
@@ -129,7 +133,12 @@ class SamplingParams:
     @property
     def is_plain_greedy(self) -> bool:
         """Argmax of the raw logits is the whole story (once ``min_tokens`` is reached)."""
-        return self.is_greedy and not self.has_penalties and self.logprobs is None
+        return (
+            self.is_greedy
+            and not self.has_penalties
+            and self.logprobs is None
+            and self.structured is None
+        )
 
 
 def _is_int(value: object) -> bool:
@@ -146,6 +155,10 @@ def _is_bool(value: object) -> bool:
 
 def _is_int_or_none(value: object) -> bool:
     return value is None or _is_int(value)
+
+
+def _is_structured_or_none(value: object) -> bool:
+    return value is None or isinstance(value, StructuredOutputs)
 
 
 _INTEGER = (_is_int, "an integer")
@@ -171,6 +184,7 @@ FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "skip_special_tokens": _BOOLEAN,
     "n": _INTEGER,
     "best_of": _INTEGER_OR_NULL,
+    "structured": (_is_structured_or_none, "a StructuredOutputs or null"),
 }
 # ... or, for lists: (test of an item, words for the items, words for what else may be given)
 LIST_TYPES: dict[str, tuple[Callable[[object], bool], str, str]] = {

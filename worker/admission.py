@@ -18,6 +18,7 @@ from clients import protocol
 from clients.protocol import ErrorCode, Request
 from engine import InvalidRequestError, LLMEngine, SamplingParams
 from engine.sampling_params import DEFAULT_MAX_TOKENS
+from engine.structured import StructuredOutputs
 from worker.settings import RequestLimits
 
 _FIELD_IN_ERROR = re.compile(r"`\$\.([A-Za-z_]\w*)|field `([A-Za-z_]\w*)`")
@@ -113,7 +114,10 @@ def engine_inputs(
     request: Request, engine: LLMEngine, limits: RequestLimits, now_ms: int
 ) -> EngineInputs:
     """Check ``request`` against ``limits`` and the model; raises ``InvalidRequestError``."""
-    sampling = SamplingParams(**{name: getattr(request, name) for name in protocol.SAMPLING_FIELDS})
+    sampling = SamplingParams(
+        **{name: getattr(request, name) for name in protocol.SAMPLING_FIELDS},
+        structured=structured_of(request.structured_outputs),
+    )
     sampling = _within_limit(sampling, limits.max_output_tokens, engine.config.clamp_max_tokens)
     messages = None
     if request.messages is not None:
@@ -131,6 +135,13 @@ def engine_inputs(
         tenant=request.tenant,
         timeout_s=_timeout_s(request.deadline_ms, now_ms),
     )
+
+
+def structured_of(wire: protocol.StructuredOutputs | None) -> StructuredOutputs | None:
+    """The engine's ``StructuredOutputs`` of a request's ``structured_outputs``."""
+    if wire is None:
+        return None
+    return StructuredOutputs(**msgspec.structs.asdict(wire))
 
 
 def _within_limit(sampling: SamplingParams, limit: int | None, clamp: bool) -> SamplingParams:

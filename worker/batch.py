@@ -45,7 +45,7 @@ from worker.arg_types import positive_int
 from worker.defaults import DEFAULT_TEMPERATURE
 from worker.delivery import REDIS_ERRORS
 from worker.engine_thread import EngineStoppedError, EngineThread
-from worker.jsonl_lines import BatchItem, error_record, parse_line, result_record
+from worker.jsonl_lines import BatchItem, error_record, parse_line, result_record, sampling_kwargs
 from worker.logs import get_logger
 from worker.settings import WorkerSettings
 
@@ -180,7 +180,7 @@ class BatchJob:
         # no max_tokens here: parse_line gives a line that sets none the default, within the context
         defaults = {"temperature": DEFAULT_TEMPERATURE, **self.spec.sampling}
         try:
-            SamplingParams(**defaults)
+            SamplingParams(**sampling_kwargs(defaults))
         except (InvalidRequestError, TypeError) as exc:
             raise BatchInputError(f"invalid sampling defaults: {exc}") from exc
         chat = self.spec.chat

@@ -2,7 +2,7 @@
 
 ``pagestream generate --input`` and batch jobs (``worker/batch.py``) read the same format: a
 JSON object with ``prompt`` or ``messages``, an optional ``id``, and any ``SamplingParams``
-field overriding the defaults. A line that cannot be run becomes an error record that names
+field overriding the defaults (``structured_outputs``, an object, for ``structured``). A line that cannot be run becomes an error record that names
 the field; the others still run.
 """
 
@@ -15,9 +15,14 @@ from typing import Any
 
 from engine import InvalidRequestError, RequestOutput, SamplingParams
 from engine.errors import wrong_type
+from engine.structured import StructuredOutputs
 from worker.defaults import with_default_max_tokens
 
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# The sampling fields of a JSON line: SamplingParams' own, but its ``structured`` is given as
+# ``structured_outputs`` (the name of the Redis request field, and vLLM's)
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"structured"} | {
+    "structured_outputs"
+}
 REQUEST_FIELDS = frozenset({"id", "prompt", "messages"})
 
 Request = dict[str, Any]  # keyword arguments of LLMEngine.encode_prompt
@@ -72,7 +77,18 @@ def _request_of(obj: dict[str, Any], chat: bool) -> Request:
 
 def _sampling_of(obj: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
     overrides = {name: value for name, value in obj.items() if name in SAMPLING_FIELDS}
-    return SamplingParams(**with_default_max_tokens({**defaults, **overrides}))
+    return SamplingParams(**sampling_kwargs(with_default_max_tokens({**defaults, **overrides})))
+
+
+def sampling_kwargs(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON sampling settings as keyword arguments of ``SamplingParams``: the object under
+    ``structured_outputs`` becomes a ``StructuredOutputs``."""
+    if "structured_outputs" not in values:
+        return values
+    kwargs = {name: value for name, value in values.items() if name != "structured_outputs"}
+    given = values["structured_outputs"]
+    kwargs["structured"] = None if given is None else StructuredOutputs.from_dict(given)
+    return kwargs
 
 
 def result_record(item: BatchItem, result: RequestOutput) -> dict[str, Any]:
