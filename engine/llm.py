@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import InvalidRequestError
+from engine.inputs import ChatTemplateOptions
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -140,12 +141,19 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. ``tools``
+        (OpenAI function definitions) and ``chat_template_kwargs`` (e.g.
+        ``{"enable_thinking": False}``) go to the template."""
         is_single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if is_single else list(messages)
         params = _broadcast(sampling_params, len(conversations))
-        requests = [{"messages": list(conversation)} for conversation in conversations]
+        template = ChatTemplateOptions(tools, chat_template_kwargs)
+        requests = [
+            {"messages": list(conversation), "template": template} for conversation in conversations
+        ]
         return self._run(requests, params, use_tqdm)
 
     def _run(

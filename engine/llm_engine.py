@@ -27,7 +27,12 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.ranks import RankProcesses, check_devices, rank_device
 from engine.distributed.shard import ShardPlan
 from engine.errors import InvalidRequestError
-from engine.inputs import PromptEncoder, check_request_fields, max_tokens_within_context
+from engine.inputs import (
+    ChatTemplateOptions,
+    PromptEncoder,
+    check_request_fields,
+    max_tokens_within_context,
+)
 from engine.loader import find_model
 from engine.memory import prefer_expandable_segments
 from engine.model_runner import ModelRunner
@@ -152,6 +157,7 @@ class LLMEngine:
         *,
         prompt_token_ids: Seq[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
+        template: ChatTemplateOptions | None = None,
         sampling: SamplingParams | None = None,
         priority: int = 0,
         tenant: str = "default",
@@ -162,7 +168,7 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         sampling = sampling or SamplingParams()
-        token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
+        token_ids = self.encode_prompt(prompt, prompt_token_ids, messages, template)
         max_tokens = max_tokens_within_context(
             sampling, len(token_ids), self.max_model_len, clamp=self.config.clamp_max_tokens
         )
@@ -250,9 +256,11 @@ class LLMEngine:
         prompt: str | None = None,
         prompt_token_ids: Seq[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
+        template: ChatTemplateOptions | None = None,
     ) -> list[int]:
-        """The prompt's token ids, checked against the vocabulary and the context length."""
-        return self.prompt_encoder.encode(prompt, prompt_token_ids, messages)
+        """The prompt's token ids, checked against the vocabulary and the context length;
+        ``template``: tools and keyword arguments for the chat template of ``messages``."""
+        return self.prompt_encoder.encode(prompt, prompt_token_ids, messages, template)
 
     # -- stepping ------------------------------------------------------------------------------
 
