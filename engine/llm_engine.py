@@ -46,6 +46,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from engine.step_profile import StepProfiler
 from engine.step_types import LaunchedStep, SampledToken
+from engine.structured.grammars import GrammarCompiler, keep_valid_drafts
 
 logger = logging.getLogger("pagestream.engine")
 
@@ -116,6 +117,9 @@ class LLMEngine:
             config.model, self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len
         )
         self.eos_token_ids = self.loaded.eos_token_ids
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.loaded.arch.vocab_size, self.eos_token_ids
+        )
         self.kv_cache, self.block_manager = runtime.kv_cache, runtime.block_manager
         self.host_pool, self.runner = runtime.host_pool, runtime.runner
         self.pool_source = runtime.plan.source
@@ -229,6 +233,11 @@ class LLMEngine:
             length_limit=len(token_ids) + max_tokens,  # within the context
             generator=None if seed is None else make_generator(seed),
             sample_index=index,
+            # compiled once per constraint (cached), on the caller's thread: never on the
+            # step's path; a matcher of its own per sample
+            grammar=None
+            if sampling.structured is None
+            else self.grammars.matcher_for(sampling.structured),
             **scheduling,
         )
         if self.tokenizer is not None:
@@ -291,6 +300,7 @@ class LLMEngine:
             outputs += self._process(self._take_in_flight())  # its picks feed penalties
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
+            keep_valid_drafts(self.scheduler.running)
         batch = self.scheduler.schedule(time.monotonic())
         outputs += [self.outputs.finished_output(seq) for seq in batch.finished]
         profiler.before_launch(self.device)
@@ -302,6 +312,8 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             outputs += self._process(previous)
+        if launched is not None and launched.unsampled_logits is not None:
+            self.runner.sample_constrained(launched)  # every grammar has its tokens by now
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._process(self._take_in_flight())
         if self._groups:

@@ -23,6 +23,7 @@ from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec_decode.verify import DraftVerifier
 from engine.step_types import LaunchedStep, ModelInputs, SampledToken
+from engine.structured.masks import GrammarMasks, has_grammar
 
 
 class ModelRunner:
@@ -45,6 +46,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.verifier = DraftVerifier(sampler)
+        self.grammar_masks = GrammarMasks(sampler.vocab_size, device)
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.graphs: DecodeGraphs | None = None
@@ -110,23 +112,47 @@ class ModelRunner:
             return None
         logits = self._logits(inputs)
         entries = inputs.sampling_entries
-        if logits is None:
-            return LaunchedStep(batch.scheduled, entries, None)  # only partial prefill chunks
-        verified = None
-        if inputs.draft_entries:
-            verified = self.verifier.verify(logits[len(entries) :], inputs.draft_entries)
-            logits = logits[: len(entries)]
-        if batch.forks:  # new samples pick their first token from their parent's row
+        if (
+            logits is not None and batch.forks
+        ):  # new samples: their first token from the parent's row
             logits, entries = _with_fork_rows(logits, entries, batch.forks)
+        launched = LaunchedStep(batch.scheduled, entries, None, draft_entries=inputs.draft_entries)
+        if logits is None:
+            return launched  # only partial prefill chunks
+        launched.unsampled_logits = logits
+        if has_grammar(entries) or has_grammar(inputs.draft_entries):
+            return launched  # the engine calls sample_constrained (the forward runs meanwhile)
+        self._sample(launched)
+        return launched
+
+    @torch.inference_mode()
+    def sample_constrained(self, launched: LaunchedStep) -> None:
+        """Sample a launched step whose rows have grammars, once each grammar has taken every
+        token before this step: the bitmasks are filled on the host (while the forward may
+        still run) and applied to the logits on the device, outside any CUDA graph."""
+        assert launched.unsampled_logits is not None, "sampled already"
+        self.grammar_masks.apply(
+            launched.unsampled_logits, launched.sampling_entries, launched.draft_entries
+        )
+        self._sample(launched)
+
+    def _sample(self, launched: LaunchedStep) -> None:
+        """Queue the sampling (and draft verification) of ``launched``'s logits."""
+        logits, launched.unsampled_logits = launched.unsampled_logits, None
+        assert logits is not None
+        entries = launched.sampling_entries
+        if launched.draft_entries:
+            launched.verified = self.verifier.verify(logits[len(entries) :], launched.draft_entries)
+            logits = logits[: len(entries)]
         if not entries:
-            return LaunchedStep(batch.scheduled, entries, None, verified)
+            return
         if all([entry.seq.picks_argmax for entry in entries]):  # a list: cheaper than a genexpr
             sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
         else:
             rows = [e.seq.sampling_row() for e in entries]
             sample = self.sampler.sample_on_device(logits, rows)
         sample.start_copy()
-        return LaunchedStep(batch.scheduled, entries, sample, verified)
+        launched.sample = sample
 
     @torch.inference_mode()
     def sampling_logits(
@@ -335,10 +361,13 @@ class ModelRunner:
 def _with_fork_rows(
     logits: torch.Tensor, entries: list[ScheduledSeq], forks: list[tuple[Sequence, Sequence]]
 ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-    """[S + F, V] logits and entries with one more row per new sample: a copy of its
-    parent's row (the prompt's last position, computed once for all of them)."""
+    """Logits and entries with one more sampling row per new sample, a copy of its parent's
+    row (the prompt's last position, computed once for all of them): [S + F + N, V], the
+    rows with drafts (N) still last."""
     row_of = {id(entry.seq): row for row, entry in enumerate(entries)}
     rows = [row_of[id(parent)] for parent, _ in forks]
     index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-    fork_entries = [ScheduledSeq(child, 0) for _, child in forks]
-    return torch.cat([logits, logits[index]]), entries + fork_entries
+    num_sampling = len(entries)
+    fork_rows = logits[index]  # [F, V]
+    logits = torch.cat([logits[:num_sampling], fork_rows, logits[num_sampling:]])
+    return logits, entries + [ScheduledSeq(child, 0) for _, child in forks]

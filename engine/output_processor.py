@@ -4,6 +4,7 @@ drafts after it were never produced), text detokenized, ended sequences finished
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from engine.outputs import StepOutput
@@ -11,6 +12,8 @@ from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence
 from engine.step_types import SampledToken
+
+logger = logging.getLogger("pagestream.engine")
 
 
 class OutputProcessor:
@@ -69,6 +72,8 @@ class OutputProcessor:
             reason = self._stop_reason(seq, token_id, num_output=index + 1)
             if reason is not None:
                 text_delta += self._finish(seq, reason)
+        if seq.grammar is not None and not seq.is_finished and _grammar_ends(seq, token_id):
+            text_delta += self._finish(seq, FinishReason.STOP)
         return text_delta
 
     def _stop_reason(self, seq: Sequence, token_id: int, num_output: int) -> FinishReason | None:
@@ -110,6 +115,19 @@ class OutputProcessor:
             usage=seq.usage(),
             index=seq.sample_index,
         )
+
+
+def _grammar_ends(seq: Sequence, token_id: int) -> bool:
+    """Advance ``seq``'s grammar past ``token_id``; whether the output is complete with it and
+    nothing but EOS may follow. A token the grammar refuses (its mask allowed it, so this is
+    a bug) ends the sequence rather than produce output that does not parse."""
+    assert seq.grammar is not None
+    if not seq.grammar.accept(token_id):
+        logger.error(
+            "request %s: token %d is outside its grammar; ending it", seq.request_id, token_id
+        )
+        return True
+    return seq.grammar.is_terminated
 
 
 def _drop_pending(seq: Sequence) -> None:

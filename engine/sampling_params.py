@@ -98,6 +98,12 @@ class SamplingParams:
             "seed",
             "must be an integer of 64 bits, in [-2**63, 2**64)",
         )
+        _check(
+            self.structured is None or self.min_tokens == 0,
+            "min_tokens",
+            "cannot be combined with structured outputs (the grammar decides where the "
+            "output ends)",
+        )
         _check(all(self.stop), "stop", "must be non-empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         _check(
@@ -133,12 +139,7 @@ class SamplingParams:
     @property
     def is_plain_greedy(self) -> bool:
         """Argmax of the raw logits is the whole story (once ``min_tokens`` is reached)."""
-        return (
-            self.is_greedy
-            and not self.has_penalties
-            and self.logprobs is None
-            and self.structured is None
-        )
+        return self.is_greedy and not self.has_penalties and self.logprobs is None
 
 
 def _is_int(value: object) -> bool:

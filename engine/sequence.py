@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from engine.detokenizer import IncrementalDetokenizer
     from engine.sampler import TokenLogprobs
+    from engine.structured.grammars import GrammarMatcher
 
 
 # An output token sampled by a step still on the device: its id reaches the host one step
@@ -81,6 +82,8 @@ class Sequence:
     length_limit: int = 1 << 62
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    # Where its output stands in its grammar (structured outputs); advanced with each token
+    grammar: GrammarMatcher | None = None
     # Guessed next tokens (speculative decoding), set before each schedule; verified with it
     draft_token_ids: list[int] = field(default_factory=list)
     # [k, V] the draft model's distribution at each draft (a sampled request's drafts from a

@@ -3,7 +3,7 @@ launched (picks still on the device), and each row's resolved picks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,10 @@ class LaunchedStep:
     sampling_entries: list[ScheduledSeq]  # rows without drafts that sample
     sample: DeviceSample | None  # None when no such row ran
     verified: VerifiedDrafts | None = None  # rows that ran with draft tokens
+    # Logits not sampled yet: a row's grammar needs the tokens of the step before first
+    # (``ModelRunner.sample_constrained``); [S + N, V], with the rows that have drafts
+    unsampled_logits: torch.Tensor | None = None
+    draft_entries: list[ScheduledSeq] = field(default_factory=list)
 
     def row_of(self) -> dict[int, int]:
         """``id(seq)`` -> its row in ``sample.token_ids``."""

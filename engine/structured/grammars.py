@@ -1,0 +1,161 @@
+"""Grammars for one tokenizer: compiled once per constraint (LRU-cached), one matcher per
+sequence that advances with each accepted token.
+
+Built on llguidance (docs/structured-outputs.md says why): making a matcher is the compile
+(about a millisecond for a typical JSON schema); a cached one is copied for each request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.sequence import Sequence as EngineSequence
+from engine.structured.params import FIELD, StructuredOutputs
+from engine.structured.tokenizers import grammar_tokenizer
+
+MAX_CACHED_GRAMMARS = 512  # compiled constraints kept (least recently used dropped first)
+# JSON as OpenAI's strict mode writes it: compact, no free whitespace between tokens (a model
+# that may put whitespace anywhere can also fill max_tokens with it)
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher  # an llguidance.LLMatcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False if the grammar does not allow it here."""
+        return bool(self.matcher.consume_token(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        """Nothing but EOS may follow: the output is complete."""
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is complete (more may follow)."""
+        return bool(self.matcher.is_accepting())
+
+    @property
+    def is_usable(self) -> bool:
+        """It can say what comes next (not ended, not failed)."""
+        return not self.matcher.is_stopped() and not self.matcher.is_error()
+
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many leading ``token_ids`` the grammar allows from here (drafts to keep)."""
+        return int(self.matcher.validate_tokens(list(token_ids)))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` accepted tokens."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+
+class GrammarCompiler:
+    """Turns ``StructuredOutputs`` into ``GrammarMatcher``s for one model's tokenizer.
+
+    Thread-safe: the engine calls ``matcher_for`` from ``add_request`` (on the caller's
+    thread, off the step's path). The tokenizer's grammar view is built on first use (~1 s).
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        max_cached: int = MAX_CACHED_GRAMMARS,
+    ) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_cached = max_cached
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.num_compiled = 0  # cache misses, for tests and stats
+
+    def matcher_for(self, structured: StructuredOutputs) -> GrammarMatcher:
+        """A fresh matcher; raises ``InvalidRequestError`` when the constraint cannot be
+        compiled (the message is the library's)."""
+        key = structured.cache_key
+        with self._lock:
+            template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
+                return GrammarMatcher(template.deep_copy())
+        template = self._compile(structured)  # outside the lock: other requests go on
+        with self._lock:
+            self._compiled[key] = template
+            self.num_compiled += 1
+            while len(self._compiled) > self.max_cached:
+                self._compiled.popitem(last=False)
+        return GrammarMatcher(template.deep_copy())
+
+    def tokenizer(self) -> Any:
+        """The ``llguidance.LLTokenizer`` of the model (built once)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = grammar_tokenizer(
+                    self.hf_tokenizer, self.vocab_size, self.eos_token_ids
+                )
+            return self._tokenizer
+
+    def _compile(self, structured: StructuredOutputs) -> Any:
+        import llguidance
+
+        kind = structured.kind
+        try:
+            grammar = _grammar_text(structured)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{FIELD}.{kind}", f"cannot be compiled: {exc}") from None
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"{FIELD}.{kind}", f"cannot be compiled: {matcher.get_error()}"
+            )
+        return matcher
+
+
+def _grammar_text(structured: StructuredOutputs) -> str:
+    """llguidance's grammar for the constraint; raises ``ValueError`` for malformed input."""
+    import llguidance
+
+    if structured.json_schema is not None:
+        return str(
+            llguidance.LLMatcher.grammar_from_json_schema(
+                structured.json_schema, overrides=JSON_OPTIONS
+            )
+        )
+    if structured.json_object:
+        return str(
+            llguidance.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}', overrides=JSON_OPTIONS
+            )
+        )
+    if structured.regex is not None:
+        return str(llguidance.LLMatcher.grammar_from_regex(structured.regex))
+    if structured.grammar is not None:
+        return str(llguidance.grammar_from("grammar", structured.grammar))  # Lark or GBNF
+    assert structured.choice is not None
+    return str(llguidance.grammar_from("choice", json.dumps(list(structured.choice))))
+
+
+def keep_valid_drafts(seqs: Sequence[EngineSequence]) -> None:
+    """Cut each constrained sequence's drafts before the first its grammar rejects: such a
+    draft could never be accepted, nor could any after it."""
+    for seq in seqs:
+        if seq.grammar is None or not seq.draft_token_ids:
+            continue
+        num_valid = seq.grammar.num_valid(seq.draft_token_ids)
+        if num_valid < len(seq.draft_token_ids):
+            del seq.draft_token_ids[num_valid:]
+            if seq.draft_probs is not None:
+                seq.draft_probs = seq.draft_probs[:num_valid] if num_valid else None

@@ -1,0 +1,120 @@
+"""A step's token bitmasks: filled on the host once every grammar has seen its tokens (the
+forward is running on the device meanwhile), then applied to the logits on the device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kernels.sampling.token_bitmask import apply_token_bitmask_ref, num_mask_words
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledSeq
+    from engine.structured.grammars import GrammarMatcher
+
+MAX_FILL_THREADS = 16  # llguidance's threads filling a step's masks in parallel
+
+
+@dataclass(frozen=True)
+class MaskedRow:
+    """Logits rows ``[first_row, first_row + len(draft_token_ids)]`` of one constrained
+    sequence: its next token, then one row after each of its draft tokens."""
+
+    first_row: int
+    grammar: GrammarMatcher
+    draft_token_ids: list[int]
+
+
+def masked_rows(
+    sampling_entries: list[ScheduledSeq], draft_entries: list[ScheduledSeq]
+) -> list[MaskedRow]:
+    """The constrained rows of a step's logits ([S sampling rows, then each draft entry's
+    k + 1 positions]); ended sequences and finished grammars need no mask."""
+    rows = []
+    for row, entry in enumerate(sampling_entries):
+        grammar = entry.seq.grammar
+        if grammar is not None and not entry.seq.is_finished and grammar.is_usable:
+            rows.append(MaskedRow(row, grammar, []))
+    row = len(sampling_entries)
+    for entry in draft_entries:
+        grammar = entry.seq.grammar
+        if grammar is not None and not entry.seq.is_finished and grammar.is_usable:
+            rows.append(MaskedRow(row, grammar, list(entry.draft_token_ids)))
+        row += len(entry.draft_token_ids) + 1
+    return rows
+
+
+def has_grammar(entries: list[ScheduledSeq]) -> bool:
+    return any([entry.seq.grammar is not None for entry in entries])  # a list: no genexpr
+
+
+class GrammarMasks:
+    """Fills and applies the bitmasks of a step's constrained rows."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.num_words = num_mask_words(vocab_size)
+        self.device = device
+        self._executor: Any = None
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        sampling_entries: list[ScheduledSeq],
+        draft_entries: list[ScheduledSeq],
+    ) -> None:
+        """In place on ``logits`` [S + N, V]: -inf for every token a row's grammar forbids."""
+        rows = masked_rows(sampling_entries, draft_entries)
+        if not rows:
+            return
+        bitmask, row_index = self.fill(rows)
+        on_device = bitmask.to(self.device, non_blocking=True)
+        index = row_index.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            from kernels.sampling.token_bitmask_triton import apply_token_bitmask
+
+            apply_token_bitmask(logits, on_device, index)
+        else:
+            apply_token_bitmask_ref(logits, on_device, index)
+
+    def fill(self, rows: list[MaskedRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M, W] int32 bitmasks of ``rows`` (drafts included) and [M] their logits rows."""
+        import llguidance.torch
+
+        pin = self.device.type == "cuda"
+        starts: list[int] = []
+        row_index: list[int] = []
+        num_masks = 0
+        for row in rows:
+            starts.append(num_masks)
+            num_masks += len(row.draft_token_ids) + 1
+            row_index += range(row.first_row, row.first_row + len(row.draft_token_ids) + 1)
+        bitmask = torch.empty(num_masks, self.num_words, dtype=torch.int32, pin_memory=pin)
+        plain = [
+            (r.grammar.matcher, s)
+            for r, s in zip(rows, starts, strict=True)
+            if not r.draft_token_ids
+        ]
+        drafted = [
+            (r.grammar.matcher, s, r.draft_token_ids)
+            for r, s in zip(rows, starts, strict=True)
+            if r.draft_token_ids
+        ]
+        executor = self._get_executor()
+        if plain:
+            llguidance.torch.fill_next_token_bitmask_par(executor, plain, bitmask)
+        if drafted:  # each draft is consumed for the mask after it, then rolled back
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
+                executor, drafted, bitmask
+            )
+        return bitmask, torch.tensor(row_index, dtype=torch.int64, pin_memory=pin)
+
+    def _get_executor(self) -> Any:
+        import llguidance
+
+        if self._executor is None:
+            num_threads = max(1, min(MAX_FILL_THREADS, (os.cpu_count() or 2) // 2))
+            self._executor = llguidance.LLExecutor(num_threads)
+        return self._executor
