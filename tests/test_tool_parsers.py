@@ -4,6 +4,7 @@ parser and the forced-call readers, whole and streamed in pieces split everywher
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -13,9 +14,9 @@ from worker.gateway.reasoning import ThinkTagParser
 from worker.gateway.tool_parsers import HermesToolParser
 from worker.gateway.tools import ToolPlan, plan_tools
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
-CLOCK = {"type": "function", "function": {"name": "time_now"}}
+CLOCK: dict[str, Any] = {"type": "function", "function": {"name": "time_now"}}
 TWO_CALLS = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
     '"extra": {"nested": [1, "}"]}}}\n</tool_call>\n<tool_call>\n{"name": "time_now", '
