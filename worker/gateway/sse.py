@@ -97,7 +97,8 @@ class GenerationResponse(Response):
         except OpenAIError as exc:
             await self._fail(exc, send)
         except RequestFailedError as exc:
-            await self._fail(errors.from_worker(exc.code, exc.message, exc.field), send)
+            field = self.generation.request_field(exc.field)
+            await self._fail(errors.from_worker(exc.code, exc.message, field), send)
             self.finished = True  # an error event is terminal
         except RequestTimeoutError:
             message = f"no answer within {self.timeout_s:g} s"

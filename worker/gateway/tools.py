@@ -57,7 +57,8 @@ class ToolPlan:
             return None
         items = [
             {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-             "arguments": params}, "required": ["name", "arguments"]}
+             "arguments": params}, "required": ["name", "arguments"],
+             "additionalProperties": False}
             for name, params in parameters.items()
         ]  # fmt: skip
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}

@@ -57,6 +57,14 @@ class Generation:
     def is_chat(self) -> bool:
         return self.kind == "chat"
 
+    def request_field(self, field: str | None) -> str | None:
+        """The request's name for a protocol field a worker's error names: a forced tool
+        call's schema is the tools' ``parameters``."""
+        forced = self.tools is not None and self.tools.schema() is not None
+        if forced and field is not None and field.startswith("structured_outputs"):
+            return "tools"
+        return field
+
     def with_parsers(self, tool_parser: str | None, reasoning_parser: str | None) -> Generation:
         """This chat generation reading its output with the model's parsers (see
         ``chat_output``); raises ``OpenAIError`` when it needs a parser there is none of."""
