@@ -64,7 +64,7 @@ def serve(redis_server: RedisServer, events: list[Event]) -> protocol.Request:
     redis = redis_server.client()
 
     def next_entry() -> bytes | None:
-        reply = redis.xread({KEYS.requests: "0-0"}, count=1)
+        reply: Any = redis.xread({KEYS.requests: "0-0"}, count=1)
         return reply[0][1][0][1][protocol.PAYLOAD_FIELD.encode()] if reply else None
 
     request = protocol.decode_request(wait_for(next_entry))

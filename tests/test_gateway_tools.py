@@ -29,8 +29,10 @@ ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
 TOOLS: Any = [WEATHER, ALARM]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
-SAMPLED = dict(temperature=1.0, seed=7, max_tokens=60)
-ONE_CALL = dict(SAMPLED, parallel_tool_calls=False)  # random weights would not stop calling
+SAMPLED: dict[str, Any] = dict(temperature=1.0, seed=7, max_tokens=60)
+ONE_CALL: dict[str, Any] = dict(
+    SAMPLED, parallel_tool_calls=False
+)  # random weights would not stop calling
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def check_call(name: str, arguments: str) -> None:
 def test_named_tool_choice_is_decoded_under_its_schema(client: openai.OpenAI) -> None:
     choice: Any = {"type": "function", "function": {"name": "get_weather"}}
     response = client.chat.completions.create(
-        model=None, messages=ASK, tools=TOOLS, tool_choice=choice, n=2, **SAMPLED  # type: ignore[arg-type]
+        model="", messages=ASK, tools=TOOLS, tool_choice=choice, n=2, **SAMPLED
     )  # fmt: skip
     assert [c.index for c in response.choices] == [0, 1]
     for c in response.choices:
@@ -60,7 +62,7 @@ def test_named_tool_choice_is_decoded_under_its_schema(client: openai.OpenAI) ->
 def test_named_tool_choice_streams_openai_deltas(client: openai.OpenAI) -> None:
     choice: Any = {"type": "function", "function": {"name": "set_alarm"}}
     stream = client.chat.completions.create(
-        model=None, messages=ASK, tools=TOOLS, tool_choice=choice, stream=True, **SAMPLED  # type: ignore[arg-type]
+        model="", messages=ASK, tools=TOOLS, tool_choice=choice, stream=True, **SAMPLED
     )  # fmt: skip
     pieces = [d for chunk in stream for c in chunk.choices for d in c.delta.tool_calls or []]
     first, rest = pieces[0], pieces[1:]
@@ -72,8 +74,9 @@ def test_named_tool_choice_streams_openai_deltas(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_makes_calls_to_the_tools(client: openai.OpenAI, stream: bool) -> None:
+    response: Any
     with client.beta.chat.completions.stream(
-        model="", messages=ASK, tools=TOOLS, tool_choice="required", **ONE_CALL  # type: ignore[arg-type]
+        model="", messages=ASK, tools=TOOLS, tool_choice="required", **ONE_CALL
     ) if stream else _whole(client) as response:  # fmt: skip
         completion = response.get_final_completion() if stream else response
     choice = completion.choices[0]
@@ -91,7 +94,7 @@ class _whole:
 
     def __enter__(self) -> Any:
         return self.client.chat.completions.create(
-            model="", messages=ASK, tools=TOOLS, tool_choice="required", **ONE_CALL  # type: ignore[arg-type]
+            model="", messages=ASK, tools=TOOLS, tool_choice="required", **ONE_CALL
         )  # fmt: skip
 
     def __exit__(self, *exc: object) -> None:

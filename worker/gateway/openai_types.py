@@ -158,7 +158,7 @@ class ToolCallBody(msgspec.Struct, omit_defaults=True):
     index: int | None = None
 
 
-class AssistantMessage(msgspec.Struct, omit_defaults=True):
+class AssistantMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     reasoning_content: str | None = None  # a thinking model's reasoning (vLLM's name)
