@@ -129,6 +129,19 @@ def test_cancel_frees_every_sample(tiny_model_dirs: dict[str, Path], prompt: lis
     engine.add_request("early", prompt_token_ids=prompt, sampling=params)  # the id is free
 
 
+def test_timeout_ends_every_sample(tiny_model_dirs: dict[str, Path], prompt: list[int]) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama"]), pa_block_size=BLOCK_SIZE))
+    params = sampled(n=3, max_tokens=200)
+    engine.add_request("late", prompt_token_ids=prompt, sampling=params, timeout_s=0.05)
+    engine.add_request("at-once", prompt_token_ids=prompt, sampling=params, timeout_s=1e-6)
+    outputs = run(engine)
+    for request_id in ("late", "at-once"):
+        ends = [o for o in outputs if o.request_id == request_id and o.sample_finished]
+        assert sorted(o.index for o in ends) == [0, 1, 2]
+        assert all(o.finish_reason is FinishReason.TIMEOUT for o in ends)
+    assert engine.block_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_preempted_samples_still_match(tiny_model_dirs: dict[str, Path], preemption: str) -> None:
     prompts = random_prompts([9, 7], VOCAB_SIZE, seed=8)
