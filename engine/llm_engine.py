@@ -39,7 +39,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, StepOutput
 from engine.runtime import RankSetup, setup_rank
-from engine.sample_group import SampleGroup
+from engine.sample_group import SampleGroup, SampleGroups, check_num_samples, sample_seed
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -135,7 +135,7 @@ class LLMEngine:
         self._num_steps = 0
         self._step_time_s = 0.0
         self._request_counter = itertools.count()
-        self._groups: dict[str, SampleGroup] = {}  # requests with n > 1 in flight
+        self._groups = SampleGroups()  # requests with n > 1 in flight
         self._num_prefill_tokens = 0
         torch.manual_seed(config.seed)
         logger.info(
@@ -178,7 +178,7 @@ class LLMEngine:
         )
         sampling = sampling.with_max_tokens(max_tokens)
         check_request_fields(priority, tenant, timeout_s)
-        self._check_num_samples(sampling)
+        check_num_samples(sampling, self.config.max_seqs)
         now_s = time.monotonic()
         deadline_s = None if timeout_s is None else now_s + timeout_s
         group = None
@@ -203,14 +203,6 @@ class LLMEngine:
                 self._inbox.groups.append(group)
         return request_id
 
-    def _check_num_samples(self, sampling: SamplingParams) -> None:
-        if sampling.num_samples > self.config.max_seqs:
-            name = "n" if sampling.best_of is None else "best_of"
-            raise InvalidRequestError(
-                name, f"{sampling.num_samples} samples cannot run at once: "
-                f"at most max_seqs ({self.config.max_seqs})",
-            )  # fmt: skip
-
     def _new_sequence(
         self,
         request_id: str,
@@ -223,7 +215,7 @@ class LLMEngine:
         """Sample ``index`` of a request: its own seed stream (``seed + index``) and text."""
         max_tokens = sampling.max_tokens
         assert max_tokens is not None, "set within the context by add_request"
-        seed = None if sampling.seed is None else _wrap_seed(sampling.seed + index)
+        seed = None if sampling.seed is None else sample_seed(sampling.seed, index)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -317,7 +309,7 @@ class LLMEngine:
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._process(self._take_in_flight())
         if self._groups:
-            outputs = self._collect_samples(outputs)
+            outputs = self._groups.collect(outputs, self._forget_id)
         profiler.end_step(batch.scheduled)
         self._num_steps += 1
         self._step_time_s += time.perf_counter() - start_s
@@ -343,7 +335,7 @@ class LLMEngine:
             aborted, self._inbox.aborted = self._inbox.aborted, []
             groups, self._inbox.groups = self._inbox.groups, []
         for group in groups:
-            self._groups[group.samples[0].request_id] = group
+            self._groups.add(group)
         for new_seq in added:
             self.scheduler.add(new_seq)
         outputs = []
@@ -352,21 +344,6 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.CANCELLED)
                 outputs.append(self.outputs.finished_output(seq))
         return outputs
-
-    def _collect_samples(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """Outputs of requests with n > 1 through their groups (see ``SampleGroup``)."""
-        collected = []
-        for out in outputs:
-            group = self._groups.get(out.request_id)
-            if group is None:
-                collected.append(out)
-                continue
-            collected += group.collect(out)
-            if group.is_finished:
-                del self._groups[out.request_id]
-                with self._inbox.lock:
-                    self._inbox.known_ids.discard(out.request_id)
-        return collected
 
     def _advance(self, batch: ScheduledBatch) -> None:
         """The batch's tokens are computed; each sampling row gets a pending output token."""
@@ -415,8 +392,11 @@ class LLMEngine:
         last sample ends: ``_collect_samples``)."""
         if seq.request_id in self._groups:
             return
+        self._forget_id(seq.request_id)
+
+    def _forget_id(self, request_id: str) -> None:
         with self._inbox.lock:
-            self._inbox.known_ids.discard(seq.request_id)
+            self._inbox.known_ids.discard(request_id)
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -444,11 +424,6 @@ class LLMEngine:
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self.scheduler.find(request_id)
-
-
-def _wrap_seed(seed: int) -> int:
-    """A sample's seed within the 64 bits a generator takes (``seed + index`` may pass them)."""
-    return seed - 2**64 if seed >= 2**64 else seed
 
 
 __all__ = ["EngineStats", "LLMEngine", "SequenceStatus", "StepOutput"]

@@ -11,9 +11,12 @@ indexes ``0..n-1``, best first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequestError
 from engine.outputs import StepOutput
+from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence, SequenceStatus, Usage
 
 
@@ -110,3 +113,50 @@ def cumulative_logprob(seq: Sequence) -> float:
     if seq.output_token_ids and not known:
         return float("-inf")
     return sum(known)
+
+
+class SampleGroups:
+    """The groups of the requests with several samples in flight, by request id."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, SampleGroup] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def add(self, group: SampleGroup) -> None:
+        self._groups[group.samples[0].request_id] = group
+
+    def collect(self, outputs: list[StepOutput], forget: Callable[[str], None]) -> list[StepOutput]:
+        """Outputs of requests with several samples through their groups (the others pass
+        as they are); ``forget`` is told of each request whose last sample ended."""
+        collected = []
+        for out in outputs:
+            group = self._groups.get(out.request_id)
+            if group is None:
+                collected.append(out)
+                continue
+            collected += group.collect(out)
+            if group.is_finished:
+                del self._groups[out.request_id]
+                forget(out.request_id)
+        return collected
+
+
+def check_num_samples(sampling: SamplingParams, max_seqs: int) -> None:
+    """The samples of a request run at once: no more of them than ``max_seqs``."""
+    if sampling.num_samples > max_seqs:
+        name = "n" if sampling.best_of is None else "best_of"
+        raise InvalidRequestError(
+            name, f"{sampling.num_samples} samples cannot run at once: at most max_seqs "
+            f"({max_seqs})",
+        )  # fmt: skip
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Sample ``index``'s seed: ``seed + index``, kept within the 64 bits a generator takes."""
+    value = seed + index
+    return value - 2**64 if value >= 2**64 else value

@@ -30,6 +30,7 @@ class SamplingParams:
     ``best_of`` > ``n``, ``best_of`` are generated and the ``n`` of highest cumulative
     logprob come back, once all have ended. Sample ``i`` of a seeded request uses
     ``seed + i``.
+
     ``structured``: the output must match a JSON schema, regex, grammar or choice list
     (docs/structured-outputs.md).
     """
