@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from engine import LLM, EngineConfig, FinishReason, LLMEngine, SamplingParams, StepOutput
+from engine.scheduler import ScheduledBatch
 from tests.conftest import TINY_COMMON, random_prompts
 
 VOCAB_SIZE = TINY_COMMON["vocab_size"]
@@ -157,11 +158,49 @@ def test_preempted_samples_still_match(tiny_model_dirs: dict[str, Path], preempt
     assert tight.engine.block_manager.num_used_blocks == 0
 
 
+def test_samples_with_prompt_lookup_drafts_match(tiny_model_dirs: dict[str, Path]) -> None:
+    # The first request drafts (prompt lookup) when the second one forks its samples: fork
+    # rows and draft rows in one step. Greedy: drafting changes nothing.
+    repetitive = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]
+    other = random_prompts([9], VOCAB_SIZE, seed=2)[0]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    results = []
+    for speculative in ("off", "ngram"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama"]),
+                                        pa_block_size=BLOCK_SIZE, speculative=speculative))  # fmt: skip
+        engine.add_request("a", prompt_token_ids=repetitive, sampling=params)
+        outputs = [out for _ in range(7) for out in engine.step()]  # "a" drafts in step 8
+        engine.add_request("b", prompt_token_ids=other, sampling=params)
+        steps = record_batches(engine)
+        outputs += run(engine)
+        tokens: dict[tuple[str, int], list[int]] = {}
+        for out in outputs:
+            tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        results.append(tokens)
+        if speculative == "ngram":  # the step that forks "b" verifies drafts of "a"
+            fork = next(step for step in steps if step.forks)
+            assert any(entry.draft_token_ids for entry in fork.scheduled)
+    assert results[0] == results[1] and len(results[0]) == 4
+
+
 def test_too_many_samples_are_refused(llm: LLM, prompt: list[int]) -> None:
     with pytest.raises(ValueError, match="best_of"):
         llm.generate([prompt], sampled(n=2, best_of=9), use_tqdm=False)
     with pytest.raises(ValueError, match="best_of: must be >= n"):
         SamplingParams(n=3, best_of=2)
+
+
+def record_batches(engine: LLMEngine) -> list[ScheduledBatch]:
+    """Every batch the engine's scheduler makes from now on (the scheduler's own)."""
+    batches: list[ScheduledBatch] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded(now_s: float) -> ScheduledBatch:
+        batches.append(schedule(now_s))
+        return batches[-1]
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    return batches
 
 
 def run(engine: LLMEngine) -> list[StepOutput]:
