@@ -210,3 +210,26 @@ def run(engine: LLMEngine) -> list[StepOutput]:
             return outputs
         outputs += engine.step()
     raise AssertionError("the engine did not finish")
+
+
+def test_the_clients_completion_folds_samples_by_index() -> None:
+    from clients import Completion
+    from clients.protocol import DoneEvent, RestartEvent, TokenEvent
+    from clients.protocol import FinishReason as WireFinish
+    from clients.protocol import Usage as WireUsage
+
+    completion = Completion("r")
+    completion.add(TokenEvent(seq=0, text=" dead", token_ids=[1], index=1))
+    completion.add(RestartEvent(attempt=1, worker="w2"))
+    for seq, (index, text) in enumerate([(0, " a"), (1, " x"), (0, " b"), (1, "")]):
+        end = WireFinish.LENGTH if (index, text) == (0, " b") else None
+        end = WireFinish.STOP if text == "" else end
+        completion.add(TokenEvent(seq=seq, text=text, token_ids=[seq] if text else [],
+                                  index=index, finish_reason=end))  # fmt: skip
+    usage = WireUsage(prompt_tokens=2, completion_tokens=3)
+    completion.add(DoneEvent(finish_reason=WireFinish.STOP, usage=usage))
+    assert [(c.index, c.text, c.finish_reason) for c in completion.choices] == [
+        (0, " a b", WireFinish.LENGTH), (1, " x", WireFinish.STOP),
+    ]  # fmt: skip
+    assert (completion.text, completion.token_ids) == (" a b", [0, 2])
+    assert completion.finish_reason is WireFinish.LENGTH and completion.usage == usage
