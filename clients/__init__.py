@@ -6,6 +6,7 @@ imports torch. ``AsyncClient`` for asyncio code, ``Client`` for everything else.
 
 from clients.aio import (
     AsyncClient,
+    Choice,
     ClientError,
     Completion,
     RequestFailedError,
@@ -31,6 +32,7 @@ __all__ = [
     "BatchResult",
     "BatchState",
     "BatchStatus",
+    "Choice",
     "Client",
     "ClientError",
     "Completion",

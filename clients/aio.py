@@ -56,8 +56,22 @@ class RequestTimeoutError(ClientError, TimeoutError):
 
 
 @dataclass
+class Choice:
+    """One sample of a request's answer (``n`` > 1 gives several, by ``index``)."""
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
 class Completion:
-    """The whole answer to one request (``complete``)."""
+    """The whole answer to one request (``complete``). ``choices`` holds its samples by
+    index; ``text``, ``token_ids`` and ``logprobs`` are the first one's, ``usage`` covers
+    them all."""
 
     request_id: str
     text: str = ""
@@ -68,21 +82,39 @@ class Completion:
     timings: Timings | None = None
     num_restarts: int = 0  # attempts that died on a worker before this answer
     worker: str = ""  # the worker that finished it
+    choices: list[Choice] = field(default_factory=lambda: [Choice()])
 
     def add(self, event: Event) -> None:
         """Fold one event in; a ``restart`` forgets what the dead attempt produced."""
         if isinstance(event, TokenEvent):
-            self.text += event.text
-            self.token_ids += event.token_ids
-            self.logprobs += event.logprobs or []
+            self._add_tokens(event)
         elif isinstance(event, RestartEvent):
             self.text, self.token_ids, self.logprobs = "", [], []
+            self.choices = [Choice()]
             self.num_restarts += 1
         elif isinstance(event, DoneEvent):
             self.finish_reason, self.usage, self.timings = (
                 event.finish_reason, event.usage, event.timings,
             )  # fmt: skip
             self.worker = event.worker
+            if len(self.choices) == 1 and self.choices[0].finish_reason is None:
+                self.choices[0].finish_reason = event.finish_reason
+                self.choices[0].stop_reason = event.stop_reason
+            self.finish_reason = self.choices[0].finish_reason
+
+    def _add_tokens(self, event: TokenEvent) -> None:
+        while len(self.choices) <= event.index:
+            self.choices.append(Choice(len(self.choices)))
+        choice = self.choices[event.index]
+        choice.text += event.text
+        choice.token_ids += event.token_ids
+        choice.logprobs += event.logprobs or []
+        if event.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = event.finish_reason, event.stop_reason
+        if event.index == 0:
+            self.text, self.token_ids, self.logprobs = (
+                choice.text, choice.token_ids, choice.logprobs,
+            )  # fmt: skip
 
 
 class AsyncClient:
@@ -124,7 +156,7 @@ class AsyncClient:
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         token_ids: list[int] | None = None,
         request_id: str | None = None,
         priority: int = 0,
@@ -206,7 +238,7 @@ class AsyncClient:
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         token_ids: list[int] | None = None,
         request_id: str | None = None,
         timeout_s: float | None = None,
@@ -249,7 +281,7 @@ class AsyncClient:
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         token_ids: list[int] | None = None,
         request_id: str | None = None,
         timeout_s: float | None = None,

@@ -90,11 +90,16 @@ class Keys:
 # -- requests ----------------------------------------------------------------------------------
 
 
-class Message(msgspec.Struct, forbid_unknown_fields=True):
-    """One chat message."""
+class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One chat message. An assistant message may carry the ``tool_calls`` it made (OpenAI's
+    shape, ``function.arguments`` as an object or its JSON text), a ``tool`` message the
+    ``tool_call_id`` it answers (added in v1 with defaults: old clients never send them)."""
 
     role: str
     content: str
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -141,6 +146,11 @@ class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: int | None = None
     # constrained decoding (added in v1 with a default: old clients never send it)
     structured_outputs: StructuredOutputs | None = None
+    # samples and chat templating (added in v1 with defaults: old clients never send them)
+    n: int = 1
+    best_of: int | None = None
+    tools: list[dict[str, Any]] | None = None  # given to the chat template (messages only)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     # scheduling and tracing
     priority: int = 0
     tenant: str = "default"
@@ -152,7 +162,7 @@ class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 SAMPLING_FIELDS = (
     "max_tokens", "clamp_max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-    "stop_token_ids", "ignore_eos", "logprobs",
+    "stop_token_ids", "ignore_eos", "logprobs", "n", "best_of",
 )  # fmt: skip
 
 
@@ -207,16 +217,27 @@ class _Event(msgspec.Struct, kw_only=True, tag_field="type"):
 
 
 class TokenEvent(_Event, tag="token"):
-    """New tokens: ``seq`` counts token events from 0 within one attempt."""
+    """New tokens: ``seq`` counts token events from 0 within one attempt.
+
+    A request with ``n`` > 1 (or ``best_of``) streams each sample's tokens under its
+    ``index`` (0..n-1); the last event of each sample carries its ``finish_reason`` (and
+    ``stop_reason``), with no tokens when it ended without new ones. (Added in v1 with
+    defaults: index 0 and no finish_reason for a request of one sample.)
+    """
 
     seq: int
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
 
 
 class DoneEvent(_Event, tag="done"):
-    """The request ended normally (terminal)."""
+    """The request ended normally (terminal). With ``n`` > 1 ``finish_reason`` is that of
+    the sample that ended last (each sample's own came on its last ``token`` event) and
+    ``usage`` covers every sample, the prompt counted once."""
 
     finish_reason: FinishReason
     usage: Usage
@@ -278,6 +299,10 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     num_pages_free: int = 0
     num_steps: int = 0  # engine steps since the worker started
     step_time_s: float = 0.0  # time spent in those steps, summed
+    # The output formats its model's chat template teaches ("" = none found): the gateway's
+    # --tool-call-parser / --reasoning-parser auto take these
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
 
 # -- encoding --------------------------------------------------------------------------------------
@@ -296,7 +321,7 @@ def new_request(
     request_id: str,
     *,
     prompt: str | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     token_ids: list[int] | None = None,
     priority: int = 0,
     tenant: str = "default",

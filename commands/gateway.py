@@ -49,6 +49,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-max-tokens", type=positive_int, default=config.DEFAULT_CHAT_MAX_TOKENS,
                    help="max_tokens of a chat request that sets none, lowered to what the "
                    f"model's context leaves (default {config.DEFAULT_CHAT_MAX_TOKENS})")  # fmt: skip
+    g.add_argument("--tool-call-parser", default="auto", choices=config.TOOL_CALL_PARSERS,
+                   help="how chat output is read for tool calls under tool_choice auto: auto "
+                   "(what the workers find in their chat template), hermes, none")  # fmt: skip
+    g.add_argument("--reasoning-parser", default="auto", choices=config.REASONING_PARSERS,
+                   help="how a thinking model's reasoning is split into reasoning_content: "
+                   "auto (what the workers find in their chat template), qwen3, none")  # fmt: skip
     g.add_argument("--workers", type=positive_int, default=1,
                    help="server processes sharing the port (default 1); each streams about "
                    "15,000 tokens/s on one core")  # fmt: skip
@@ -64,7 +70,8 @@ def settings_from_args(args: argparse.Namespace) -> config.GatewaySettings:
         return config.GatewaySettings(
             redis_url=args.redis_url, prefix=args.prefix, host=args.host, port=args.port,
             api_keys=keys, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout_s,
-            chat_max_tokens=args.chat_max_tokens,
+            chat_max_tokens=args.chat_max_tokens, tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )  # fmt: skip
     except config.GatewayConfigError as exc:
         raise CommandError(str(exc)) from exc

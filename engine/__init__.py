@@ -9,7 +9,7 @@ from engine.errors import (
     PagestreamError,
     UnsupportedModelError,
 )
-from engine.llm import LLM, RequestOutput
+from engine.llm import LLM, CompletionOutput, RequestOutput
 from engine.llm_engine import EngineStats, LLMEngine, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Usage
@@ -17,6 +17,7 @@ from engine.structured import StructuredOutputs
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "ConfigError",
     "EngineConfig",
     "EngineDeadError",

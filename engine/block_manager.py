@@ -15,7 +15,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 
-from engine.kv_offload import HostPrefixCache, PageTransfer, PrefixHit
+from engine.kv_offload import HostPrefixCache, PageCopy, PageMove, PageTransfer, PrefixHit
 from engine.sequence import Sequence
 
 ROOT_HASH = b"pagestream-prefix-root"
@@ -51,7 +51,7 @@ class BlockManager:
         self.num_prefix_queries = 0  # blocks looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, found (on the device or in the host tier)
         self.host_cache = host_cache
-        self._transfers: list[PageTransfer] = []  # decided since the last take_transfers()
+        self._transfers: list[PageMove] = []  # decided since the last take_transfers()
 
     # -- queries --------------------------------------------------------------------------
 
@@ -111,18 +111,25 @@ class BlockManager:
         host_tokens = num_host_blocks * self.block_size
         return PrefixHit(seq.num_computed_tokens - host_tokens, host_tokens)
 
-    def take_transfers(self) -> list[PageTransfer]:
-        """Host-tier copies decided since the last call, in the order they must run."""
+    def take_transfers(self) -> list[PageMove]:
+        """Host-tier and copy-on-write copies decided since the last call, in the order they
+        must run."""
         transfers, self._transfers = self._transfers, []
         return transfers
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens, if pages allow."""
+        """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens, if pages allow;
+        a partial last page shared with other samples is copied first (copy-on-write)."""
         num_needed = self.num_blocks_needed(seq, num_new_tokens)
-        if num_needed == 0:
+        if num_needed == 0 and not seq.shares_tail_page:
             return True  # the common decode step: the last page has room
-        if num_needed > len(self._free):
+        copies_tail = seq.shares_tail_page and self._tail_is_shared(seq)
+        if num_needed + copies_tail > len(self._free):
             return False
+        if seq.shares_tail_page:
+            if copies_tail:
+                self._copy_tail(seq)
+            seq.shares_tail_page = False  # the last sharer writes the page in place
         for _ in range(num_needed):
             seq.block_table.append(self._pop_free())
         self.tenant_pages[seq.tenant] += num_needed
@@ -140,6 +147,22 @@ class BlockManager:
         self.release_blocks(seq.tenant, seq.block_table)
         seq.block_table = []
         seq.num_registered_blocks = 0
+        seq.shares_tail_page = False
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """``child`` (a sample of ``parent``'s request, nothing computed yet) takes
+        references to ``parent``'s pages of its first ``num_tokens`` tokens, which count as
+        computed for it: the prompt's KV is shared, not recomputed. Full pages are only ever read again; a partial last page
+        is copied by whichever sharer writes it first (``allocate_slots``)."""
+        num_pages = -(-num_tokens // self.block_size)
+        pages = parent.block_table[:num_pages]
+        for block in pages:
+            self.ref_counts[block] += 1
+        child.block_table = list(pages)
+        child.num_computed_tokens = num_tokens
+        self.tenant_pages[child.tenant] += len(pages)
+        if num_tokens % self.block_size:
+            parent.shares_tail_page = child.shares_tail_page = True
 
     def trim(self, seq: Sequence) -> None:
         """Free ``seq``'s trailing blocks past its tokens: pages taken for draft tokens that
@@ -177,6 +200,23 @@ class BlockManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _tail_is_shared(self, seq: Sequence) -> bool:
+        """Whether the page ``seq`` writes its next token into is partial and shared."""
+        index, offset = divmod(seq.num_computed_tokens, self.block_size)
+        return (
+            offset != 0
+            and index < len(seq.block_table)
+            and (self.ref_counts[seq.block_table[index]] > 1)
+        )
+
+    def _copy_tail(self, seq: Sequence) -> None:
+        index = seq.num_computed_tokens // self.block_size
+        shared = seq.block_table[index]
+        own = self._pop_free()
+        self._transfers.append(PageCopy(shared, own))
+        self.ref_counts[shared] -= 1  # still held by another sample
+        seq.block_table[index] = own
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size

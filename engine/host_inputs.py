@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_offload import PageTransfer
+from engine.kv_offload import PageMove
 from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import PENDING_TOKEN, Sequence
 
@@ -42,7 +42,7 @@ class StepMessage:
     (None: page moves only)."""
 
     swap_out: list[tuple[int, int]]
-    page_transfers: list[PageTransfer]
+    page_transfers: list[PageMove]
     swap_in: list[tuple[int, int]]
     inputs: HostInputs | None
 

@@ -3,10 +3,62 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
+
+from jinja2 import TemplateError
 
 from engine.errors import InvalidRequestError, wrong_type
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+
+# Arguments of ``apply_chat_template`` that pagestream sets itself
+_OWN_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+     "chat_template", "continue_final_message", "return_dict", "return_tensors", "padding",
+     "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """What a chat request gives its model's chat template besides the messages: ``tools``
+    (OpenAI's function definitions, as transformers' ``apply_chat_template(tools=...)``
+    takes them) and ``kwargs`` for the template itself (e.g. ``{"enable_thinking": False}``
+    for Qwen3)."""
+
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        tools, extra = self.tools, self.chat_template_kwargs
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        ):
+            raise wrong_type("tools", "a list of objects", tools)
+        if extra is None:
+            return
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise wrong_type("chat_template_kwargs", "an object", extra)
+        taken = sorted(_OWN_TEMPLATE_ARGS & extra.keys())
+        if taken:
+            raise InvalidRequestError(
+                "chat_template_kwargs", f"{taken[0]!r} is set by pagestream, not by a request"
+            )
+
+    @property
+    def is_empty(self) -> bool:
+        return self.tools is None and self.chat_template_kwargs is None
+
+    @property
+    def first_field(self) -> str:
+        return "tools" if self.tools is not None else "chat_template_kwargs"
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``apply_chat_template``."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            extra["tools"] = self.tools
+        return extra
 
 
 class PromptEncoder:
@@ -25,13 +77,20 @@ class PromptEncoder:
         prompt: str | None = None,
         prompt_token_ids: Seq[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
+        template: ChatTemplateOptions | None = None,
     ) -> list[int]:
         """The prompt's token ids; raises ``InvalidRequestError`` naming the bad field."""
-        token_ids = self._tokenize(prompt, prompt_token_ids, messages)
+        if template is not None and messages is None and not template.is_empty:
+            raise InvalidRequestError(template.first_field, "applies to messages only")
+        token_ids = self._tokenize(prompt, prompt_token_ids, messages, template)
         self._check(token_ids)
         return token_ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], template: ChatTemplateOptions | None = None
+    ) -> str:
+        """The conversation as text, with ``template``'s tools and keyword arguments given
+        to the model's chat template."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", f"model {self.model_name!r} has no chat template")
         if not isinstance(messages, list) or not messages:
@@ -39,9 +98,14 @@ class PromptEncoder:
         for message in messages:
             if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
                 raise InvalidRequestError("messages", "each message needs a role and a content")
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
+        options = template or ChatTemplateOptions()
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **options.kwargs()
+            )
+        except TemplateError as exc:  # a template that raises on what it was given
+            raise InvalidRequestError(options.first_field or "messages",
+                                      f"the chat template refused it: {exc}") from None  # fmt: skip
         return str(text)
 
     def _tokenize(
@@ -49,6 +113,7 @@ class PromptEncoder:
         prompt: str | None,
         prompt_token_ids: Seq[int] | None,
         messages: list[dict[str, Any]] | None,
+        template: ChatTemplateOptions | None,
     ) -> list[int]:
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
@@ -61,7 +126,7 @@ class PromptEncoder:
             )
         if messages is not None:
             # The template already holds the special tokens (BOS included).
-            text = self.apply_chat_template(messages)
+            text = self.apply_chat_template(messages, template)
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
         if not isinstance(prompt, str):
             raise wrong_type("prompt", "a string", prompt)

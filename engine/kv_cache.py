@@ -11,7 +11,7 @@ import torch
 
 from engine.attention import LayerCache
 from engine.errors import ConfigError
-from engine.kv_offload import PageTransfer
+from engine.kv_offload import PageCopy, PageMove
 from engine.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
@@ -115,8 +115,8 @@ class KVCache:
             if self.scales is not None and self.host_scales is not None:
                 self.scales[layer, :, dst] = self.host_scales[layer, :, src].to(device)
 
-    def transfer(self, transfers: list[PageTransfer]) -> None:
-        """Run host-tier copies in their order, queued on the current stream: the host side
+    def transfer(self, transfers: list[PageMove]) -> None:
+        """Run host-tier copies (and copy-on-write page copies) in their order, queued on the current stream: the host side
         is pinned, so nothing waits, and stream order puts each copy after the steps that
         wrote its source and before the forward that reuses a saved page.
 
@@ -124,6 +124,9 @@ class KVCache:
         (a step of partial prefill chunks is never waited for), so a save must follow every
         forward before it anyway, and a restore must precede the next one."""
         for transfer in transfers:
+            if isinstance(transfer, PageCopy):
+                self._copy_page(transfer.src_block, transfer.dst_block)
+                continue
             pairs = [(self.pages, self.offload_pages)]
             if self.scales is not None and self.offload_scales is not None:
                 pairs.append((self.scales, self.offload_scales))
@@ -134,6 +137,12 @@ class KVCache:
                     host_page.copy_(device_page, non_blocking=True)
                 else:
                     device_page.copy_(host_page, non_blocking=True)
+
+    def _copy_page(self, src_block: int, dst_block: int) -> None:
+        """One device page (every layer, K and V, fp8 scales) onto another."""
+        self.pages[:, :, dst_block].copy_(self.pages[:, :, src_block])
+        if self.scales is not None:
+            self.scales[:, :, dst_block].copy_(self.scales[:, :, src_block])
 
 
 def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -28,6 +28,18 @@ class PageTransfer:
 
 
 @dataclass(frozen=True)
+class PageCopy:
+    """One device page copied to another (copy-on-write of a page shared by the samples of
+    one request); runs in order with the ``PageTransfer``s of its step."""
+
+    src_block: int
+    dst_block: int
+
+
+PageMove = PageTransfer | PageCopy
+
+
+@dataclass(frozen=True)
 class PrefixHit:
     """Tokens of a sequence's prefix found in the cache, by tier."""
 

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import InvalidRequestError
+from engine.inputs import ChatTemplateOptions
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -21,31 +22,76 @@ Conversation = list[dict[str, Any]]
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One sample of a request (vLLM's shape): ``index`` 0 unless it asked for n > 1."""
+
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs; None unless logprobs were asked for."""
+        if not self.logprobs or any(lp is None for lp in self.logprobs):
+            return None
+        return sum(lp.logprob for lp in self.logprobs if lp is not None)
+
+
+@dataclass
+class RequestOutput:
+    """A request's result: ``outputs`` holds its ``n`` samples, by index. ``text``,
+    ``token_ids``, ``logprobs``, ``finish_reason`` and ``stop_reason`` are the first's;
+    ``usage`` covers them all (the prompt counted once)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput()])
     usage: Usage | None = None
     time_to_first_token_s: float | None = None
     latency_s: float | None = None
+    finished: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        return self.outputs[0].logprobs
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
 
     def add_step(self, step_out: StepOutput, elapsed_s: float) -> bool:
         """Fold one step's output in (``elapsed_s`` since submission); True once finished."""
         if step_out.new_token_ids and self.time_to_first_token_s is None:
             self.time_to_first_token_s = elapsed_s
-        self.token_ids += step_out.new_token_ids
-        self.logprobs += step_out.logprobs
-        self.text += step_out.text_delta
+        while len(self.outputs) <= step_out.index:
+            self.outputs.append(CompletionOutput(len(self.outputs)))
+        sample = self.outputs[step_out.index]
+        sample.token_ids += step_out.new_token_ids
+        sample.logprobs += step_out.logprobs
+        sample.text += step_out.text_delta
+        if step_out.sample_finished:
+            sample.finish_reason = step_out.finish_reason
+            sample.stop_reason = step_out.stop_reason
         if step_out.finished:
-            self.finish_reason = step_out.finish_reason
-            self.stop_reason = step_out.stop_reason
             self.usage = step_out.usage
             self.latency_s = elapsed_s
+            self.finished = True
         return step_out.finished
 
 
@@ -95,12 +141,19 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. ``tools``
+        (OpenAI function definitions) and ``chat_template_kwargs`` (e.g.
+        ``{"enable_thinking": False}``) go to the template."""
         is_single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if is_single else list(messages)
         params = _broadcast(sampling_params, len(conversations))
-        requests = [{"messages": list(conversation)} for conversation in conversations]
+        template = ChatTemplateOptions(tools, chat_template_kwargs)
+        requests = [
+            {"messages": list(conversation), "template": template} for conversation in conversations
+        ]
         return self._run(requests, params, use_tqdm)
 
     def _run(

@@ -8,6 +8,7 @@ runs the model once and returns what every sequence that advanced produced.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -26,13 +27,19 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.ranks import RankProcesses, check_devices, rank_device
 from engine.distributed.shard import ShardPlan
 from engine.errors import InvalidRequestError
-from engine.inputs import PromptEncoder, check_request_fields, max_tokens_within_context
+from engine.inputs import (
+    ChatTemplateOptions,
+    PromptEncoder,
+    check_request_fields,
+    max_tokens_within_context,
+)
 from engine.loader import find_model
 from engine.memory import prefer_expandable_segments
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, StepOutput
 from engine.runtime import RankSetup, setup_rank
+from engine.sample_group import SampleGroup, SampleGroups, check_num_samples, sample_seed
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -62,6 +69,7 @@ class _Inbox:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     added: list[Sequence] = field(default_factory=list)
+    groups: list[SampleGroup] = field(default_factory=list)  # of added requests with n > 1
     aborted: list[str] = field(default_factory=list)
     known_ids: set[str] = field(default_factory=set)
 
@@ -128,6 +136,8 @@ class LLMEngine:
         self._num_steps = 0
         self._step_time_s = 0.0
         self._request_counter = itertools.count()
+        self._groups = SampleGroups()  # requests with n > 1 in flight
+        self._num_prefill_tokens = 0
         torch.manual_seed(config.seed)
         logger.info(
             "engine ready: model=%s device=%s dtype=%s backend=%s cuda_graphs=%s "
@@ -152,6 +162,7 @@ class LLMEngine:
         *,
         prompt_token_ids: Seq[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
+        template: ChatTemplateOptions | None = None,
         sampling: SamplingParams | None = None,
         priority: int = 0,
         tenant: str = "default",
@@ -162,28 +173,65 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         sampling = sampling or SamplingParams()
-        token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
+        token_ids = self.encode_prompt(prompt, prompt_token_ids, messages, template)
         max_tokens = max_tokens_within_context(
             sampling, len(token_ids), self.max_model_len, clamp=self.config.clamp_max_tokens
         )
         sampling = sampling.with_max_tokens(max_tokens)
         check_request_fields(priority, tenant, timeout_s)
-        grammar = None  # compiled here, on the caller's thread: never on the step's path
-        if sampling.structured is not None:
-            grammar = self.grammars.matcher_for(sampling.structured)
+        check_num_samples(sampling, self.config.max_seqs)
         now_s = time.monotonic()
+        deadline_s = None if timeout_s is None else now_s + timeout_s
+        group = None
+        hide_logprobs = sampling.num_samples > sampling.n and sampling.logprobs is None
+        if hide_logprobs:
+            sampling = dataclasses.replace(sampling, logprobs=0)  # best_of ranks by logprob
+
+        def sample(index: int) -> Sequence:
+            return self._new_sequence(request_id, token_ids, sampling, now_s, index,
+                                      priority=priority, tenant=tenant, deadline_s=deadline_s)  # fmt: skip
+
+        seq = sample(0)
+        if sampling.num_samples > 1:
+            seq.forks = [sample(index) for index in range(1, sampling.num_samples)]
+            group = SampleGroup([seq, *seq.forks], sampling.n, hide_logprobs=hide_logprobs)
+        with self._inbox.lock:
+            if request_id in self._inbox.known_ids:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+            self._inbox.known_ids.add(request_id)
+            self._inbox.added.append(seq)
+            if group is not None:
+                self._inbox.groups.append(group)
+        return request_id
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        now_s: float,
+        index: int,
+        **scheduling: Any,
+    ) -> Sequence:
+        """Sample ``index`` of a request: its own seed stream (``seed + index``) and text."""
+        max_tokens = sampling.max_tokens
+        assert max_tokens is not None, "set within the context by add_request"
+        seed = None if sampling.seed is None else sample_seed(sampling.seed, index)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling=sampling,
             arrival_s=now_s,
-            priority=priority,
-            tenant=tenant,
-            deadline_s=None if timeout_s is None else now_s + timeout_s,
             eos_token_ids=frozenset() if sampling.ignore_eos else self.eos_token_ids,
             length_limit=len(token_ids) + max_tokens,  # within the context
-            generator=None if sampling.seed is None else make_generator(sampling.seed),
-            grammar=grammar,
+            generator=None if seed is None else make_generator(seed),
+            sample_index=index,
+            # compiled once per constraint (cached), on the caller's thread: never on the
+            # step's path; a matcher of its own per sample
+            grammar=None
+            if sampling.structured is None
+            else self.grammars.matcher_for(sampling.structured),
+            **scheduling,
         )
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
@@ -193,12 +241,7 @@ class LLMEngine:
                 stop=sampling.stop,
                 include_stop_str_in_output=sampling.include_stop_str_in_output,
             )
-        with self._inbox.lock:
-            if request_id in self._inbox.known_ids:
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-            self._inbox.known_ids.add(request_id)
-            self._inbox.added.append(seq)
-        return request_id
+        return seq
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its pages are freed at the start of the next step."""
@@ -215,9 +258,11 @@ class LLMEngine:
         prompt: str | None = None,
         prompt_token_ids: Seq[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
+        template: ChatTemplateOptions | None = None,
     ) -> list[int]:
-        """The prompt's token ids, checked against the vocabulary and the context length."""
-        return self.prompt_encoder.encode(prompt, prompt_token_ids, messages)
+        """The prompt's token ids, checked against the vocabulary and the context length;
+        ``template``: tools and keyword arguments for the chat template of ``messages``."""
+        return self.prompt_encoder.encode(prompt, prompt_token_ids, messages, template)
 
     # -- stepping ------------------------------------------------------------------------------
 
@@ -264,6 +309,8 @@ class LLMEngine:
             self.runner.sample_constrained(launched)  # every grammar has its tokens by now
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._process(self._take_in_flight())
+        if self._groups:
+            outputs = self._groups.collect(outputs, self._forget_id)
         profiler.end_step(batch.scheduled)
         self._num_steps += 1
         self._step_time_s += time.perf_counter() - start_s
@@ -287,12 +334,14 @@ class LLMEngine:
         with self._inbox.lock:
             added, self._inbox.added = self._inbox.added, []
             aborted, self._inbox.aborted = self._inbox.aborted, []
+            groups, self._inbox.groups = self._inbox.groups, []
+        for group in groups:
+            self._groups.add(group)
         for new_seq in added:
             self.scheduler.add(new_seq)
         outputs = []
         for request_id in aborted:
-            seq = self.scheduler.find(request_id)
-            if seq is not None:
+            for seq in self.scheduler.find_all(request_id):
                 self.scheduler.finish(seq, FinishReason.CANCELLED)
                 outputs.append(self.outputs.finished_output(seq))
         return outputs
@@ -301,11 +350,17 @@ class LLMEngine:
         """The batch's tokens are computed; each sampling row gets a pending output token."""
         for entry in batch.scheduled:
             seq = entry.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prefill chunk
+                num_prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
+                self._num_prefill_tokens += min(entry.num_new_tokens, num_prompt_left)
             # drafts count once accepted (see OutputProcessor.append_sampled)
             seq.num_computed_tokens += entry.num_new_tokens - len(entry.draft_token_ids)
             if seq.num_computed_tokens == seq.num_tokens:  # it samples
                 seq.output_token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
+        for _, sample in batch.forks:  # its first token comes from its parent's row
+            sample.output_token_ids.append(PENDING_TOKEN)
+            sample.num_pending_tokens += 1
 
     def _process(self, launched: LaunchedStep) -> list[StepOutput]:
         """Take in a launched step's picks: tokens, stop checks, prefix-cache blocks."""
@@ -334,9 +389,15 @@ class LLMEngine:
         self._num_accepted_tokens += sum(len(token.accepted_draft_ids) for token in tokens)
 
     def _forget(self, seq: Sequence) -> None:
-        """An ended sequence's id may be used again."""
+        """An ended sequence's id may be used again (that of a request with n > 1 once its
+        last sample ends: ``_collect_samples``)."""
+        if seq.request_id in self._groups:
+            return
+        self._forget_id(seq.request_id)
+
+    def _forget_id(self, request_id: str) -> None:
         with self._inbox.lock:
-            self._inbox.known_ids.discard(seq.request_id)
+            self._inbox.known_ids.discard(request_id)
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -357,6 +418,7 @@ class LLMEngine:
             num_accepted_tokens=self._num_accepted_tokens,
             num_device_hit_tokens=self.scheduler.num_device_hit_tokens,
             num_host_hit_tokens=self.scheduler.num_host_hit_tokens,
+            num_prefill_tokens=self._num_prefill_tokens,
             num_offloaded_pages=host.num_offloaded_pages if host is not None else 0,
             num_offload_evictions=host.num_evictions if host is not None else 0,
         )

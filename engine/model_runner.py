@@ -14,7 +14,7 @@ from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
 from engine.host_inputs import HostBatch, HostInputs, StepMessage, slots_of
 from engine.kv_cache import KVCache
-from engine.kv_offload import PageTransfer
+from engine.kv_offload import PageMove
 from engine.models.llama import LlamaForCausalLM
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.sampler import Sampler, SamplingRow
@@ -114,6 +114,10 @@ class ModelRunner:
             return None
         logits = self._logits(inputs)
         entries = inputs.sampling_entries
+        if (
+            logits is not None and batch.forks
+        ):  # new samples: their first token from the parent's row
+            logits, entries = _with_fork_rows(logits, entries, batch.forks)
         launched = LaunchedStep(batch.scheduled, entries, None, draft_entries=inputs.draft_entries)
         if logits is None:
             return launched  # only partial prefill chunks
@@ -185,7 +189,7 @@ class ModelRunner:
     def _move_pages(
         self,
         swap_out: list[tuple[int, int]],
-        transfers: list[PageTransfer],
+        transfers: list[PageMove],
         swap_in: list[tuple[int, int]],
     ) -> None:
         # Swap-outs first: their pages may be handed to other sequences in this very step.
@@ -354,3 +358,18 @@ class ModelRunner:
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+
+def _with_fork_rows(
+    logits: torch.Tensor, entries: list[ScheduledSeq], forks: list[tuple[Sequence, Sequence]]
+) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    """Logits and entries with one more sampling row per new sample, a copy of its parent's
+    row (the prompt's last position, computed once for all of them): [S + F + N, V], the
+    rows with drafts (N) still last."""
+    row_of = {id(entry.seq): row for row, entry in enumerate(entries)}
+    rows = [row_of[id(parent)] for parent, _ in forks]
+    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    num_sampling = len(entries)
+    fork_rows = logits[index]  # [F, V]
+    logits = torch.cat([logits[:num_sampling], fork_rows, logits[num_sampling:]])
+    return logits, entries + [ScheduledSeq(child, 0) for _, child in forks]

@@ -52,6 +52,7 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             usage=seq.usage() if finished else None,
+            index=seq.sample_index,
         )
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> str:
@@ -112,6 +113,7 @@ class OutputProcessor:
             finished=True,
             finish_reason=seq.finish_reason,
             usage=seq.usage(),
+            index=seq.sample_index,
         )
 
 

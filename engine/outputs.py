@@ -10,7 +10,13 @@ from engine.sequence import FinishReason, Usage
 
 @dataclass(slots=True)
 class StepOutput:
-    """What one sequence produced in one step (new tokens, or its end)."""
+    """What one sample of a request produced in one step (new tokens, or its end).
+
+    ``index`` is the sample (0 unless the request asked for n > 1); ``sample_finished``
+    says that this output ends it (``finish_reason`` is that sample's), ``finished`` that
+    the whole request has ended: its last output, whose ``usage`` covers every sample (the
+    prompt counted once).
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -20,6 +26,12 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     usage: Usage | None = None
+    index: int = 0
+    sample_finished: bool = False
+
+    def __post_init__(self) -> None:
+        if self.finished:
+            self.sample_finished = True
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,9 @@ class EngineStats:
     num_offload_evictions: int = 0  # host-tier pages dropped to make room
     num_draft_tokens: int = 0  # speculative decoding: drafts verified
     num_accepted_tokens: int = 0  # of those, accepted
+    # Prompt tokens run through the forward (again after a preemption by recompute; the
+    # samples of an n > 1 request share one run)
+    num_prefill_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:

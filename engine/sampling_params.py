@@ -25,6 +25,12 @@ class SamplingParams:
     A request whose prompt + ``max_tokens`` exceeds the model's context is refused, unless
     ``clamp_max_tokens`` (or the engine's ``clamp_max_tokens``) lowers ``max_tokens`` to fit.
     ``max_tokens=None``: ``DEFAULT_MAX_TOKENS``, lowered to fit without asking.
+
+    ``n`` samples of the prompt come back (its pages computed once and shared); with
+    ``best_of`` > ``n``, ``best_of`` are generated and the ``n`` of highest cumulative
+    logprob come back, once all have ended. Sample ``i`` of a seeded request uses
+    ``seed + i``.
+
     ``structured``: the output must match a JSON schema, regex, grammar or choice list
     (docs/structured-outputs.md).
     """
@@ -46,6 +52,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None  # None = n
     structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
@@ -72,6 +80,8 @@ class SamplingParams:
         """Ranges (the types are right by now; NaN fails every comparison)."""
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(self.n >= 1, "n", "must be >= 1")
+        _check(self.best_of is None or self.best_of >= self.n, "best_of", "must be >= n")
         _check(
             self.min_tokens <= (self.max_tokens or DEFAULT_MAX_TOKENS),
             "min_tokens",
@@ -109,6 +119,11 @@ class SamplingParams:
             return self
         min_tokens = min(self.min_tokens, max_tokens)
         return dataclasses.replace(self, max_tokens=max_tokens, min_tokens=min_tokens)
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request: ``best_of``, or ``n``."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def is_greedy(self) -> bool:
@@ -169,6 +184,8 @@ FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "logprobs": _INTEGER_OR_NULL,
     "include_stop_str_in_output": _BOOLEAN,
     "skip_special_tokens": _BOOLEAN,
+    "n": _INTEGER,
+    "best_of": _INTEGER_OR_NULL,
     "structured": (_is_structured_or_none, "a StructuredOutputs or null"),
 }
 # ... or, for lists: (test of an item, words for the items, words for what else may be given)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
-from engine.kv_offload import PageTransfer
+from engine.kv_offload import PageMove
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -37,8 +37,11 @@ class ScheduledBatch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) pages
     # host prefix-tier copies, in the order decided (run between swap_out and swap_in)
-    page_transfers: list[PageTransfer] = field(default_factory=list)
+    page_transfers: list[PageMove] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # timed out this step
+    # (parent, sample) for samples that start this step (n > 1): each takes its first token
+    # from the parent's logits row, as the parent's last prompt token runs now
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
     num_preempted: int = 0
 
     @property
@@ -66,6 +69,8 @@ class Scheduler:
         # Tokens not recomputed at admission (re-admissions too), by where their KV was found.
         self.num_device_hit_tokens = 0
         self.num_host_hit_tokens = 0
+        # Seats of running sequences' samples that have not forked yet (see ``fork``)
+        self.num_reserved_seats = 0
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -83,9 +88,15 @@ class Scheduler:
     def find(self, request_id: str) -> Sequence | None:
         return next((s for s in self.all_sequences() if s.request_id == request_id), None)
 
+    def find_all(self, request_id: str) -> list[Sequence]:
+        """Every queued sample of a request (one unless it asked for n > 1)."""
+        return [s for s in self.all_sequences() if s.request_id == request_id]
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take ``seq`` out of every queue and free its pages now."""
-        for queue in (self.waiting, self.running, self.swapped):
+        if seq in self.running:
+            self._leave_running(seq)
+        for queue in (self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
         if seq.status is SequenceStatus.SWAPPED:
@@ -125,7 +136,7 @@ class Scheduler:
                 budget -= 1 + num_drafts
                 continue
             room = seq.num_computed_tokens < len(seq.block_table) * page
-            if fast and room and seq.num_uncomputed_tokens == 1:
+            if fast and room and seq.num_uncomputed_tokens == 1 and not seq.shares_tail_page:
                 batch.scheduled.append(ScheduledSeq(seq, 1))
                 budget -= 1
                 continue
@@ -135,8 +146,25 @@ class Scheduler:
             self._admit_waiting(budget, batch)
         # Decodes first: the attention backend batches the leading single-token queries.
         batch.scheduled.sort(key=lambda entry: entry.num_new_tokens > 1)
+        self._fork_samples(batch)
         batch.page_transfers = self.block_manager.take_transfers()
         return batch
+
+    def _fork_samples(self, batch: ScheduledBatch) -> None:
+        """Start the other samples of each request whose last prompt token runs this step:
+        they share its pages (``BlockManager.fork``) and sample from its logits row."""
+        for entry in batch.scheduled:
+            parent = entry.seq
+            if not parent.forks or not entry.samples:
+                continue
+            num_tokens = parent.num_computed_tokens + entry.num_new_tokens
+            for child in parent.forks:
+                self.block_manager.fork(parent, child, num_tokens)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                batch.forks.append((parent, child))
+            self.num_reserved_seats -= len(parent.forks)
+            parent.forks = []
 
     def _expire_deadlines(self, now_s: float, batch: ScheduledBatch) -> None:
         for seq in self.all_sequences():
@@ -198,7 +226,7 @@ class Scheduler:
         return max(candidates, key=_order) if candidates else seq
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self.running.remove(seq)
+        self._leave_running(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.num_preempted += 1
@@ -226,7 +254,8 @@ class Scheduler:
         used = 0
         self.swapped.sort(key=_order)
         for seq in list(self.swapped):
-            if budget - used == 0 or len(self.running) >= self.config.max_seqs:
+            seats = len(self.running) + self.num_reserved_seats
+            if budget - used == 0 or seats >= self.config.max_seqs:
                 break
             blocks = self.block_manager.allocate_blocks(seq.tenant, len(seq.swapped_blocks))
             if blocks is None:
@@ -246,7 +275,8 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
         for seq in sorted(self.waiting, key=_order):
-            if budget == 0 or len(self.running) >= self.config.max_seqs:
+            seats = len(self.running) + self.num_reserved_seats + len(seq.forks)
+            if budget == 0 or seats >= self.config.max_seqs:
                 break
             hit = self.block_manager.match_prefix(seq)
             if seq.num_preemptions == 0 and not seq.output_token_ids:
@@ -274,3 +304,8 @@ class Scheduler:
         queue.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self.num_reserved_seats += len(seq.forks)
+
+    def _leave_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.num_reserved_seats -= len(seq.forks)

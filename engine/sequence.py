@@ -89,6 +89,13 @@ class Sequence:
     # [k, V] the draft model's distribution at each draft (a sampled request's drafts from a
     # draft model); None = each draft is a point mass (prompt lookup, greedy drafting)
     draft_probs: torch.Tensor | None = None
+    # n > 1 / best_of: which sample of its request this is; the first one computes the prompt
+    # and carries the others in ``forks`` until its last prompt token runs (see
+    # ``Scheduler.fork``), when they start sharing its pages
+    sample_index: int = 0
+    forks: list[Sequence] = field(default_factory=list)
+    # Its last page is shared with its samples (partial): copied before it is written
+    shares_tail_page: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

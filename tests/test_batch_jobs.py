@@ -151,6 +151,22 @@ def test_plain_prompts_and_sampling_defaults(worker: BatchWorker, client: Client
     assert [r["finish_reason"] for r in result.records] == ["length", "length"]
 
 
+def test_a_line_with_n_gets_its_samples_as_choices(worker: BatchWorker, client: Client) -> None:
+    lines = [
+        '{"prompt": "w5 w6", "max_tokens": 3, "ignore_eos": true, "n": 2, "temperature": 0}',
+        '{"prompt": "w5 w6", "max_tokens": 3, "ignore_eos": true, "n": 2, "best_of": 3, '
+        '"temperature": 1, "seed": 4}',
+        '{"prompt": "w5", "tools": []}',
+    ]
+    records = client.batch_result(client.submit_batch(lines=lines), timeout_s=WAIT_S).records
+    greedy, best, refused = records
+    assert [c["index"] for c in greedy["choices"]] == [0, 1]
+    assert [c["token_ids"] for c in greedy["choices"]] == [greedy["token_ids"]] * 2
+    assert greedy["usage"]["completion_tokens"] == 6 and greedy["usage"]["prompt_tokens"] == 2
+    assert len(best["choices"]) == 2 and best["usage"]["completion_tokens"] == 9
+    assert refused["error"]["field"] == "tools"
+
+
 def test_bad_lines_become_error_records_and_the_job_continues(
     worker: BatchWorker, client: Client
 ) -> None:

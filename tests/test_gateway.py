@@ -130,7 +130,7 @@ def test_chat_logprobs(client: openai.OpenAI, stack: Stack) -> None:
 
 def test_errors_have_openai_status_and_param(client: openai.OpenAI, stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as bad_n:
-        client.completions.create(model=stack.model, prompt="w5", max_tokens=2, n=2)
+        client.completions.create(model=stack.model, prompt="w5", max_tokens=2, n=0)
     assert bad_n.value.status_code == 400 and bad_n.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="no-such-model", prompt="w5", max_tokens=2)

@@ -8,7 +8,7 @@ import pytest
 
 from clients.protocol import DoneEvent, FinishReason, RestartEvent, TokenEvent, TokenLogprob, Usage
 from worker.gateway.errors import OpenAIError
-from worker.gateway.responses import ResponseBuilder, Transcript
+from worker.gateway.responses import ResponseBuilder, Transcripts
 from worker.gateway.translate import decode_chat, decode_completion
 
 
@@ -20,7 +20,7 @@ def test_fields_map_onto_the_protocol() -> None:
     generation = decode_completion(json.dumps({
         "model": "m", "prompt": [1, 2], "max_tokens": 5, "temperature": 0, "stop": "x",
         "seed": 3, "logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
-        "top_k": 4, "user": "u1", "unknown_field": 1,
+        "top_k": 4, "user": None,  # null: as if not sent
     }).encode())  # fmt: skip
     assert generation.inputs == {"token_ids": [1, 2], "max_tokens": 5, "temperature": 0.0,
                                  "seed": 3, "top_k": 4, "stop": ["x"], "logprobs": 2}  # fmt: skip
@@ -50,9 +50,24 @@ def test_chat_messages_and_its_max_tokens() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        (chat(n=3), "n"),
+        (chat(n=0), "n"),
+        (chat(n=2, best_of=1), "best_of"),
+        (chat(n=1, best_of=2, stream=True), "best_of"),
         (chat(tools=[{"type": "function"}]), "tools"),
         (chat(response_format={"type": "structural_tag"}), "response_format"),
+        (  # a forced call decodes under its tool's schema: no second output format
+            chat(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                tool_choice="required",
+                response_format={"type": "json_object"},
+            ),
+            "tool_choice",
+        ),
+        (chat(tools=[{"type": "custom", "custom": {"name": "x"}}]), "tools"),
+        (chat(tool_choice="required"), "tool_choice"),
+        (chat(user="u1"), "user"),
+        (chat(priority=1), "priority"),
+        (chat(unknown_field=1), "unknown_field"),
         (chat(logit_bias={"5": 1.0}), "logit_bias"),
         (chat(top_logprobs=2), "top_logprobs"),
         (chat(top_logprobs=21, logprobs=True), "top_logprobs"),
@@ -71,7 +86,8 @@ def test_chat_refusals_name_the_field(body: bytes, param: str) -> None:
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [(b'{"prompt": "x", "echo": true}', "echo"), (b'{"prompt": "x", "best_of": 2}', "best_of"),
+    [(b'{"prompt": "x", "echo": true}', "echo"), (b'{"prompt": "x", "best_of": 2, "stream": true}', "best_of"),
+     (b'{"prompt": "x", "tools": []}', "tools"), (b'{"prompt": "x", "user": "u"}', "user"),
      (b'{"prompt": "x", "suffix": "y"}', "suffix"), (b'{"prompt": "x", "logprobs": 6}', "logprobs"),
      (b'{"prompt": ["a", "b"]}', "prompt"), (b'{"max_tokens": 3}', "prompt")],
 )  # fmt: skip
@@ -89,7 +105,7 @@ def test_not_json_is_400_without_a_param() -> None:
 
 def test_whole_body_forgets_a_dead_attempt_and_maps_finish_reasons() -> None:
     generation = decode_completion(b'{"prompt": "x", "logprobs": 1}')
-    transcript = Transcript()
+    transcript = Transcripts()
     transcript.add(TokenEvent(seq=0, text=" dead", token_ids=[9]))
     transcript.add(RestartEvent(attempt=1, worker="w2"))
     lp = TokenLogprob(7, -0.5, [(7, -0.5)])

@@ -100,8 +100,10 @@ COMMON = {
     "stream": sometimes_right(st.booleans()),
     "stream_options": sometimes_right(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "logit_bias": sometimes_right(st.dictionaries(st.sampled_from(["5", "x"]), st.floats(-1, 1))),
-    "user": sometimes_right(TEXT),
-    "unknown_field": ANY_JSON,
+    "best_of": sometimes_right(st.integers(0, 3)),
+    # not honoured: refused unless null (worker/gateway/fields.py)
+    "user": st.one_of(st.none(), TEXT),
+    "unknown_field": st.one_of(st.none(), ANY_JSON),
 }
 MESSAGE = st.fixed_dictionaries(
     {
@@ -118,7 +120,6 @@ COMPLETION_FIELDS = {
     "prompt": sometimes_right(st.one_of(TEXT, TOKEN_IDS)),
     "logprobs": sometimes_right(st.integers(-1, 7)),
     "echo": sometimes_right(st.booleans()),
-    "best_of": sometimes_right(st.integers(0, 2)),
 }
 CHAT_FIELDS = {
     **COMMON,
@@ -128,6 +129,11 @@ CHAT_FIELDS = {
     "top_logprobs": sometimes_right(st.integers(-1, 22)),
     "response_format": sometimes_right(
         st.sampled_from([{"type": "text"}, {"type": "json_object"}])
+    ),
+    "tools": sometimes_right(st.just([{"type": "function", "function": {"name": "f"}}])),
+    "tool_choice": sometimes_right(st.sampled_from(["none", "auto", "required"])),
+    "chat_template_kwargs": sometimes_right(
+        st.fixed_dictionaries({"enable_thinking": st.booleans()})
     ),
 }
 

@@ -255,3 +255,18 @@ def test_host_tier_copies_run_on_every_rank(tiny_model_dirs: dict[str, Path]) ->
         assert sharded.stats().num_host_hit_tokens == 48
     finally:
         sharded.shutdown()
+
+
+def test_samples_copy_their_shared_page_on_every_rank(tiny_model_dirs: dict[str, Path]) -> None:
+    # n > 1: the samples' copy-on-write of the prompt's partial last page runs on both ranks
+    prompts = random_prompts([10, 13], 320, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3)
+    model = str(tiny_model_dirs["qwen2"])
+    with LLM(model, pa_block_size=4) as single:
+        expected = [
+            [s.token_ids for s in out.outputs]
+            for out in single.generate(prompts, params, use_tqdm=False)
+        ]
+    with LLM(model, pa_block_size=4, tensor_parallel_size=2) as sharded:
+        outputs = sharded.generate(prompts, params, use_tqdm=False)
+    assert [[s.token_ids for s in out.outputs] for out in outputs] == expected

@@ -51,6 +51,11 @@ BAD_ENTRIES: dict[str, tuple[dict[str, bytes], str | None, list[str]]] = {
         {"msg": pack(good("r-hot", temperature="hot"))}, "r-hot", ["temperature", "Expected `float`, got `str`"],
     ),
     "unknown field": ({"msg": pack(good("r-unknown", colour="red"))}, "r-unknown", ["colour"]),
+    "no samples": ({"msg": pack(good("r-n", n=0))}, "r-n", ["n", ">= 1"]),
+    "best_of below n": ({"msg": pack(good("r-best", n=3, best_of=2))}, "r-best", ["best_of", ">= n"]),
+    "tools without messages": (
+        {"msg": pack(good("r-tools", tools=[{"type": "function"}]))}, "r-tools", ["tools", "messages only"],
+    ),
     "prompt over the limit": (
         {"msg": pack(good("r-long", prompt=" ".join(WORDS[4:24])))}, "r-long",
         ["prompt", f"at most {MAX_PROMPT_TOKENS}"],

@@ -17,6 +17,7 @@ import msgspec
 from clients import protocol
 from clients.protocol import ErrorCode, Request
 from engine import InvalidRequestError, LLMEngine, SamplingParams
+from engine.inputs import ChatTemplateOptions
 from engine.sampling_params import DEFAULT_MAX_TOKENS
 from engine.structured import StructuredOutputs
 from worker.settings import RequestLimits
@@ -121,8 +122,10 @@ def engine_inputs(
     sampling = _within_limit(sampling, limits.max_output_tokens, engine.config.clamp_max_tokens)
     messages = None
     if request.messages is not None:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-    token_ids = engine.encode_prompt(request.prompt, request.token_ids, messages)
+        messages = [msgspec.structs.asdict(m) for m in request.messages]
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    template = ChatTemplateOptions(request.tools, request.chat_template_kwargs)
+    token_ids = engine.encode_prompt(request.prompt, request.token_ids, messages, template)
     if limits.max_prompt_tokens is not None and len(token_ids) > limits.max_prompt_tokens:
         raise InvalidRequestError(
             "prompt",

@@ -46,9 +46,20 @@ class InFlight:
             self.ttl_refreshed_s = now_s
         return due
 
+    @property
+    def has_samples(self) -> bool:
+        """Whether the request asked for several samples: their ends come on token events."""
+        return self.request.n > 1 or (self.request.best_of or 1) > 1
+
+    def wants_token_event(self, out: StepOutput) -> bool:
+        return bool(out.new_token_ids or out.text_delta) or (
+            out.sample_finished and self.has_samples
+        )
+
     def token_event(self, out: StepOutput) -> TokenEvent:
-        """The ``token`` event for one step's new tokens (counts them)."""
-        if self.first_token_s is None:
+        """The ``token`` event for one step's new tokens (counts them); with several samples,
+        tagged with the sample's index, and its end."""
+        if self.first_token_s is None and out.new_token_ids:
             self.first_token_s = time.monotonic()
             self.trace.first_token()
         event = TokenEvent(
@@ -56,7 +67,11 @@ class InFlight:
             text=out.text_delta,
             token_ids=list(out.new_token_ids),
             logprobs=_logprobs(out) if self.request.logprobs is not None else None,
+            index=out.index,
         )
+        if out.sample_finished and self.has_samples:
+            event.finish_reason = _finish_reason(out)
+            event.stop_reason = out.stop_reason
         self.num_token_events += 1
         self.num_tokens += len(out.new_token_ids)
         return event
@@ -65,9 +80,7 @@ class InFlight:
         """The terminal ``done`` event of a finished output."""
         usage = out.usage
         return DoneEvent(
-            finish_reason=protocol.FinishReason(
-                out.finish_reason.value if out.finish_reason else "stop"
-            ),
+            finish_reason=_finish_reason(out),
             usage=Usage(
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 completion_tokens=usage.completion_tokens if usage else self.num_tokens,
@@ -88,6 +101,10 @@ class InFlight:
             time_to_first_token_ms=ttft_ms,
             total_ms=(now_s - self.admitted_s) * 1000,
         )
+
+
+def _finish_reason(out: StepOutput) -> protocol.FinishReason:
+    return protocol.FinishReason(out.finish_reason.value if out.finish_reason else "stop")
 
 
 def _logprobs(out: StepOutput) -> list[TokenLogprob | None]:

@@ -2,7 +2,9 @@
 
 ``pagestream generate --input`` and batch jobs (``worker/batch.py``) read the same format: a
 JSON object with ``prompt`` or ``messages``, an optional ``id``, and any ``SamplingParams``
-field overriding the defaults (``structured_outputs``, an object, for ``structured``). A line that cannot be run becomes an error record that names
+field overriding the defaults (``structured_outputs``, an object, for ``structured``; ``n``
+and ``best_of`` for several samples, answered with ``choices``). ``messages`` may come with
+``tools`` and ``chat_template_kwargs`` for the chat template. A line that cannot be run becomes an error record that names
 the field; the others still run.
 """
 
@@ -13,8 +15,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine import InvalidRequestError, RequestOutput, SamplingParams
+from engine import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
 from engine.errors import wrong_type
+from engine.inputs import ChatTemplateOptions
 from engine.structured import StructuredOutputs
 from worker.defaults import with_default_max_tokens
 
@@ -24,6 +27,7 @@ SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) 
     "structured_outputs"
 }
 REQUEST_FIELDS = frozenset({"id", "prompt", "messages"})
+TEMPLATE_FIELDS = frozenset({"tools", "chat_template_kwargs"})  # with messages only
 
 Request = dict[str, Any]  # keyword arguments of LLMEngine.encode_prompt
 
@@ -61,7 +65,7 @@ def parse_line(line_no: int, line: str, defaults: dict[str, Any], *, chat: bool)
 
 
 def _request_of(obj: dict[str, Any], chat: bool) -> Request:
-    unknown = sorted(obj.keys() - REQUEST_FIELDS - SAMPLING_FIELDS)
+    unknown = sorted(obj.keys() - REQUEST_FIELDS - SAMPLING_FIELDS - TEMPLATE_FIELDS)
     if unknown:
         raise InvalidRequestError(
             unknown[0], "unknown field; expected id, prompt or messages, or a sampling setting"
@@ -69,7 +73,11 @@ def _request_of(obj: dict[str, Any], chat: bool) -> Request:
     if ("prompt" in obj) == ("messages" in obj):
         raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
     if "messages" in obj:
-        return {"messages": obj["messages"]}
+        template = ChatTemplateOptions(obj.get("tools"), obj.get("chat_template_kwargs"))
+        return {"messages": obj["messages"], "template": template}
+    given = sorted(TEMPLATE_FIELDS & obj.keys())
+    if given:
+        raise InvalidRequestError(given[0], "applies to messages only")
     if not isinstance(obj["prompt"], str):
         raise wrong_type("prompt", "a string", obj["prompt"])
     return chat_request(obj["prompt"]) if chat else {"prompt": obj["prompt"]}
@@ -99,11 +107,28 @@ def result_record(item: BatchItem, result: RequestOutput) -> dict[str, Any]:
         "finish_reason": result.finish_reason.value if result.finish_reason else None,
         "usage": dataclasses.asdict(result.usage) if result.usage else None,
     }
-    if item.sampling is not None and item.sampling.logprobs is not None:
-        record["logprobs"] = [
-            dataclasses.asdict(entry) if entry else None for entry in result.logprobs
-        ]
+    with_logprobs = item.sampling is not None and item.sampling.logprobs is not None
+    if with_logprobs:
+        record["logprobs"] = _logprobs(result.logprobs)
+    if item.sampling is not None and item.sampling.n > 1:
+        record["choices"] = [_choice(sample, with_logprobs) for sample in result.outputs]
     return record
+
+
+def _choice(sample: CompletionOutput, with_logprobs: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": sample.index,
+        "text": sample.text,
+        "token_ids": sample.token_ids,
+        "finish_reason": sample.finish_reason.value if sample.finish_reason else None,
+    }
+    if with_logprobs:
+        choice["logprobs"] = _logprobs(sample.logprobs)
+    return choice
+
+
+def _logprobs(entries: list[Any]) -> list[dict[str, Any] | None]:
+    return [dataclasses.asdict(entry) if entry else None for entry in entries]
 
 
 def error_record(item: BatchItem) -> dict[str, Any]:

@@ -284,7 +284,7 @@ class RequestHandler:
                 continue  # dropped (lease lost, handed back) or not ours
             entry_id = flight.entry.entry_id
             owners[entry_id] = flight
-            if out.new_token_ids or out.text_delta:
+            if flight.wants_token_event(out):
                 event = protocol.encode(flight.token_event(out))
                 events.append(OutEvent(flight.request_id, entry_id, event, flight.ttl_due(now_s)))
             if out.finished:  # the terminal event gets a full TTL after the end

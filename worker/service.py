@@ -25,6 +25,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from clients import protocol
 from clients.protocol import CancelNotice, Keys, WorkerStatus
 from engine import StepOutput
+from worker.chat_formats import detect_chat_formats
 from worker.delivery import REDIS_ERRORS, RequestStream, text
 from worker.engine_thread import EngineThread, StepBatch
 from worker.events import InFlight, wall_ms
@@ -296,6 +297,9 @@ class WorkerService:
 
     async def _heartbeat_once(self) -> None:
         stats = self.engine_thread.stats
+        tool_call_parser, reasoning_parser = detect_chat_formats(
+            self.engine_thread.engine.tokenizer
+        )
         status = WorkerStatus(
             name=self.settings.name,
             host=socket.gethostname(),
@@ -310,6 +314,8 @@ class WorkerService:
             num_pages_free=stats.num_pages_free,
             num_steps=stats.num_steps,
             step_time_s=stats.step_time_s,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(

@@ -74,6 +74,9 @@ class Gateway:
             self._authorize(request)
             generation = decode(await self._body(request))
             model = await self.directory.resolve(generation.model)
+            if generation.is_chat:
+                detected = await self.directory.chat_formats(model)
+                generation = generation.with_parsers(*self.settings.parsers(detected))
             await self.client.submit(request_id=generation.request_id,
                                      timeout_s=self.settings.timeout_s, **generation.inputs)  # fmt: skip
         except OpenAIError as exc:

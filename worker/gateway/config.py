@@ -13,6 +13,10 @@ DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_CHAT_MAX_TOKENS = 1024  # OpenAI's chat API has no default; the protocol needs one
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 WORKERS_CACHE_S = 1.0  # heartbeats are read at most this often (one SCAN per second)
+# --tool-call-parser / --reasoning-parser: "auto" takes what the workers detect in their
+# model's chat template (their heartbeat says), "none" turns it off
+TOOL_CALL_PARSERS = ("auto", "none", "hermes")
+REASONING_PARSERS = ("auto", "none", "qwen3")
 
 
 class GatewayConfigError(ValueError):
@@ -24,8 +28,19 @@ class GatewaySettings:
     """What one gateway process serves and how.
 
     ``api_keys``: bearer tokens accepted on ``/v1/*`` (empty = no auth). ``timeout_s``: a
-    request's deadline (the worker ends it as ``timeout`` then).
+    request's deadline (the worker ends it as ``timeout`` then). ``tool_call_parser`` and
+    ``reasoning_parser``: how chat output is read (docs/tool-calling.md).
     """
+
+    def parsers(self, detected: tuple[str, str]) -> tuple[str | None, str | None]:
+        """(tool-call parser, reasoning parser) given what the workers ``detected`` in their
+        chat template ("" for none): a setting of "auto" takes the detected one."""
+        chosen = []
+        for setting, found in zip((self.tool_call_parser, self.reasoning_parser), detected,
+                                  strict=True):  # fmt: skip
+            name = found if setting == "auto" else setting
+            chosen.append(None if name in ("", "none") else name)
+        return chosen[0], chosen[1]
 
     redis_url: str = "redis://localhost:6379/0"
     prefix: str = DEFAULT_PREFIX
@@ -36,6 +51,8 @@ class GatewaySettings:
     timeout_s: float = DEFAULT_TIMEOUT_S
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     workers_cache_s: float = WORKERS_CACHE_S
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [
@@ -45,6 +62,14 @@ class GatewaySettings:
             (self.chat_max_tokens > 0, "chat_max_tokens must be > 0"),
             (self.workers_cache_s >= 0, "workers_cache_s must be >= 0"),
             (all(self.api_keys), "an API key must not be empty"),
+            (
+                self.tool_call_parser in TOOL_CALL_PARSERS,
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+            ),
+            (
+                self.reasoning_parser in REASONING_PARSERS,
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

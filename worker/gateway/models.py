@@ -54,6 +54,14 @@ class WorkerDirectory:
                 statuses.append(status)
         return statuses
 
+    async def chat_formats(self, model: str) -> tuple[str, str]:
+        """(tool-call parser, reasoning parser) a live worker of ``model`` found in its chat
+        template ("" where none)."""
+        for status in await self.live():
+            if status.model == model:
+                return status.tool_call_parser, status.reasoning_parser
+        return "", ""
+
     async def models(self) -> list[str]:
         """The distinct models of the live workers, sorted."""
         return sorted({status.model for status in await self.live()})

@@ -1,9 +1,8 @@
 """The OpenAI API bodies the gateway reads and writes, as ``msgspec.Struct``s.
 
-Requests are decoded strictly (a wrong type is a 400 naming the field). Fields OpenAI defines
-that the gateway cannot honour are declared so that setting them is refused rather than ignored
-(``translate.check_supported``); other unknown fields are ignored, as OpenAI clients send
-optional ones (``user``, ``metadata``, ``store``) freely. ``top_k``, ``min_p``,
+Requests are decoded strictly (a wrong type is a 400 naming the field). A field the gateway
+does not honour is refused with 400 ``unsupported_parameter`` before decoding (the table in
+``fields``), so none is ignored silently. ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions with the names other
 OpenAI-compatible servers use (the ``openai`` client sends them through ``extra_body``).
 """
@@ -35,6 +34,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class JsonSchemaFormat(msgspec.Struct):
@@ -72,6 +73,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     n: Int64 | None = None
+    best_of: Int64 | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -79,7 +81,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # extensions
     top_k: Int64 | None = None
     min_p: float | None = None
@@ -103,7 +104,6 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: Int64 | None = None
     echo: bool | None = None
     suffix: str | None = None
-    best_of: Int64 | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -114,7 +114,10 @@ class ChatRequest(_Sampling, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: given to the chat template
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -175,9 +178,25 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     usage: UsageBody | None = None
 
 
+class FunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallBody(msgspec.Struct, omit_defaults=True):
+    """A whole call (``message.tool_calls``), or a streamed piece of one (``index`` then)."""
+
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall | None = None
+    index: int | None = None
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    reasoning_content: str | None = None  # a thinking model's reasoning (vLLM's name)
+    tool_calls: list[ToolCallBody] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -199,6 +218,8 @@ class ChatBody(msgspec.Struct, kw_only=True):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallBody] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -24,7 +24,7 @@ from clients.reader import REDIS_ERRORS
 from worker.gateway import errors
 from worker.gateway.errors import OpenAIError
 from worker.gateway.metrics import Observation
-from worker.gateway.responses import ResponseBuilder, Transcript
+from worker.gateway.responses import ResponseBuilder, Transcripts
 from worker.gateway.translate import Generation
 
 DONE_LINE = b"data: [DONE]\n\n"
@@ -97,7 +97,8 @@ class GenerationResponse(Response):
         except OpenAIError as exc:
             await self._fail(exc, send)
         except RequestFailedError as exc:
-            await self._fail(errors.from_worker(exc.code, exc.message, exc.field), send)
+            field = self.generation.request_field(exc.field)
+            await self._fail(errors.from_worker(exc.code, exc.message, field), send)
             self.finished = True  # an error event is terminal
         except RequestTimeoutError:
             message = f"no answer within {self.timeout_s:g} s"
@@ -128,22 +129,24 @@ class GenerationResponse(Response):
                 if not num_tokens:
                     self.observation.first_token()
                 num_tokens += len(event.token_ids)
-                await _body(send, sse(self.builder.token_chunk(event)))
+                chunks = self.builder.token_chunks(event)
+                if chunks:
+                    await _body(send, b"".join(sse(chunk) for chunk in chunks))
             event = await anext(events)
 
     async def _whole(self, first: Any, events: Events, send: Send) -> None:
-        transcript = Transcript()
+        transcripts = Transcripts()
         event = first
         while not isinstance(event, DoneEvent):
             if self._client_gone():
                 return
-            if isinstance(event, TokenEvent) and not transcript.tokens:
+            if isinstance(event, TokenEvent) and transcripts.is_empty:
                 self.observation.first_token()
-            transcript.add(event)
+            transcripts.add(event)
             event = await anext(events)
         self.finished = True
         await self._start(200, JSON_HEADERS, send)
-        await _body(send, self.builder.body(transcript, event), more=False)
+        await _body(send, self.builder.body(transcripts, event), more=False)
         self.observation.finish(200, event.usage.completion_tokens)
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]], send: Send) -> None:
