@@ -17,9 +17,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import msgspec
 
-@dataclass(frozen=True)
-class PageTransfer:
+
+# The page moves are msgspec structs, tagged, so that a step's list of both kinds travels to
+# the other tensor-parallel ranks as msgpack (``distributed/step_channel.py``).
+class PageTransfer(msgspec.Struct, frozen=True, tag=True):
     """One page copied between the device pool and the host tier."""
 
     device_block: int
@@ -27,8 +30,7 @@ class PageTransfer:
     to_host: bool  # True: save an evicted page; False: restore a host hit
 
 
-@dataclass(frozen=True)
-class PageCopy:
+class PageCopy(msgspec.Struct, frozen=True, tag=True):
     """One device page copied to another (copy-on-write of a page shared by the samples of
     one request); runs in order with the ``PageTransfer``s of its step."""
 

@@ -14,7 +14,7 @@ import pytest
 from engine.distributed import step_channel
 from engine.distributed.step_channel import SLOTS, StepChannel
 from engine.host_inputs import HostInputs, StepMessage
-from engine.kv_offload import PageTransfer
+from engine.kv_offload import PageCopy, PageTransfer
 
 
 def _message(step: int, num_rows: int = 2) -> StepMessage:
@@ -29,7 +29,8 @@ def _message(step: int, num_rows: int = 2) -> StepMessage:
         num_samples=num_rows,
         has_pending=False,
     )
-    return StepMessage([(step, 0)], [PageTransfer(step, 1, True)], [], inputs)
+    moves = [PageTransfer(step, 1, True), PageCopy(step, step + 1)]  # both kinds, in order
+    return StepMessage([(step, 0)], moves, [], inputs)
 
 
 def _ranks(size: int) -> tuple[StepChannel, list[StepChannel]]:
