@@ -4,8 +4,9 @@ Requests are decoded strictly (a wrong type is a 400 naming the field). Fields O
 that the gateway cannot honour are declared so that setting them is refused rather than ignored
 (``translate.check_supported``); other unknown fields are ignored, as OpenAI clients send
 optional ones (``user``, ``metadata``, ``store``) freely. ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions with the names other
-OpenAI-compatible servers use (the ``openai`` client sends them through ``extra_body``).
+``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``priority`` are extensions with the
+names other OpenAI-compatible servers use (the ``openai`` client sends them through
+``extra_body``); ``tenant`` is pagestream's own.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
+    priority: Int64 | None = None  # lower runs first (vLLM's extension); may preempt
+    tenant: str | None = None  # the protocol's tenant (page quotas); `user` is not mapped
 
 
 class CompletionRequest(_Sampling, kw_only=True):

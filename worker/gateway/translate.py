@@ -5,7 +5,8 @@
 meaning; ``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
 ``top_logprobs``) to the protocol's ``logprobs``. ``n`` other than 1, ``best_of``, ``echo``,
 ``suffix``, ``logit_bias``, tools and structured output are refused with a 400 naming the
-field. ``user`` is accepted and not used.
+field. ``priority`` (lower runs first, as vLLM's) and ``tenant`` go to the protocol's fields of
+those names; ``user`` is accepted and not used (see ``_scheduling``).
 """
 
 from __future__ import annotations
@@ -171,6 +172,20 @@ def _sampling(request: CompletionRequest | ChatRequest, default_max_tokens: int)
     return sampling
 
 
+def _scheduling(request: CompletionRequest | ChatRequest) -> dict[str, Any]:
+    """``priority`` and ``tenant`` when the request sets them (``AsyncClient.submit``'s own
+    defaults otherwise). ``user`` is not a tenant: it names an end user, while a tenant is a
+    page-quota group (``--tenant-page-quotas``), and one tenant per end user would escape it."""
+    scheduling: dict[str, Any] = {}
+    if request.priority is not None:
+        scheduling["priority"] = request.priority
+    if request.tenant is not None:
+        if not request.tenant:
+            raise OpenAIError(400, "tenant must be a non-empty string", param="tenant")
+        scheduling["tenant"] = request.tenant
+    return scheduling
+
+
 def _generation(
     kind: str,
     id_prefix: str,
@@ -180,6 +195,7 @@ def _generation(
 ) -> Generation:
     if logprobs is not None:
         inputs["logprobs"] = logprobs
+    inputs.update(_scheduling(request))
     options = request.stream_options
     return Generation(
         kind=kind,
