@@ -20,6 +20,7 @@ from worker.settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
+    DEFAULT_METRICS_HOST,
     DEFAULT_REDIS_URL,
 )
 
@@ -90,6 +91,17 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=4 * 1024 * 1024,
         help="refuse larger request payloads (default 4 MiB)",
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus /metrics on this port (default 0: off)",
+    )
+    g.add_argument(
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        help=f"interface of --metrics-port (default {DEFAULT_METRICS_HOST})",
     )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     add_batch_args(parser)

@@ -22,6 +22,7 @@ from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership, RequestStr
 from worker.engine_thread import EngineThread
 from worker.events import InFlight, queue_ms, wall_ms
 from worker.logs import get_logger
+from worker.prometheus import WorkerCounters
 from worker.settings import WorkerSettings
 from worker.telemetry import Telemetry
 
@@ -42,6 +43,7 @@ class ServiceParts(Protocol):
     telemetry: Telemetry
     stream: RequestStream
     in_flight: dict[str, InFlight]
+    counters: WorkerCounters
 
     async def retrying(self, what: str, operation: Callable[[], Awaitable[Any]]) -> Any: ...
 
@@ -210,6 +212,7 @@ class RequestHandler:
             else:
                 error = ErrorEvent(code=exc.code, message=exc.message, field=exc.field)
         log.warning("entry rejected", entry_id=entry.entry_id, code=exc.code.value, error=message)
+        service.counters.finished["error"] += 1
         letter = DeadLetter(
             entry_id=entry.entry_id,
             request_id=exc.request_id,
@@ -241,6 +244,7 @@ class RequestHandler:
         self.service.stream.ack(pipe, flight.entry.entry_id)
         await pipe.execute()
         flight.trace.finish(finish_reason="cancelled", prompt_tokens=0, completion_tokens=0)
+        self.service.counters.finished["cancelled"] += 1
         self.service.release(flight)
 
     # -- engine outputs --------------------------------------------------------------------------
@@ -288,6 +292,7 @@ class RequestHandler:
             entry_id = flight.entry.entry_id
             owners[entry_id] = flight
             if out.new_token_ids or out.text_delta:
+                self.service.counters.generated_tokens += len(out.new_token_ids)
                 event = protocol.encode(flight.token_event(out))
                 events.append(OutEvent(flight.request_id, entry_id, event, flight.ttl_due(now_s)))
             if out.finished:  # the terminal event gets a full TTL after the end
@@ -307,9 +312,12 @@ class RequestHandler:
             flight = owners[entry_id]
             log.warning("lease lost; another worker runs it", request_id=flight.request_id)
             self.service.drop(flight, error="lease_lost")
+        counters = self.service.counters
         for flight, out in finished:
             if flight.entry.entry_id in lost:
                 continue
+            counters.finished[out.finish_reason.value if out.finish_reason else "stop"] += 1
+            counters.prompt_tokens += out.usage.prompt_tokens if out.usage else 0
             flight.trace.finish(
                 finish_reason=out.finish_reason.value if out.finish_reason else "stop",
                 prompt_tokens=out.usage.prompt_tokens if out.usage else 0,

@@ -29,6 +29,14 @@ from worker.delivery import REDIS_ERRORS, RequestStream, text
 from worker.engine_thread import EngineThread, StepBatch
 from worker.events import InFlight, wall_ms
 from worker.logs import get_logger
+from worker.prometheus import (
+    MetricsServer,
+    QueueReading,
+    WorkerCounters,
+    WorkerReading,
+    queue_reading,
+    render,
+)
 from worker.requests import RequestHandler
 from worker.settings import WorkerSettings
 from worker.telemetry import EngineGauges, Telemetry
@@ -65,6 +73,13 @@ class WorkerService:
         self._stop = asyncio.Event()
         self._started_at_ms = wall_ms()
         self._queue_depth = 0
+        self.counters = WorkerCounters()
+        self.queue = QueueReading()
+        self._metrics: MetricsServer | None = None
+        if settings.metrics_port:
+            self._metrics = MetricsServer(
+                self.render_metrics, settings.metrics_host, settings.metrics_port
+            )
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -79,6 +94,9 @@ class WorkerService:
             self.engine_thread.start()
         self.engine_thread.add_listener(self._batches.put_nowait)
         self.telemetry.observe_engine(self._gauges)
+        if self._metrics is not None:  # before Redis answers: a scrape shows it still starts
+            await self._metrics.start()
+            log.info("serving metrics", port=self._metrics.port, host=self._metrics.host)
         assert self.engine_thread.failed is not None
         stop = asyncio.create_task(self._stop.wait())
         waiters: list[asyncio.Future[Any]] = [stop, self.engine_thread.failed]
@@ -94,6 +112,8 @@ class WorkerService:
                 log.info("stopped before redis answered", worker=self.settings.name)
         finally:
             stop.cancel()
+            if self._metrics is not None:
+                await self._metrics.close()
             await self.engine_thread.stop()
             self.telemetry.shutdown()
             await self.redis.aclose()
@@ -318,8 +338,24 @@ class WorkerService:
             ex=protocol.HEARTBEAT_TTL_S,
         )
         pipe.xlen(self.keys.requests)
-        _, self._queue_depth = await pipe.execute()
+        pipe.xinfo_groups(self.keys.requests)
+        _, self._queue_depth, groups = await pipe.execute()
+        self.queue = queue_reading(self._queue_depth, groups, self.keys.group)
         await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def render_metrics(self) -> str:
+        """The Prometheus page of ``--metrics-port`` (see ``worker/prometheus.py``)."""
+        return render(
+            WorkerReading(
+                worker=self.settings.name,
+                model=self.engine_thread.engine.config.model,
+                stats=self.engine_thread.stats,
+                num_in_flight=len(self.in_flight),
+                max_in_flight=self.settings.max_in_flight,
+                queue=self.queue,
+                counters=self.counters,
+            )
+        )
 
     def _gauges(self) -> EngineGauges:
         stats = self.engine_thread.stats
