@@ -112,20 +112,10 @@ def test_a_running_worker_serves_its_load_queue_and_token_counters(
     assert other.status_code == 404 and "/metrics" in other.text
 
 
-@pytest.mark.parametrize(
-    ("groups", "expected"),
-    [
-        ([{"name": b"pagestream:workers", "pending": 2, "lag": 5}], (9, 2, 5)),  # Redis 7
-        ([{"name": b"pagestream:workers", "pending": 2}], (9, 2, 7)),  # 6.2: depth - pending
-        ([{"name": b"pagestream:workers", "pending": 2, "lag": None}], (9, 2, 7)),  # unknown
-        ([{"name": b"another-group", "pending": 4, "lag": 1}], (9, 0, 9)),
-    ],
-)
-def test_the_queue_lag_comes_from_xinfo_groups_or_from_the_depth(
-    groups: list[dict[str, object]], expected: tuple[int, int, int]
-) -> None:
-    reading = queue_reading(9, groups, KEYS.group)
-    assert (reading.depth, reading.pending, reading.lag) == expected
+def test_the_queue_lag_is_the_depth_less_the_pending_entries() -> None:
+    reading = queue_reading(9, 2)
+    assert (reading.depth, reading.pending, reading.lag) == (9, 2, 7)
+    assert queue_reading(0, 0).lag == 0
 
 
 def test_the_port_comes_from_its_flag_or_variable_and_0_is_off(

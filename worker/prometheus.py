@@ -7,8 +7,9 @@ beside the OpenTelemetry export (``worker/telemetry.py``), which pushes; this is
 needs no collector. Hand-written, as the gateway's: a dozen gauges and counters need no
 dependency, and the HTTP side is one ``GET`` on an ``asyncio`` server in the worker's loop.
 
-The queue figures come from the heartbeat (every ``heartbeat_interval_s``): a scrape never
-waits for Redis, and a scrape while Redis is down shows the last reading.
+The queue figures come from the heartbeat (every ``heartbeat_interval_s``, ``XLEN`` and
+``XPENDING``): a scrape never waits for Redis, and a scrape while Redis is down shows the last
+reading.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class QueueReading:
 
     depth: int = 0  # XLEN: entries not yet delivered plus those in flight (acked ones are deleted)
     pending: int = 0  # delivered, not yet acknowledged (XINFO GROUPS pending)
-    lag: int = 0  # not yet delivered (XINFO GROUPS lag on Redis 7; depth - pending before it)
+    lag: int = 0  # not yet delivered to any worker: depth - pending
 
 
 @dataclass(frozen=True)
@@ -58,16 +59,11 @@ class WorkerReading:
     counters: WorkerCounters
 
 
-def queue_reading(depth: int, groups: list[dict[str, object]], group: str) -> QueueReading:
-    """From ``XLEN`` and ``XINFO GROUPS`` of the request stream (``group``: the workers')."""
-    info = next((g for g in groups if _text(g.get("name")) == group), {})
-    pending = _int(info.get("pending"))
-    lag = info.get("lag")  # absent before Redis 7, None when Redis cannot tell
-    return QueueReading(
-        depth=depth,
-        pending=pending,
-        lag=_int(lag) if lag is not None else max(depth - pending, 0),
-    )
+def queue_reading(depth: int, pending: int) -> QueueReading:
+    """From ``XLEN`` and the ``XPENDING`` count of the request stream. Workers delete what they
+    acknowledge, so the entries no worker has read are exactly the others: the group's lag
+    (``XINFO GROUPS`` gives it on Redis 7 only, and needs a command the worker's ACL lacks)."""
+    return QueueReading(depth=depth, pending=pending, lag=max(depth - pending, 0))
 
 
 def render(reading: WorkerReading) -> str:
@@ -168,14 +164,3 @@ def _sample(name: str, kind: str, help_text: str, labels: str, value: float) -> 
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _int(value: object) -> int:
-    try:
-        return int(_text(value)) if value is not None else 0
-    except ValueError:
-        return 0

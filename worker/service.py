@@ -338,9 +338,9 @@ class WorkerService:
             ex=protocol.HEARTBEAT_TTL_S,
         )
         pipe.xlen(self.keys.requests)
-        pipe.xinfo_groups(self.keys.requests)
-        _, self._queue_depth, groups = await pipe.execute()
-        self.queue = queue_reading(self._queue_depth, groups, self.keys.group)
+        pipe.xpending(self.keys.requests, self.keys.group)  # commands the worker's ACL has
+        _, self._queue_depth, pending = await pipe.execute()
+        self.queue = queue_reading(self._queue_depth, int(pending["pending"]))
         await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def render_metrics(self) -> str:
