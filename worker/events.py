@@ -90,6 +90,31 @@ class InFlight:
         )
 
 
+def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
+    """One output per request: the outputs of several steps that wait for the same write
+    (Redis was slower than the engine) merged in order, so that a request's ready tokens
+    become one ``token`` event and one ``XADD``, not one per step. Nothing waits to be
+    merged: a write takes what is ready, so the first token goes out as soon as it would
+    alone. A request's outputs end at its finished one (the last of the request)."""
+    merged: dict[str, StepOutput] = {}
+    for out in outputs:
+        into = merged.get(out.request_id)
+        if into is None:
+            merged[out.request_id] = out
+            continue
+        merged[out.request_id] = StepOutput(
+            out.request_id,
+            [*into.new_token_ids, *out.new_token_ids],
+            into.text_delta + out.text_delta,
+            [*into.logprobs, *out.logprobs],
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            usage=out.usage,
+        )
+    return list(merged.values())
+
+
 def _logprobs(out: StepOutput) -> list[TokenLogprob | None]:
     return [
         None if entry is None else TokenLogprob(entry.token_id, entry.logprob, list(entry.top))

@@ -20,7 +20,7 @@ from engine import InvalidRequestError, StepOutput
 from worker.admission import EngineInputs, MalformedEntry, decode_entry, engine_inputs
 from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership, RequestStream
 from worker.engine_thread import EngineThread
-from worker.events import InFlight, queue_ms, wall_ms
+from worker.events import InFlight, coalesce, queue_ms, wall_ms
 from worker.logs import get_logger
 from worker.prometheus import WorkerCounters
 from worker.settings import WorkerSettings
@@ -285,7 +285,7 @@ class RequestHandler:
         owners: dict[str, InFlight] = {}
         finished: list[tuple[InFlight, StepOutput]] = []
         now_s = time.monotonic()
-        for out in outputs:
+        for out in coalesce(outputs):
             flight = self.service.owns(out)
             if flight is None:
                 continue  # dropped (lease lost, handed back) or not ours
