@@ -9,6 +9,7 @@ from typing import Any
 
 from clients import Client, TokenEvent, protocol
 from engine import FinishReason, StepOutput
+from engine.sampler import TokenLogprobs
 from engine.sequence import Usage
 from tests.redis_server import RedisServer
 from worker.events import coalesce
@@ -35,6 +36,16 @@ def test_outputs_of_one_request_merge_in_order_and_others_stay_apart() -> None:
     assert (b.request_id, b.new_token_ids, b.finished) == ("b", [7], False)
     single = [StepOutput("c", [5], "v", [None], finished=False)]
     assert coalesce(single) == single  # one step's output is written as it is
+
+
+def test_outputs_with_logprobs_stay_one_event_per_step() -> None:
+    """The gateway names a token by the text of an event that carried it alone."""
+    entry = TokenLogprobs(token_id=5, logprob=-0.5, top=())
+    outputs = [
+        StepOutput("a", [5], "x", [entry], finished=False),
+        StepOutput("a", [6], "y", [entry], finished=True, finish_reason=FinishReason.LENGTH),
+    ]
+    assert coalesce(outputs) == outputs
 
 
 def test_tokens_that_waited_for_a_stalled_redis_go_out_as_one_event(

@@ -91,18 +91,22 @@ class InFlight:
 
 
 def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
-    """One output per request: the outputs of several steps that wait for the same write
-    (Redis was slower than the engine) merged in order, so that a request's ready tokens
-    become one ``token`` event and one ``XADD``, not one per step. Nothing waits to be
-    merged: a write takes what is ready, so the first token goes out as soon as it would
-    alone. A request's outputs end at its finished one (the last of the request)."""
-    merged: dict[str, StepOutput] = {}
+    """Outputs of several steps that wait for the same write (Redis was slower than the engine)
+    merged per request, in order, so that a request's ready tokens become one ``token`` event
+    and one ``XADD``, not one per step. Nothing waits to be merged: a write takes what is
+    ready, so the first token goes out as soon as it would alone. Outputs with logprobs stay
+    one event per step: the gateway, which has no tokenizer, names a token by the text of an
+    event that carried it alone."""
+    merged: list[StepOutput] = []
+    last: dict[str, int] = {}  # request id -> index in merged of its latest output
     for out in outputs:
-        into = merged.get(out.request_id)
-        if into is None:
-            merged[out.request_id] = out
+        index = last.get(out.request_id)
+        if index is None or _has_logprobs(out) or _has_logprobs(merged[index]):
+            last[out.request_id] = len(merged)
+            merged.append(out)
             continue
-        merged[out.request_id] = StepOutput(
+        into = merged[index]
+        merged[index] = StepOutput(
             out.request_id,
             [*into.new_token_ids, *out.new_token_ids],
             into.text_delta + out.text_delta,
@@ -112,7 +116,11 @@ def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
             stop_reason=out.stop_reason,
             usage=out.usage,
         )
-    return list(merged.values())
+    return merged
+
+
+def _has_logprobs(out: StepOutput) -> bool:
+    return any(entry is not None for entry in out.logprobs)
 
 
 def _logprobs(out: StepOutput) -> list[TokenLogprob | None]:
