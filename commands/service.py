@@ -118,6 +118,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.batch_runner import BatchRunner, serve_with_batches
     from worker.engine_thread import EngineThread
     from worker.logs import configure_logging
+    from worker.prometheus import MetricsPortError
     from worker.service import WorkerService
     from worker.settings import WorkerSettings
 
@@ -150,6 +151,8 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve())
     except EngineDeadError as exc:  # a tensor-parallel rank died: its requests go elsewhere
+        raise CommandError(str(exc), EXIT_ERROR) from exc
+    except MetricsPortError as exc:  # nothing was read yet: a one-line error, no traceback
         raise CommandError(str(exc), EXIT_ERROR) from exc
     finally:
         engine.shutdown()  # the other tensor-parallel ranks, if any

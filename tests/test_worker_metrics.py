@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,3 +135,19 @@ def test_the_port_comes_from_its_flag_or_variable_and_0_is_off(
     assert settings("--metrics-port", "9500", "--metrics-host", "127.0.0.1").metrics_port == 9500
     with pytest.raises(ValueError, match="metrics_port"):
         settings("--metrics-port", "70000")
+
+
+def test_a_taken_port_stops_the_worker_with_a_clear_error(
+    text_model_dir: Path, redis_server: RedisServer
+) -> None:
+    from worker.prometheus import MetricsPortError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = worker_settings(redis_server, "w1", metrics_port=port, metrics_host="127.0.0.1")
+        worker = InProcessWorker(text_model_dir, settings).start()
+        with pytest.raises(MetricsPortError, match=f"--metrics-port {port} on 127.0.0.1"):
+            worker.stop()
+    assert worker.service is not None and not worker.service.engine_thread.is_running

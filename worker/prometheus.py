@@ -107,6 +107,10 @@ def render(reading: WorkerReading) -> str:
     return "\n".join(lines) + "\n"
 
 
+class MetricsPortError(RuntimeError):
+    """``--metrics-port`` cannot be listened on (taken, or not allowed)."""
+
+
 class MetricsServer:
     """An HTTP server answering ``GET /metrics`` with ``render()`` (404 elsewhere)."""
 
@@ -116,7 +120,13 @@ class MetricsServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._answer, self.host, self.port)
+        """Listen; raises ``MetricsPortError`` when the port cannot be had."""
+        try:
+            self._server = await asyncio.start_server(self._answer, self.host, self.port)
+        except OSError as exc:
+            raise MetricsPortError(
+                f"--metrics-port {self.port} on {self.host}: {exc.strerror or exc}"
+            ) from exc
 
     async def close(self) -> None:
         if self._server is not None:

@@ -94,13 +94,13 @@ class WorkerService:
             self.engine_thread.start()
         self.engine_thread.add_listener(self._batches.put_nowait)
         self.telemetry.observe_engine(self._gauges)
-        if self._metrics is not None:  # before Redis answers: a scrape shows it still starts
-            await self._metrics.start()
-            log.info("serving metrics", port=self._metrics.port, host=self._metrics.host)
         assert self.engine_thread.failed is not None
         stop = asyncio.create_task(self._stop.wait())
         waiters: list[asyncio.Future[Any]] = [stop, self.engine_thread.failed]
         try:
+            if self._metrics is not None:  # before Redis answers: a scrape shows it starting
+                await self._metrics.start()
+                log.info("serving metrics", port=self._metrics.port, host=self._metrics.host)
             # Until Redis first answers (it may be down, or refuse the password) a stop request
             # ends the worker at once: nothing is in flight yet.
             first_contact = asyncio.create_task(self._first_contact())
