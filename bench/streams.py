@@ -19,6 +19,7 @@ class StreamTiming:
     last_s: float
     num_tokens: int
     worker: str = ""
+    num_token_events: int = 0  # fewer than num_tokens when ready tokens went out together
 
     @property
     def tpot_s(self) -> float | None:
@@ -59,6 +60,7 @@ async def run_load(
     ``cpu_groups`` (name: pids of local processes), the cores each group, this client and
     the rest of the host used during the timed run."""
     from bench.host_cpu import busy_cores, read_cpu_times
+    from bench.redis_cost import per_token, read_redis_counters
     from clients import AsyncClient
 
     async with AsyncClient(redis_url, prefix=prefix, timeout_s=timeout_s) as client:
@@ -67,15 +69,25 @@ async def run_load(
             await _stream_all(client, prompts, concurrency)
         before = await _engine_counters(client, time.time())
         cpu_before = read_cpu_times(cpu_groups or {})
+        redis_before = await read_redis_counters(client.redis)
         start_s = time.perf_counter()
         timings = await _stream_all(client, prompts, concurrency)
         elapsed_s = time.perf_counter() - start_s
+        redis_after = await read_redis_counters(client.redis)
         cpu_after = read_cpu_times(cpu_groups or {})
         after = await _engine_counters(client, time.time())
     results = summarize(timings, elapsed_s)
     results["requests_by_worker"] = dict(sorted(Counter(t.worker for t in timings).items()))
+    group_cpu_s = None
     if cpu_groups is not None:
         results["busy_cores"] = busy_cores(cpu_before, cpu_after)
+        if cpu_before is not None and cpu_after is not None:
+            group_cpu_s = {name: cpu_after.groups_s[name] - cpu_before.groups_s[name]
+                           for name in cpu_groups}  # fmt: skip
+    results["cost"] = per_token(
+        redis_before, redis_after, num_tokens=results["output_tokens"],
+        num_token_events=sum(t.num_token_events for t in timings), group_cpu_s=group_cpu_s,
+    )  # fmt: skip
     if before is not None and after is not None:
         num_steps, step_time_s = after[0] - before[0], after[1] - before[1]
         results["workers"] = {
@@ -121,7 +133,7 @@ async def _one(client: Any, prompt: Any) -> StreamTiming:
 
     start_s = time.perf_counter()
     first_s = last_s = 0.0
-    num_tokens = 0
+    num_tokens = num_events = 0
     worker = ""
     async for event in client.stream(token_ids=prompt.token_ids, max_tokens=prompt.output_len,
                                      temperature=0, ignore_eos=True):  # fmt: skip
@@ -129,6 +141,7 @@ async def _one(client: Any, prompt: Any) -> StreamTiming:
             last_s = time.perf_counter() - start_s
             first_s = first_s or last_s
             num_tokens += len(event.token_ids)
+            num_events += 1
         elif isinstance(event, DoneEvent):
             worker = event.worker
-    return StreamTiming(first_s, last_s, num_tokens, worker)
+    return StreamTiming(first_s, last_s, num_tokens, worker, num_events)

@@ -62,9 +62,12 @@ class Keys:
         """Entries that could not be served (malformed, or delivered too often)."""
         return f"{self.prefix}:dead"
 
+    # A request's own keys put its id in braces, a Redis Cluster hash tag: all of them live
+    # in one slot (one shard), whatever the id, so one script may touch them together.
+
     def out(self, request_id: str) -> str:
         """The event stream of one request."""
-        return f"{self.prefix}:out:{request_id}"
+        return f"{self.prefix}:out:{{{request_id}}}"
 
     def client_wake(self, client_id: str) -> str:
         """A client's own stream, appended to end its blocked read of the out streams."""
@@ -72,11 +75,11 @@ class Keys:
 
     def cancel(self, request_id: str) -> str:
         """Set when a request is cancelled; checked when a worker admits the request."""
-        return f"{self.prefix}:cancel:{request_id}"
+        return f"{self.prefix}:cancel:{{{request_id}}}"
 
     def claim(self, request_id: str) -> str:
         """Which stream entry owns a request id (so a duplicate id is not run twice)."""
-        return f"{self.prefix}:claim:{request_id}"
+        return f"{self.prefix}:claim:{{{request_id}}}"
 
     def worker(self, name: str) -> str:
         """A worker's heartbeat (a ``WorkerStatus``, with a TTL)."""

@@ -134,7 +134,8 @@ class StreamReader:
                 continue
             delay_s = BACKOFF_MIN_S
             for raw_key, entries in reply or []:
-                self._deliver(_text(raw_key), entries)
+                key = _text(raw_key)
+                self._deliver(key, entries, read_from=streams.get(key, "0-0"))
 
     async def _fail(self, exc: ResponseError, keys: list[str]) -> None:
         """Hand ``exc`` to the subscribers of keys that are not streams (a key reused for
@@ -152,7 +153,12 @@ class StreamReader:
             for subscription in self._subscriptions.pop(key, []):
                 subscription.queue.put_nowait(exc)
 
-    def _deliver(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _deliver(
+        self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]], read_from: str
+    ) -> None:
+        """Hand ``entries`` (read after ``read_from``) to the key's subscribers. A subscriber
+        that needs older entries (it subscribed while this read was under way) gets none of
+        them: the next read starts at its position, so it misses nothing in between."""
         if key == self._wake_key:
             self._wake_last_id = _text(entries[-1][0])
             return
@@ -160,8 +166,11 @@ class StreamReader:
         decoded = [
             (_text(entry_id), fields.get(payload_field, b"")) for entry_id, fields in entries
         ]
+        start = stream_id(read_from)
         for subscription in self._subscriptions.get(key, []):
             after = stream_id(subscription.last_id)
+            if after < start:
+                continue
             for entry_id, payload in decoded:
                 if stream_id(entry_id) > after:
                     subscription.queue.put_nowait((entry_id, payload))

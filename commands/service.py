@@ -20,6 +20,7 @@ from worker.settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
+    DEFAULT_METRICS_HOST,
     DEFAULT_REDIS_URL,
 )
 
@@ -91,6 +92,17 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
         default=4 * 1024 * 1024,
         help="refuse larger request payloads (default 4 MiB)",
     )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus /metrics on this port (default 0: off)",
+    )
+    g.add_argument(
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        help=f"interface of --metrics-port (default {DEFAULT_METRICS_HOST})",
+    )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     add_batch_args(parser)
     add_engine_args(parser)
@@ -106,6 +118,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.batch_runner import BatchRunner, serve_with_batches
     from worker.engine_thread import EngineThread
     from worker.logs import configure_logging
+    from worker.prometheus import MetricsPortError
     from worker.service import WorkerService
     from worker.settings import WorkerSettings
 
@@ -138,6 +151,8 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve())
     except EngineDeadError as exc:  # a tensor-parallel rank died: its requests go elsewhere
+        raise CommandError(str(exc), EXIT_ERROR) from exc
+    except MetricsPortError as exc:  # nothing was read yet: a one-line error, no traceback
         raise CommandError(str(exc), EXIT_ERROR) from exc
     finally:
         engine.shutdown()  # the other tensor-parallel ranks, if any

@@ -5,6 +5,8 @@ prefill chunks of partly prefilled sequences, then on resuming swapped sequences
 admitting waiting ones, in priority order (lower ``priority`` first, then arrival). When
 pages run out the lowest-priority, newest running sequence is preempted: its pages are freed
 and it is requeued (``recompute``) or copied to host memory (``swap``). Nothing is dropped.
+A waiting sequence that outranks running ones (a lower ``priority``) does not wait for pages:
+it preempts the lowest-priority, newest of them and is admitted first (vLLM's priority policy).
 """
 
 from __future__ import annotations
@@ -113,11 +115,13 @@ class Scheduler:
         batch = ScheduledBatch()
         self._expire_deadlines(now_s, batch)
         budget = self.config.max_batched_tokens
+        budget -= self._admit_outranking(budget, batch)
+        admitted = {id(entry.seq) for entry in batch.scheduled}
         self.running.sort(key=_order)
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for seq in self.running:
-            if seq.awaits_last_token:
+            if seq.awaits_last_token or id(seq) in admitted:
                 continue  # its last token is in flight: the sequence ends when it lands
             (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
         # The common decode step needs no page (the last one has room) and no quota check.
@@ -141,7 +145,7 @@ class Scheduler:
                 budget -= 1
                 continue
             budget -= self._schedule_running(seq, budget, batch)
-        if batch.num_preempted == 0:
+        if batch.num_preempted == 0:  # (preemptions for priority leave the pool full too)
             budget -= self._resume_swapped(budget, batch)
             self._admit_waiting(budget, batch)
         # Decodes first: the attention backend batches the leading single-token queries.
@@ -278,23 +282,58 @@ class Scheduler:
             seats = len(self.running) + self.num_reserved_seats + len(seq.forks)
             if budget == 0 or seats >= self.config.max_seqs:
                 break
-            hit = self.block_manager.match_prefix(seq)
-            if seq.num_preemptions == 0 and not seq.output_token_ids:
-                seq.num_cached_tokens = hit.num_tokens
-            num_new = self._chunk(seq, budget)
-            needed = self.block_manager.num_blocks_needed(seq, num_new)
-            over_quota = self.block_manager.tenant_over_quota(seq.tenant, needed)
-            if over_quota and any(other.tenant == seq.tenant for other in self.running):
-                self._unadmit(seq)
-                continue  # other tenants may still fit
-            if not self.block_manager.allocate_slots(seq, num_new):
-                self._unadmit(seq)
+            used = self._try_admit(seq, budget, batch)
+            if used is None:
                 break  # pool full: later arrivals must not overtake this one
-            self._start_running(seq, self.waiting)
-            self.num_device_hit_tokens += hit.device_tokens
-            self.num_host_hit_tokens += hit.host_tokens
-            batch.scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            budget -= used
+
+    def _try_admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
+        """Admit ``seq`` with its first chunk; the tokens it takes (0: over its tenant's
+        quota, skipped), or None when the pool has no room."""
+        hit = self.block_manager.match_prefix(seq)
+        if seq.num_preemptions == 0 and not seq.output_token_ids:
+            seq.num_cached_tokens = hit.num_tokens
+        num_new = self._chunk(seq, budget)
+        needed = self.block_manager.num_blocks_needed(seq, num_new)
+        over_quota = self.block_manager.tenant_over_quota(seq.tenant, needed)
+        if over_quota and any(other.tenant == seq.tenant for other in self.running):
+            self._unadmit(seq)
+            return 0  # other tenants may still fit
+        if not self.block_manager.allocate_slots(seq, num_new):
+            self._unadmit(seq)
+            return None
+        self._start_running(seq, self.waiting)
+        self.num_device_hit_tokens += hit.device_tokens
+        self.num_host_hit_tokens += hit.host_tokens
+        batch.scheduled.append(ScheduledSeq(seq, num_new))
+        return num_new
+
+    def _admit_outranking(self, budget: int, batch: ScheduledBatch) -> int:
+        """Priority preemption: a waiting sequence that outranks running ones (a strictly
+        lower ``priority``) and finds the pool (or ``max_seqs``) full takes the place of the
+        lowest-priority, newest of them, before anything else is scheduled. Equal priorities
+        never preempt each other here: among them arrival order holds. Returns the tokens
+        the admitted sequences take."""
+        used = 0
+        for seq in sorted(self.waiting, key=_order):
+            if budget - used == 0 or not self._outranked_by(seq):
+                break  # sorted: no later waiting sequence outranks anyone either
+            while True:
+                taken = None
+                if len(self.running) < self.config.max_seqs:
+                    taken = self._try_admit(seq, budget - used, batch)
+                if taken is not None:
+                    used += taken
+                    break
+                victims = self._outranked_by(seq)
+                if not victims:
+                    return used  # no room can be made: it waits, and so do those after it
+                self._preempt(max(victims, key=_order), batch)
+        return used
+
+    def _outranked_by(self, seq: Sequence) -> list[Sequence]:
+        """Running sequences ``seq`` may preempt: lower priority, not ending this step."""
+        return [s for s in self.running if s.priority > seq.priority and not s.awaits_last_token]
 
     def _unadmit(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # give back prefix-cache hits; retried next step

@@ -56,6 +56,14 @@ def test_fleet_sweep_scales_the_load_and_every_worker_serves(tmp_path: Path) -> 
         busy = row["busy_cores"]
         assert set(busy) == {"host", "workers", "redis", "client", "other"}
         assert busy["host"] > 0 and min(busy.values()) >= 0
+        cost = row["cost"]  # what a token costs Redis and the workers
+        assert cost["output_tokens"] == row["output_tokens"]
+        assert 0 < cost["token_events_per_token"] <= 1
+        assert (
+            cost["redis_calls_per_token"] > 0
+            and "evalsha" in cost["redis_calls_per_token_by_command"]
+        )
+        assert set(cost["cpu_us_per_token"]) == {"workers", "redis"}
         expected = row["output_tok_s"] / (n * rows[0]["output_tok_s"])
         assert row["scaling_efficiency"] == pytest.approx(expected)
     names = [set(row["requests_by_worker"]) for row in rows]

@@ -75,11 +75,24 @@ def test_keys_share_the_prefix() -> None:
     assert (keys.requests, keys.group, keys.cancels, keys.dead) == (
         "ps:requests", "ps:workers", "ps:cancels", "ps:dead",
     )  # fmt: skip
-    assert (keys.out("a"), keys.cancel("a"), keys.worker("w")) == (
-        "ps:out:a",
-        "ps:cancel:a",
+    assert (keys.out("a"), keys.cancel("a"), keys.claim("a"), keys.worker("w")) == (
+        "ps:out:{a}",
+        "ps:cancel:{a}",
+        "ps:claim:{a}",
         "ps:worker:w",
     )
+
+
+def test_a_requests_keys_share_one_cluster_slot_and_requests_spread() -> None:
+    from redis.crc import key_slot
+
+    keys = protocol.Keys()
+    for request_id in ("a", "chatcmpl-0123abcd", "x:y", "a}b"):
+        slots = {key_slot(k.encode()) for k in (keys.out(request_id), keys.cancel(request_id),
+                                                 keys.claim(request_id))}  # fmt: skip
+        assert len(slots) == 1, request_id
+    spread = {key_slot(keys.out(f"r{i}").encode()) for i in range(100)}
+    assert len(spread) > 90  # ids land on many slots (16384 in all)
 
 
 def test_tls_and_password_urls_are_understood() -> None:

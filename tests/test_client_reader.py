@@ -99,6 +99,40 @@ def test_two_readers_of_one_stream_from_different_positions(redis_server: RedisS
     asyncio.run(scenario())
 
 
+def test_a_reader_that_joins_a_stream_during_a_read_from_further_on_misses_nothing(
+    redis_server: RedisServer,
+) -> None:
+    """The second reader of a stream subscribes while the read under way started past its
+    position (``resume`` then ``result`` of a running request): it gets every entry, not
+    those of that read only."""
+
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            out = client.keys.out("joined")
+            for seq in range(3):
+                await client.redis.xadd(out, _token(seq))
+            first = asyncio.create_task(_read_all(client, "joined"))
+            await _blocked_clients(client)  # the first reader has seen 0..2 and waits after 2
+            read = client.redis.xread
+            late: list[asyncio.Task[list[int]]] = []
+
+            async def read_then_subscribe(streams: dict[str, str], **kwargs: object) -> object:
+                reply = await read(streams, **kwargs)  # type: ignore[arg-type]
+                if reply and not late:  # the read came back with token 3: a reader joins now
+                    late.append(asyncio.create_task(_read_all(client, "joined")))
+                    await asyncio.sleep(0.1)  # it subscribes before this reply is delivered
+                return reply
+
+            client.redis.xread = read_then_subscribe  # type: ignore[method-assign]
+            await client.redis.xadd(out, _token(3))
+            await asyncio.sleep(0.3)
+            await client.redis.xadd(out, _end())
+            assert await first == [0, 1, 2, 3]
+            assert late and await late[0] == [0, 1, 2, 3]
+
+    asyncio.run(scenario())
+
+
 def test_a_key_of_the_wrong_type_fails_only_its_own_reader(redis_server: RedisServer) -> None:
     async def scenario() -> None:
         async with AsyncClient(redis_server.url) as client:

@@ -202,8 +202,8 @@ def test_waiting_request_times_out_in_the_queue(llama_dir: Path) -> None:
 def test_lower_priority_value_runs_first(llama_dir: Path) -> None:
     prompts = random_prompts([8, 9, 10, 11], VOCAB_SIZE, seed=15)
     driver = Driver(make_engine(llama_dir, max_seqs=1))
-    driver.add("first", prompts[0], greedy(4), priority=1)
-    driver.step()  # "first" is running: a later, more urgent request waits, never evicts it
+    driver.add("first", prompts[0], greedy(4), priority=0)
+    driver.step()  # "first" is running: a later request of its priority waits, never evicts it
     driver.add("early", prompts[1], greedy(4), priority=1)
     driver.add("late-low", prompts[2], greedy(4), priority=2)
     driver.add("late-urgent", prompts[3], greedy(4), priority=0)

@@ -251,7 +251,8 @@ def test_the_deadline_ends_a_request_as_length(stack: Stack) -> None:
 def _request_ids(stack: Stack) -> set[str]:
     redis = stack.redis.client()
     try:
-        prefix = Keys().out("")
-        return {key.decode()[len(prefix) :] for key in redis.scan_iter(f"{prefix}*")}
+        head, tail = Keys().out("*").split("*")  # pagestream:out:{*}: the id in a hash tag
+        keys = (key.decode() for key in redis.scan_iter(f"{head}*{tail}"))
+        return {key[len(head) : len(key) - len(tail)] for key in keys}
     finally:
         redis.close()

@@ -142,7 +142,7 @@ def test_n_samples_share_one_prompt(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"priority": 1}, "priority"), ({"user": "me"}, "user"), ({"frobnicate": True}, "frobnicate"),
+    [({"store": True}, "store"), ({"user": "me"}, "user"), ({"frobnicate": True}, "frobnicate"),
      ({"logit_bias": {"5": 1}}, "logit_bias"), ({"functions": [WEATHER["function"]]}, "functions"),
      ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
      ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
@@ -158,7 +158,7 @@ def test_fields_not_honoured_are_refused(
     error: Any = exc.value.body
     assert error["param"] == param, error
     if param in (
-        "priority",
+        "store",
         "user",
         "frobnicate",
         "logit_bias",

@@ -66,7 +66,6 @@ def test_chat_messages_and_its_max_tokens() -> None:
         (chat(tools=[{"type": "custom", "custom": {"name": "x"}}]), "tools"),
         (chat(tool_choice="required"), "tool_choice"),
         (chat(user="u1"), "user"),
-        (chat(priority=1), "priority"),
         (chat(unknown_field=1), "unknown_field"),
         (chat(logit_bias={"5": 1.0}), "logit_bias"),
         (chat(top_logprobs=2), "top_logprobs"),

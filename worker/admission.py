@@ -17,7 +17,11 @@ import msgspec
 from clients import protocol
 from clients.protocol import ErrorCode, Request
 from engine import InvalidRequestError, LLMEngine, SamplingParams
-from engine.inputs import ChatTemplateOptions
+from engine.inputs import (
+    ChatTemplateOptions,
+    check_request_fields,
+    max_tokens_within_context,
+)
 from engine.sampling_params import DEFAULT_MAX_TOKENS
 from engine.structured import StructuredOutputs
 from worker.settings import RequestLimits
@@ -131,12 +135,19 @@ def engine_inputs(
             "prompt",
             f"has {len(token_ids)} tokens; this worker accepts at most {limits.max_prompt_tokens}",
         )
+    # What the engine checks again when the request is added, checked here too: a worker
+    # validates an entry before it owns the id (see ``RequestHandler``).
+    max_tokens_within_context(
+        sampling, len(token_ids), engine.max_model_len, clamp=engine.config.clamp_max_tokens
+    )
+    timeout_s = _timeout_s(request.deadline_ms, now_ms)
+    check_request_fields(request.priority, request.tenant, timeout_s)
     return EngineInputs(
         prompt_token_ids=token_ids,
         sampling=sampling,
         priority=request.priority,
         tenant=request.tenant,
-        timeout_s=_timeout_s(request.deadline_ms, now_ms),
+        timeout_s=timeout_s,
     )
 
 

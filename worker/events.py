@@ -107,6 +107,46 @@ def _finish_reason(out: StepOutput) -> protocol.FinishReason:
     return protocol.FinishReason(out.finish_reason.value if out.finish_reason else "stop")
 
 
+def coalesce(outputs: list[StepOutput]) -> list[StepOutput]:
+    """Outputs of several steps that wait for the same write (Redis was slower than the engine)
+    merged per request, in order, so that a request's ready tokens become one ``token`` event
+    and one ``XADD``, not one per step. Nothing waits to be merged: a write takes what is
+    ready, so the first token goes out as soon as it would alone. Outputs with logprobs stay
+    one event per step: the gateway, which has no tokenizer, names a token by the text of an
+    event that carried it alone."""
+    merged: list[StepOutput] = []
+    last: dict[tuple[str, int], int] = {}  # (request id, sample) -> its latest output in merged
+    for out in outputs:
+        key = (out.request_id, out.index)
+        index = last.get(key)
+        if index is None or _has_logprobs(out) or _has_logprobs(merged[index]):
+            last[key] = len(merged)
+            merged.append(out)
+            continue
+        into = merged[index]
+        if into.sample_finished:  # a sample's end stays the last of its outputs
+            last[key] = len(merged)
+            merged.append(out)
+            continue
+        merged[index] = StepOutput(
+            out.request_id,
+            [*into.new_token_ids, *out.new_token_ids],
+            into.text_delta + out.text_delta,
+            [*into.logprobs, *out.logprobs],
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            usage=out.usage,
+            index=out.index,
+            sample_finished=out.sample_finished,
+        )
+    return merged
+
+
+def _has_logprobs(out: StepOutput) -> bool:
+    return any(entry is not None for entry in out.logprobs)
+
+
 def _logprobs(out: StepOutput) -> list[TokenLogprob | None]:
     return [
         None if entry is None else TokenLogprob(entry.token_id, entry.logprob, list(entry.top))

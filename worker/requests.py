@@ -17,15 +17,19 @@ from redis.exceptions import OutOfMemoryError
 from clients import protocol
 from clients.protocol import DeadLetter, ErrorCode, ErrorEvent, Keys, Request, RestartEvent
 from engine import InvalidRequestError, StepOutput
-from worker.admission import MalformedEntry, decode_entry, engine_inputs
+from worker.admission import EngineInputs, MalformedEntry, decode_entry, engine_inputs
 from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership, RequestStream
 from worker.engine_thread import EngineThread
-from worker.events import InFlight, queue_ms, wall_ms
+from worker.events import InFlight, coalesce, queue_ms, wall_ms
 from worker.logs import get_logger
+from worker.prometheus import WorkerCounters
 from worker.settings import WorkerSettings
 from worker.telemetry import Telemetry
 
 log = get_logger(__name__)
+
+# In a dead letter's message when the entry reused an id another entry owns.
+DUPLICATE_NOTE = "the id belongs to another entry: no error event written to its stream"
 
 
 class ServiceParts(Protocol):
@@ -39,6 +43,7 @@ class ServiceParts(Protocol):
     telemetry: Telemetry
     stream: RequestStream
     in_flight: dict[str, InFlight]
+    counters: WorkerCounters
 
     async def retrying(self, what: str, operation: Callable[[], Awaitable[Any]]) -> Any: ...
 
@@ -99,6 +104,18 @@ class RequestHandler:
                 entry, MalformedEntry(ErrorCode.TOO_MANY_DELIVERIES, message, request.id)
             )
             return
+        # Checked before the id is owned: an invalid entry reusing the id of a running request
+        # is dead-lettered (without touching that request's stream), not dropped as a duplicate.
+        now_ms = wall_ms()
+        try:
+            inputs = engine_inputs(
+                request, service.engine_thread.engine, service.settings.limits, now_ms
+            )
+            await service.engine_thread.compile_grammar(inputs.sampling)  # off the loop
+        except InvalidRequestError as exc:
+            invalid = MalformedEntry(ErrorCode.INVALID_REQUEST, str(exc), request.id, exc.field)
+            await self._reject(entry, invalid)
+            return
         ownership = await service.stream.own(request.id, entry.entry_id)
         if ownership is Ownership.DUPLICATE:
             log.warning("duplicate request id; not run", request_id=request.id)
@@ -108,14 +125,15 @@ class RequestHandler:
         if retry and await service.stream.has_terminal_event(request.id):
             await self._ack(entry)  # finished before its worker could acknowledge
             return
-        await self._admit(request, entry, retry)
+        await self._admit(request, inputs, entry, now_ms, retry)
 
-    async def _admit(self, request: Request, entry: Entry, retry: bool = False) -> None:
-        """Hand ``request`` to the engine; a redelivered one (``retry``) gets its restart
-        event once it is valid, so a request refused on its second delivery shows its client
-        one error event, as on its first."""
+    async def _admit(
+        self, request: Request, inputs: EngineInputs, entry: Entry, now_ms: int, retry: bool
+    ) -> None:
+        """Hand ``request`` (valid: ``inputs``) to the engine. A redelivered one (``retry``)
+        writes ``restart`` first, also when it was cancelled before it ran again: the dead
+        attempt's tokens are in its stream, and a caller must see that they do not count."""
         service = self.service
-        now_ms = wall_ms()
         flight = InFlight(
             request=request,
             entry=entry,
@@ -134,24 +152,11 @@ class RequestHandler:
         service.in_flight[request.id] = flight
         if await service.redis.exists(service.keys.cancel(request.id)):
             flight.cancel_requested = True
-        if flight.cancel_requested:
-            await self._finish_unstarted(flight)
-            return
-        engine = service.engine_thread.engine
-        try:
-            inputs = engine_inputs(request, engine, service.settings.limits, now_ms)
-            await service.engine_thread.compile_grammar(inputs.sampling)  # off the loop
-        except InvalidRequestError as exc:
-            await self._refuse(flight, exc)
-            return
-        if flight.cancel_requested:  # a notice that came in while the grammar compiled
-            await self._finish_unstarted(flight)
-            return
-        if retry:  # valid: the client learns the run starts over, before any of its tokens
+        if retry:  # the client learns the run starts over, before any of its tokens
             await self._write_restart(request.id, entry)
-            if flight.cancel_requested:  # a notice that came in meanwhile
-                await self._finish_unstarted(flight)
-                return
+        if flight.cancel_requested:  # before it ran here, or a notice that came meanwhile
+            await self._finish_unstarted(flight)
+            return
         try:
             service.engine_thread.add_request(
                 request.id,
@@ -195,28 +200,30 @@ class RequestHandler:
         await pipe.execute()
 
     async def _reject(self, entry: Entry, exc: MalformedEntry) -> None:
-        """Dead-letter ``entry``; an error event too when its id is readable and not taken."""
+        """Dead-letter ``entry``, with an error event when its id is readable and this entry
+        owns it. An entry reusing another entry's id (a running or finished request) gets no
+        event: that id's stream is its owner's, and its caller must not see a foreign error."""
         service = self.service
-        request_id = exc.request_id
-        if request_id is not None:
-            ownership = await service.stream.own(request_id, entry.entry_id)
+        error: ErrorEvent | None = None
+        message = exc.message
+        if exc.request_id is not None:
+            ownership = await service.stream.own(exc.request_id, entry.entry_id)
             if ownership is Ownership.DUPLICATE:
-                request_id = None  # another entry's id: never write into its stream
-        log.warning(
-            "entry rejected", entry_id=entry.entry_id, code=exc.code.value, error=exc.message
-        )
+                message += f"; {DUPLICATE_NOTE}"
+            else:
+                error = ErrorEvent(code=exc.code, message=exc.message, field=exc.field)
+        log.warning("entry rejected", entry_id=entry.entry_id, code=exc.code.value, error=message)
+        service.counters.finished["error"] += 1
         letter = DeadLetter(
             entry_id=entry.entry_id,
-            request_id=request_id,
+            request_id=exc.request_id,
             code=exc.code,
-            message=exc.message,
+            message=message,
             worker=service.settings.name,
             times_delivered=entry.times_delivered,
             payload=_kept_payload(entry.payload, service.settings.limits.max_entry_bytes),
         )
-        await service.stream.dead_letter(
-            entry, letter, ErrorEvent(code=exc.code, message=exc.message, field=exc.field)
-        )
+        await service.stream.dead_letter(entry, letter, error)
 
     async def _refuse(self, flight: InFlight, exc: InvalidRequestError) -> None:
         malformed = MalformedEntry(
@@ -238,6 +245,7 @@ class RequestHandler:
         self.service.stream.ack(pipe, flight.entry.entry_id)
         await pipe.execute()
         flight.trace.finish(finish_reason="cancelled", prompt_tokens=0, completion_tokens=0)
+        self.service.counters.finished["cancelled"] += 1
         self.service.release(flight)
 
     # -- engine outputs --------------------------------------------------------------------------
@@ -278,13 +286,14 @@ class RequestHandler:
         owners: dict[str, InFlight] = {}
         finished: list[tuple[InFlight, StepOutput]] = []
         now_s = time.monotonic()
-        for out in outputs:
+        for out in coalesce(outputs):
             flight = self.service.owns(out)
             if flight is None:
                 continue  # dropped (lease lost, handed back) or not ours
             entry_id = flight.entry.entry_id
             owners[entry_id] = flight
             if flight.wants_token_event(out):
+                self.service.counters.generated_tokens += len(out.new_token_ids)
                 event = protocol.encode(flight.token_event(out))
                 events.append(OutEvent(flight.request_id, entry_id, event, flight.ttl_due(now_s)))
             if out.finished:  # the terminal event gets a full TTL after the end
@@ -304,9 +313,12 @@ class RequestHandler:
             flight = owners[entry_id]
             log.warning("lease lost; another worker runs it", request_id=flight.request_id)
             self.service.drop(flight, error="lease_lost")
+        counters = self.service.counters
         for flight, out in finished:
             if flight.entry.entry_id in lost:
                 continue
+            counters.finished[out.finish_reason.value if out.finish_reason else "stop"] += 1
+            counters.prompt_tokens += out.usage.prompt_tokens if out.usage else 0
             flight.trace.finish(
                 finish_reason=out.finish_reason.value if out.finish_reason else "stop",
                 prompt_tokens=out.usage.prompt_tokens if out.usage else 0,

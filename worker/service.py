@@ -30,6 +30,14 @@ from worker.delivery import REDIS_ERRORS, RequestStream, text
 from worker.engine_thread import EngineThread, StepBatch
 from worker.events import InFlight, wall_ms
 from worker.logs import get_logger
+from worker.prometheus import (
+    MetricsServer,
+    QueueReading,
+    WorkerCounters,
+    WorkerReading,
+    queue_reading,
+    render,
+)
 from worker.requests import RequestHandler
 from worker.settings import WorkerSettings
 from worker.telemetry import EngineGauges, Telemetry
@@ -66,6 +74,13 @@ class WorkerService:
         self._stop = asyncio.Event()
         self._started_at_ms = wall_ms()
         self._queue_depth = 0
+        self.counters = WorkerCounters()
+        self.queue = QueueReading()
+        self._metrics: MetricsServer | None = None
+        if settings.metrics_port:
+            self._metrics = MetricsServer(
+                self.render_metrics, settings.metrics_host, settings.metrics_port
+            )
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -84,6 +99,9 @@ class WorkerService:
         stop = asyncio.create_task(self._stop.wait())
         waiters: list[asyncio.Future[Any]] = [stop, self.engine_thread.failed]
         try:
+            if self._metrics is not None:  # before Redis answers: a scrape shows it starting
+                await self._metrics.start()
+                log.info("serving metrics", port=self._metrics.port, host=self._metrics.host)
             # Until Redis first answers (it may be down, or refuse the password) a stop request
             # ends the worker at once: nothing is in flight yet.
             first_contact = asyncio.create_task(self._first_contact())
@@ -95,6 +113,8 @@ class WorkerService:
                 log.info("stopped before redis answered", worker=self.settings.name)
         finally:
             stop.cancel()
+            if self._metrics is not None:
+                await self._metrics.close()
             await self.engine_thread.stop()
             self.telemetry.shutdown()
             await self.redis.aclose()
@@ -324,8 +344,24 @@ class WorkerService:
             ex=protocol.HEARTBEAT_TTL_S,
         )
         pipe.xlen(self.keys.requests)
-        _, self._queue_depth = await pipe.execute()
+        pipe.xpending(self.keys.requests, self.keys.group)  # commands the worker's ACL has
+        _, self._queue_depth, pending = await pipe.execute()
+        self.queue = queue_reading(self._queue_depth, int(pending["pending"]))
         await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def render_metrics(self) -> str:
+        """The Prometheus page of ``--metrics-port`` (see ``worker/prometheus.py``)."""
+        return render(
+            WorkerReading(
+                worker=self.settings.name,
+                model=self.engine_thread.engine.config.model,
+                stats=self.engine_thread.stats,
+                num_in_flight=len(self.in_flight),
+                max_in_flight=self.settings.max_in_flight,
+                queue=self.queue,
+                counters=self.counters,
+            )
+        )
 
     def _gauges(self) -> EngineGauges:
         stats = self.engine_thread.stats

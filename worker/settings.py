@@ -13,6 +13,9 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_DELIVERIES = 3
 DEFAULT_GRACE_S = 30.0
+# Every interface: Prometheus scrapes a worker from another host (pod). The endpoint is off
+# unless a port is given, and it serves counters only.
+DEFAULT_METRICS_HOST = "0.0.0.0"
 
 
 def default_worker_name() -> str:
@@ -48,6 +51,8 @@ class WorkerSettings:
     read_block_ms: int = 1000
     heartbeat_interval_s: float = 5.0
     limits: RequestLimits = field(default_factory=RequestLimits)
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = not served
+    metrics_host: str = DEFAULT_METRICS_HOST
 
     def __post_init__(self) -> None:
         checks = (
@@ -59,6 +64,7 @@ class WorkerSettings:
             (self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0"),
             (bool(self.name) and ":" not in self.name, "name must be non-empty, without ':'"),
             (bool(self.prefix), "prefix must be non-empty"),
+            (0 <= self.metrics_port <= 65535, "metrics_port must be 0..65535 (0: off)"),
         )
         for ok, message in checks:
             if not ok:
@@ -84,6 +90,8 @@ class WorkerSettings:
             lease_s=args.lease_s,
             max_in_flight=args.max_in_flight or max_seqs,
             grace_s=args.grace_s,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             limits=RequestLimits(
                 max_prompt_tokens=args.max_prompt_tokens,
                 max_output_tokens=args.max_output_tokens,

@@ -32,3 +32,9 @@ def hostile_entry(index: int, rng: random.Random) -> tuple[dict[str, bytes], str
     if index % 100 == 99:  # a 10 MB prompt, twice in 200 (each costs Redis 10 MB of AOF)
         return {"msg": _pack({"v": 1, "id": rid, "prompt": "w5 " * (HUGE_PROMPT_BYTES // 3)})}, rid
     return kinds[index % len(kinds)]
+
+
+def invalid_reuse(request_id: str) -> dict[str, bytes]:
+    """An entry that decodes but is invalid (``max_tokens`` -5), reusing ``request_id``: it must
+    be dead-lettered without an event in that id's stream (which belongs to its owner)."""
+    return {"msg": _pack({"v": 1, "id": request_id, "prompt": "w5 w6", "max_tokens": -5})}

@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from clients import AsyncClient, Completion, FinishReason, protocol
 from engine import LLM, SamplingParams
-from tests.chaos.hostile import hostile_entry
+from tests.chaos.hostile import hostile_entry, invalid_reuse
 from tests.chaos.plugin import ChaosSettings
 from tests.redis_server import RedisServer
 from tests.service_fixtures import spawn_worker
@@ -81,6 +81,13 @@ def num_streaming(server: RedisServer, consumer: str) -> int:
 
 def events_of(r: redis.Redis, rid: str) -> list[Any]:
     return [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(KEYS.out(rid))]
+
+
+def check_usage(completions: list[Completion]) -> None:
+    """Usage counts the tokens that count: those after the last ``restart``."""
+    for completion in completions:
+        assert completion.usage is not None, completion.request_id
+        assert completion.usage.completion_tokens == len(completion.token_ids), completion
 
 
 def kill_redis(server: RedisServer) -> None:
@@ -146,6 +153,10 @@ def test_chaos_under_load(
                             ignore_eos=True,
                         )
                     )
+                for i in range(cfg.num_duplicates):  # invalid, reusing an id that may run
+                    fields = invalid_reuse(f"good-{i}")
+                    entry_id = await asyncio.to_thread(raw.xadd, KEYS.requests, fields)
+                    hostile_entry_ids.append(entry_id.decode())
                 await writing
                 await asyncio.to_thread(kill_redis, redis_server)
                 faults.append("redis kill -9 + restart (AOF)")
@@ -167,6 +178,7 @@ def test_chaos_under_load(
             for c in good + cancelled
         }
         assert set(terminals.values()) == {1}, {k: v for k, v in terminals.items() if v != 1}
+        check_usage(good + cancelled)
         # cancelled mid stream: `cancelled`, or `length` if the request ended before the cancel arrived
         reasons = [c.finish_reason for c in cancelled]
         assert set(reasons) <= {FinishReason.CANCELLED, FinishReason.LENGTH}
@@ -214,6 +226,7 @@ def test_chaos_under_load(
             ("duplicate ids submitted / run twice", f"{cfg.num_duplicates} / 0"),
             ("cancelled mid stream / finished first", f"{num_cancelled} / {len(cancelled) - num_cancelled}"),
             ("hostile entries dead-lettered / with error event", f"{len(letters)} / {num_error_events}"),
+            ("of them invalid, reusing a good request's id", str(cfg.num_duplicates)),
             ("faults", "; ".join(faults)),
             ("restarts seen by clients", str(restarts)),
             ("out streams, all with a TTL", str(len(ttls))),

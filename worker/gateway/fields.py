@@ -20,7 +20,7 @@ COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "best_of", "stream", "stream_options",
     "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
     # extensions, named as other OpenAI-compatible servers name them
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "priority", "tenant",
     # structured outputs (structured.py): OpenAI's, then vLLM's
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
     "guided_choice", "guided_decoding_backend",

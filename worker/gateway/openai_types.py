@@ -3,8 +3,9 @@
 Requests are decoded strictly (a wrong type is a 400 naming the field). A field the gateway
 does not honour is refused with 400 ``unsupported_parameter`` before decoding (the table in
 ``fields``), so none is ignored silently. ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions with the names other
-OpenAI-compatible servers use (the ``openai`` client sends them through ``extra_body``).
+``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``priority`` are extensions with the
+names other OpenAI-compatible servers use (the ``openai`` client sends them through
+``extra_body``); ``tenant`` is pagestream's own.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
+    priority: Int64 | None = None  # lower runs first (vLLM's extension); may preempt
+    tenant: str | None = None  # the protocol's tenant (page quotas); `user` is not mapped
     # structured outputs (worker/gateway/structured.py): OpenAI's, then vLLM's extensions
     response_format: ResponseFormat | None = None
     structured_outputs: VllmStructuredOutputs | None = None

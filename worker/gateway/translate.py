@@ -8,7 +8,8 @@ vLLM's ``guided_*`` / ``structured_outputs`` to ``structured_outputs`` (``struct
 Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` follow ``tools`` (a forced call
 is a JSON-schema constraint too, so it cannot be combined with another); ``chat_template_kwargs``
 goes to the chat template. ``echo``, ``suffix``, ``logit_bias`` and ``functions`` are refused
-with a 400 naming the field; fields outside ``fields.HONOURED_FIELDS`` too.
+with a 400 naming the field; fields outside ``fields.HONOURED_FIELDS`` too. ``priority``
+(lower runs first, as vLLM's) and ``tenant`` go to the protocol's fields of those names.
 """
 
 from __future__ import annotations
@@ -244,6 +245,20 @@ def _sampling(request: CompletionRequest | ChatRequest, default_max_tokens: int)
     return sampling
 
 
+def _scheduling(request: CompletionRequest | ChatRequest) -> dict[str, Any]:
+    """``priority`` and ``tenant`` when the request sets them (``AsyncClient.submit``'s own
+    defaults otherwise). ``user`` is not a tenant: it names an end user, while a tenant is a
+    page-quota group (``--tenant-page-quotas``), and one tenant per end user would escape it."""
+    scheduling: dict[str, Any] = {}
+    if request.priority is not None:
+        scheduling["priority"] = request.priority
+    if request.tenant is not None:
+        if not request.tenant:
+            raise OpenAIError(400, "tenant must be a non-empty string", param="tenant")
+        scheduling["tenant"] = request.tenant
+    return scheduling
+
+
 def _generation(
     kind: str,
     id_prefix: str,
@@ -253,6 +268,7 @@ def _generation(
 ) -> Generation:
     if logprobs is not None:
         inputs["logprobs"] = logprobs
+    inputs.update(_scheduling(request))
     options = request.stream_options
     return Generation(
         kind=kind,

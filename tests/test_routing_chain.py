@@ -1,0 +1,54 @@
+"""Prefix-aware routing, step 1 (docs/routing.md): the client-side chain and the choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.routing import (
+    TEXT_CHARS_PER_LINK,
+    TOKENS_PER_LINK,
+    WorkerLoad,
+    choose_worker,
+    link_key,
+    prefix_chain,
+)
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def test_a_conversations_next_turn_extends_its_chain() -> None:
+    turn1 = [SYSTEM, {"role": "user", "content": "Hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    chain1, chain2 = prefix_chain(messages=turn1), prefix_chain(messages=turn2)
+    assert len(chain1) == 2 and len(chain2) == 4 and chain2[:2] == chain1
+    other = prefix_chain(messages=[SYSTEM, {"role": "user", "content": "Hey"}])
+    assert other[0] == chain1[0] and other[1] != chain1[1]  # the system prompt is shared
+    # the role is part of a link, and a boundary cannot be moved between role and content
+    assert prefix_chain(messages=[{"role": "user", "content": "x"}]) != prefix_chain(
+        messages=[{"role": "system", "content": "x"}]
+    )
+
+
+def test_prompts_and_token_ids_link_per_whole_chunk() -> None:
+    text = "a" * (2 * TEXT_CHARS_PER_LINK + 10)
+    assert len(prefix_chain(prompt=text)) == 2
+    assert prefix_chain(prompt=text)[:1] == prefix_chain(prompt=text[:TEXT_CHARS_PER_LINK])
+    assert prefix_chain(prompt="short") == []
+    ids = list(range(TOKENS_PER_LINK * 2))
+    assert len(prefix_chain(token_ids=ids)) == 2
+    assert prefix_chain(token_ids=ids)[0] == prefix_chain(token_ids=ids[:TOKENS_PER_LINK])[0]
+    with pytest.raises(ValueError):
+        prefix_chain()
+
+
+def test_the_deepest_live_owner_wins_and_a_busy_one_yields() -> None:
+    idle = WorkerLoad(num_in_flight=1, max_in_flight=8, num_waiting=0)
+    full = WorkerLoad(num_in_flight=8, max_in_flight=8, num_waiting=0)
+    queued = WorkerLoad(num_in_flight=3, max_in_flight=8, num_waiting=2)
+    owners = ["a", "b", None]
+    assert choose_worker(owners, {"a": idle, "b": idle}) == "b"
+    assert choose_worker(owners, {"a": idle}) == "a"  # b is gone: a holds the first link
+    assert choose_worker(owners, {"a": idle, "b": full}) is None  # the shared stream
+    assert choose_worker(owners, {"a": idle, "b": queued}) is None
+    assert choose_worker([None, None], {"a": idle}) is None
+    assert link_key("ps", bytes([1, 255])) == "ps:px:01ff"
