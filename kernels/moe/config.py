@@ -1,0 +1,96 @@
+"""Block sizes of the grouped GEMMs, per shape and token count, from a measured table.
+
+``bench/moe_sweep.py`` times candidate configs on a GPU and writes a JSON file in the format
+``tuned_configs.json`` holds (copy it there, or point ``PAGESTREAM_MOE_CONFIGS`` at it). A
+lookup takes the entry of the same device, kernel shape and dtype whose token count is the
+nearest at or above the step's (else the largest); without one, ``default_config`` decides
+by the expected rows per expert.
+
+One ``block_m`` serves both GEMMs (they share the sorted layout); ``block_n``, ``block_k``,
+warps and stages are each GEMM's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MOE_CONFIGS_ENV = "PAGESTREAM_MOE_CONFIGS"
+TUNED_CONFIGS_PATH = Path(__file__).with_name("tuned_configs.json")
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One GEMM's launch: its tile's N and K, and the compiler's warps and stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MoeConfig:
+        return cls(data["block_m"], GemmTile(**data["gate_up"]), GemmTile(**data["down"]))
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What picks a config: the experts' count and sizes, and the element type."""
+
+    num_experts: int
+    hidden_size: int  # H: gate/up's K, down's N
+    intermediate_size: int  # I (this rank's): gate/up's N (each half), down's K
+    top_k: int
+    dtype: str  # "bfloat16", "float16", "float32"
+
+    def key(self) -> str:
+        return (f"E{self.num_experts}_H{self.hidden_size}_I{self.intermediate_size}"
+                f"_k{self.top_k}_{self.dtype}")  # fmt: skip
+
+
+def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
+    """A sound choice without measurements: small ``block_m`` while experts see few rows
+    (decode: the weights' bytes are the cost, padding rows are waste), larger beyond."""
+    rows_per_expert = num_tokens * shape.top_k / shape.num_experts
+    if rows_per_expert <= 16:
+        return MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
+    if rows_per_expert <= 64:
+        return MoeConfig(32, GemmTile(64, 64, 4, 3), GemmTile(64, 64, 4, 3))
+    return MoeConfig(64, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3))
+
+
+def pick_config(shape: MoeShape, num_tokens: int, device_name: str) -> MoeConfig:
+    """The measured config for ``shape`` at ``num_tokens`` on ``device_name``, else the
+    default."""
+    entries = _table().get(device_name, {}).get(shape.key())
+    if not entries:
+        return default_config(shape, num_tokens)
+    at_or_above = [n for n in entries if n >= num_tokens]
+    return entries[min(at_or_above) if at_or_above else max(entries)]
+
+
+@functools.cache
+def _table() -> dict[str, dict[str, dict[int, MoeConfig]]]:
+    """device name -> shape key -> token count -> config, from the table file."""
+    path = Path(os.environ.get(MOE_CONFIGS_ENV) or TUNED_CONFIGS_PATH)
+    if not path.is_file():
+        return {}
+    table: dict[str, dict[str, dict[int, MoeConfig]]] = {}
+    for entry in json.loads(path.read_text())["entries"]:
+        by_tokens = table.setdefault(entry["device"], {}).setdefault(entry["shape"], {})
+        by_tokens[int(entry["num_tokens"])] = MoeConfig.from_json(entry["config"])
+    return table

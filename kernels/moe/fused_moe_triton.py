@@ -1,0 +1,71 @@
+"""The MoE MLP in Triton: route, align, gate/up + SiLU, down + weights, top-k sum.
+
+Matches ``moe.fused_moe_ref``. Every step runs on the device with shapes fixed by the token
+count alone, so a decode step that runs it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.moe.align_triton import align_pairs
+from kernels.moe.config import MoeConfig, MoeShape, pick_config
+from kernels.moe.grouped_gemm_triton import down_weighted, gate_up_silu, sum_topk
+from kernels.moe.router_triton import route_topk
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]: each expert's gate rows, then its up rows
+    w2: torch.Tensor,  # [E, H, I]
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+    config: MoeConfig | None = None,  # None: the table's for this shape and token count
+) -> torch.Tensor:  # [T, H] in x's dtype
+    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` over each token's ``top_k`` experts."""
+    _check(x, w13, w2, router_logits)
+    num_tokens = x.shape[0]
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    if config is None:
+        config = pick_config(moe_shape(w13, top_k, x.dtype), num_tokens, _device_name(x.device))
+    topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
+    align = align_pairs(topk_ids, w13.shape[0], config.block_m)
+    act = gate_up_silu(x, w13, align, top_k, config.gate_up)  # [T * k, I]
+    terms = down_weighted(act, w2, topk_weights, align, config.down)  # [T * k, H] float32
+    return sum_topk(terms, top_k, out)
+
+
+def moe_shape(w13: torch.Tensor, top_k: int, dtype: torch.dtype) -> MoeShape:
+    """The table key of a layer with stacked gate/up weights ``w13``."""
+    num_experts, two_inter, hidden = w13.shape
+    return MoeShape(num_experts, hidden, two_inter // 2, top_k, str(dtype).removeprefix("torch."))
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
+        raise ValueError(f"x {tuple(x.shape)} and w13 {tuple(w13.shape)} do not fit [T, H], "
+                         "[E, 2 * I, H]")  # fmt: skip
+    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"w2 {tuple(w2.shape)} != [E, H, I] = "
+                         f"{(num_experts, hidden, two_inter // 2)}")  # fmt: skip
+    if tuple(logits.shape) != (x.shape[0], num_experts):
+        raise ValueError(f"router_logits {tuple(logits.shape)} != [T, E]")
+    if x.dtype not in SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13, w2 must share a dtype of {SUPPORTED_DTYPES}: "
+                         f"{x.dtype}, {w13.dtype}, {w2.dtype}")  # fmt: skip
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous, got strides {t.stride()}")

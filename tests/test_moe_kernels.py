@@ -1,0 +1,159 @@
+"""The fused-MoE Triton kernels against their torch references (kernels/moe/moe.py).
+
+Without CUDA the kernels run through Triton's interpreter at small sizes. Routing is random
+and uneven on purpose: an expert no token picks, an expert every token picks, one token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+KERNEL_MODULES = (
+    "kernels.moe.router_triton",
+    "kernels.moe.align_triton",
+    "kernels.moe.grouped_gemm_triton",
+    "kernels.moe.fused_moe_triton",
+)
+
+
+def import_kernels() -> dict[str, ModuleType]:
+    """The kernel modules, reloaded for the interpreter if imported before it was set (as
+    tests/test_triton_kernels.py does)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    modules: dict[str, ModuleType] = {}
+    stale = False
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(name)
+        jitted = [v for v in vars(module).values() if hasattr(v, "fn") and hasattr(v, "run")]
+        stale = stale or (not CUDA and not all(isinstance(v, InterpretedFunction) for v in jitted))
+        modules[name.rsplit(".", 1)[1]] = importlib.reload(module) if stale else module
+    return modules
+
+
+KERNELS = import_kernels()
+router_triton = KERNELS["router_triton"]
+align_triton = KERNELS["align_triton"]
+fused_moe_triton = KERNELS["fused_moe_triton"]
+
+from kernels.moe.config import GemmTile, MoeConfig  # noqa: E402
+from kernels.moe.moe import fused_moe_ref, route_topk_ref  # noqa: E402
+
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
+
+
+def uneven_logits(num_tokens: int, num_experts: int, seed: int, routing: str) -> torch.Tensor:
+    """Router logits whose top choices leave expert 0 idle (``skewed``) or send every token
+    to expert ``num_experts - 1`` first (``one-hot``), or are plain random."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=generator) * 2
+    if routing == "skewed":
+        logits[:, 0] = -30.0  # nobody picks expert 0
+        logits[:, 1] += 3.0  # and most pick expert 1
+    elif routing == "one-hot":
+        logits[:, -1] = 30.0
+    return logits.to(DEVICE)
+
+
+# -- router -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (60, 4), (128, 8)])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_route_topk_matches_reference(
+    num_experts: int, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> None:
+    # distinct logits, exact in bf16 (steps of 1/16): ties would make the order a coin toss
+    generator = torch.Generator().manual_seed(num_experts)
+    ranks = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(19)])
+    logits = ((ranks - num_experts / 2) / 16).to(DEVICE, dtype)
+    weights, ids = router_triton.route_topk(logits, top_k, renormalize)
+    ref_weights, ref_ids = route_topk_ref(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(19, device=DEVICE))
+
+
+# -- sort and align ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed", "one-hot"])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "block_m"),
+                         [(1, 8, 2, 16), (37, 8, 2, 16), (50, 60, 4, 32), (300, 16, 2, 16)])  # fmt: skip
+def test_align_sorts_pairs_by_expert_into_padded_runs(
+    routing: str, num_tokens: int, num_experts: int, top_k: int, block_m: int
+) -> None:
+    logits = uneven_logits(num_tokens, num_experts, seed=num_tokens, routing=routing)
+    ids = route_topk_ref(logits, top_k, True)[1].contiguous()
+    align = align_triton.align_pairs(ids, num_experts, block_m)
+    flat, num_pairs = ids.flatten().cpu(), ids.numel()
+    counts = torch.bincount(flat.long(), minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    num_padded = int(padded.sum())
+    assert int(align.num_padded.item()) == num_padded
+    assert align.sorted_pairs.numel() >= num_padded  # the worst-case buffer holds it
+    # each expert's run: its pairs in pair order, then the sentinel to the block's end
+    slots, blocks = align.sorted_pairs.cpu(), align.block_experts.cpu()
+    start = 0
+    for expert in range(num_experts):
+        run = slots[start : start + int(padded[expert])]
+        mine = torch.nonzero(flat == expert).flatten().to(torch.int32)
+        assert torch.equal(run[: len(mine)], mine), f"expert {expert}'s run"
+        assert bool((run[len(mine) :] == num_pairs).all())
+        run_blocks = blocks[start // block_m : (start + int(padded[expert])) // block_m]
+        assert bool((run_blocks == expert).all())
+        start += int(padded[expert])
+    assert bool((blocks[num_padded // block_m :] == -1).all())
+
+
+# -- the whole MoE MLP ------------------------------------------------------------------------
+
+CONFIGS = {
+    "table": None,
+    "bm32": MoeConfig(32, GemmTile(32, 32, 4, 2), GemmTile(16, 32, 4, 2)),
+}
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed", "one-hot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize(("num_tokens", "top_k", "renormalize"), [(1, 2, True), (21, 3, False)])
+def test_fused_moe_matches_reference(
+    routing: str, dtype: torch.dtype, config: str, num_tokens: int, top_k: int, renormalize: bool
+) -> None:
+    num_experts, hidden, inter = 6, 48, 40  # neither a multiple of the tiles
+    generator = torch.Generator().manual_seed(num_tokens + top_k)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(DEVICE, dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=generator) * 0.2).to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=generator) * 0.2).to(DEVICE, dtype)
+    logits = uneven_logits(num_tokens, num_experts, seed=7, routing=routing).to(dtype)
+    out = fused_moe_triton.fused_moe(x, w13, w2, logits, top_k, renormalize, config=CONFIGS[config])
+    expected = fused_moe_ref(x, w13, w2, logits, top_k, renormalize)
+    assert out.dtype == dtype and out.shape == x.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+def test_fused_moe_empty_batch_and_bad_shapes() -> None:
+    w13, w2 = torch.zeros(4, 32, 16, device=DEVICE), torch.zeros(4, 16, 16, device=DEVICE)
+    empty = torch.zeros(0, 16, device=DEVICE)
+    out = fused_moe_triton.fused_moe(empty, w13, w2, torch.zeros(0, 4, device=DEVICE), 2, True)
+    assert out.shape == (0, 16)
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe_triton.fused_moe(
+            torch.zeros(3, 16, device=DEVICE), w13, w2[:, :8], torch.zeros(3, 4, device=DEVICE),
+            2, True,
+        )  # fmt: skip
