@@ -62,6 +62,22 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
         sliding_window=None,
     ),
+    # mixtures of experts
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        sliding_window=None,
+    ),
 }  # fmt: skip
 
 DUMMY_PREFIX = "dummy:"
@@ -82,6 +98,8 @@ def dummy_hf_config(shape: str) -> Any:
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     }[fields["architectures"][0]]
     return config_class(**fields)
 
