@@ -7,13 +7,17 @@ Triton MoE path (through the interpreter) on the same model.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.distributed.shard import ShardPlan
 from engine.errors import ConfigError
+from engine.loader.dummy import dummy_hf_config
+from engine.models.arch import ModelArch
 from tests.conftest import TINY_MOE_ARCHS, hf_greedy, random_prompts
 
 NUM_NEW_TOKENS = 16
@@ -74,3 +78,37 @@ def test_moe_triton_path_matches_transformers(
 def test_moe_refuses_quantized_experts(tiny_moe_dirs: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"mixture of experts.*--quantization none"):
         LLM(str(tiny_moe_dirs["mixtral"]), quantization="fp8")
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_moe_two_ranks_give_the_tokens_of_transformers(
+    kind: str, tiny_moe_dirs: dict[str, Path], references: dict[str, list[list[int]]]
+) -> None:
+    """Experts (and Qwen2-MoE's shared expert) split along their width over two gloo ranks."""
+    with LLM(str(tiny_moe_dirs[kind]), tensor_parallel_size=2, pa_block_size=16) as sharded:
+        prompts = random_prompts(PROMPT_LENGTHS, 320, seed=1)
+        outputs = sharded.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == references[kind]
+
+
+def test_plan_splits_experts_along_their_width() -> None:
+    arch = ModelArch.from_hf_config(dummy_hf_config("qwen3-30b-a3b"))
+    assert arch.moe is not None and arch.moe.intermediate_size == 768
+    assert arch.num_params / 1e9 == pytest.approx(30.5, abs=0.1)
+    assert arch.num_active_params / 1e9 == pytest.approx(3.35, abs=0.05)
+    plan = ShardPlan.for_arch(arch, rank=1, size=4)
+    prefix = "model.layers.3.mlp."
+    assert plan.split_of(prefix + "experts.17.gate_proj.weight") == (0, 192, 384)
+    assert plan.split_of(prefix + "experts.17.down_proj.weight") == (1, 192, 384)
+    assert plan.split_of(prefix + "gate.weight") is None  # the router: every rank routes alike
+    local = plan.local_arch()
+    assert local.moe is not None and local.moe.intermediate_size == 192
+    mixtral = ModelArch.from_hf_config(dummy_hf_config("mixtral-8x7b"))
+    mixtral_plan = ShardPlan.for_arch(mixtral, rank=1, size=2)
+    moe_prefix = "model.layers.0.block_sparse_moe."
+    assert mixtral_plan.split_of(moe_prefix + "experts.7.w3.weight") == (0, 7168, 14336)
+    assert mixtral_plan.split_of(moe_prefix + "experts.7.w2.weight") == (1, 7168, 14336)
+    # heads and the dense width split ten ways, the experts' 768 does not
+    odd = dataclasses.replace(arch, num_heads=10, num_kv_heads=5, intermediate_size=10)
+    with pytest.raises(ConfigError, match="expert width 768"):
+        ShardPlan.for_arch(odd, 0, 10)
