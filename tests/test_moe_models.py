@@ -112,3 +112,16 @@ def test_plan_splits_experts_along_their_width() -> None:
     odd = dataclasses.replace(arch, num_heads=10, num_kv_heads=5, intermediate_size=10)
     with pytest.raises(ConfigError, match="expert width 768"):
         ShardPlan.for_arch(odd, 0, 10)
+
+
+def test_moe_ngram_speculation_keeps_greedy_tokens(tiny_moe_dirs: dict[str, Path]) -> None:
+    """Verify chunks (several tokens of one sequence) route through the experts like decodes."""
+    model_dir = tiny_moe_dirs["mixtral"]
+    runs = random_prompts([6, 6], 320, seed=5)
+    prompts = [random_prompts([10], 320, seed=4)[0] + run * 3 for run in runs]
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    expected = hf_greedy(model_dir, prompts, 24)
+    llm = LLM(str(model_dir), pa_block_size=16, speculative="ngram", num_speculative_tokens=3)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == expected
+    assert llm.engine.stats().num_draft_tokens > 0
