@@ -157,3 +157,50 @@ def test_fused_moe_empty_batch_and_bad_shapes() -> None:
             torch.zeros(3, 16, device=DEVICE), w13, w2[:, :8], torch.zeros(3, 4, device=DEVICE),
             2, True,
         )  # fmt: skip
+
+
+# -- on a GPU: real sizes, and replay from a CUDA graph ---------------------------------------
+
+QWEN3_30B_LAYER = (128, 2048, 768, 8)  # experts, hidden, expert width, top_k
+
+
+def qwen3_layer(num_tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    num_experts, hidden, inter, _ = QWEN3_30B_LAYER
+    gen = torch.Generator("cuda").manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+    w13 = (
+        torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.03
+    ).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) * 0.03).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen).bfloat16()
+    return x, w13, w2, logits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 333, 2048])
+def test_fused_moe_at_qwen3_30b_size(num_tokens: int) -> None:
+    x, w13, w2, logits = qwen3_layer(num_tokens, seed=num_tokens)
+    top_k = QWEN3_30B_LAYER[3]
+    out = fused_moe_triton.fused_moe(x, w13, w2, logits, top_k, True)
+    expected = fused_moe_ref(x, w13, w2, logits, top_k, True)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_fused_moe_replays_from_a_cuda_graph_with_new_routing() -> None:
+    """No host sync, shapes fixed by the token count: a captured step is right for any
+    routing it replays with (here: all tokens on one expert after random routing)."""
+    x, w13, w2, logits = qwen3_layer(16, seed=1)
+    top_k = QWEN3_30B_LAYER[3]
+    fused_moe_triton.fused_moe(x, w13, w2, logits, top_k, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton.fused_moe(x, w13, w2, logits, top_k, True)
+    for seed, skew in ((2, 0.0), (3, 40.0)):
+        new_x, _, _, new_logits = qwen3_layer(16, seed=seed)
+        new_logits[:, 5] += skew
+        x.copy_(new_x)
+        logits.copy_(new_logits)
+        graph.replay()
+        expected = fused_moe_ref(x, w13, w2, logits, top_k, True)
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)

@@ -125,3 +125,15 @@ def test_moe_ngram_speculation_keeps_greedy_tokens(tiny_moe_dirs: dict[str, Path
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == expected
     assert llm.engine.stats().num_draft_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_moe_on_cuda_with_graphs_matches_transformers(
+    kind: str, tiny_moe_dirs: dict[str, Path], references: dict[str, list[list[int]]]
+) -> None:
+    """fp32 on the GPU, the Triton MoE kernels, decode steps replayed from CUDA graphs."""
+    llm = LLM(str(tiny_moe_dirs[kind]), device="cuda", dtype="float32", pa_block_size=16)
+    assert llm.engine.runner.uses_cuda_graphs
+    outputs = llm.generate(random_prompts(PROMPT_LENGTHS, 320, seed=1), GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == references[kind]

@@ -11,7 +11,8 @@ multiplies one block by one expert's weight. Three launches, no host sync:
 2. ``_offsets_kernel`` (one program): in place, the number of pairs of each expert in the
    chunks before (a running sum down the chunks); each expert's run padded to ``BLOCK_M``
    and laid end to end; the expert of every block (-1 past the end) and the padding slots'
-   sentinel (``num_pairs``, a row the GEMMs skip);
+   sentinel (``num_pairs``, a row the GEMMs skip; at most ``BLOCK_M - 1`` an expert, so one
+   ``[E, BLOCK_M]`` tile writes them all);
 3. ``_scatter_kernel`` (a program per chunk): each pair to ``run start + pairs of its
    expert before it``: within an expert, pairs keep their order (a stable sort), so the
    layout depends on the routing only, never on timing.
@@ -31,7 +32,7 @@ import triton.language as tl
 from kernels.pdl import pdl_launch, wait_for_producers
 
 PAIRS_PER_TILE = 8192  # CHUNK * E_PAD: a chunk's one-hot tile, in registers
-OFFSETS_BLOCK_C = 16  # chunks per step of the running sum
+OFFSETS_BLOCK_C = 64  # chunks (blocks) per step of the running sum (the block experts)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,6 @@ def _offsets_kernel(
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)
@@ -102,14 +102,10 @@ def _offsets_kernel(
         expert = tl.sum((run_ends[None, :] <= slot[:, None]).to(tl.int32), axis=1)
         expert = tl.where(slot < num_padded, expert, -1)
         tl.store(block_experts_ptr + offs_b, expert, mask=offs_b < max_blocks)
-    # 4. the sentinel in the padding slots at the end of each run
-    for first in range(0, num_padded, CHUNK):
-        slot = first + tl.arange(0, CHUNK)
-        owner = run_ends[None, :] <= slot[:, None]
-        expert = tl.sum(owner.to(tl.int32), axis=1)
-        mine = offs_e[None, :] == expert[:, None]
-        used_end = tl.sum(tl.where(mine, run_starts[None, :] + totals[None, :], 0), axis=1)
-        tl.store(sorted_ptr + slot, num_pairs, mask=(slot < num_padded) & (slot >= used_end))
+    # 4. the sentinel in the padding slots at the end of each run (fewer than BLOCK_M each)
+    used_ends = run_starts + totals
+    slot = used_ends[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [E_PAD, BLOCK_M]
+    tl.store(sorted_ptr + slot, num_pairs, mask=slot < run_ends[:, None])
 
 
 @triton.jit
@@ -162,8 +158,7 @@ def align_pairs(
     _count_kernel[(num_chunks,)](topk_ids, counts, num_pairs, E_PAD=e_pad, CHUNK=chunk, **pdl)
     _offsets_kernel[(1,)](
         counts, run_starts, sorted_pairs, block_experts, num_padded, num_chunks, num_pairs,
-        block_experts.numel(), E_PAD=e_pad, BLOCK_M=block_m, BLOCK_C=OFFSETS_BLOCK_C, CHUNK=chunk,
-        **pdl,
+        block_experts.numel(), E_PAD=e_pad, BLOCK_M=block_m, BLOCK_C=OFFSETS_BLOCK_C, num_warps=8, **pdl,
     )  # fmt: skip
     _scatter_kernel[(num_chunks,)](
         topk_ids, counts, run_starts, sorted_pairs, num_pairs, E_PAD=e_pad, CHUNK=chunk, **pdl

@@ -38,7 +38,7 @@ def fused_moe(
     topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
     align = align_pairs(topk_ids, w13.shape[0], config.block_m)
     act = gate_up_silu(x, w13, align, top_k, config.gate_up)  # [T * k, I]
-    terms = down_weighted(act, w2, topk_weights, align, config.down)  # [T * k, H] float32
+    terms = down_weighted(act, w2, topk_weights, align, config.down)  # [T * k, H]
     return sum_topk(terms, top_k, out)
 
 

@@ -9,8 +9,11 @@ expert -1) returns at once, and padding slots (pair id ``num_pairs``) are masked
 * ``gate_up_silu``: ``act[p] = silu(x[t] @ Wg[e].T) * (x[t] @ Wu[e].T)`` with ``t = p // k``:
   one program holds the gate and up accumulators of the same columns, so the activation is
   applied before anything is stored ([P, 2I] is never written).
-* ``down_weighted``: ``terms[p] = w[p] * (act[p] @ W2[e].T)``, float32.
-* ``sum_topk``: ``out[t] = terms[t, 0] + ... + terms[t, k - 1]`` in slot order.
+* ``down_weighted``: ``terms[p] = w[p] * (act[p] @ W2[e].T)``, rounded to the model's dtype
+  (as HF rounds each expert's weighted output): half the bytes of float32 terms, which a
+  long prefill writes and reads again ([T * k, H]).
+* ``sum_topk``: ``out[t] = terms[t, 0] + ... + terms[t, k - 1]`` in slot order, in float32,
+  rounded once.
 
 The top-k sum is its own small kernel rather than an atomic add in ``down_weighted``: a
 token's ``k`` terms come from ``k`` programs, and atomic float adds would land in the order
@@ -103,7 +106,7 @@ def _down_weighted_kernel(
     act_ptr,  # [P, K], last stride 1
     w_ptr,  # [E, N, K], last stride 1
     weights_ptr,  # [P] float32: each pair's routing weight
-    terms_ptr,  # [P, N] float32
+    terms_ptr,  # [P, N], last stride 1
     sorted_ptr,
     block_experts_ptr,
     num_pairs,
@@ -140,16 +143,16 @@ def _down_weighted_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    # the expert's output rounded as a dense down_proj's is, then weighted in float32
+    # the expert's output rounded as a dense down_proj's is, weighted in float32, rounded
     routing = tl.load(weights_ptr + rows, mask=mask_m, other=0.0)
-    term = acc.to(DTYPE).to(tl.float32) * routing[:, None]
+    term = (acc.to(DTYPE).to(tl.float32) * routing[:, None]).to(DTYPE)
     terms_ptrs = terms_ptr + pairs[:, None] * stride_tp + offs_n[None, :]
     tl.store(terms_ptrs, term, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _sum_topk_kernel(
-    terms_ptr,  # [T * TOP_K, H] float32, contiguous
+    terms_ptr,  # [T * TOP_K, H], contiguous
     out_ptr,  # [T, H], last stride 1
     H,
     stride_ot,
@@ -163,7 +166,8 @@ def _sum_topk_kernel(
     offs_h, mask_h = tile_offsets(tl.program_id(1), BLOCK_H, H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
-        acc += tl.load(terms_ptr + (token * TOP_K + slot) * H + offs_h, mask=mask_h, other=0.0)
+        term = tl.load(terms_ptr + (token * TOP_K + slot) * H + offs_h, mask=mask_h, other=0.0)
+        acc += term.to(tl.float32)
     tl.store(out_ptr + token * stride_ot + offs_h, acc.to(DTYPE), mask=mask_h)
 
 
@@ -203,10 +207,10 @@ def down_weighted(
     topk_weights: torch.Tensor,  # [T, top_k] float32, contiguous
     align: MoeAlignment,
     tile: GemmTile,
-) -> torch.Tensor:  # [P, H] float32: pair p's weighted expert output
+) -> torch.Tensor:  # [P, H]: pair p's weighted expert output, in act's dtype
     """Each pair's expert output times its routing weight."""
     num_pairs, hidden = act.shape[0], w2.shape[1]
-    terms = torch.empty(num_pairs, hidden, dtype=torch.float32, device=act.device)
+    terms = torch.empty(num_pairs, hidden, dtype=act.dtype, device=act.device)
     grid = (align.block_experts.numel(), triton.cdiv(hidden, tile.block_n))
     _down_weighted_kernel[grid](
         act, w2, topk_weights, terms, align.sorted_pairs, align.block_experts, num_pairs,

@@ -36,15 +36,20 @@ def experts_ref(
     """``sum_j weight[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for ``e = ids[t, j]``.
 
     Each expert's MLP runs in ``x``'s dtype (its output rounded there, as a dense MLP's is);
-    the weighted terms are summed in float32 in slot order and rounded once.
+    each weighted term is rounded to that dtype too (as HF's are), and a token's terms are
+    summed in float32 in slot order and rounded once.
     """
     num_tokens, top_k = topk_ids.shape
-    terms = torch.zeros(num_tokens, top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    terms = torch.zeros(num_tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
     for expert in topk_ids.unique().tolist():
         token, slot = torch.where(topk_ids == expert)
         hidden = silu_and_mul_ref(x[token] @ w13[expert].t())
-        terms[token, slot] = (hidden @ w2[expert].t()).float() * topk_weights[token, slot, None]
-    return terms.sum(dim=1).to(x.dtype)
+        weighted = (hidden @ w2[expert].t()).float() * topk_weights[token, slot, None]
+        terms[token, slot] = weighted.to(x.dtype)
+    total = terms[:, 0].float()
+    for slot in range(1, top_k):  # in slot order, as the kernel adds them
+        total += terms[:, slot].float()
+    return total.to(x.dtype)
 
 
 def fused_moe_ref(

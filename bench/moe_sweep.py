@@ -1,0 +1,216 @@
+"""Block sizes of the fused-MoE GEMMs per expert shape and token count, measured on this GPU.
+
+    python -m bench.moe_sweep --models qwen3-30b-a3b,mixtral-8x7b \\
+        --output-json $OUT/moe-sweep-h100.json [--install]
+
+For each model's expert shape (bf16; ``--tp N``: the width one of N ranks holds) and each
+token count: random routing; for every ``block_m`` of ``BLOCK_MS`` up to what the rows per
+expert call for, every tile of ``TILE_GRID`` for gate/up and for down, timed with
+``triton.testing.do_bench`` (median; the L2 flushed between calls, as a model's next layer
+finds it). The best tile of each GEMM per ``block_m``, then the ``block_m`` whose align +
+gate/up + down is fastest, is the entry; the whole chosen path is checked against the torch
+reference and timed beside the default config (``kernels/moe/config.default_config``).
+
+The record's ``entries`` are the table ``kernels/moe/config.py`` reads: ``--install`` merges
+them into ``kernels/moe/tuned_configs.json`` (replacing entries of the same device, shape and
+token count); or copy the record there, or point ``PAGESTREAM_MOE_CONFIGS`` at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from bench.records import machine_info, write_record
+from engine.loader.dummy import dummy_hf_config
+from engine.models.arch import ModelArch
+from kernels.moe.align_triton import MoeAlignment, align_pairs
+from kernels.moe.config import TUNED_CONFIGS_PATH, GemmTile, MoeConfig, MoeShape, default_config
+from kernels.moe.fused_moe_triton import fused_moe, moe_shape
+from kernels.moe.grouped_gemm_triton import down_weighted, gate_up_silu
+from kernels.moe.moe import fused_moe_ref
+from kernels.moe.router_triton import route_topk
+
+DTYPE = torch.bfloat16
+TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
+BLOCK_MS = (16, 32, 64, 128)
+TILE_GRID = [  # (block_n, block_k, num_warps, num_stages)
+    GemmTile(*tile)
+    for tile in (
+        (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4),
+        (64, 256, 4, 3), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3),
+        (256, 64, 8, 3), (256, 128, 8, 3),
+    )
+]  # fmt: skip
+COMPILE_THREADS = min(16, os.cpu_count() or 1)
+CHECK_TOLERANCE = 2e-2  # bf16: the kernels and the reference round at the same points
+
+
+@dataclass
+class Layer:
+    """One MoE layer's weights and a step's inputs at one token count."""
+
+    x: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    logits: torch.Tensor
+    top_k: int
+    renormalize: bool
+
+    @property
+    def shape(self) -> MoeShape:
+        return moe_shape(self.w13, self.top_k, DTYPE)
+
+
+def make_weights(arch: ModelArch, tp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert arch.moe is not None
+    moe, gen = arch.moe, torch.Generator("cuda").manual_seed(seed)
+    inter = moe.intermediate_size // tp
+    w13 = torch.randn(moe.num_experts, 2 * inter, arch.hidden_size, device="cuda", generator=gen)
+    w2 = torch.randn(moe.num_experts, arch.hidden_size, inter, device="cuda", generator=gen)
+    return (w13 * 0.03).to(DTYPE), (w2 * 0.03).to(DTYPE)
+
+
+def make_layer(arch: ModelArch, weights: tuple[torch.Tensor, torch.Tensor], tokens: int) -> Layer:
+    assert arch.moe is not None
+    gen = torch.Generator("cuda").manual_seed(tokens)
+    x = torch.randn(tokens, arch.hidden_size, device="cuda", generator=gen).to(DTYPE)
+    logits = torch.randn(tokens, arch.moe.num_experts, device="cuda", generator=gen).to(DTYPE)
+    return Layer(x, *weights, logits, arch.moe.top_k, arch.moe.renormalize)
+
+
+def time_us(fn: Callable[[], object]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")) * 1e3
+
+
+def compile_all(fns: list[Callable[[], object]]) -> list[bool]:
+    """Run each once, side by side in threads (the compiles dominate otherwise); False where
+    a tile needs more shared memory than the GPU has."""
+
+    def first_call(fn: Callable[[], object]) -> bool:
+        try:
+            fn()
+            return True
+        except triton.runtime.errors.OutOfResources:
+            return False
+
+    ok = [first_call(fns[0])]  # the JIT's per-device caches exist before threads share them
+    with ThreadPoolExecutor(COMPILE_THREADS) as pool:
+        ok += list(pool.map(first_call, fns[1:]))
+    torch.cuda.synchronize()
+    return ok
+
+
+def best_tile(fns: dict[GemmTile, Callable[[], object]]) -> tuple[GemmTile, float]:
+    ok = compile_all(list(fns.values()))
+    times = {tile: time_us(fn) for (tile, fn), fits in zip(fns.items(), ok, strict=True) if fits}
+    tile = min(times, key=times.__getitem__)
+    return tile, times[tile]
+
+
+def sweep_block_m(layer: Layer, block_m: int) -> tuple[MoeConfig, float]:
+    """The fastest tiles at ``block_m`` and the time of align + both GEMMs."""
+    weights, ids = route_topk(layer.logits, layer.top_k, layer.renormalize)
+    num_experts = layer.w13.shape[0]
+    align: MoeAlignment = align_pairs(ids, num_experts, block_m)
+    act = gate_up_silu(layer.x, layer.w13, align, layer.top_k, TILE_GRID[0])
+    gate_up, gate_up_us = best_tile(
+        {t: partial(gate_up_silu, layer.x, layer.w13, align, layer.top_k, t) for t in TILE_GRID}
+    )
+    down, down_us = best_tile(
+        {t: partial(down_weighted, act, layer.w2, weights, align, t) for t in TILE_GRID}
+    )
+    align_us = time_us(lambda: align_pairs(ids, num_experts, block_m))
+    return MoeConfig(block_m, gate_up, down), align_us + gate_up_us + down_us
+
+
+def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
+    """The entry for one shape and token count, checked against the reference."""
+    tokens = layer.x.shape[0]
+    rows_per_expert = tokens * layer.top_k / layer.w13.shape[0]
+    block_ms = [bm for bm in BLOCK_MS if bm == BLOCK_MS[0] or bm <= 2 * rows_per_expert]
+    results = [sweep_block_m(layer, bm) for bm in block_ms]
+    config, parts_us = min(results, key=lambda result: result[1])
+    run = (layer.x, layer.w13, layer.w2, layer.logits, layer.top_k, layer.renormalize)
+    out = fused_moe(*run, config=config)
+    error = float((out.float() - fused_moe_ref(*run).float()).abs().max())
+    default = default_config(layer.shape, tokens)
+    return {
+        "device": device_name,
+        "shape": layer.shape.key(),
+        "num_tokens": tokens,
+        "config": config.to_json(),
+        "parts_us": parts_us,
+        "fused_us": time_us(lambda: fused_moe(*run, config=config)),
+        "default_fused_us": time_us(lambda: fused_moe(*run, config=default)),
+        "max_abs_error": error,
+        "checked": error <= CHECK_TOLERANCE * max(1.0, float(out.float().abs().max())),
+    }
+
+
+def install(entries: list[dict[str, Any]], path: Path = TUNED_CONFIGS_PATH) -> None:
+    """Merge ``entries`` into the table file, newer entries replacing same-key ones."""
+    old = json.loads(path.read_text())["entries"] if path.is_file() else []
+    key = lambda e: (e["device"], e["shape"], e["num_tokens"])  # noqa: E731
+    merged = {key(e): e for e in old} | {key(e): e for e in entries}
+    slim = [{k: e[k] for k in ("device", "shape", "num_tokens", "config")} for e in merged.values()]
+    path.write_text(json.dumps({"entries": sorted(slim, key=key)}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.moe_sweep needs a CUDA GPU")
+    device_name = torch.cuda.get_device_name()
+    entries = []
+    for model in args.models.split(","):
+        arch = ModelArch.from_hf_config(dummy_hf_config(model))
+        if arch.moe is None:
+            raise SystemExit(f"{model} is not a mixture of experts")
+        weights = make_weights(arch, args.tp, seed=0)
+        for tokens in args.tokens:
+            entry = sweep_point(make_layer(arch, weights, tokens), device_name)
+            print(json.dumps({"model": model, **entry}), flush=True)
+            entries.append({"model": model, "tp": args.tp, **entry})
+        del weights
+        torch.cuda.empty_cache()
+    record = {
+        "kind": "moe-sweep",
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info("cuda"),
+        "entries": entries,
+    }
+    write_record(record, Path(args.output_json))
+    if args.install:
+        install(entries)
+    failed = [e for e in entries if not e["checked"]]
+    for entry in failed:
+        print(f"MISMATCH {entry['shape']} tokens={entry['num_tokens']}: {entry['max_abs_error']}")
+    return 1 if failed else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.moe_sweep", description=__doc__)
+    parser.add_argument("--models", default="qwen3-30b-a3b", help="dummy MoE shapes, a,b")
+    parser.add_argument("--tokens", type=lambda s: tuple(int(v) for v in s.split(",")),
+                        default=TOKENS, help="token counts per step, a,b,c")  # fmt: skip
+    parser.add_argument("--tp", type=int, default=1, help="the expert width of one of N ranks")
+    parser.add_argument("--output-json", required=True)
+    parser.add_argument("--install", action="store_true",
+                        help="merge the entries into kernels/moe/tuned_configs.json")  # fmt: skip
+    return parser
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
