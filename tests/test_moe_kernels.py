@@ -47,7 +47,7 @@ align_triton = KERNELS["align_triton"]
 fused_moe_triton = KERNELS["fused_moe_triton"]
 
 from kernels.moe.config import GemmTile, MoeConfig  # noqa: E402
-from kernels.moe.moe import fused_moe_ref, route_topk_ref  # noqa: E402
+from kernels.moe.moe import fused_moe_ref, quantize_experts_fp8, route_topk_ref  # noqa: E402
 
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
 
@@ -204,3 +204,29 @@ def test_fused_moe_replays_from_a_cuda_graph_with_new_routing() -> None:
         graph.replay()
         expected = fused_moe_ref(x, w13, w2, logits, top_k, True)
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_with_fp8_expert_weights(dtype: torch.dtype) -> None:
+    """W8A16: float8 e4m3 weights with a scale per row against the dequantized reference."""
+    num_tokens, num_experts, hidden, inter, top_k = 9, 4, 48, 40, 2
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13, w13_scale = quantize_experts_fp8(
+        torch.randn(num_experts, 2 * inter, hidden, generator=gen)
+    )
+    w2, w2_scale = quantize_experts_fp8(
+        torch.randn(num_experts, hidden, inter, generator=gen) * 0.2
+    )
+    logits = uneven_logits(num_tokens, num_experts, seed=3, routing="skewed").to(dtype)
+    args = (x, w13.to(DEVICE), w2.to(DEVICE), logits, top_k, True)
+    scales = dict(w13_scale=w13_scale.to(DEVICE), w2_scale=w2_scale.to(DEVICE))
+    out = fused_moe_triton.fused_moe(*args, **scales)
+    expected = fused_moe_ref(*args, **scales)
+    # bf16: a few roundings apart (the interpreter truncates to bf16 where a GPU rounds to
+    # nearest), so within a few steps of bf16 at the outputs' scale
+    tol = TOLERANCE[dtype]
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(out, expected, atol=tol * scale, rtol=tol)
+    with pytest.raises(ValueError, match="float8"):
+        fused_moe_triton.fused_moe(*args)  # fp8 weights without their scales

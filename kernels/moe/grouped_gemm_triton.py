@@ -48,6 +48,7 @@ def _block_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 def _gate_up_silu_kernel(
     x_ptr,  # [T, K], last stride 1
     w_ptr,  # [E, 2 * N, K]: gate rows, then up rows; last stride 1
+    w_scale_ptr,  # [E, 2 * N] float32 with W_SCALED (fp8 weights), else unused
     act_ptr,  # [P, N], last stride 1
     sorted_ptr,
     block_experts_ptr,
@@ -57,13 +58,15 @@ def _gate_up_silu_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
     stride_ap,
     TOP_K: tl.constexpr,
+    W_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
-    DTYPE: tl.constexpr,  # x's and the weights'
+    DTYPE: tl.constexpr,  # x's (and the weights', unless fp8)
     DOT_DTYPE: tl.constexpr,  # tl.dot's operands: DTYPE, or fp32 in the interpreter
     PDL: tl.constexpr,
 ):
@@ -93,6 +96,10 @@ def _gate_up_silu_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if W_SCALED:  # fp8 weights: each output column (weight row) times its scale
+        scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n
+        acc_g *= tl.load(scale_ptrs, mask=mask_n, other=0.0)[None, :]
+        acc_u *= tl.load(scale_ptrs + N, mask=mask_n, other=0.0)[None, :]
     # 2. silu(gate) * up with the reference's rounding points (the projection, then silu)
     gate = acc_g.to(DTYPE).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
@@ -105,6 +112,7 @@ def _gate_up_silu_kernel(
 def _down_weighted_kernel(
     act_ptr,  # [P, K], last stride 1
     w_ptr,  # [E, N, K], last stride 1
+    w_scale_ptr,  # [E, N] float32 with W_SCALED (fp8 weights), else unused
     weights_ptr,  # [P] float32: each pair's routing weight
     terms_ptr,  # [P, N], last stride 1
     sorted_ptr,
@@ -115,12 +123,14 @@ def _down_weighted_kernel(
     stride_ap,
     stride_we,
     stride_wn,
+    stride_se,
     stride_tp,
+    W_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
-    DTYPE: tl.constexpr,  # x's and the weights'
+    DTYPE: tl.constexpr,  # x's (and the weights', unless fp8)
     DOT_DTYPE: tl.constexpr,  # tl.dot's operands: DTYPE, or fp32 in the interpreter
     PDL: tl.constexpr,
 ):
@@ -143,6 +153,9 @@ def _down_weighted_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_SCALED:
+        scales = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n, mask=mask_n)
+        acc *= scales[None, :]
     # the expert's output rounded as a dense down_proj's is, weighted in float32, rounded
     routing = tl.load(weights_ptr + rows, mask=mask_m, other=0.0)
     term = (acc.to(DTYPE).to(tl.float32) * routing[:, None]).to(DTYPE)
@@ -182,19 +195,21 @@ def _dot_args(x: torch.Tensor) -> dict[str, object]:
 
 def gate_up_silu(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2 * I, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]: x's dtype, or float8 e4m3 with w13_scale
     align: MoeAlignment,
     top_k: int,
     tile: GemmTile,
+    w13_scale: torch.Tensor | None = None,  # [E, 2 * I] float32: fp8 rows' scales
 ) -> torch.Tensor:  # [T * top_k, I]: pair p's activation
     """Each pair's ``silu(gate) * up`` through its expert."""
     num_pairs, inter = x.shape[0] * top_k, w13.shape[1] // 2
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     grid = (align.block_experts.numel(), triton.cdiv(inter, tile.block_n))
+    scale, stride_se = _scale_args(w13, w13_scale)
     _gate_up_silu_kernel[grid](
-        x, w13, act, align.sorted_pairs, align.block_experts, num_pairs, inter, x.shape[1],
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        x, w13, scale, act, align.sorted_pairs, align.block_experts, num_pairs, inter,
+        x.shape[1], x.stride(0), w13.stride(0), w13.stride(1), stride_se, act.stride(0),
+        TOP_K=top_k, W_SCALED=w13_scale is not None, BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_dot_args(x),
         **pdl_launch(x),
     )  # fmt: skip
@@ -203,23 +218,38 @@ def gate_up_silu(
 
 def down_weighted(
     act: torch.Tensor,  # [P, I]
-    w2: torch.Tensor,  # [E, H, I]
+    w2: torch.Tensor,  # [E, H, I]: act's dtype, or float8 e4m3 with w2_scale
     topk_weights: torch.Tensor,  # [T, top_k] float32, contiguous
     align: MoeAlignment,
     tile: GemmTile,
+    w2_scale: torch.Tensor | None = None,  # [E, H] float32: fp8 rows' scales
 ) -> torch.Tensor:  # [P, H]: pair p's weighted expert output, in act's dtype
     """Each pair's expert output times its routing weight."""
     num_pairs, hidden = act.shape[0], w2.shape[1]
     terms = torch.empty(num_pairs, hidden, dtype=act.dtype, device=act.device)
     grid = (align.block_experts.numel(), triton.cdiv(hidden, tile.block_n))
+    scale, stride_se = _scale_args(w2, w2_scale)
     _down_weighted_kernel[grid](
-        act, w2, topk_weights, terms, align.sorted_pairs, align.block_experts, num_pairs,
-        hidden, act.shape[1], act.stride(0), w2.stride(0), w2.stride(1), terms.stride(0),
-        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        act, w2, scale, topk_weights, terms, align.sorted_pairs, align.block_experts,
+        num_pairs, hidden, act.shape[1], act.stride(0), w2.stride(0), w2.stride(1), stride_se,
+        terms.stride(0), W_SCALED=w2_scale is not None, BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_dot_args(act),
         **pdl_launch(act),
     )  # fmt: skip
     return terms
+
+
+def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The kernels' scale pointer and expert stride (the weight itself and 0 without scales:
+    never read)."""
+    if scale is None:
+        return weight, 0
+    if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(weight.shape[:2]):
+        raise ValueError(f"weight scales must be float32 {tuple(weight.shape[:2])}, got "
+                         f"{scale.dtype} {tuple(scale.shape)}")  # fmt: skip
+    if scale.stride(1) != 1:
+        raise ValueError(f"weight scales' last dim must be contiguous: {scale.stride()}")
+    return scale, scale.stride(0)
 
 
 def sum_topk(terms: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
