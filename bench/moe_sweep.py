@@ -3,7 +3,9 @@
     python -m bench.moe_sweep --models qwen3-30b-a3b,mixtral-8x7b \\
         --output-json $OUT/moe-sweep-h100.json [--install]
 
-For each model's expert shape (bf16; ``--tp N``: the width one of N ranks holds) and each
+For each model's expert shape (bf16 activations; weights bf16, or with ``--fp8`` float8
+e4m3 with row scales as ``--quantization fp8`` holds them; ``--tp N``: the width one of N
+ranks holds) and each
 token count: random routing; for every ``block_m`` of ``BLOCK_MS`` up to what the rows per
 expert call for, every tile of ``TILE_GRID`` for gate/up and for down, timed with
 ``triton.testing.do_bench`` (median; the L2 flushed between calls, as a model's next layer
@@ -39,7 +41,7 @@ from kernels.moe.align_triton import MoeAlignment, align_pairs
 from kernels.moe.config import TUNED_CONFIGS_PATH, GemmTile, MoeConfig, MoeShape, default_config
 from kernels.moe.fused_moe_triton import fused_moe, moe_shape
 from kernels.moe.grouped_gemm_triton import down_weighted, gate_up_silu
-from kernels.moe.moe import fused_moe_ref
+from kernels.moe.moe import fused_moe_ref, quantize_experts_fp8
 from kernels.moe.router_triton import route_topk
 
 DTYPE = torch.bfloat16
@@ -67,27 +69,51 @@ class Layer:
     logits: torch.Tensor
     top_k: int
     renormalize: bool
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> MoeShape:
         return moe_shape(self.w13, self.top_k, DTYPE)
 
+    def run(self, config: MoeConfig) -> torch.Tensor:
+        return fused_moe(
+            self.x, self.w13, self.w2, self.logits, self.top_k, self.renormalize, config,
+            self.w13_scale, self.w2_scale,
+        )  # fmt: skip
 
-def make_weights(arch: ModelArch, tp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference(self) -> torch.Tensor:
+        return fused_moe_ref(
+            self.x, self.w13, self.w2, self.logits, self.top_k, self.renormalize,
+            self.w13_scale, self.w2_scale,
+        )  # fmt: skip
+
+
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def make_weights(arch: ModelArch, tp: int, fp8: bool, seed: int) -> Weights:
+    """w13, w2 and (fp8) their row scales."""
     assert arch.moe is not None
     moe, gen = arch.moe, torch.Generator("cuda").manual_seed(seed)
     inter = moe.intermediate_size // tp
     w13 = torch.randn(moe.num_experts, 2 * inter, arch.hidden_size, device="cuda", generator=gen)
     w2 = torch.randn(moe.num_experts, arch.hidden_size, inter, device="cuda", generator=gen)
-    return (w13 * 0.03).to(DTYPE), (w2 * 0.03).to(DTYPE)
+    w13, w2 = (w13 * 0.03).to(DTYPE), (w2 * 0.03).to(DTYPE)
+    if not fp8:
+        return w13, w2, None, None
+    (w13, w13_scale), (w2, w2_scale) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)
+    return w13, w2, w13_scale, w2_scale
 
 
-def make_layer(arch: ModelArch, weights: tuple[torch.Tensor, torch.Tensor], tokens: int) -> Layer:
+def make_layer(arch: ModelArch, weights: Weights, tokens: int) -> Layer:
     assert arch.moe is not None
     gen = torch.Generator("cuda").manual_seed(tokens)
     x = torch.randn(tokens, arch.hidden_size, device="cuda", generator=gen).to(DTYPE)
     logits = torch.randn(tokens, arch.moe.num_experts, device="cuda", generator=gen).to(DTYPE)
-    return Layer(x, *weights, logits, arch.moe.top_k, arch.moe.renormalize)
+    w13, w2, w13_scale, w2_scale = weights
+    moe = arch.moe
+    return Layer(x, w13, w2, logits, moe.top_k, moe.renormalize, w13_scale, w2_scale)
 
 
 def time_us(fn: Callable[[], object]) -> float:
@@ -124,12 +150,18 @@ def sweep_block_m(layer: Layer, block_m: int) -> tuple[MoeConfig, float]:
     weights, ids = route_topk(layer.logits, layer.top_k, layer.renormalize)
     num_experts = layer.w13.shape[0]
     align: MoeAlignment = align_pairs(ids, num_experts, block_m)
-    act = gate_up_silu(layer.x, layer.w13, align, layer.top_k, TILE_GRID[0])
+    act = gate_up_silu(layer.x, layer.w13, align, layer.top_k, TILE_GRID[0], layer.w13_scale)
     gate_up, gate_up_us = best_tile(
-        {t: partial(gate_up_silu, layer.x, layer.w13, align, layer.top_k, t) for t in TILE_GRID}
+        {
+            t: partial(gate_up_silu, layer.x, layer.w13, align, layer.top_k, t, layer.w13_scale)
+            for t in TILE_GRID
+        }
     )
     down, down_us = best_tile(
-        {t: partial(down_weighted, act, layer.w2, weights, align, t) for t in TILE_GRID}
+        {
+            t: partial(down_weighted, act, layer.w2, weights, align, t, layer.w2_scale)
+            for t in TILE_GRID
+        }
     )
     align_us = time_us(lambda: align_pairs(ids, num_experts, block_m))
     return MoeConfig(block_m, gate_up, down), align_us + gate_up_us + down_us
@@ -142,9 +174,8 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
     block_ms = [bm for bm in BLOCK_MS if bm == BLOCK_MS[0] or bm <= 2 * rows_per_expert]
     results = [sweep_block_m(layer, bm) for bm in block_ms]
     config, parts_us = min(results, key=lambda result: result[1])
-    run = (layer.x, layer.w13, layer.w2, layer.logits, layer.top_k, layer.renormalize)
-    out = fused_moe(*run, config=config)
-    error = float((out.float() - fused_moe_ref(*run).float()).abs().max())
+    out = layer.run(config)
+    error = float((out.float() - layer.reference().float()).abs().max())
     default = default_config(layer.shape, tokens)
     return {
         "device": device_name,
@@ -152,8 +183,8 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
         "num_tokens": tokens,
         "config": config.to_json(),
         "parts_us": parts_us,
-        "fused_us": time_us(lambda: fused_moe(*run, config=config)),
-        "default_fused_us": time_us(lambda: fused_moe(*run, config=default)),
+        "fused_us": time_us(lambda: layer.run(config)),
+        "default_fused_us": time_us(lambda: layer.run(default)),
         "max_abs_error": error,
         "checked": error <= CHECK_TOLERANCE * max(1.0, float(out.float().abs().max())),
     }
@@ -178,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         arch = ModelArch.from_hf_config(dummy_hf_config(model))
         if arch.moe is None:
             raise SystemExit(f"{model} is not a mixture of experts")
-        weights = make_weights(arch, args.tp, seed=0)
+        weights = make_weights(arch, args.tp, args.fp8, seed=0)
         for tokens in args.tokens:
             entry = sweep_point(make_layer(arch, weights, tokens), device_name)
             print(json.dumps({"model": model, **entry}), flush=True)
-            entries.append({"model": model, "tp": args.tp, **entry})
+            entries.append({"model": model, "tp": args.tp, "fp8": args.fp8, **entry})
         del weights
         torch.cuda.empty_cache()
     record = {
@@ -206,6 +237,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=lambda s: tuple(int(v) for v in s.split(",")),
                         default=TOKENS, help="token counts per step, a,b,c")  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, help="the expert width of one of N ranks")
+    parser.add_argument("--fp8", action="store_true", help="fp8 expert weights (row scales)")
     parser.add_argument("--output-json", required=True)
     parser.add_argument("--install", action="store_true",
                         help="merge the entries into kernels/moe/tuned_configs.json")  # fmt: skip

@@ -18,6 +18,9 @@ from engine.distributed.shard import ShardPlan
 from engine.errors import ConfigError
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
+from engine.models.moe import Fp8StackedExperts, SparseMoeBlock
+from engine.quant.linear import QuantizedLinear
+from kernels.linear.quant import FORMATS, quantize
 from tests.conftest import TINY_MOE_ARCHS, hf_greedy, random_prompts
 
 NUM_NEW_TOKENS = 16
@@ -75,9 +78,42 @@ def test_moe_triton_path_matches_transformers(
     assert [out.token_ids for out in outputs] == references["qwen3_moe"][:1]
 
 
-def test_moe_refuses_quantized_experts(tiny_moe_dirs: dict[str, Path]) -> None:
-    with pytest.raises(ConfigError, match=r"mixture of experts.*--quantization none"):
-        LLM(str(tiny_moe_dirs["mixtral"]), quantization="fp8")
+def test_moe_refuses_block_formats_for_experts(tiny_moe_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match=r"mixture of experts.*--quantization fp8"):
+        LLM(str(tiny_moe_dirs["mixtral"]), quantization="q8_0")
+
+
+@pytest.fixture(scope="module")
+def fp8_exact_qwen3_moe(
+    tiny_moe_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny Qwen3-MoE with every weight that --quantization fp8 quantizes (linears and
+    experts; not the router, norms or embeddings) already on its per-row e4m3 grid: rounding
+    it again changes nothing, so the fp8 engine must give transformers' tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dirs["qwen3_moe"], dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2 or "embed" in name or name.endswith("mlp.gate.weight"):
+                continue
+            rows = param.reshape(-1, param.shape[-1])
+            planes = quantize(rows, FORMATS["fp8"])
+            param.copy_((planes["w"].float() * planes["scale"]).view(param.shape))
+    directory = tmp_path_factory.mktemp("fp8-qwen3-moe")
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_moe_fp8_experts_give_transformers_tokens_on_their_grid(fp8_exact_qwen3_moe: Path) -> None:
+    prompts = random_prompts(PROMPT_LENGTHS[:2], 320, seed=2)
+    expected = hf_greedy(fp8_exact_qwen3_moe, prompts, NUM_NEW_TOKENS)
+    llm = LLM(str(fp8_exact_qwen3_moe), quantization="fp8", pa_block_size=16)
+    block = llm.engine.runner.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock) and isinstance(block.w13, Fp8StackedExperts)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == expected
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
@@ -137,3 +173,22 @@ def test_moe_on_cuda_with_graphs_matches_transformers(
     assert llm.engine.runner.uses_cuda_graphs
     outputs = llm.generate(random_prompts(PROMPT_LENGTHS, 320, seed=1), GREEDY, use_tqdm=False)
     assert [out.token_ids for out in outputs] == references[kind]
+
+
+def test_fp8_dummy_experts_are_the_float_dummy_quantized() -> None:
+    import torch
+
+    from kernels.moe.moe import quantize_experts_fp8
+
+    float_llm = LLM("dummy:tiny-moe", pa_memory_mb=4)
+    fp8_llm = LLM("dummy:tiny-moe", pa_memory_mb=4, quantization="fp8")
+    float_block = float_llm.engine.runner.model.layers[0].mlp
+    fp8_block = fp8_llm.engine.runner.model.layers[0].mlp
+    assert isinstance(float_block, SparseMoeBlock) and isinstance(fp8_block, SparseMoeBlock)
+    dense = fp8_llm.engine.runner.model.layers[1].mlp  # mlp_only_layers: a quantized dense MLP
+    assert isinstance(dense.down_proj, QuantizedLinear) and dense.down_proj.fmt.name == "fp8"
+    weight, scale = quantize_experts_fp8(float_block.w2.weight)
+    assert torch.equal(fp8_block.w2.weight.view(torch.uint8), weight.view(torch.uint8))
+    assert fp8_block.w2.scale is not None and torch.equal(fp8_block.w2.scale, scale)
+    outputs = fp8_llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert len(outputs[0].token_ids) == NUM_NEW_TOKENS

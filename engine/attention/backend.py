@@ -89,10 +89,9 @@ class LayerOps:
         | None
     ) = None
     silu_and_mul_int8: Callable[[torch.Tensor], Int8Rows] | None = None
-    # (x, w13, w2, router_logits, top_k, renormalize) -> [T, H]: a MoE layer's experts
-    fused_moe: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor
-    ] = fused_moe_ref
+    # (x, w13, w2, router_logits, top_k, renormalize, w13_scale=, w2_scale=) -> [T, H]:
+    # a MoE layer's experts (kernels/moe/moe.py)
+    fused_moe: Callable[..., torch.Tensor] = fused_moe_ref
 
 
 class AttentionBackend(Protocol):

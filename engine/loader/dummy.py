@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from engine.errors import ModelLoadError
+from engine.models.moe import Fp8StackedExperts
 from engine.quant.linear import QuantizedLinear
 
 # HF config fields of each shape; architecture chooses the transformers config class.
@@ -63,6 +64,13 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         sliding_window=None,
     ),
     # mixtures of experts
+    "tiny-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[1], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    ),
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
@@ -120,7 +128,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     float_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with torch.no_grad():
         for module_name, module in model.named_modules():
-            if isinstance(module, QuantizedLinear):
+            if isinstance(module, QuantizedLinear | Fp8StackedExperts):
                 weight = torch.empty(module.out_features, module.in_features,
                                      dtype=float_dtype, device=module.device)  # fmt: skip
                 normal_(weight)

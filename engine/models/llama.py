@@ -27,7 +27,12 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
-from engine.models.moe import SparseMoeBlock, expert_target, rename_moe_weight
+from engine.models.moe import (
+    Fp8StackedExperts,
+    SparseMoeBlock,
+    expert_target,
+    rename_moe_weight,
+)
 from engine.quant.linear import PackedWeight, QuantizedLinear
 from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
 from kernels.linear.gemv_triton import GemvConfig, gemv
@@ -384,12 +389,12 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name if rows is None else f"{name}[{rows[0]}:{rows[1]}]")
         self._check_all_loaded(loaded)
 
-    def _quantized_weights(self) -> dict[str, QuantizedLinear]:
-        """``<module>.weight`` -> its QuantizedLinear (the weight is no parameter there)."""
+    def _quantized_weights(self) -> dict[str, QuantizedLinear | Fp8StackedExperts]:
+        """``<module>.weight`` -> its quantized module (the weight is no parameter there)."""
         return {
             f"{name}.weight": module
             for name, module in self.named_modules()
-            if isinstance(module, QuantizedLinear)
+            if isinstance(module, QuantizedLinear | Fp8StackedExperts)
         }
 
     def _fused_target(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:

@@ -52,8 +52,8 @@ def experts_ref(
         weighted = down.float() * topk_weights[token, slot, None]
         terms[token, slot] = weighted.to(x.dtype)
     total = terms[:, 0].float()
-    for slot in range(1, top_k):  # in slot order, as the kernel adds them
-        total += terms[:, slot].float()
+    for later in range(1, top_k):  # in slot order, as the kernel adds them
+        total += terms[:, later].float()
     return total.to(x.dtype)
 
 
