@@ -6,8 +6,8 @@
 For each model's expert shape (bf16 activations; weights bf16, or with ``--fp8`` float8
 e4m3 with row scales as ``--quantization fp8`` holds them; ``--tp N``: the width one of N
 ranks holds) and each
-token count: random routing; for every ``block_m`` of ``BLOCK_MS`` up to what the rows per
-expert call for, every tile of ``TILE_GRID`` for gate/up and for down, timed with
+token count: random routing; for every ``block_m`` of ``BLOCK_MS`` up to four times the rows
+per expert, every tile of ``TILE_GRID`` for gate/up and for down, timed with
 ``triton.testing.do_bench`` (median; the L2 flushed between calls, as a model's next layer
 finds it). The best tile of each GEMM per ``block_m``, then the ``block_m`` whose align +
 gate/up + down is fastest, is the entry; the whole chosen path is checked against the torch
@@ -15,7 +15,8 @@ reference and timed beside the default config (``kernels/moe/config.default_conf
 
 The record's ``entries`` are the table ``kernels/moe/config.py`` reads: ``--install`` merges
 them into ``kernels/moe/tuned_configs.json`` (replacing entries of the same device, shape and
-token count); or copy the record there, or point ``PAGESTREAM_MOE_CONFIGS`` at it.
+token count), ``--install-from RECORD`` does so later (no GPU needed), or point
+``PAGESTREAM_MOE_CONFIGS`` at the record.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
     """The entry for one shape and token count, checked against the reference."""
     tokens = layer.x.shape[0]
     rows_per_expert = tokens * layer.top_k / layer.w13.shape[0]
-    block_ms = [bm for bm in BLOCK_MS if bm == BLOCK_MS[0] or bm <= 2 * rows_per_expert]
+    block_ms = [bm for bm in BLOCK_MS if bm == BLOCK_MS[0] or bm <= 4 * rows_per_expert]
     results = [sweep_block_m(layer, bm) for bm in block_ms]
     config, parts_us = min(results, key=lambda result: result[1])
     out = layer.run(config)
@@ -201,6 +202,12 @@ def install(entries: list[dict[str, Any]], path: Path = TUNED_CONFIGS_PATH) -> N
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.install_from:  # a record measured elsewhere (the lent GPU) into this checkout's table
+        install(json.loads(Path(args.install_from).read_text())["entries"])
+        print(f"merged {args.install_from} into {TUNED_CONFIGS_PATH}")
+        return 0
+    if not args.output_json:
+        raise SystemExit("--output-json is required for a sweep")
     if not torch.cuda.is_available():
         raise SystemExit("bench.moe_sweep needs a CUDA GPU")
     device_name = torch.cuda.get_device_name()
@@ -238,9 +245,11 @@ def _parser() -> argparse.ArgumentParser:
                         default=TOKENS, help="token counts per step, a,b,c")  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, help="the expert width of one of N ranks")
     parser.add_argument("--fp8", action="store_true", help="fp8 expert weights (row scales)")
-    parser.add_argument("--output-json", required=True)
+    parser.add_argument("--output-json", help="where the sweep's record goes")
     parser.add_argument("--install", action="store_true",
                         help="merge the entries into kernels/moe/tuned_configs.json")  # fmt: skip
+    parser.add_argument("--install-from", metavar="RECORD",
+                        help="only merge a sweep record's entries into the table")  # fmt: skip
     return parser
 
 

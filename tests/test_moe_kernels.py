@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -230,3 +231,28 @@ def test_fused_moe_with_fp8_expert_weights(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, expected, atol=tol * scale, rtol=tol)
     with pytest.raises(ValueError, match="float8"):
         fused_moe_triton.fused_moe(*args)  # fp8 weights without their scales
+
+
+def test_config_table_from_a_sweep_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's entries merge into a table file; a lookup takes the entry of its device and
+    shape at the nearest token count at or above, and the kernels run with it."""
+    from bench.moe_sweep import install
+    from kernels.moe import config as moe_config
+
+    shape = moe_config.MoeShape(6, 48, 40, 2, "float32")
+    tuned = MoeConfig(32, GemmTile(16, 32, 4, 2), GemmTile(32, 16, 4, 2))
+    entry = {"device": "cpu" if not CUDA else torch.cuda.get_device_name(), "shape": shape.key(),
+             "config": tuned.to_json()}  # fmt: skip
+    table = tmp_path / "table.json"
+    install([{**entry, "num_tokens": 8}, {**entry, "num_tokens": 64}], table)
+    install([{**entry, "num_tokens": 64, "config": CONFIGS["bm32"].to_json()}], table)  # replaces
+    monkeypatch.setenv(moe_config.MOE_CONFIGS_ENV, str(table))
+    moe_config._table.cache_clear()
+    try:
+        assert moe_config.pick_config(shape, 3, entry["device"]) == tuned
+        assert moe_config.pick_config(shape, 9, entry["device"]) == CONFIGS["bm32"]
+        assert moe_config.pick_config(shape, 500, entry["device"]) == CONFIGS["bm32"]  # largest
+        assert moe_config.pick_config(shape, 3, "another GPU").block_m == 16  # the default
+        test_fused_moe_matches_reference("skewed", torch.float32, "table", 1, 2, True)
+    finally:
+        moe_config._table.cache_clear()

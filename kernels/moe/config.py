@@ -63,14 +63,17 @@ class MoeShape:
 
 
 def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
-    """A sound choice without measurements: small ``block_m`` while experts see few rows
-    (decode: the weights' bytes are the cost, padding rows are waste), larger beyond."""
+    """A sound choice without measurements, by the rows each expert expects: ``block_m``
+    about that many (padding rows are waste, and an expert split over two blocks reads its
+    weights twice), the tiles of a memory-bound GEMM while rows are few."""
     rows_per_expert = num_tokens * shape.top_k / shape.num_experts
-    if rows_per_expert <= 16:
-        return MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
-    if rows_per_expert <= 64:
-        return MoeConfig(32, GemmTile(64, 64, 4, 3), GemmTile(64, 64, 4, 3))
-    return MoeConfig(64, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3))
+    if rows_per_expert <= 4:
+        return MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
+    if rows_per_expert <= 24:
+        return MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
+    if rows_per_expert <= 96:
+        return MoeConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))
+    return MoeConfig(64, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 4))
 
 
 def pick_config(shape: MoeShape, num_tokens: int, device_name: str) -> MoeConfig:
