@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp]...
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp|moe|moe_vllm]...
 # (default: all but tp, which needs two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
@@ -157,6 +157,26 @@ tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
         --max-model-len 4096 --no-progress --output-json "$OUT/throughput-llama3-70b-tp2.json"
     "${PS[@]}" bench throughput --model dummy:qwen2.5-32b --tensor-parallel-size 2 \
         --max-model-len 4096 --no-progress --output-json "$OUT/throughput-qwen2.5-32b-tp2.json"
+}
+
+moe() {  # mixtures of experts: GPU tests, then the block-size table measured on this card
+    log gpu tests, moe
+    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_moe_kernels.py \
+        tests/test_moe_models.py || return 1
+    log moe sweep qwen3-30b-a3b and mixtral-8x7b, bf16 then fp8 weights
+    python -m bench.moe_sweep --models qwen3-30b-a3b,mixtral-8x7b --install \
+        --output-json "$OUT/moe-sweep.json" || return 1
+    python -m bench.moe_sweep --models qwen3-30b-a3b --fp8 --install \
+        --output-json "$OUT/moe-sweep-fp8.json" || return 1
+}
+
+moe_vllm() {  # qwen3-30b-a3b against vLLM (its MoE extension unpacked: the peer's third call)
+    log throughput qwen3-30b-a3b against vllm
+    "${PS[@]}" bench throughput --model dummy:qwen3-30b-a3b --max-model-len 4096 --compare vllm \
+        --no-progress --output-json "$OUT/throughput-qwen3-30b-a3b-vs-vllm.json"
+    log latency qwen3-30b-a3b against vllm
+    "${PS[@]}" bench latency --model dummy:qwen3-30b-a3b --batch-sizes 1,64 --max-model-len 4096 \
+        --compare vllm --no-progress --output-json "$OUT/latency-qwen3-30b-a3b-vs-vllm.json"
 }
 
 tests() {
