@@ -212,3 +212,19 @@ def test_moe_gguf_is_refused_naming_the_architecture(
     writer.close()
     with pytest.raises(UnsupportedModelError, match=message):
         convert_gguf(path, tmp_path / "cache")
+
+
+def test_moe_sharded_checkpoint_loads_every_expert(
+    tiny_moe_dirs: dict[str, Path], references: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    """Experts spread over several safetensors files (an expert's w1 and w3 apart)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dirs["mixtral"], dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 4
+    llm = LLM(str(tmp_path), pa_block_size=16)
+    prompts = random_prompts(PROMPT_LENGTHS, 320, seed=1)[:2]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == references["mixtral"][:2]
