@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +68,17 @@ def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
     weights twice), the tiles of a memory-bound GEMM while rows are few."""
     rows_per_expert = num_tokens * shape.top_k / shape.num_experts
     if rows_per_expert <= 4:
-        return MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
-    if rows_per_expert <= 24:
-        return MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
-    if rows_per_expert <= 96:
-        return MoeConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))
-    return MoeConfig(64, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 4))
+        config = MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
+    elif rows_per_expert <= 24:
+        config = MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
+    elif rows_per_expert <= 96:
+        config = MoeConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))
+    else:
+        config = MoeConfig(64, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 4))
+    if shape.dtype.startswith("float32"):  # 4-byte tiles: half the K step fits shared memory
+        half_k = [replace(t, block_k=t.block_k // 2) for t in (config.gate_up, config.down)]
+        config = MoeConfig(config.block_m, *half_k)
+    return config
 
 
 def pick_config(shape: MoeShape, num_tokens: int, device_name: str) -> MoeConfig:
