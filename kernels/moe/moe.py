@@ -46,14 +46,16 @@ def experts_ref(
     num_tokens, top_k = topk_ids.shape
     terms = torch.zeros(num_tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
     for expert in topk_ids.unique().tolist():
-        token, slot = torch.where(topk_ids == expert)
+        token, slots = torch.where(topk_ids == expert)
         hidden = silu_and_mul_ref(_project(x[token], w13[expert], _row(w13_scale, expert)))
         down = _project(hidden, w2[expert], _row(w2_scale, expert))
-        weighted = down.float() * topk_weights[token, slot, None]
-        terms[token, slot] = weighted.to(x.dtype)
-    total = terms[:, 0].float()
-    for later in range(1, top_k):  # in slot order, as the kernel adds them
-        total += terms[:, later].float()
+        weighted = down.float() * topk_weights[token, slots, None]
+        terms[token, slots] = weighted.to(x.dtype)
+    # in slot order, as the kernel adds them; a tensor of its own (contiguous: a collective
+    # takes it next under tensor parallelism), never a view of the terms
+    total = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for slot in range(top_k):
+        total += terms[:, slot].float()
     return total.to(x.dtype)
 
 
