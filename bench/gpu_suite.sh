@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp|moe|moe_vllm]...
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp|moe|moe_more|moe_vllm]...
 # (default: all but tp, which needs two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
@@ -160,17 +160,28 @@ tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
 }
 
 moe() {  # mixtures of experts: GPU tests, then the block-size table measured on this card
+    # (records kept in /tmp too: later calls on the same machine name them in
+    # PAGESTREAM_MOE_CONFIGS, since each call brings a fresh copy of the tree)
     log gpu tests, moe
     python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_moe_kernels.py \
         tests/test_moe_models.py || return 1
-    log moe sweep qwen3-30b-a3b and mixtral-8x7b, bf16 then fp8 weights
-    python -m bench.moe_sweep --models qwen3-30b-a3b,mixtral-8x7b --install \
-        --output-json "$OUT/moe-sweep.json" || return 1
-    python -m bench.moe_sweep --models qwen3-30b-a3b --fp8 --install \
-        --output-json "$OUT/moe-sweep-fp8.json" || return 1
+    log moe sweep qwen3-30b-a3b, bf16
+    python -m bench.moe_sweep --models qwen3-30b-a3b --output-json /tmp/moe-sweep-qwen3.json \
+        && cp /tmp/moe-sweep-qwen3.json "$OUT/"
 }
 
-moe_vllm() {  # qwen3-30b-a3b against vLLM (its MoE extension unpacked: the peer's third call)
+moe_more() {  # the block-size table for fp8 experts and for mixtral-8x7b
+    log moe sweep qwen3-30b-a3b, fp8 weights
+    python -m bench.moe_sweep --models qwen3-30b-a3b --fp8 \
+        --output-json /tmp/moe-sweep-qwen3-fp8.json && cp /tmp/moe-sweep-qwen3-fp8.json "$OUT/"
+    log moe sweep mixtral-8x7b, bf16
+    python -m bench.moe_sweep --models mixtral-8x7b --output-json /tmp/moe-sweep-mixtral.json \
+        && cp /tmp/moe-sweep-mixtral.json "$OUT/"
+}
+
+moe_vllm() {  # qwen3-30b-a3b against vLLM (its MoE extension unpacked: the peer's third call),
+    # with the table the moe step measured on this machine
+    export PAGESTREAM_MOE_CONFIGS=/tmp/moe-sweep-qwen3.json
     log throughput qwen3-30b-a3b against vllm
     "${PS[@]}" bench throughput --model dummy:qwen3-30b-a3b --max-model-len 4096 --compare vllm \
         --no-progress --output-json "$OUT/throughput-qwen3-30b-a3b-vs-vllm.json"

@@ -93,13 +93,13 @@ class Layer:
 Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def make_weights(arch: ModelArch, tp: int, fp8: bool, seed: int) -> Weights:
+def make_weights(arch: ModelArch, tp: int, fp8: bool, seed: int, device: str = "cuda") -> Weights:
     """w13, w2 and (fp8) their row scales."""
     assert arch.moe is not None
-    moe, gen = arch.moe, torch.Generator("cuda").manual_seed(seed)
+    moe, gen = arch.moe, torch.Generator(device).manual_seed(seed)
     inter = moe.intermediate_size // tp
-    w13 = torch.randn(moe.num_experts, 2 * inter, arch.hidden_size, device="cuda", generator=gen)
-    w2 = torch.randn(moe.num_experts, arch.hidden_size, inter, device="cuda", generator=gen)
+    w13 = torch.randn(moe.num_experts, 2 * inter, arch.hidden_size, device=device, generator=gen)
+    w2 = torch.randn(moe.num_experts, arch.hidden_size, inter, device=device, generator=gen)
     w13, w2 = (w13 * 0.03).to(DTYPE), (w2 * 0.03).to(DTYPE)
     if not fp8:
         return w13, w2, None, None
@@ -109,9 +109,10 @@ def make_weights(arch: ModelArch, tp: int, fp8: bool, seed: int) -> Weights:
 
 def make_layer(arch: ModelArch, weights: Weights, tokens: int) -> Layer:
     assert arch.moe is not None
-    gen = torch.Generator("cuda").manual_seed(tokens)
-    x = torch.randn(tokens, arch.hidden_size, device="cuda", generator=gen).to(DTYPE)
-    logits = torch.randn(tokens, arch.moe.num_experts, device="cuda", generator=gen).to(DTYPE)
+    device = weights[0].device
+    gen = torch.Generator(device).manual_seed(tokens)
+    x = torch.randn(tokens, arch.hidden_size, device=device, generator=gen).to(DTYPE)
+    logits = torch.randn(tokens, arch.moe.num_experts, device=device, generator=gen).to(DTYPE)
     w13, w2, w13_scale, w2_scale = weights
     moe = arch.moe
     return Layer(x, w13, w2, logits, moe.top_k, moe.renormalize, w13_scale, w2_scale)
@@ -133,6 +134,8 @@ def compile_all(fns: list[Callable[[], object]]) -> list[bool]:
             return False
 
     ok = [first_call(fns[0])]  # the JIT's per-device caches exist before threads share them
+    if not torch.cuda.is_available():  # the interpreter (tests) patches triton.language: in turn
+        return ok + [first_call(fn) for fn in fns[1:]]
     with ThreadPoolExecutor(COMPILE_THREADS) as pool:
         ok += list(pool.map(first_call, fns[1:]))
     torch.cuda.synchronize()

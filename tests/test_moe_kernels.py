@@ -263,3 +263,26 @@ def test_config_table_from_a_sweep_record(tmp_path: Path, monkeypatch: pytest.Mo
         test_fused_moe_matches_reference("skewed", torch.float32, "table", 1, 2, True)
     finally:
         moe_config._table.cache_clear()
+
+
+def test_sweep_point_picks_checks_and_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/moe_sweep.py's plumbing at a tiny shape, a made-up clock (no GPU to time on):
+    the fastest tiles win, the chosen path is checked against the reference."""
+    from bench import moe_sweep
+    from engine.loader.dummy import dummy_hf_config
+    from engine.models.arch import ModelArch
+
+    grid = [GemmTile(16, 32, 4, 2), GemmTile(32, 16, 4, 2)]
+    monkeypatch.setattr(moe_sweep, "TILE_GRID", grid)
+    monkeypatch.setattr(moe_sweep, "BLOCK_MS", (16, 32))
+    clock = iter(range(1000, 0, -1))  # every call looks faster than the one before
+    monkeypatch.setattr(moe_sweep, "time_us", lambda fn: float(next(clock)))
+    arch = ModelArch.from_hf_config(dummy_hf_config("tiny-moe"))
+    for fp8 in (False, True):
+        weights = moe_sweep.make_weights(arch, tp=1, fp8=fp8, seed=0, device=DEVICE)
+        entry = moe_sweep.sweep_point(moe_sweep.make_layer(arch, weights, 5), "cpu")
+        assert entry["checked"], entry
+        assert entry["shape"] == f"E8_H64_I32_k2_bfloat16{'_w8' if fp8 else ''}"
+        config = MoeConfig.from_json(entry["config"])
+        assert config.gate_up == grid[1] and config.down == grid[1]  # the later, "faster" ones
+        assert config.block_m in (16, 32)

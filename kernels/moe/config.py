@@ -1,8 +1,9 @@
 """Block sizes of the grouped GEMMs, per shape and token count, from a measured table.
 
-``bench/moe_sweep.py`` times candidate configs on a GPU and writes a JSON file in the format
-``tuned_configs.json`` holds (copy it there, or point ``PAGESTREAM_MOE_CONFIGS`` at it). A
-lookup takes the entry of the same device, kernel shape and dtype whose token count is the
+``bench/moe_sweep.py`` times candidate configs on a GPU and writes a JSON record whose
+``entries`` are the format ``tuned_configs.json`` holds (merge them there with its
+``--install``/``--install-from``, or name records in ``PAGESTREAM_MOE_CONFIGS``). A lookup
+takes the entry of the same device, kernel shape and dtype whose token count is the
 nearest at or above the step's (else the largest); without one, ``default_config`` decides
 by the expected rows per expert.
 
@@ -93,12 +94,17 @@ def pick_config(shape: MoeShape, num_tokens: int, device_name: str) -> MoeConfig
 
 @functools.cache
 def _table() -> dict[str, dict[str, dict[int, MoeConfig]]]:
-    """device name -> shape key -> token count -> config, from the table file."""
-    path = Path(os.environ.get(MOE_CONFIGS_ENV) or TUNED_CONFIGS_PATH)
-    if not path.is_file():
-        return {}
+    """device name -> shape key -> token count -> config: the shipped table, then each file
+    of ``PAGESTREAM_MOE_CONFIGS`` (paths joined by ``os.pathsep``), later entries winning."""
+    extra = [Path(p) for p in os.environ.get(MOE_CONFIGS_ENV, "").split(os.pathsep) if p]
+    for path in extra:
+        if not path.is_file():
+            raise FileNotFoundError(f"{MOE_CONFIGS_ENV}: no such file {path}")
     table: dict[str, dict[str, dict[int, MoeConfig]]] = {}
-    for entry in json.loads(path.read_text())["entries"]:
-        by_tokens = table.setdefault(entry["device"], {}).setdefault(entry["shape"], {})
-        by_tokens[int(entry["num_tokens"])] = MoeConfig.from_json(entry["config"])
+    for path in [TUNED_CONFIGS_PATH, *extra]:
+        if not path.is_file():
+            continue
+        for entry in json.loads(path.read_text())["entries"]:
+            by_tokens = table.setdefault(entry["device"], {}).setdefault(entry["shape"], {})
+            by_tokens[int(entry["num_tokens"])] = MoeConfig.from_json(entry["config"])
     return table
