@@ -10,7 +10,8 @@ token count: random routing; for every ``block_m`` of ``BLOCK_MS`` up to four ti
 per expert, every tile of ``TILE_GRID`` for gate/up and for down, timed with
 ``triton.testing.do_bench`` (median; the L2 flushed between calls, as a model's next layer
 finds it). The best tile of each GEMM per ``block_m``, then the ``block_m`` whose align +
-gate/up + down is fastest, is the entry; the whole chosen path is checked against the torch
+gate/up + down is fastest, is the entry (up to ``DIRECT_MAX_PAIRS`` pairs the direct path,
+``block_m`` 1 with the GEMV tiles of ``DIRECT_GRID``, competes too); the whole chosen path is checked against the torch
 reference and timed beside the default config (``kernels/moe/config.default_config``).
 
 The record's ``entries`` are the table ``kernels/moe/config.py`` reads: ``--install`` merges
@@ -39,7 +40,15 @@ from bench.records import machine_info, write_record
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
 from kernels.moe.align_triton import MoeAlignment, align_pairs
-from kernels.moe.config import TUNED_CONFIGS_PATH, GemmTile, MoeConfig, MoeShape, default_config
+from kernels.moe.config import (
+    DIRECT_BLOCK_M,
+    TUNED_CONFIGS_PATH,
+    GemmTile,
+    MoeConfig,
+    MoeShape,
+    default_config,
+)
+from kernels.moe.direct_triton import down_weighted_direct, gate_up_silu_direct
 from kernels.moe.fused_moe_triton import fused_moe, moe_shape
 from kernels.moe.grouped_gemm_triton import down_weighted, gate_up_silu
 from kernels.moe.moe import fused_moe_ref, quantize_experts_fp8
@@ -56,6 +65,14 @@ TILE_GRID = [  # (block_n, block_k, num_warps, num_stages)
         (256, 64, 8, 3), (256, 128, 8, 3),
     )
 ]  # fmt: skip
+DIRECT_GRID = [  # the direct path's GEMV tiles (block_n, block_k, num_warps, num_stages)
+    GemmTile(*tile)
+    for tile in (
+        (8, 256, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
+        (32, 256, 8, 3), (64, 128, 4, 3), (16, 1024, 8, 2),
+    )
+]  # fmt: skip
+DIRECT_MAX_PAIRS = 64  # token counts whose pairs are this few also try the direct path
 COMPILE_THREADS = min(16, os.cpu_count() or 1)
 CHECK_TOLERANCE = 2e-2  # bf16: the kernels and the reference round at the same points
 
@@ -171,12 +188,33 @@ def sweep_block_m(layer: Layer, block_m: int) -> tuple[MoeConfig, float]:
     return MoeConfig(block_m, gate_up, down), align_us + gate_up_us + down_us
 
 
+def sweep_direct(layer: Layer) -> tuple[MoeConfig, float]:
+    """The fastest GEMV tiles of the direct path (no sort) and the time of both GEMMs."""
+    weights, ids = route_topk(layer.logits, layer.top_k, layer.renormalize)
+    act = gate_up_silu_direct(layer.x, layer.w13, ids, DIRECT_GRID[0], layer.w13_scale)
+    gate_up, gate_up_us = best_tile(
+        {
+            t: partial(gate_up_silu_direct, layer.x, layer.w13, ids, t, layer.w13_scale)
+            for t in DIRECT_GRID
+        }
+    )
+    down, down_us = best_tile(
+        {
+            t: partial(down_weighted_direct, act, layer.w2, weights, ids, t, layer.w2_scale)
+            for t in DIRECT_GRID
+        }
+    )
+    return MoeConfig(DIRECT_BLOCK_M, gate_up, down), gate_up_us + down_us
+
+
 def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
     """The entry for one shape and token count, checked against the reference."""
     tokens = layer.x.shape[0]
     rows_per_expert = tokens * layer.top_k / layer.w13.shape[0]
     block_ms = [bm for bm in BLOCK_MS if bm == BLOCK_MS[0] or bm <= 4 * rows_per_expert]
     results = [sweep_block_m(layer, bm) for bm in block_ms]
+    if tokens * layer.top_k <= DIRECT_MAX_PAIRS:
+        results.append(sweep_direct(layer))
     config, parts_us = min(results, key=lambda result: result[1])
     out = layer.run(config)
     error = float((out.float() - layer.reference().float()).abs().max())

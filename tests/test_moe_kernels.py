@@ -125,6 +125,7 @@ def test_align_sorts_pairs_by_expert_into_padded_runs(
 
 CONFIGS = {
     "table": None,
+    "direct": MoeConfig(1, GemmTile(16, 32, 4, 2), GemmTile(32, 16, 4, 2)),
     "bm32": MoeConfig(32, GemmTile(32, 32, 4, 2), GemmTile(16, 32, 4, 2)),
 }
 
@@ -134,6 +135,7 @@ FUSED_CASES = [
     *((routing, dtype, "table") for routing in ("random", "skewed", "one-hot")
       for dtype in (torch.float32, torch.bfloat16)),
     ("skewed", torch.float32, "bm32"), ("one-hot", torch.bfloat16, "bm32"),
+    ("skewed", torch.bfloat16, "direct"), ("one-hot", torch.float32, "direct"),
 ]  # fmt: skip
 
 
@@ -185,13 +187,27 @@ def qwen3_layer(num_tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 64, 333, 2048])
-def test_fused_moe_at_qwen3_30b_size(num_tokens: int) -> None:
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 333, 2048])  # direct path up to 2 tokens
+def test_fused_moe_at_qwen3_30b_size(num_tokens: int, fp8: bool) -> None:
     x, w13, w2, logits = qwen3_layer(num_tokens, seed=num_tokens)
     top_k = QWEN3_30B_LAYER[3]
-    out = fused_moe_triton.fused_moe(x, w13, w2, logits, top_k, True)
-    expected = fused_moe_ref(x, w13, w2, logits, top_k, True)
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    scales: dict[str, torch.Tensor] = {}
+    if fp8:
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = (
+            quantize_experts_fp8(w13),
+            quantize_experts_fp8(w2),
+        )
+    out = fused_moe_triton.fused_moe(x, w13, w2, logits, top_k, True, **scales)
+    expected = fused_moe_ref(x, w13, w2, logits, top_k, True, **scales)
+    assert_bf16_close(out, expected)
+
+
+def assert_bf16_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Outputs of about 1 after three bf16 roundings, each of which a different fp32 sum
+    order may flip by a step: a few steps apart at most, and far less on average."""
+    torch.testing.assert_close(out, expected, atol=4e-2, rtol=4e-2)
+    assert float((out.float() - expected.float()).abs().mean()) < 2e-3
 
 
 @pytest.mark.gpu
@@ -211,7 +227,7 @@ def test_fused_moe_replays_from_a_cuda_graph_with_new_routing() -> None:
         logits.copy_(new_logits)
         graph.replay()
         expected = fused_moe_ref(x, w13, w2, logits, top_k, True)
-        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+        assert_bf16_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -259,7 +275,8 @@ def test_config_table_from_a_sweep_record(tmp_path: Path, monkeypatch: pytest.Mo
         assert moe_config.pick_config(shape, 3, entry["device"]) == tuned
         assert moe_config.pick_config(shape, 9, entry["device"]) == CONFIGS["bm32"]
         assert moe_config.pick_config(shape, 500, entry["device"]) == CONFIGS["bm32"]  # largest
-        assert moe_config.pick_config(shape, 3, "another GPU").block_m == 16  # the default
+        assert moe_config.pick_config(shape, 3, "another GPU").block_m == 1  # the default
+        assert moe_config.pick_config(shape, 10, "another GPU").block_m == 16
         test_fused_moe_matches_reference("skewed", torch.float32, "table", 1, 2, True)
     finally:
         moe_config._table.cache_clear()
@@ -274,15 +291,17 @@ def test_sweep_point_picks_checks_and_records(monkeypatch: pytest.MonkeyPatch) -
 
     grid = [GemmTile(16, 32, 4, 2), GemmTile(32, 16, 4, 2)]
     monkeypatch.setattr(moe_sweep, "TILE_GRID", grid)
+    monkeypatch.setattr(moe_sweep, "DIRECT_GRID", grid)
     monkeypatch.setattr(moe_sweep, "BLOCK_MS", (16, 32))
     clock = iter(range(1000, 0, -1))  # every call looks faster than the one before
     monkeypatch.setattr(moe_sweep, "time_us", lambda fn: float(next(clock)))
     arch = ModelArch.from_hf_config(dummy_hf_config("tiny-moe"))
-    for fp8 in (False, True):
+    # 5 tokens: 10 pairs, the direct path competes (timed last, "fastest"); 40: 80 pairs, not
+    for fp8, tokens, block_m in ((False, 5, 1), (True, 40, 32)):
         weights = moe_sweep.make_weights(arch, tp=1, fp8=fp8, seed=0, device=DEVICE)
-        entry = moe_sweep.sweep_point(moe_sweep.make_layer(arch, weights, 5), "cpu")
+        entry = moe_sweep.sweep_point(moe_sweep.make_layer(arch, weights, tokens), "cpu")
         assert entry["checked"], entry
         assert entry["shape"] == f"E8_H64_I32_k2_bfloat16{'_w8' if fp8 else ''}"
         config = MoeConfig.from_json(entry["config"])
         assert config.gate_up == grid[1] and config.down == grid[1]  # the later, "faster" ones
-        assert config.block_m in (16, 32)
+        assert config.block_m == block_m

@@ -10,5 +10,6 @@ truth the Triton kernels match. The Triton path is four steps, each its own file
    weight applied, each program one expert's ``BLOCK_M`` rows; then the top-k sum;
 4. ``config.py``: the block sizes per shape, from the table ``bench/moe_sweep.py`` measures.
 
+For a handful of pairs ``direct_triton.py`` replaces 2 and 3: a program per pair, GEMV tiles.
 ``fused_moe_triton.fused_moe`` runs them in order.
 """

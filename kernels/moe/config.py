@@ -8,7 +8,8 @@ nearest at or above the step's (else the largest); without one, ``default_config
 by the expected rows per expert.
 
 One ``block_m`` serves both GEMMs (they share the sorted layout); ``block_n``, ``block_k``,
-warps and stages are each GEMM's own.
+warps and stages are each GEMM's own. ``block_m == DIRECT_BLOCK_M`` (1) is the path without
+the sort, a program per (token, slot) pair (``direct_triton.py``), for a handful of pairs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 MOE_CONFIGS_ENV = "PAGESTREAM_MOE_CONFIGS"
 TUNED_CONFIGS_PATH = Path(__file__).with_name("tuned_configs.json")
+DIRECT_BLOCK_M = 1  # no sort: each pair's own program (direct_triton.py)
+DIRECT_MAX_PAIRS = 16  # the default takes the direct path up to this many pairs
 
 
 @dataclass(frozen=True)
@@ -64,11 +67,14 @@ class MoeShape:
 
 
 def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
-    """A sound choice without measurements, by the rows each expert expects: ``block_m``
-    about that many (padding rows are waste, and an expert split over two blocks reads its
-    weights twice), the tiles of a memory-bound GEMM while rows are few."""
+    """A sound choice without measurements: a handful of pairs take the direct path (no sort,
+    GEMV tiles); beyond, by the rows each expert expects: ``block_m`` about that many
+    (padding rows are waste, and an expert split over two blocks reads its weights twice),
+    the tiles of a memory-bound GEMM while rows are few."""
     rows_per_expert = num_tokens * shape.top_k / shape.num_experts
-    if rows_per_expert <= 4:
+    if num_tokens * shape.top_k <= DIRECT_MAX_PAIRS:
+        config = MoeConfig(DIRECT_BLOCK_M, GemmTile(16, 512, 4, 3), GemmTile(16, 256, 4, 3))
+    elif rows_per_expert <= 4:
         config = MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
     elif rows_per_expert <= 24:
         config = MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
