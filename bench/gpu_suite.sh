@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
-#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp|moe|moe_more|moe_vllm]...
+#   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|serve|gateway|fleet|offload|quant|tests|tp|moe|moe_more|moe_throughput|moe_latency]...
 # (default: all but tp, which needs two GPUs)
 # vllm needs vLLM importable (on the lent GPU: shared/peers/vllm-0.26's recipe, then
 # PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0).
@@ -179,12 +179,19 @@ moe_more() {  # the block-size table for fp8 experts and for mixtral-8x7b
         && cp /tmp/moe-sweep-mixtral.json "$OUT/"
 }
 
-moe_vllm() {  # qwen3-30b-a3b against vLLM (its MoE extension unpacked: the peer's third call),
-    # with the table the moe step measured on this machine
-    export PAGESTREAM_MOE_CONFIGS=/tmp/moe-sweep-qwen3.json
+moe_tuned() {  # the table the moe step measured on this machine (each call brings a fresh tree)
+    if [ -f /tmp/moe-sweep-qwen3.json ]; then export PAGESTREAM_MOE_CONFIGS=/tmp/moe-sweep-qwen3.json; fi
+}
+
+moe_throughput() {  # qwen3-30b-a3b against vLLM (its MoE extension unpacked: the peer's third call)
+    moe_tuned
     log throughput qwen3-30b-a3b against vllm
     "${PS[@]}" bench throughput --model dummy:qwen3-30b-a3b --max-model-len 4096 --compare vllm \
         --no-progress --output-json "$OUT/throughput-qwen3-30b-a3b-vs-vllm.json"
+}
+
+moe_latency() {  # batch 1 and 64 against vLLM
+    moe_tuned
     log latency qwen3-30b-a3b against vllm
     "${PS[@]}" bench latency --model dummy:qwen3-30b-a3b --batch-sizes 1,64 --max-model-len 4096 \
         --compare vllm --no-progress --output-json "$OUT/latency-qwen3-30b-a3b-vs-vllm.json"
