@@ -305,3 +305,22 @@ def test_sweep_point_picks_checks_and_records(monkeypatch: pytest.MonkeyPatch) -
         config = MoeConfig.from_json(entry["config"])
         assert config.gate_up == grid[1] and config.down == grid[1]  # the later, "faster" ones
         assert config.block_m == block_m
+
+
+@pytest.mark.parametrize("config", ["table", "direct"])
+def test_a_garbage_row_leaves_the_other_tokens_alone(config: str) -> None:
+    """A padding row of a captured batch may hold NaN: it must route to real experts and
+    take no other token's place in the sorted layout."""
+    num_tokens, num_experts, hidden, inter, top_k = 6, 6, 48, 40, 3
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2).to(DEVICE)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * 0.2).to(DEVICE)
+    logits = uneven_logits(num_tokens, num_experts, seed=9, routing="random")
+    x[2], logits[2] = float("nan"), float("nan")
+    _, ids = router_triton.route_topk(logits, top_k, True)
+    assert bool(((ids >= 0) & (ids < num_experts)).all())
+    out = fused_moe_triton.fused_moe(x, w13, w2, logits, top_k, True, config=CONFIGS[config])
+    rest = [0, 1, 3, 4, 5]
+    expected = fused_moe_ref(x[rest], w13, w2, logits[rest], top_k, True)
+    torch.testing.assert_close(out[rest], expected, atol=1e-4, rtol=1e-4)

@@ -125,6 +125,7 @@ def _scatter_kernel(
     offs_e = tl.arange(0, E_PAD)
     mask = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=mask, other=-1)
+    mask &= (ids >= 0) & (ids < E_PAD)  # an id no expert has gets no slot (never slot 0)
     onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
     before = tl.load(counts_ptr + chunk * E_PAD + offs_e) + tl.load(run_starts_ptr + offs_e)
     # this pair's slot: its run's start + its expert's pairs in earlier chunks + in this one

@@ -73,7 +73,7 @@ def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
     the tiles of a memory-bound GEMM while rows are few."""
     rows_per_expert = num_tokens * shape.top_k / shape.num_experts
     if num_tokens * shape.top_k <= DIRECT_MAX_PAIRS:
-        config = MoeConfig(DIRECT_BLOCK_M, GemmTile(16, 512, 4, 3), GemmTile(16, 256, 4, 3))
+        config = MoeConfig(DIRECT_BLOCK_M, GemmTile(16, 256, 4, 3), GemmTile(16, 256, 4, 3))
     elif rows_per_expert <= 4:
         config = MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
     elif rows_per_expert <= 24:

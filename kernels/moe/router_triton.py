@@ -43,7 +43,10 @@ def _route_topk_kernel(
     ptrs = logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :]
     mask = mask_t[:, None] & (offs_e[None, :] < NUM_EXPERTS)
     logits = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)
-    logits = tl.where(mask_t[:, None], logits, 0.0)  # rows past the end: no NaN from -inf - -inf
+    # rows past the end, and NaN logits (a padding row of a captured batch may hold garbage):
+    # zeros, so that every token picks real, distinct experts and no garbage row can take
+    # another token's place in the sorted layout
+    logits = tl.where(mask_t[:, None] & (logits == logits), logits, 0.0)
     exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = exps / tl.sum(exps, axis=1)[:, None]
     probs = tl.where(offs_e[None, :] < NUM_EXPERTS, probs, -1.0)
@@ -53,6 +56,7 @@ def _route_topk_kernel(
     for slot in tl.static_range(TOP_K):
         best = tl.max(probs, axis=1)
         best_id = tl.min(tl.where(probs == best[:, None], offs_e[None, :], E_PAD), axis=1)
+        best_id = tl.minimum(best_id, NUM_EXPERTS - 1)  # never out of range, whatever came in
         top_w = tl.where(offs_k[None, :] == slot, best[:, None], top_w)
         top_i = tl.where(offs_k[None, :] == slot, best_id[:, None], top_i)
         probs = tl.where(offs_e[None, :] == best_id[:, None], -1.0, probs)
