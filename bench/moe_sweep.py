@@ -48,7 +48,7 @@ from kernels.moe.config import (
     MoeShape,
     default_config,
 )
-from kernels.moe.direct_triton import down_weighted_direct, gate_up_silu_direct
+from kernels.moe.direct_triton import down_sum_direct, gate_up_silu_direct
 from kernels.moe.fused_moe_triton import fused_moe, moe_shape
 from kernels.moe.grouped_gemm_triton import down_weighted, gate_up_silu
 from kernels.moe.moe import fused_moe_ref, quantize_experts_fp8
@@ -68,8 +68,8 @@ TILE_GRID = [  # (block_n, block_k, num_warps, num_stages)
 DIRECT_GRID = [  # the direct path's GEMV tiles (block_n, block_k, num_warps, num_stages)
     GemmTile(*tile)
     for tile in (
-        (8, 256, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
-        (32, 256, 8, 3), (64, 128, 4, 3), (16, 1024, 8, 2),
+        (4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3),
+        (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 8, 3), (64, 128, 4, 3), (16, 1024, 8, 2),
     )
 ]  # fmt: skip
 DIRECT_MAX_PAIRS = 64  # token counts whose pairs are this few also try the direct path
@@ -189,7 +189,8 @@ def sweep_block_m(layer: Layer, block_m: int) -> tuple[MoeConfig, float]:
 
 
 def sweep_direct(layer: Layer) -> tuple[MoeConfig, float]:
-    """The fastest GEMV tiles of the direct path (no sort) and the time of both GEMMs."""
+    """The fastest GEMV tiles of the direct path (no sort) and the time of its two kernels
+    (gate/up, then down with the top-k sum)."""
     weights, ids = route_topk(layer.logits, layer.top_k, layer.renormalize)
     act = gate_up_silu_direct(layer.x, layer.w13, ids, DIRECT_GRID[0], layer.w13_scale)
     gate_up, gate_up_us = best_tile(
@@ -198,9 +199,10 @@ def sweep_direct(layer: Layer) -> tuple[MoeConfig, float]:
             for t in DIRECT_GRID
         }
     )
+    out = torch.empty_like(layer.x)
     down, down_us = best_tile(
         {
-            t: partial(down_weighted_direct, act, layer.w2, weights, ids, t, layer.w2_scale)
+            t: partial(down_sum_direct, act, layer.w2, weights, ids, t, out, layer.w2_scale)
             for t in DIRECT_GRID
         }
     )

@@ -6,8 +6,10 @@ At batch 1-2 a step routes a few pairs to as many experts: each expert sees one 
 aligned path pads it to a 16-row ``tl.dot`` after three launches that sort the pairs. Here a
 program reads its pair's expert id itself and streams ``BLOCK_N`` rows of that expert's
 weight as a GEMV does (``[BLOCK_N, BLOCK_K]`` tiles, contiguous along K, products summed in
-float32), with the same epilogues as ``grouped_gemm_triton.py``: SiLU-and-mul after gate/up,
-the routing weight after down. ``MoeConfig.block_m == DIRECT_BLOCK_M`` selects it.
+float32), with the epilogue of ``grouped_gemm_triton.py``'s gate/up (SiLU-and-mul). Down
+takes a program per token instead, walking the token's experts in slot order, so the
+routing weights and the top-k sum land in its epilogue: no terms buffer, no sum launch, and
+the same rounding points. ``MoeConfig.block_m == DIRECT_BLOCK_M`` selects the path.
 """
 
 from __future__ import annotations
@@ -75,20 +77,21 @@ def _gate_up_silu_direct_kernel(
 
 
 @triton.jit
-def _down_weighted_direct_kernel(
-    act_ptr,  # [P, K], last stride 1
+def _down_sum_direct_kernel(
+    act_ptr,  # [T * TOP_K, K], last stride 1
     w_ptr,  # [E, N, K], last stride 1
     w_scale_ptr,  # [E, N] float32 with W_SCALED
-    weights_ptr,  # [P] float32: each pair's routing weight
-    terms_ptr,  # [P, N], last stride 1
-    ids_ptr,  # [P] int32
+    weights_ptr,  # [T * TOP_K] float32: each pair's routing weight
+    out_ptr,  # [T, N], last stride 1
+    ids_ptr,  # [T * TOP_K] int32
     N,
     K,
     stride_ap,
     stride_we,
     stride_wn,
     stride_se,
-    stride_tp,
+    stride_ot,
+    TOP_K: tl.constexpr,
     W_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -96,24 +99,29 @@ def _down_weighted_direct_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + pair * stride_ap + offs_k
-    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        mask_k = offs_k < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        out += tl.sum(w.to(tl.float32) * a, axis=1)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if W_SCALED:
-        out *= tl.load(w_scale_ptr + expert * stride_se + offs_n, mask=mask_n, other=0.0)
-    term = (out.to(DTYPE).to(tl.float32) * tl.load(weights_ptr + pair)).to(DTYPE)
-    tl.store(terms_ptr + pair * stride_tp + offs_n, term, mask=mask_n)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):  # the token's experts in slot order: a fixed sum
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_ptrs = act_ptr + pair * stride_ap + offs_k
+        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            mask_k = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            out += tl.sum(w.to(tl.float32) * a, axis=1)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if W_SCALED:
+            out *= tl.load(w_scale_ptr + expert * stride_se + offs_n, mask=mask_n, other=0.0)
+        # each term rounded as the sorted path's terms are, then summed in float32
+        term = (out.to(DTYPE).to(tl.float32) * tl.load(weights_ptr + pair)).to(DTYPE)
+        total += term.to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs_n, total.to(DTYPE), mask=mask_n)
 
 
 def gate_up_silu_direct(
@@ -137,22 +145,25 @@ def gate_up_silu_direct(
     return act
 
 
-def down_weighted_direct(
-    act: torch.Tensor,  # [P, I]
+def down_sum_direct(
+    act: torch.Tensor,  # [T * top_k, I]
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, top_k] float32, contiguous
     topk_ids: torch.Tensor,  # [T, top_k] int32, contiguous
     tile: GemmTile,
+    out: torch.Tensor,  # [T, H], act's dtype
     w2_scale: torch.Tensor | None = None,  # [E, H] float32
-) -> torch.Tensor:  # [P, H] in act's dtype
-    """``grouped_gemm_triton.down_weighted`` without the sort: a program per pair."""
-    num_pairs, hidden = act.shape[0], w2.shape[1]
-    terms = torch.empty(num_pairs, hidden, dtype=act.dtype, device=act.device)
+) -> torch.Tensor:  # out
+    """``down_weighted`` and ``sum_topk`` in one: a program per token and ``block_n``
+    columns walks the token's experts in slot order (no terms buffer, no atomics)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = w2.shape[1]
     scale, stride_se = (w2, 0) if w2_scale is None else (w2_scale, w2_scale.stride(0))
-    _down_weighted_direct_kernel[(num_pairs, triton.cdiv(hidden, tile.block_n))](
-        act, w2, scale, topk_weights, terms, topk_ids, hidden, act.shape[1], act.stride(0),
-        w2.stride(0), w2.stride(1), stride_se, terms.stride(0), W_SCALED=w2_scale is not None,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DTYPE=TL_FLOAT_DTYPES[act.dtype],
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_launch(act),
+    _down_sum_direct_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
+        act, w2, scale, topk_weights, out, topk_ids, hidden, act.shape[1], act.stride(0),
+        w2.stride(0), w2.stride(1), stride_se, out.stride(0), TOP_K=top_k,
+        W_SCALED=w2_scale is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        DTYPE=TL_FLOAT_DTYPES[act.dtype], num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **pdl_launch(act),
     )  # fmt: skip
-    return terms
+    return out

@@ -16,7 +16,7 @@ import torch
 
 from kernels.moe.align_triton import align_pairs
 from kernels.moe.config import DIRECT_BLOCK_M, MoeConfig, MoeShape, pick_config
-from kernels.moe.direct_triton import down_weighted_direct, gate_up_silu_direct
+from kernels.moe.direct_triton import down_sum_direct, gate_up_silu_direct
 from kernels.moe.grouped_gemm_triton import down_weighted, gate_up_silu, sum_topk
 from kernels.moe.router_triton import route_topk
 
@@ -46,8 +46,7 @@ def fused_moe(
     topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
     if config.block_m == DIRECT_BLOCK_M:  # a few pairs: a program each, nothing to sort
         act = gate_up_silu_direct(x, w13, topk_ids, config.gate_up, w13_scale)
-        terms = down_weighted_direct(act, w2, topk_weights, topk_ids, config.down, w2_scale)
-        return sum_topk(terms, top_k, out)
+        return down_sum_direct(act, w2, topk_weights, topk_ids, config.down, out, w2_scale)
     align = align_pairs(topk_ids, w13.shape[0], config.block_m)
     act = gate_up_silu(x, w13, align, top_k, config.gate_up, w13_scale)  # [T * k, I]
     terms = down_weighted(act, w2, topk_weights, align, config.down, w2_scale)  # [T * k, H]
