@@ -1,4 +1,5 @@
-"""The MoE MLP in Triton: route, align, gate/up + SiLU, down + weights, top-k sum.
+"""The MoE MLP in Triton: route, align, gate/up + SiLU, down + weights, top-k sum (or, for a
+few pairs, route, gate/up + SiLU, down + weights + sum: the direct path).
 
 Matches ``moe.fused_moe_ref``. Every step runs on the device with shapes fixed by the token
 count alone, so a decode step that runs it can be captured in a CUDA graph.

@@ -18,8 +18,9 @@ expert -1) returns at once, and padding slots (pair id ``num_pairs``) are masked
 The top-k sum is its own small kernel rather than an atomic add in ``down_weighted``: a
 token's ``k`` terms come from ``k`` programs, and atomic float adds would land in the order
 the programs run, so a token's output (and the greedy tokens after it) could change from one
-run to the next. The terms of a token are ``k * H`` float32s: rereading them costs little
-beside the expert weights.
+run to the next. The terms of a token are ``k * H`` values: rereading them costs little
+beside the expert weights. (The direct path of a few pairs, ``direct_triton.py``, sums in
+its down kernel instead: there one program walks all of a token's experts.)
 """
 
 from __future__ import annotations
