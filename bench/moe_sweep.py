@@ -282,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.moe_sweep", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.moe_sweep", description=__doc__, allow_abbrev=False
+    )
     parser.add_argument("--models", default="qwen3-30b-a3b", help="dummy MoE shapes, a,b")
     parser.add_argument("--tokens", type=lambda s: tuple(int(v) for v in s.split(",")),
                         default=TOKENS, help="token counts per step, a,b,c")  # fmt: skip
