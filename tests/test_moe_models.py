@@ -229,3 +229,16 @@ def test_moe_sharded_checkpoint_loads_every_expert(
     prompts = random_prompts(PROMPT_LENGTHS, 320, seed=1)[:2]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [out.token_ids for out in outputs] == references["mixtral"][:2]
+
+
+def test_decode_weight_bytes_count_the_experts_a_batch_reads() -> None:
+    from bench.latency import decode_weight_bytes
+
+    arch = ModelArch.from_hf_config(dummy_hf_config("qwen3-30b-a3b"))
+    total = arch.num_params * 2  # bf16
+    one, many = decode_weight_bytes(arch, total, 1), decode_weight_bytes(arch, total, 4096)
+    assert one == pytest.approx(arch.num_active_params * 2, rel=1e-6)  # the active weights
+    assert one < decode_weight_bytes(arch, total, 8) < many <= total
+    assert many == pytest.approx(total, rel=1e-6)  # every expert read
+    dense = ModelArch.from_hf_config(dummy_hf_config("qwen3-0.6b"))
+    assert decode_weight_bytes(dense, 12345, 1) == 12345
