@@ -5,14 +5,14 @@
 
 For each model's expert shape (bf16 activations; weights bf16, or with ``--fp8`` float8
 e4m3 with row scales as ``--quantization fp8`` holds them; ``--tp N``: the width one of N
-ranks holds) and each
-token count: random routing; for every ``block_m`` of ``BLOCK_MS`` up to four times the rows
-per expert, every tile of ``TILE_GRID`` for gate/up and for down, timed with
-``triton.testing.do_bench`` (median; the L2 flushed between calls, as a model's next layer
-finds it). The best tile of each GEMM per ``block_m``, then the ``block_m`` whose align +
-gate/up + down is fastest, is the entry (up to ``DIRECT_MAX_PAIRS`` pairs the direct path,
-``block_m`` 1 with the GEMV tiles of ``DIRECT_GRID``, competes too); the whole chosen path is checked against the torch
-reference and timed beside the default config (``kernels/moe/config.default_config``).
+ranks holds) and each token count, on random routing: for every ``block_m`` of ``BLOCK_MS``
+up to four times the rows per expert, every tile of ``TILE_GRID`` for gate/up and for down
+is timed with ``triton.testing.do_bench`` (median; the L2 flushed between calls, as a
+model's next layer finds it), and up to ``DIRECT_MAX_PAIRS`` pairs the direct path's GEMV
+tiles (``DIRECT_GRID``, ``block_m`` 1) too. Each ``block_m``'s best tiles make a candidate;
+the candidate whose whole MoE layer (route to sum) runs fastest is the entry, checked
+against the torch reference and timed beside the default config
+(``kernels/moe/config.default_config``).
 
 The record's ``entries`` are the table ``kernels/moe/config.py`` reads: ``--install`` merges
 them into ``kernels/moe/tuned_configs.json`` (replacing entries of the same device, shape and
@@ -214,10 +214,12 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
     tokens = layer.x.shape[0]
     rows_per_expert = tokens * layer.top_k / layer.w13.shape[0]
     block_ms = [bm for bm in BLOCK_MS if bm == BLOCK_MS[0] or bm <= 4 * rows_per_expert]
-    results = [sweep_block_m(layer, bm) for bm in block_ms]
+    candidates = [sweep_block_m(layer, bm)[0] for bm in block_ms]
     if tokens * layer.top_k <= DIRECT_MAX_PAIRS:
-        results.append(sweep_direct(layer))
-    config, parts_us = min(results, key=lambda result: result[1])
+        candidates.append(sweep_direct(layer)[0])
+    # each block_m's best tiles, then the whole layer (route to sum) timed: the winner
+    whole_us = {config: time_us(partial(layer.run, config)) for config in candidates}
+    config = min(whole_us, key=whole_us.__getitem__)
     out = layer.run(config)
     error = float((out.float() - layer.reference().float()).abs().max())
     default = default_config(layer.shape, tokens)
@@ -226,9 +228,9 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
         "shape": layer.shape.key(),
         "num_tokens": tokens,
         "config": config.to_json(),
-        "parts_us": parts_us,
-        "fused_us": time_us(lambda: layer.run(config)),
-        "default_fused_us": time_us(lambda: layer.run(default)),
+        "candidates_us": {f"block_m={c.block_m}": us for c, us in whole_us.items()},
+        "fused_us": whole_us[config],
+        "default_fused_us": time_us(partial(layer.run, default)),
         "max_abs_error": error,
         "checked": error <= CHECK_TOLERANCE * max(1.0, float(out.float().abs().max())),
     }
