@@ -162,9 +162,9 @@ tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
 moe() {  # mixtures of experts: GPU tests, then the block-size table measured on this card
     # (records kept in /tmp too: later calls on the same machine name them in
     # PAGESTREAM_MOE_CONFIGS, since each call brings a fresh copy of the tree)
-    log gpu tests, moe
-    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_moe_kernels.py \
-        tests/test_moe_models.py || return 1
+    log gpu tests, moe: every kernel test on the GPU, and the gpu-marked model tests
+    python -m pytest -q -x -p no:cacheprovider tests/test_moe_kernels.py || return 1
+    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_moe_models.py || return 1
     log moe sweep qwen3-30b-a3b, bf16
     python -m bench.moe_sweep --models qwen3-30b-a3b --output-json /tmp/moe-sweep-qwen3.json \
         && cp /tmp/moe-sweep-qwen3.json "$OUT/"
