@@ -2,13 +2,15 @@
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
-#                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel]...
-# (default: all but vllm, matrix, allreduce, tp, tp_vllm and data_parallel, which need vLLM or
-# two GPUs)
-# vllm, matrix and tp_vllm need vLLM importable (on the lent GPU: shared/peers/vllm-0.26's
-# recipe, then PYTHONPATH=$PWD:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0); structured compares
-# with vLLM when it is importable. MATRIX_ARGS picks a part of the matrix (e.g. "--models
-# llama3-8b --workloads long-context"); rerun to finish what is missing.
+#                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|moe|moe_more|
+#                       moe_throughput|moe_latency]...
+# (default: all but vllm, matrix, allreduce, tp, tp_vllm, data_parallel and the moe steps,
+# which need vLLM, two GPUs or a call of their own)
+# vllm, matrix, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
+# shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
+# VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
+# MATRIX_ARGS picks a part of the matrix (e.g. "--models llama3-8b --workloads long-context");
+# rerun to finish what is missing.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -200,6 +202,44 @@ structured() {  # constrained decoding: tests first (CUDA defaults), then the wo
     python -c "import vllm" 2>/dev/null && compare=(--compare-vllm)
     python -m bench.structured --model dummy:qwen3-0.6b "${compare[@]}" \
         --out "$OUT/structured-qwen3-0.6b.json"
+}
+
+moe() {  # mixtures of experts: GPU tests, then the block-size table measured on this card
+    # (records kept in /tmp too: later calls on the same machine name them in
+    # PAGESTREAM_MOE_CONFIGS, since each call brings a fresh copy of the tree)
+    log gpu tests, moe: every kernel test on the GPU, and the gpu-marked model tests
+    python -m pytest -q -x -p no:cacheprovider tests/test_moe_kernels.py || return 1
+    python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_moe_models.py || return 1
+    log moe sweep qwen3-30b-a3b, bf16
+    python -m bench.moe_sweep --models qwen3-30b-a3b --output-json /tmp/moe-sweep-qwen3.json \
+        && cp /tmp/moe-sweep-qwen3.json "$OUT/"
+}
+
+moe_more() {  # the block-size table for fp8 experts and for mixtral-8x7b
+    log moe sweep qwen3-30b-a3b, fp8 weights
+    python -m bench.moe_sweep --models qwen3-30b-a3b --fp8 \
+        --output-json /tmp/moe-sweep-qwen3-fp8.json && cp /tmp/moe-sweep-qwen3-fp8.json "$OUT/"
+    log moe sweep mixtral-8x7b, bf16
+    python -m bench.moe_sweep --models mixtral-8x7b --output-json /tmp/moe-sweep-mixtral.json \
+        && cp /tmp/moe-sweep-mixtral.json "$OUT/"
+}
+
+moe_tuned() {  # the table the moe step measured on this machine (each call brings a fresh tree)
+    if [ -f /tmp/moe-sweep-qwen3.json ]; then export PAGESTREAM_MOE_CONFIGS=/tmp/moe-sweep-qwen3.json; fi
+}
+
+moe_throughput() {  # qwen3-30b-a3b against vLLM (its MoE extension unpacked: the peer's third call)
+    moe_tuned
+    log throughput qwen3-30b-a3b against vllm
+    "${PS[@]}" bench throughput --model dummy:qwen3-30b-a3b --max-model-len 4096 --compare vllm \
+        --no-progress --output-json "$OUT/throughput-qwen3-30b-a3b-vs-vllm.json"
+}
+
+moe_latency() {  # batch 1 and 64 against vLLM
+    moe_tuned
+    log latency qwen3-30b-a3b against vllm
+    "${PS[@]}" bench latency --model dummy:qwen3-30b-a3b --batch-sizes 1,64 --max-model-len 4096 \
+        --compare vllm --no-progress --output-json "$OUT/latency-qwen3-30b-a3b-vs-vllm.json"
 }
 
 tests() {

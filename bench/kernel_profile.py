@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bench.kernels import measure_copy_bandwidth
+from bench.latency import decode_weight_bytes
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
 def _report(prof: Any, engine: LLMEngine, args: argparse.Namespace) -> None:
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in events) / args.steps
-    step_bytes = engine.loaded.weights_bytes + args.batch * (args.context + 8) * (
+    weight_bytes = decode_weight_bytes(engine.loaded.arch, engine.loaded.weights_bytes, args.batch)
+    step_bytes = weight_bytes + args.batch * (args.context + 8) * (
         engine.kv_cache.spec.bytes_per_token
     )
     floor_us = step_bytes / measure_copy_bandwidth(engine.device) * 1e6

@@ -4,6 +4,8 @@ Each batch size runs ``batch`` random prompts of ``input_len`` tokens together, 
 exactly ``output_len`` tokens. The hardware limit of a decode step is the bytes it must read
 (every weight once, plus each sequence's KV context) over the device's copy bandwidth,
 measured in the same run; ``fraction_of_limit`` is that floor over the measured time per token.
+A mixture of experts reads only the experts its tokens pick: at batch 1 its active weights,
+at batch B the experts that B tokens' random top-k picks are expected to cover.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from bench.records import machine_info, speculative_counts
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.memory import release_device_memory
+from engine.models.arch import ModelArch
 from engine.sampling_params import SamplingParams
 
 
@@ -108,9 +111,8 @@ def _summarize(
     elapsed_s = max(t[-1] for t in timings)
     # A decode step reads every weight once and each sequence's context (mean over the run).
     mean_context = workload.input_len + workload.output_len / 2
-    step_bytes = engine.loaded.weights_bytes + int(
-        batch * mean_context * engine.kv_cache.spec.bytes_per_token
-    )
+    weight_bytes = decode_weight_bytes(engine.loaded.arch, engine.loaded.weights_bytes, batch)
+    step_bytes = weight_bytes + int(batch * mean_context * engine.kv_cache.spec.bytes_per_token)
     result: dict[str, Any] = {
         "batch": batch,
         "mean_ttft_s": statistics.fmean(ttft_s),
@@ -125,6 +127,19 @@ def _summarize(
         result["limit_tpot_s"] = limit_s
         result["fraction_of_limit"] = limit_s / result["mean_tpot_s"]
     return result
+
+
+def decode_weight_bytes(arch: ModelArch, weights_bytes: int, batch: int) -> int:
+    """The weight bytes a decode step of ``batch`` tokens reads: all of them for a dense
+    model; for a MoE, less the experts no token is expected to pick (uniform routing: each
+    expert is missed by all ``batch`` tokens with probability ``(1 - k / E) ** batch``)."""
+    moe = arch.moe
+    if moe is None:
+        return weights_bytes
+    missed = moe.num_experts * (1 - moe.top_k / moe.num_experts) ** batch
+    per_expert = 3 * arch.hidden_size * moe.intermediate_size * len(moe.sparse_layers)
+    unread_fraction = missed * per_expert / arch.num_params
+    return int(weights_bytes * (1 - unread_fraction))
 
 
 def add_hf_peer(record: dict[str, Any], model: str, workload: LatencyWorkload) -> None:

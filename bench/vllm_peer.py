@@ -382,7 +382,17 @@ def _model_dir(model: str) -> tuple[str, str, int]:
     config.torch_dtype = "bfloat16"
     directory = tempfile.mkdtemp(prefix="pagestream-vllm-config-")
     config.save_pretrained(directory)
+    _add_expert_count_alias(Path(directory) / "config.json")
     return directory, "dummy", config.vocab_size
+
+
+def _add_expert_count_alias(config_path: Path) -> None:
+    """transformers 5 writes a Qwen-MoE's expert count as ``num_local_experts``; older
+    transformers (and the vLLM model reading it) take ``num_experts``: write both."""
+    data = json.loads(config_path.read_text())
+    if "num_local_experts" in data and data.get("model_type", "").startswith("qwen"):
+        data.setdefault("num_experts", data["num_local_experts"])
+        config_path.write_text(json.dumps(data, indent=2))
 
 
 def _force_cuda_platform() -> None:

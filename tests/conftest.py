@@ -69,10 +69,27 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Mixtures of experts (tests/test_moe_models.py): uneven, peaked routing from the widened
+# router weights; Qwen3-MoE with a dense layer (mlp_only_layers), Qwen2-MoE with its shared expert.
+TINY_MOE_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=48, norm_topk_prob=False),
+    ),
+}  # fmt: skip
+
+
 def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
     import transformers
 
-    config_name, extra = TINY_ARCHS[kind]
+    config_name, extra = {**TINY_ARCHS, **TINY_MOE_ARCHS}[kind]
     config = getattr(transformers, config_name)(**{**TINY_COMMON, **extra})
     model_class = getattr(transformers, config_name.replace("Config", "ForCausalLM"))
     config.architectures = [model_class.__name__]
@@ -92,6 +109,12 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {kind: build_tiny_model(kind, root / kind) for kind in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-moe-models")
+    return {kind: build_tiny_model(kind, root / kind) for kind in TINY_MOE_ARCHS}
 
 
 @pytest.fixture(scope="session")

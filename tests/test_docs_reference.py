@@ -113,7 +113,7 @@ def variables_read() -> set[str]:
     return {
         name
         for path in SOURCES
-        for name in re.findall(r"\b(PAGESTREAM_[A-Z_]+[A-Z])\b", path.read_text())
+        for name in re.findall(r"\b(PAGESTREAM_[A-Z0-9_]+[A-Z0-9])\b", path.read_text())
     }
 
 

@@ -18,6 +18,7 @@ from kernels.attention.paged_attention import paged_attention_ref
 from kernels.elementwise.activation import silu_and_mul_ref
 from kernels.elementwise.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.elementwise.rotary_kv_write import rotary_write_kv_ref
+from kernels.moe.moe import fused_moe_ref
 
 if TYPE_CHECKING:
     from kernels.linear.int8_rows_triton import Int8Rows
@@ -88,6 +89,9 @@ class LayerOps:
         | None
     ) = None
     silu_and_mul_int8: Callable[[torch.Tensor], Int8Rows] | None = None
+    # (x, w13, w2, router_logits, top_k, renormalize, w13_scale=, w2_scale=) -> [T, H]:
+    # a MoE layer's experts (kernels/moe/moe.py)
+    fused_moe: Callable[..., torch.Tensor] = fused_moe_ref
 
 
 class AttentionBackend(Protocol):
@@ -191,6 +195,7 @@ class TritonAttentionBackend:
             rms_norm_int8,
         )
         from kernels.elementwise.rotary_kv_write_triton import rotary_write_kv
+        from kernels.moe.fused_moe_triton import fused_moe
 
         self.ops = LayerOps(
             rms_norm,
@@ -199,6 +204,7 @@ class TritonAttentionBackend:
             rms_norm_int8=rms_norm_int8,
             fused_add_rms_norm_int8=fused_add_rms_norm_int8,
             silu_and_mul_int8=silu_and_mul_int8,
+            fused_moe=fused_moe,
         )
         self._rotary_write_kv = rotary_write_kv
         self._paged_attention = paged_attention

@@ -5,6 +5,11 @@ head (by vocabulary). Row-parallel (input columns split): o_proj and down_proj, 
 outputs are summed by an all-reduce; their biases live on rank 0 only, so the sum adds them
 once. Norms are replicated.
 
+Experts (MoE models) split as the dense MLP does, each along its own intermediate size: gate
+and up rows (``gate_proj``/``up_proj``, Mixtral's ``w1``/``w3``) column-parallel, down
+(``down_proj``, ``w2``) row-parallel; Qwen2-MoE's shared expert likewise along its width.
+The router and the shared expert's gate are replicated: every rank routes every token alike.
+
 KV heads: with ``N`` ranks and ``H_kv`` KV heads, ``H_kv % N == 0`` gives each rank
 ``H_kv / N`` heads; ``N % H_kv == 0`` gives each rank one head, each head held by
 ``N / H_kv`` ranks (replicated), so that every rank's query heads find their KV head locally.
@@ -26,6 +31,8 @@ from engine.models.arch import ModelArch
 Split = tuple[int, int, int]
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+EXPERT_COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
+EXPERT_ROW_PARALLEL = ("down_proj", "w2")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
 
@@ -78,11 +85,19 @@ class ShardPlan:
 
     def local_arch(self) -> ModelArch:
         """The shape this rank's layers are built with (the vocabulary stays whole)."""
+        moe = self.arch.moe
+        if moe is not None:
+            moe = dataclasses.replace(
+                moe,
+                intermediate_size=moe.intermediate_size // self.size,
+                shared_intermediate_size=moe.shared_intermediate_size // self.size,
+            )
         return dataclasses.replace(
             self.arch,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size,
+            moe=moe,
         )
 
     # -- weights -----------------------------------------------------------------------------
@@ -96,6 +111,9 @@ class ShardPlan:
             start = min(self.vocab_start, self.arch.vocab_size)
             return 0, start, min(start + self.vocab_per_rank, self.arch.vocab_size)
         head_dim, module = self.arch.head_dim, _module_of(hf_name)
+        expert_width = self._expert_width(hf_name)
+        if expert_width is not None:
+            return _expert_split(module, self.rank, expert_width)
         if module == "q_proj":
             return (
                 0,
@@ -110,6 +128,18 @@ class ShardPlan:
         if module in ROW_PARALLEL and hf_name.endswith(".weight"):
             width = self.num_heads * head_dim if module == "o_proj" else self.intermediate_size
             return 1, self.rank * width, (self.rank + 1) * width
+        return None
+
+    def _expert_width(self, hf_name: str) -> int | None:
+        """This rank's width of the expert (or shared expert) ``hf_name`` belongs to; None
+        for a weight of no expert."""
+        moe = self.arch.moe
+        if moe is None:
+            return None
+        if ".experts." in hf_name:
+            return moe.intermediate_size // self.size
+        if ".shared_expert." in hf_name:
+            return moe.shared_intermediate_size // self.size
         return None
 
     def takes_zeros(self, hf_name: str) -> bool:
@@ -144,6 +174,15 @@ def _module_of(hf_name: str) -> str:
     return parts[-2] if len(parts) >= 2 else ""
 
 
+def _expert_split(module: str, rank: int, width: int) -> Split | None:
+    """An expert weight's split: gate/up rows or down columns of this rank's ``width``."""
+    if module in EXPERT_COLUMN_PARALLEL:
+        return 0, rank * width, (rank + 1) * width
+    if module in EXPERT_ROW_PARALLEL:
+        return 1, rank * width, (rank + 1) * width
+    return None
+
+
 def _check_divides(arch: ModelArch, size: int) -> None:
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
@@ -161,3 +200,7 @@ def _check_divides(arch: ModelArch, size: int) -> None:
         )
     if arch.intermediate_size % size:
         raise ConfigError(f"{flag} does not divide the model's MLP width {arch.intermediate_size}")
+    moe = arch.moe
+    for width in (moe.intermediate_size, moe.shared_intermediate_size) if moe else ():
+        if width % size:
+            raise ConfigError(f"{flag} does not divide the model's expert width {width}")

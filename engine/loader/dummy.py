@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from engine.errors import ModelLoadError
+from engine.models.moe import Fp8StackedExperts
 from engine.quant.linear import QuantizedLinear
 
 # HF config fields of each shape; architecture chooses the transformers config class.
@@ -62,6 +63,29 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
         sliding_window=None,
     ),
+    # mixtures of experts
+    "tiny-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[1], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        sliding_window=None,
+    ),
 }  # fmt: skip
 
 DUMMY_PREFIX = "dummy:"
@@ -82,6 +106,8 @@ def dummy_hf_config(shape: str) -> Any:
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     }[fields["architectures"][0]]
     return config_class(**fields)
 
@@ -102,7 +128,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     float_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with torch.no_grad():
         for module_name, module in model.named_modules():
-            if isinstance(module, QuantizedLinear):
+            if isinstance(module, QuantizedLinear | Fp8StackedExperts):
                 weight = torch.empty(module.out_features, module.in_features,
                                      dtype=float_dtype, device=module.device)  # fmt: skip
                 normal_(weight)

@@ -42,6 +42,12 @@ def architecture_of(reader: GGUFReader) -> str:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported architectures: {supported}"
         )
+    num_experts = metadata_field(reader, f"{arch}.expert_count", 0)
+    if num_experts:  # a llama-architecture file with experts is a Mixtral
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} with {num_experts} experts (a mixture of experts, e.g. "
+            "Mixtral) is not supported from GGUF; load its Hugging Face safetensors instead"
+        )
     return arch
 
 

@@ -56,6 +56,11 @@ def resolve_quant_load(
     """The plan for ``--quantization mode``; a mode that cannot apply to the model fails.
     Under tensor parallelism weights stay float (``auto``) or the mode is refused: a shard
     would cut o_proj and down_proj's rows through their blocks."""
+    if arch.moe is not None and mode not in ("auto", "none", "fp8"):
+        raise ConfigError(
+            f"--quantization {mode}: {arch.architecture} is a mixture of experts, whose expert "
+            "weights quantize to fp8 only; use --quantization fp8, or none"
+        )
     if tensor_parallel_size > 1 and mode not in ("auto", "none"):
         raise ConfigError(
             f"--quantization {mode} needs --tensor-parallel-size 1 (quantized weights are not "

@@ -1,4 +1,8 @@
-"""``ModelArch``: the shape of a Llama-family decoder, read from a Hugging Face config."""
+"""``ModelArch``: the shape of a Llama-family decoder, read from a Hugging Face config.
+
+Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are the same decoder with a router and
+experts in place of some or all dense MLPs: their shape is ``ModelArch.moe`` (``MoeArch``).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,26 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "MistralForCausalLM": ("mistral", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "MixtralForCausalLM": ("mixtral", False, False),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class MoeArch:
+    """The experts of a mixture-of-experts model."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's MLP width
+    renormalize: bool  # the top-k weights divided by their sum (Mixtral; Qwen norm_topk_prob)
+    sparse_layers: frozenset[int]  # layers whose MLP is the experts (the rest stay dense)
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (gated); 0: none
+
+    def is_sparse(self, layer_index: int) -> bool:
+        return layer_index in self.sparse_layers
 
 
 @dataclass(frozen=True)
@@ -36,6 +59,7 @@ class ModelArch:
     mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None
+    moe: MoeArch | None = None  # None: every MLP dense
 
     @property
     def num_q_per_kv(self) -> int:
@@ -43,11 +67,29 @@ class ModelArch:
 
     @property
     def num_params(self) -> int:
+        return self._count_params(active_only=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters a token reads: its ``top_k`` experts of each MoE layer, not all."""
+        return self._count_params(active_only=True)
+
+    def _count_params(self, active_only: bool) -> int:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+        mlps = sum(self._mlp_params(index, active_only) for index in range(self.num_layers))
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return self.num_layers * attn + mlps + norms + embed
+
+    def _mlp_params(self, layer_index: int, active_only: bool) -> int:
+        moe = self.moe
+        if moe is None or not moe.is_sparse(layer_index):
+            return 3 * self.hidden_size * self.intermediate_size
+        experts = moe.top_k if active_only else moe.num_experts
+        shared = 3 * moe.shared_intermediate_size + (1 if moe.shared_intermediate_size else 0)
+        routed = experts * 3 * moe.intermediate_size + moe.num_experts  # + the router
+        return self.hidden_size * (routed + shared)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArch:
@@ -79,7 +121,31 @@ class ModelArch:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=qk_norm,
             sliding_window=_sliding_window(config, family),
+            moe=_moe_arch(config, family),
         )
+
+
+def _moe_arch(config: Any, family: str) -> MoeArch | None:
+    if family not in MOE_FAMILIES:
+        return None
+    num_layers = config.num_hidden_layers
+    if family == "mixtral":  # every layer sparse; intermediate_size is each expert's width
+        num_experts = config.num_local_experts
+        return MoeArch(num_experts, config.num_experts_per_tok, config.intermediate_size,
+                       True, frozenset(range(num_layers)))  # fmt: skip
+    num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    sparse = frozenset(
+        index
+        for index in range(num_layers)
+        if index not in dense and num_experts > 0 and (index + 1) % step == 0
+    )
+    shared = getattr(config, "shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
+    return MoeArch(
+        num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+        bool(getattr(config, "norm_topk_prob", False)), sparse, int(shared or 0),
+    )  # fmt: skip
 
 
 def _rope_params(config: Any) -> dict[str, Any]:
@@ -103,7 +169,7 @@ def _rope_scaling(config: Any) -> dict[str, Any] | None:
 
 def _sliding_window(config: Any, family: str) -> int | None:
     window = getattr(config, "sliding_window", None)
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return int(window) if window else None
     if window and getattr(config, "use_sliding_window", False):
         raise UnsupportedModelError(

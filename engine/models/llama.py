@@ -27,6 +27,12 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
+from engine.models.moe import (
+    Fp8StackedExperts,
+    SparseMoeBlock,
+    expert_target,
+    rename_moe_weight,
+)
 from engine.quant.linear import PackedWeight, QuantizedLinear
 from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
 from kernels.linear.gemv_triton import GemvConfig, gemv
@@ -177,6 +183,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
+    @property
+    def input_linear(self) -> nn.Module:
+        """The first linear to read the MLP's input (the norm rounds for it where it takes
+        int8 rows)."""
+        return self.gate_up_proj
+
     def forward(
         self,
         x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where gate_up_proj takes int8 rows
@@ -207,7 +219,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = Attention(arch, layer_index, backend, group)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops, group)
+        self.mlp: MLP | SparseMoeBlock
+        if arch.moe is not None and arch.moe.is_sparse(layer_index):
+            self.mlp = SparseMoeBlock(arch, ops, group)
+        else:
+            self.mlp = MLP(arch, ops, group)
 
     def forward(
         self,
@@ -242,7 +258,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,  # [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output and the new residual
         x, residual = self.post_attention_layernorm.add_and_norm_for(
-            self.self_attn.output(attn), residual, self.mlp.gate_up_proj
+            self.self_attn.output(attn), residual, self.mlp.input_linear
         )
         return self.mlp(x), residual
 
@@ -377,29 +393,35 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name if rows is None else f"{name}[{rows[0]}:{rows[1]}]")
         self._check_all_loaded(loaded)
 
-    def _quantized_weights(self) -> dict[str, QuantizedLinear]:
-        """``<module>.weight`` -> its QuantizedLinear (the weight is no parameter there)."""
+    def _quantized_weights(self) -> dict[str, QuantizedLinear | Fp8StackedExperts]:
+        """``<module>.weight`` -> its quantized module (the weight is no parameter there)."""
         return {
             f"{name}.weight": module
             for name, module in self.named_modules()
-            if isinstance(module, QuantizedLinear)
+            if isinstance(module, QuantizedLinear | Fp8StackedExperts)
         }
 
     def _fused_target(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
         """HF name -> (parameter name, row range inside a fused parameter or None)."""
         if "rotary_emb" in hf_name:
             return None
-        name = hf_name.removeprefix("model.")
+        name = rename_moe_weight(hf_name.removeprefix("model."))
         if name == "lm_head.weight" and self.arch.tie_word_embeddings:
             return None
         arch = self.arch
+        expert = expert_target(name, arch)
+        if expert is not None:
+            return expert
         q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        shared = arch.moe.shared_intermediate_size if arch.moe is not None else 0
         fused = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_size),
             "self_attn.k_proj": ("self_attn.qkv_proj", q_size, q_size + kv_size),
             "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size, q_size + 2 * kv_size),
             "mlp.gate_proj": ("mlp.gate_up_proj", 0, arch.intermediate_size),
             "mlp.up_proj": ("mlp.gate_up_proj", arch.intermediate_size, 2 * arch.intermediate_size),
+            "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0, shared),
+            "shared_expert.up_proj": ("shared_expert.gate_up_proj", shared, 2 * shared),
         }
         for part, (whole, start, end) in fused.items():
             if f".{part}." in name:
@@ -407,7 +429,7 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def _check_all_loaded(self, loaded: set[str]) -> None:
-        expected = {name: param.shape[0] for name, param in self.named_parameters()}
+        expected = {name: _num_rows(param) for name, param in self.named_parameters()}
         expected |= {name: m.out_features for name, m in self._quantized_weights().items()}
         missing = []
         for name, num_rows in expected.items():
@@ -424,12 +446,19 @@ class LlamaForCausalLM(nn.Module):
 def _copy_rows(
     hf_name: str, param: torch.Tensor, rows: tuple[int, int] | None, tensor: torch.Tensor
 ) -> None:
+    if param.dim() == 3:  # stacked experts: rows of the [E * rows, cols] view (expert_target)
+        param = param.flatten(0, 1)
     dest = param if rows is None else param[rows[0] : rows[1]]
     if dest.shape != tensor.shape:
         raise ModelLoadError(
             f"weight {hf_name!r}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
         )
     dest.copy_(tensor)
+
+
+def _num_rows(param: torch.Tensor) -> int:
+    """Rows a checkpoint fills: a stacked experts' parameter counts each expert's."""
+    return param.shape[0] * param.shape[1] if param.dim() == 3 else param.shape[0]
 
 
 def _row_count(key: str) -> int:

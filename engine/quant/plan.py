@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.errors import ConfigError
 from engine.models.arch import ModelArch
+from engine.models.moe import Fp8StackedExperts, StackedExperts
 from engine.quant.linear import QuantizedLinear
 from engine.quant.scratch import DequantScratch
 from kernels.linear.quant import FORMATS, QuantFormat
@@ -25,6 +26,7 @@ LAYER_LINEARS: dict[str, tuple[str, ...]] = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
+MOE_EXPERTS = ("mlp.w13", "mlp.w2")  # a sparse layer's stacked experts (fp8 only)
 LM_HEAD = "lm_head"
 # The LM head stays at 8 bits under a 4-bit scheme, as llama.cpp's quantize keeps it high.
 HEAD_FORMATS = {"q4_0": "q8_0", "q4_1": "q8_0"}
@@ -32,16 +34,24 @@ FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper and lat
 
 
 def in_situ_plan(arch: ModelArch, format_name: str) -> QuantPlan:
-    """Every decoder linear in ``format_name`` (and an untied LM head), from float weights."""
+    """Every decoder linear in ``format_name`` (and an untied LM head), from float weights;
+    a MoE layer's experts (``mlp.w13``, ``mlp.w2``) in place of its MLP's linears (its router
+    stays float)."""
     fmt = FORMATS[format_name]
     plan = {
         f"layers.{index}.{linear}": fmt
         for index in range(arch.num_layers)
-        for linear in LAYER_LINEARS
+        for linear in _layer_linears(arch, index)
     }
     if not arch.tie_word_embeddings:
         plan[LM_HEAD] = FORMATS[HEAD_FORMATS.get(format_name, format_name)]
     return plan
+
+
+def _layer_linears(arch: ModelArch, layer_index: int) -> tuple[str, ...]:
+    if arch.moe is not None and arch.moe.is_sparse(layer_index):
+        return ("self_attn.qkv_proj", "self_attn.o_proj", *MOE_EXPERTS)
+    return tuple(LAYER_LINEARS)
 
 
 def packed_plan(arch: ModelArch, tensor_formats: dict[str, str]) -> QuantPlan:
@@ -80,6 +90,13 @@ def swap_in_quantized(model: nn.Module, plan: QuantPlan) -> None:
     scratch = DequantScratch()
     for name, fmt in plan.items():
         old = model.get_submodule(name)
+        new: nn.Module
+        if isinstance(old, StackedExperts):
+            assert fmt.name == "fp8", f"{name}: experts quantize to fp8 only"
+            num_experts, num_rows, size_k = old.weight.shape
+            new = Fp8StackedExperts(num_experts, num_rows, size_k, old.weight.device)
+            _replace(model, name, new)
+            continue
         assert isinstance(old, nn.Linear), name
         new = QuantizedLinear(
             old.in_features,
@@ -89,8 +106,12 @@ def swap_in_quantized(model: nn.Module, plan: QuantPlan) -> None:
             old.weight.device,
             scratch,
         )
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        _replace(model, name, new)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def check_plan_device(plan: QuantPlan, device: torch.device) -> None:

@@ -1,0 +1,116 @@
+"""Block sizes of the grouped GEMMs, per shape and token count, from a measured table.
+
+``bench/moe_sweep.py`` times candidate configs on a GPU and writes a JSON record whose
+``entries`` are the format ``tuned_configs.json`` holds (merge them there with its
+``--install``/``--install-from``, or name records in ``PAGESTREAM_MOE_CONFIGS``). A lookup
+takes the entry of the same device, kernel shape and dtype whose token count is the
+nearest at or above the step's (else the largest); without one, ``default_config`` decides
+by the expected rows per expert.
+
+One ``block_m`` serves both GEMMs (they share the sorted layout); ``block_n``, ``block_k``,
+warps and stages are each GEMM's own. ``block_m == DIRECT_BLOCK_M`` (1) is the path without
+the sort, a program per (token, slot) pair (``direct_triton.py``), for a handful of pairs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+MOE_CONFIGS_ENV = "PAGESTREAM_MOE_CONFIGS"
+TUNED_CONFIGS_PATH = Path(__file__).with_name("tuned_configs.json")
+DIRECT_BLOCK_M = 1  # no sort: each pair's own program (direct_triton.py)
+DIRECT_MAX_PAIRS = 16  # the default takes the direct path up to this many pairs
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One GEMM's launch: its tile's N and K, and the compiler's warps and stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MoeConfig:
+        return cls(data["block_m"], GemmTile(**data["gate_up"]), GemmTile(**data["down"]))
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What picks a config: the experts' count and sizes, and the element type."""
+
+    num_experts: int
+    hidden_size: int  # H: gate/up's K, down's N
+    intermediate_size: int  # I (this rank's): gate/up's N (each half), down's K
+    top_k: int
+    dtype: str  # "bfloat16", "float16", "float32"
+
+    def key(self) -> str:
+        return (f"E{self.num_experts}_H{self.hidden_size}_I{self.intermediate_size}"
+                f"_k{self.top_k}_{self.dtype}")  # fmt: skip
+
+
+def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
+    """A sound choice without measurements: a handful of pairs take the direct path (no sort,
+    GEMV tiles); beyond, by the rows each expert expects: ``block_m`` about that many
+    (padding rows are waste, and an expert split over two blocks reads its weights twice),
+    the tiles of a memory-bound GEMM while rows are few."""
+    rows_per_expert = num_tokens * shape.top_k / shape.num_experts
+    if num_tokens * shape.top_k <= DIRECT_MAX_PAIRS:
+        config = MoeConfig(DIRECT_BLOCK_M, GemmTile(16, 256, 4, 3), GemmTile(16, 256, 4, 3))
+    elif rows_per_expert <= 4:
+        config = MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
+    elif rows_per_expert <= 24:
+        config = MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
+    elif rows_per_expert <= 96:
+        config = MoeConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))
+    else:
+        config = MoeConfig(64, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 4))
+    if shape.dtype.startswith("float32"):  # 4-byte tiles: half the K step fits shared memory
+        half_k = [replace(t, block_k=t.block_k // 2) for t in (config.gate_up, config.down)]
+        config = MoeConfig(config.block_m, *half_k)
+    return config
+
+
+def pick_config(shape: MoeShape, num_tokens: int, device_name: str) -> MoeConfig:
+    """The measured config for ``shape`` at ``num_tokens`` on ``device_name``, else the
+    default."""
+    entries = _table().get(device_name, {}).get(shape.key())
+    if not entries:
+        return default_config(shape, num_tokens)
+    at_or_above = [n for n in entries if n >= num_tokens]
+    return entries[min(at_or_above) if at_or_above else max(entries)]
+
+
+@functools.cache
+def _table() -> dict[str, dict[str, dict[int, MoeConfig]]]:
+    """device name -> shape key -> token count -> config: the shipped table, then each file
+    of ``PAGESTREAM_MOE_CONFIGS`` (paths joined by ``os.pathsep``), later entries winning."""
+    extra = [Path(p) for p in os.environ.get(MOE_CONFIGS_ENV, "").split(os.pathsep) if p]
+    for path in extra:
+        if not path.is_file():
+            raise FileNotFoundError(f"{MOE_CONFIGS_ENV}: no such file {path}")
+    table: dict[str, dict[str, dict[int, MoeConfig]]] = {}
+    for path in [TUNED_CONFIGS_PATH, *extra]:
+        if not path.is_file():
+            continue
+        for entry in json.loads(path.read_text())["entries"]:
+            by_tokens = table.setdefault(entry["device"], {}).setdefault(entry["shape"], {})
+            by_tokens[int(entry["num_tokens"])] = MoeConfig.from_json(entry["config"])
+    return table
