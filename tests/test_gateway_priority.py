@@ -17,13 +17,16 @@ from worker.gateway.errors import OpenAIError
 from worker.gateway.translate import decode_chat, decode_completion
 
 
-def test_priority_and_tenant_map_onto_the_request_and_user_does_not() -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "priority": -2, "tenant": "gold",
-            "user": "alice"}  # fmt: skip
+def test_priority_and_tenant_map_onto_the_request_and_user_is_refused() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "priority": -2, "tenant": "gold"}
     inputs = decode_chat(json.dumps(body).encode(), chat_max_tokens=8).inputs
     assert (inputs["priority"], inputs["tenant"]) == (-2, "gold")
-    plain = decode_completion(json.dumps({"prompt": "hi", "user": "alice"}).encode()).inputs
+    plain = decode_completion(json.dumps({"prompt": "hi"}).encode()).inputs
     assert "priority" not in plain and "tenant" not in plain  # the client's defaults: 0, default
+    # `user` names an end user, not a tenant: not honoured, so refused rather than dropped
+    with pytest.raises(OpenAIError) as error:
+        decode_completion(json.dumps({"prompt": "hi", "user": "alice"}).encode())
+    assert (error.value.status, error.value.body.param) == (400, "user")
 
 
 @pytest.mark.parametrize(
