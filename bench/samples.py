@@ -1,7 +1,8 @@
 """n > 1 against n separate requests: the prompt prefilled once, and what that buys.
 
 The same work two ways on one engine: ``num_prompts`` random prompts asked for ``n`` samples
-each (one request per prompt), then the same prompts sent as ``n`` separate requests each
+each (one request per prompt), then as many other prompts of the same length (none of them in
+the prefix cache yet) sent as ``n`` separate requests each
 (prefix caching on, as it is by default: the fair baseline, and how vLLM 0.26 runs ``n``).
 Sampled at temperature 1 with EOS ignored, so every sample makes ``output_len`` tokens. Each
 run records wall time, output tokens/s and the engine's ``num_prefill_tokens`` (prompt tokens
@@ -32,14 +33,23 @@ def run_samples(
     """The benchmark record (see the module)."""
     rng = random.Random(0)
     vocab_size = engine.loaded.arch.vocab_size
-    prompts = [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
-    check = _greedy_check(engine, prompts[0], n)
+
+    def random_prompts(count: int) -> list[list[int]]:
+        return [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(count)]
+
+    # three sets: a run must not find the prompts of the one before in the prefix cache
+    warmup, prompts, others = (
+        random_prompts(4),
+        random_prompts(num_prompts),
+        random_prompts(num_prompts),
+    )
+    check = _greedy_check(engine, warmup[0], n)
     sampled: dict[str, Any] = dict(temperature=1.0, max_tokens=output_len, ignore_eos=True)
-    _timed(engine, [(p, SamplingParams(**sampled, n=n, seed=i)) for i, p in enumerate(prompts[:4])])
+    _timed(engine, [(p, SamplingParams(**sampled, n=n, seed=i)) for i, p in enumerate(warmup)])
     together = _timed(engine, [(p, SamplingParams(**sampled, n=n, seed=i))
                                for i, p in enumerate(prompts)])  # fmt: skip
     separate = _timed(engine, [(p, SamplingParams(**sampled, seed=i * n + k))
-                               for i, p in enumerate(prompts) for k in range(n)])  # fmt: skip
+                               for i, p in enumerate(others) for k in range(n)])  # fmt: skip
     return {
         "kind": "samples",
         "machine": machine_info(engine.device),

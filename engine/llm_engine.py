@@ -224,7 +224,7 @@ class LLMEngine:
             arrival_s=now_s,
             eos_token_ids=frozenset() if sampling.ignore_eos else self.eos_token_ids,
             length_limit=len(token_ids) + max_tokens,  # within the context
-            generator=None if seed is None else make_generator(seed),
+            generator=None if seed is None else make_generator(seed, self.device),
             sample_index=index,
             # compiled once per constraint (cached), on the caller's thread: never on the
             # step's path; a matcher of its own per sample

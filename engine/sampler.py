@@ -42,9 +42,12 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
 
 
-def make_generator(seed: int) -> torch.Generator:
-    """A CPU generator for one seeded sequence; it lives as long as the sequence."""
-    generator = torch.Generator(device="cpu")
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one seeded sequence, on the device that samples (a row's noise is then
+    drawn there: a CPU draw of a whole vocabulary per seeded row and step, copied over, cost
+    0.4 s a step at 128 seeded rows on an H200); it lives as long as the sequence. The same
+    seed gives the same tokens on the same kind of device."""
+    generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
 
