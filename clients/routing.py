@@ -2,7 +2,7 @@
 choice of worker from what the workers published. Pure (no Redis, no tokenizer), so that the
 client, the gateway and the workers compute the same links.
 
-Not wired into ``submit`` or the workers yet (steps 2-4 of the design).
+The Redis side is ``clients/router.py`` (the client's choice) and ``worker/routing.py``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from clients.protocol import Request
+
 LINK_BYTES = 16  # a link's hash, truncated: 2^-64 collisions per pair are far below a miss's cost
-TEXT_CHARS_PER_LINK = 1024
-TOKENS_PER_LINK = 256
+TEXT_CHARS_PER_LINK = 256  # about 64 tokens of English: a few links per turn
+TOKENS_PER_LINK = 64  # about four 16-token pages
 _ROOT = b"pagestream-prefix-v1"
 
 
@@ -50,7 +52,8 @@ def prefix_chain(
 
 
 def link_key(prefix: str, link: bytes) -> str:
-    """``{p}:px:{hex}``: the worker that last served a request holding this link."""
+    """``{p}:px:{hex}``: a sorted set of the workers that served a request holding this link
+    (score: when, in Unix ms), with a TTL refreshed on each write."""
     return f"{prefix}:px:{link.hex()}"
 
 
@@ -64,16 +67,39 @@ class WorkerLoad:
 
     @property
     def is_busy(self) -> bool:
-        """Affinity yields: requests already wait in its engine, or it has no free slot."""
-        return self.num_waiting > 0 or self.num_in_flight >= self.max_in_flight
+        """Affinity yields: it has no free slot (past its admission capacity), or a backlog
+        waits in its engine (for memory). One or two waiting are normal between a read and the
+        next step, and a heartbeat is seconds old: only a backlog counts."""
+        backlog = max(2, self.max_in_flight // 4)
+        return self.num_in_flight >= self.max_in_flight or self.num_waiting >= backlog
 
 
-def choose_worker(owners: Sequence[str | None], live: Mapping[str, WorkerLoad]) -> str | None:
-    """The worker to route to, from each link's owner (``MGET`` of the chain's keys, in chain
-    order): the owner of the deepest link owned by a live worker, since it served a request
-    holding every link up to there. None (the shared stream) when no live worker holds any
-    link, or when that worker is busy."""
-    for owner in reversed(owners):
-        if owner is not None and owner in live:
-            return None if live[owner].is_busy else owner
+def choose_worker(
+    holders: Sequence[Sequence[str]], live: Mapping[str, WorkerLoad], pinned: str | None = None
+) -> str | None:
+    """The worker to route to, from each link's holders (in chain order): a live holder of the
+    deepest link that any live worker holds, since it served a request holding every link up
+    to there; of several (a system prompt every worker has seen), the least loaded. A session's
+    ``pinned`` worker comes first while it is live and not busy. None (the shared stream) when
+    no live worker holds any link, or when every live holder of the deepest link is busy:
+    affinity yields to load."""
+    if pinned is not None and pinned in live and not live[pinned].is_busy:
+        return pinned
+    for names in reversed(holders):
+        alive = [name for name in names if name in live]
+        if alive:
+            idle = [name for name in alive if not live[name].is_busy]
+            if not idle:
+                return None
+            return min(idle, key=lambda name: (live[name].num_in_flight, name))
     return None
+
+
+def request_chain(request: Request) -> list[bytes]:
+    """The chain of a protocol ``Request`` (what the client routes on and the worker publishes)."""
+    if request.messages is not None:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        return prefix_chain(messages=messages)
+    if request.prompt is not None:
+        return prefix_chain(prompt=request.prompt)
+    return prefix_chain(token_ids=request.token_ids or [])

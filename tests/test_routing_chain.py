@@ -41,14 +41,27 @@ def test_prompts_and_token_ids_link_per_whole_chunk() -> None:
         prefix_chain()
 
 
-def test_the_deepest_live_owner_wins_and_a_busy_one_yields() -> None:
+def test_the_deepest_live_holder_wins_and_a_busy_one_yields() -> None:
     idle = WorkerLoad(num_in_flight=1, max_in_flight=8, num_waiting=0)
+    idler = WorkerLoad(num_in_flight=0, max_in_flight=8, num_waiting=0)
     full = WorkerLoad(num_in_flight=8, max_in_flight=8, num_waiting=0)
     queued = WorkerLoad(num_in_flight=3, max_in_flight=8, num_waiting=2)
-    owners = ["a", "b", None]
-    assert choose_worker(owners, {"a": idle, "b": idle}) == "b"
-    assert choose_worker(owners, {"a": idle}) == "a"  # b is gone: a holds the first link
-    assert choose_worker(owners, {"a": idle, "b": full}) is None  # the shared stream
-    assert choose_worker(owners, {"a": idle, "b": queued}) is None
-    assert choose_worker([None, None], {"a": idle}) is None
+    holders = [["a"], ["b"], []]
+    assert choose_worker(holders, {"a": idle, "b": idle}) == "b"
+    assert choose_worker(holders, {"a": idle}) == "a"  # b is gone: a holds the first link
+    assert choose_worker(holders, {"a": idle, "b": full}) is None  # the shared stream
+    assert choose_worker(holders, {"a": idle, "b": queued}) is None
+    assert choose_worker([[], []], {"a": idle}) is None
+    # several hold the deepest link (a shared system prompt): the least loaded of them
+    assert choose_worker([["a", "b"]], {"a": idle, "b": idler}) == "b"
+    assert choose_worker([["a", "b"]], {"a": idle, "b": full}) == "a"
     assert link_key("ps", bytes([1, 255])) == "ps:px:01ff"
+
+
+def test_a_pinned_session_wins_while_it_is_live_and_not_busy() -> None:
+    idle = WorkerLoad(num_in_flight=1, max_in_flight=8, num_waiting=0)
+    full = WorkerLoad(num_in_flight=8, max_in_flight=8, num_waiting=0)
+    holders = [["a"], ["b"]]
+    assert choose_worker(holders, {"a": idle, "b": idle, "c": idle}, pinned="c") == "c"
+    assert choose_worker(holders, {"a": idle, "b": idle, "c": full}, pinned="c") == "b"
+    assert choose_worker(holders, {"a": idle, "b": idle}, pinned="c") == "b"  # c is gone

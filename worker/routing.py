@@ -1,0 +1,147 @@
+"""The worker's side of prefix-aware routing (docs/routing.md).
+
+A routing worker has a stream of its own, ``{p}:requests:{name}``, read by the same consumer
+group as the shared ``{p}:requests``, and listed in the set ``{p}:routed``. It
+
+- publishes, for each request it admits, the links of the request's chain: it joins each link's
+  sorted set ``{p}:px:{link}`` (score: now, Unix ms; the key's TTL refreshed; members older than
+  the TTL trimmed), and the session's pin;
+- steals: with free slots, it reads another worker's stream when its oldest undelivered entry
+  has waited ``steal_after_ms`` (at once when that worker's heartbeat is gone), so a busy or
+  dead worker's routed entries are not stuck;
+- takes over (``XAUTOCLAIM``) on every listed stream as on the shared one;
+- prunes a listed stream whose worker is gone and that holds nothing.
+
+The consumer group hands each entry to one consumer, so neither a steal nor a takeover doubles
+a request; fencing, dead letters and duplicate ids work per entry whatever its stream.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from clients.protocol import Keys, Request
+from clients.routing import link_key, request_chain
+from worker.delivery import Entry, RequestStream, text
+
+# Keep the worker's stream, its group and its place in {p}:routed (Redis may have restarted
+# without data, or a pruner removed it while this worker's heartbeat had lapsed).
+# KEYS: {p}:routed, the worker's stream. ARGV: group, worker name.
+REGISTER_SCRIPT = """
+redis.call('SADD', KEYS[1], ARGV[2])
+redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[1], '0', 'MKSTREAM')
+return 1
+"""
+
+# Per stream, the id of its oldest entry not yet delivered to any consumer, or ''.
+# KEYS: streams. ARGV: group.
+PEEK_SCRIPT = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  out[i] = ''
+  if redis.call('EXISTS', key) == 1 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+      local name, last
+      for j = 1, #g, 2 do
+        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
+      end
+      if name == ARGV[1] then
+        local r = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', 1)
+        if r[1] then out[i] = r[1][1] end
+      end
+    end
+  end
+end
+return out
+"""
+
+# Remove a worker's stream and its place in {p}:routed when its heartbeat is gone and the
+# stream is empty: atomic with the heartbeat check, as the client's enqueue is.
+# KEYS: {p}:routed, the heartbeat, the stream. ARGV: worker name.
+PRUNE_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 0 and redis.call('XLEN', KEYS[3]) == 0 then
+  redis.call('DEL', KEYS[3])
+  redis.call('SREM', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
+class WorkerRouting:
+    """One worker's routing: its stream, what it publishes, what it steals."""
+
+    def __init__(
+        self, redis: Any, keys: Keys, name: str, *, prefix_ttl_s: int, steal_after_ms: int
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.name = name
+        self.prefix_ttl_s = prefix_ttl_s
+        self.steal_after_ms = steal_after_ms
+        self.own = keys.routed(name)
+        self.peers: list[str] = []  # the other workers with a routed stream (as of ``refresh``)
+        self._register = redis.register_script(REGISTER_SCRIPT)
+        self._peek = redis.register_script(PEEK_SCRIPT)
+        self._prune = redis.register_script(PRUNE_SCRIPT)
+
+    async def register(self) -> None:
+        """Make sure this worker's stream, group and listing exist (at start, each heartbeat)."""
+        await self._register(
+            keys=[self.keys.routed_workers, self.own], args=[self.keys.group, self.name]
+        )
+
+    async def streams(self) -> list[str]:
+        """Every listed worker's stream (this one's included): what takeover scans."""
+        names = sorted(text(name) for name in await self.redis.smembers(self.keys.routed_workers))
+        self.peers = [name for name in names if name != self.name]
+        return [self.keys.routed(name) for name in names]
+
+    async def note_served(self, request: Request) -> None:
+        """Publish that this worker now holds ``request``'s chain (and its session's pin)."""
+        now_ms = int(time.time() * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for link in request_chain(request):
+            key = link_key(self.keys.prefix, link)
+            pipe.zadd(key, {self.name: now_ms})
+            pipe.zremrangebyscore(key, 0, now_ms - self.prefix_ttl_s * 1000)
+            pipe.expire(key, self.prefix_ttl_s)
+        if request.session is not None:
+            pipe.set(self.keys.session(request.session), self.name, ex=self.prefix_ttl_s)
+        await pipe.execute()
+
+    async def steal(self, stream: RequestStream, count: int) -> list[Entry]:
+        """Up to ``count`` entries from other workers' streams whose oldest undelivered entry
+        waited ``steal_after_ms``, or whose worker is gone; each stream also pruned when its
+        worker is gone and it is empty."""
+        if not self.peers or count <= 0:
+            return []
+        streams = [self.keys.routed(name) for name in self.peers]
+        oldest, beats = await self._peek_all(streams)
+        now_ms = int(time.time() * 1000)
+        stolen: list[Entry] = []
+        for name, key, entry_id, beat in zip(self.peers, streams, oldest, beats, strict=True):
+            if not entry_id:
+                if not beat:
+                    await self._prune(
+                        keys=[self.keys.routed_workers, self.keys.worker(name), key], args=[name]
+                    )
+                continue
+            waited_ms = now_ms - int(entry_id.split("-")[0])
+            if beat and waited_ms < self.steal_after_ms:
+                continue
+            got = await stream.read_new(count - len(stolen), None, (key,))
+            stolen += got
+            if len(stolen) >= count:
+                break
+        return stolen
+
+    async def _peek_all(self, streams: list[str]) -> tuple[list[str], list[bool]]:
+        """Each stream's oldest undelivered entry id ('' when none), and whether its worker's
+        heartbeat is there, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        await self._peek(keys=streams, args=[self.keys.group], client=pipe)
+        pipe.mget([self.keys.worker(name) for name in self.peers])
+        oldest, beats = await pipe.execute()
+        return [text(entry_id) for entry_id in oldest], [beat is not None for beat in beats]
