@@ -8,14 +8,22 @@ The Redis side is ``clients/router.py`` (the client's choice) and ``worker/routi
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from clients.protocol import Request
 
 LINK_BYTES = 16  # a link's hash, truncated: 2^-64 collisions per pair are far below a miss's cost
-TEXT_CHARS_PER_LINK = 256  # about 64 tokens of English: a few links per turn
-TOKENS_PER_LINK = 64  # about four 16-token pages
+# Prompts and token ids are cut where their content says (content-defined chunking), not every
+# N: a cut depends only on what is before it (a window of the last few items), so turn k+1,
+# which starts with turn k's prompt, has every one of turn k's cuts; fixed chunks would put a
+# session's own text in a chunk the next turn does not share whenever it is shorter than one.
+TOKENS_PER_LINK = 32  # a cut after a token whose mixed id is 0 mod 32: links of 32 on average
+MIN_TOKENS_PER_LINK, MAX_TOKENS_PER_LINK = 8, 128
+TEXT_CHARS_PER_LINK = 128  # a cut where the crc of the last 8 characters is 0 mod 128
+MIN_CHARS_PER_LINK, MAX_CHARS_PER_LINK = 32, 512
+_TEXT_WINDOW = 8
 _ROOT = b"pagestream-prefix-v1"
 
 
@@ -25,21 +33,17 @@ def prefix_chain(
     messages: Sequence[Mapping[str, str]] | None = None,
     token_ids: Sequence[int] | None = None,
 ) -> list[bytes]:
-    """The request's chain of links, each hashing everything before it: one per message, per
-    ``TEXT_CHARS_PER_LINK`` characters of a prompt, or per ``TOKENS_PER_LINK`` token ids (a
-    trailing partial chunk of a prompt is left out: the next turn's prompt may not share it).
-    A request whose chain is a prefix of another's shares that much of its history."""
+    """The request's chain of links, each hashing everything before it: one per message, or
+    one per content-defined chunk of a prompt or of token ids (a trailing chunk without a cut
+    after it is left out: the next turn may not share it). A request whose chain is a prefix
+    of another's shares that much of its history."""
     if messages is not None:
         parts = [f"{m['role']}\x00{m['content']}".encode() for m in messages]
     elif prompt is not None:
-        parts = [
-            prompt[i : i + TEXT_CHARS_PER_LINK].encode()
-            for i in range(0, len(prompt) - TEXT_CHARS_PER_LINK + 1, TEXT_CHARS_PER_LINK)
-        ]
+        parts = [prompt[a:b].encode() for a, b in _text_cuts(prompt)]
     elif token_ids is not None:
         parts = [
-            b",".join(str(t).encode() for t in token_ids[i : i + TOKENS_PER_LINK])
-            for i in range(0, len(token_ids) - TOKENS_PER_LINK + 1, TOKENS_PER_LINK)
+            b",".join(str(t).encode() for t in token_ids[a:b]) for a, b in _token_cuts(token_ids)
         ]
     else:
         raise ValueError("give one of prompt, messages, token_ids")
@@ -49,6 +53,36 @@ def prefix_chain(
         parent = digest[:LINK_BYTES]
         chain.append(parent)
     return chain
+
+
+def _token_cuts(token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    def cut_after(i: int) -> bool:
+        mixed = (token_ids[i] * 0x9E3779B1) & 0xFFFFFFFF  # Fibonacci hashing: spreads ids
+        return (mixed >> 16) % TOKENS_PER_LINK == 0
+
+    return _cuts(len(token_ids), cut_after, MIN_TOKENS_PER_LINK, MAX_TOKENS_PER_LINK)
+
+
+def _text_cuts(text: str) -> list[tuple[int, int]]:
+    def cut_after(i: int) -> bool:
+        window = text[max(0, i + 1 - _TEXT_WINDOW) : i + 1].encode()
+        return zlib.crc32(window) % TEXT_CHARS_PER_LINK == 0
+
+    return _cuts(len(text), cut_after, MIN_CHARS_PER_LINK, MAX_CHARS_PER_LINK)
+
+
+def _cuts(
+    length: int, cut_after: Callable[[int], bool], min_len: int, max_len: int
+) -> list[tuple[int, int]]:
+    """[start, end) of each chunk that ends in a cut: after ``min_len`` items, where
+    ``cut_after`` says, or at ``max_len`` (from the chunk's start, itself a cut)."""
+    spans, start = [], 0
+    for i in range(length):
+        size = i + 1 - start
+        if size >= max_len or (size >= min_len and cut_after(i)):
+            spans.append((start, i + 1))
+            start = i + 1
+    return spans
 
 
 def link_key(prefix: str, link: bytes) -> str:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from clients.routing import (
-    TEXT_CHARS_PER_LINK,
-    TOKENS_PER_LINK,
+    MAX_CHARS_PER_LINK,
+    MAX_TOKENS_PER_LINK,
+    MIN_CHARS_PER_LINK,
+    MIN_TOKENS_PER_LINK,
     WorkerLoad,
     choose_worker,
     link_key,
@@ -29,14 +33,21 @@ def test_a_conversations_next_turn_extends_its_chain() -> None:
     )
 
 
-def test_prompts_and_token_ids_link_per_whole_chunk() -> None:
-    text = "a" * (2 * TEXT_CHARS_PER_LINK + 10)
-    assert len(prefix_chain(prompt=text)) == 2
-    assert prefix_chain(prompt=text)[:1] == prefix_chain(prompt=text[:TEXT_CHARS_PER_LINK])
-    assert prefix_chain(prompt="short") == []
-    ids = list(range(TOKENS_PER_LINK * 2))
-    assert len(prefix_chain(token_ids=ids)) == 2
-    assert prefix_chain(token_ids=ids)[0] == prefix_chain(token_ids=ids[:TOKENS_PER_LINK])[0]
+def test_prompts_and_token_ids_are_cut_by_content_so_a_next_turn_keeps_every_link() -> None:
+    rng = random.Random(0)
+    ids = [rng.randrange(50_000) for _ in range(400)]
+    chain = prefix_chain(token_ids=ids)
+    assert 400 // MAX_TOKENS_PER_LINK <= len(chain) <= 400 // MIN_TOKENS_PER_LINK
+    for end in (37, 150, 399):  # any earlier turn, cut anywhere: its whole chain is a prefix
+        earlier = prefix_chain(token_ids=ids[:end])
+        assert chain[: len(earlier)] == earlier
+        assert len(earlier) >= (end - 2 * MAX_TOKENS_PER_LINK) // MAX_TOKENS_PER_LINK
+    assert prefix_chain(token_ids=ids[1:])[:3] != chain[:3]  # shifted: a different history
+    text = " ".join(f"word{rng.randrange(1000)}" for _ in range(300))
+    links = prefix_chain(prompt=text)
+    assert len(text) // MAX_CHARS_PER_LINK <= len(links) <= len(text) // MIN_CHARS_PER_LINK
+    assert links[: len(prefix_chain(prompt=text[:900]))] == prefix_chain(prompt=text[:900])
+    assert prefix_chain(prompt="short") == [] and prefix_chain(token_ids=[1, 2]) == []
     with pytest.raises(ValueError):
         prefix_chain()
 
