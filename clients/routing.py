@@ -111,21 +111,21 @@ class WorkerLoad:
 def choose_worker(
     holders: Sequence[Sequence[str]], live: Mapping[str, WorkerLoad], pinned: str | None = None
 ) -> str | None:
-    """The worker to route to, from each link's holders (in chain order): a live holder of the
-    deepest link that any live worker holds, since it served a request holding every link up
-    to there; of several (a system prompt every worker has seen), the least loaded. A session's
-    ``pinned`` worker comes first while it is live and not busy. None (the shared stream) when
-    no live worker holds any link, or when every live holder of the deepest link is busy:
-    affinity yields to load."""
+    """The worker to route to, from each link's holders (in chain order): the live holder of
+    the deepest link that any live worker holds, since it served a request holding every link
+    up to there. A session's ``pinned`` worker comes first while it is live and not busy. None
+    (the shared stream) when no live worker holds any link; when that holder is busy (affinity
+    yields to load); or when several live workers hold that link (a system prompt every worker
+    has seen: any of them serves it, and the shared stream, where idle workers pull, balances
+    the load better than heartbeats seconds old would)."""
     if pinned is not None and pinned in live and not live[pinned].is_busy:
         return pinned
     for names in reversed(holders):
         alive = [name for name in names if name in live]
+        if len(alive) == 1:
+            return None if live[alive[0]].is_busy else alive[0]
         if alive:
-            idle = [name for name in alive if not live[name].is_busy]
-            if not idle:
-                return None
-            return min(idle, key=lambda name: (live[name].num_in_flight, name))
+            return None
     return None
 
 

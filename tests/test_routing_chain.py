@@ -63,9 +63,9 @@ def test_the_deepest_live_holder_wins_and_a_busy_one_yields() -> None:
     assert choose_worker(holders, {"a": idle, "b": full}) is None  # the shared stream
     assert choose_worker(holders, {"a": idle, "b": queued}) is None
     assert choose_worker([[], []], {"a": idle}) is None
-    # several hold the deepest link (a shared system prompt): the least loaded of them
-    assert choose_worker([["a", "b"]], {"a": idle, "b": idler}) == "b"
-    assert choose_worker([["a", "b"]], {"a": idle, "b": full}) == "a"
+    # several hold the deepest link (a shared system prompt): the shared stream balances it
+    assert choose_worker([["a", "b"]], {"a": idle, "b": idler}) is None
+    assert choose_worker([["a", "b"]], {"a": idle}) == "a"  # b is gone
     assert link_key("ps", bytes([1, 255])) == "ps:px:01ff"
 
 

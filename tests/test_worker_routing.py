@@ -86,10 +86,14 @@ def test_a_busy_worker_yields_and_a_session_pins(redis_server: RedisServer) -> N
         assert await router.choose(request) is None  # its holder is busy: affinity yields
         fake_worker(server, "idle")
         holds(server, "idle", history)
-        assert await router.choose(request) == "idle"
+        assert await router.choose(request) is None  # two hold it: the shared stream balances
+        longer = history + tokens(2, 100)  # the next turn, served by "idle" alone
+        holds(server, "idle", longer)
+        request = protocol.new_request("r2", token_ids=longer + tokens(3, 20), now_ms=0)
+        assert await router.choose(request) == "idle"  # the longest prefix wins
         fake_worker(server, "pin")
         await redis.set(KEYS.session("chat-7"), "pin")
-        pinned = protocol.new_request("s", token_ids=history, session="chat-7", now_ms=0)
+        pinned = protocol.new_request("s", token_ids=longer, session="chat-7", now_ms=0)
         assert await router.choose(pinned) == "pin"
         await redis.delete(KEYS.worker("pin"))  # its worker is gone: the prefix decides
         assert await router.choose(pinned) == "idle"

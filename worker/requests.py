@@ -174,7 +174,7 @@ class RequestHandler:
         flight.in_engine = True
         flight.trace.admitted()
         if service.routing is not None:  # after the engine has it: its prefix is cached from now
-            await service.routing.note_served(request)
+            service.routing.note_served_soon(request)
 
     def _attributes(self, request: Request) -> dict[str, str | int | float]:
         attributes: dict[str, str | int | float] = {

@@ -18,12 +18,18 @@ a request; fencing, dead letters and duplicate ids work per entry whatever its s
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from clients.protocol import Keys, Request
 from clients.routing import link_key, request_chain
-from worker.delivery import Entry, RequestStream, text
+from worker.delivery import REDIS_ERRORS, Entry, RequestStream, text
+from worker.logs import get_logger
+
+log = get_logger(__name__)
 
 # Keep the worker's stream, its group and its place in {p}:routed (Redis may have restarted
 # without data, or a pruner removed it while this worker's heartbeat had lapsed).
@@ -81,7 +87,8 @@ class WorkerRouting:
         self.prefix_ttl_s = prefix_ttl_s
         self.steal_after_ms = steal_after_ms
         self.own = keys.routed(name)
-        self.peers: list[str] = []  # the other workers with a routed stream (as of ``refresh``)
+        self.peers: list[str] = []  # the other workers with a routed stream (as of ``streams``)
+        self._notes: set[asyncio.Task[None]] = set()
         self._register = redis.register_script(REGISTER_SCRIPT)
         self._peek = redis.register_script(PEEK_SCRIPT)
         self._prune = redis.register_script(PRUNE_SCRIPT)
@@ -97,6 +104,19 @@ class WorkerRouting:
         names = sorted(text(name) for name in await self.redis.smembers(self.keys.routed_workers))
         self.peers = [name for name in names if name != self.name]
         return [self.keys.routed(name) for name in names]
+
+    def note_served_soon(self, request: Request) -> None:
+        """``note_served`` in the background: a hint, not worth delaying the request's first
+        token (the write shares the event loop); one lost to a Redis error costs a miss."""
+        task = asyncio.create_task(self._note_quietly(request))
+        self._notes.add(task)
+        task.add_done_callback(self._notes.discard)
+
+    async def _note_quietly(self, request: Request) -> None:
+        try:
+            await self.note_served(request)
+        except (*REDIS_ERRORS, RedisError) as exc:
+            log.warning("prefix links not published", request_id=request.id, error=str(exc))
 
     async def note_served(self, request: Request) -> None:
         """Publish that this worker now holds ``request``'s chain (and its session's pin)."""
