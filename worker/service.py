@@ -381,10 +381,14 @@ class WorkerService:
         )
         pipe.xlen(self.keys.requests)
         pipe.xpending(self.keys.requests, self.keys.group)  # commands the worker's ACL has
-        _, self._queue_depth, pending = await pipe.execute()
-        if self.routing is not None:
+        if self.routing is not None:  # the queue this worker serves: shared + its own stream
             await self.routing.register()
-        self.queue = queue_reading(self._queue_depth, int(pending["pending"]))
+            pipe.xlen(self.routing.own)
+            pipe.xpending(self.routing.own, self.keys.group)
+        replies = await pipe.execute()
+        self._queue_depth = sum(int(depth) for depth in replies[1::2])
+        pending = sum(int(reply["pending"]) for reply in replies[2::2])
+        self.queue = queue_reading(self._queue_depth, pending)
         await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def render_metrics(self) -> str:
