@@ -22,7 +22,7 @@ from collections import Counter, deque
 from datetime import datetime, timezone
 from typing import Any
 
-from bench.fleet import WORKER_FLAGS, available_cores
+from bench.fleet import WORKER_FLAGS, _memory_fractions, available_cores, worker_gpus
 from bench.multiturn import MultiTurnWorkload, Session, make_sessions
 from bench.records import machine_info, percentiles
 from clients import AsyncClient, DoneEvent, TokenEvent
@@ -87,21 +87,43 @@ def _run_point(
     num_workers: int,
     mode: str,
 ) -> dict[str, Any]:
-    routed = mode == "routed"
+    """One run: a fresh Redis, ``num_workers`` fresh workers (on a GPU host: one per GPU when
+    there are enough, else all on one, splitting its memory as ``bench serve`` does)."""
     from engine.config_flags import engine_config_from_args
 
-    on_cpu = engine_config_from_args(args).resolved_device().startswith("cpu")
-    threads = max(available_cores() // num_workers, 1) if on_cpu else None
-    env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
-    flags = [*WORKER_FLAGS, "--routing", "on" if routed else "off", *engine_flags(args)]
+    routed = mode == "routed"
+    device_type = engine_config_from_args(args).resolved_device().split(":")[0]
+    placing = argparse.Namespace(**{**vars(args), "worker_devices": "auto"})
+    gpus = worker_gpus(placing, num_workers, device_type)
+    fractions = _memory_fractions(placing, num_workers, device_type)
+    threads = max(available_cores() // num_workers, 1) if device_type == "cpu" else None
     with embedded_redis() as redis_url:
-        workers = [
-            WorkerProcess(redis_url, PREFIX, flags, name=f"mt-{mode}-{index}", env=env)
-            for index in range(num_workers)
-        ]
-        with running_workers(workers, one_at_a_time=False):
+        workers = []
+        for index in range(num_workers):
+            flag_args = args
+            if fractions is not None:
+                flag_args = argparse.Namespace(
+                    **{**vars(args), "pa_memory_fraction": fractions[index]}
+                )
+            env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[index]
+            flags = [
+                *WORKER_FLAGS,
+                "--routing",
+                "on" if routed else "off",
+                *engine_flags(flag_args),
+            ]
+            workers.append(
+                WorkerProcess(redis_url, PREFIX, flags, name=f"mt-{mode}-{index}", env=env)
+            )
+        sharing = device_type == "cuda" and (gpus is None or len(set(gpus)) < len(gpus))
+        with running_workers(workers, one_at_a_time=sharing and num_workers > 1):
             results = asyncio.run(_drive(redis_url, system, sessions, workload, routed))
-    return {"mode": mode, "workers": num_workers, "threads_per_worker": threads, **results}
+    return {
+        "mode": mode, "workers": num_workers, "threads_per_worker": threads, "worker_gpus": gpus,
+        "memory_fractions": fractions, **results,
+    }  # fmt: skip
 
 
 async def _drive(
