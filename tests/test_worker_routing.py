@@ -150,8 +150,8 @@ def test_a_routed_request_whose_worker_died_is_taken_over_once(
 def test_an_entry_waiting_on_a_live_busy_worker_is_stolen_once(
     start_worker: Any, redis_server: RedisServer
 ) -> None:
-    fake_worker(redis_server, "slow")  # alive (heartbeat), but never reads its stream
     start_worker("w1", routing=True, steal_after_ms=300)
+    fake_worker(redis_server, "slow")  # joins later; alive (heartbeat), but never reads
     started_s = time.monotonic()
     request_id = routed_submit(redis_server, "slow", "stolen")
     with Client(redis_server.url) as client:

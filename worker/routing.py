@@ -75,6 +75,9 @@ return 0
 """
 
 
+PEERS_REFRESH_S = 1.0  # how often a stealing worker reads the list of routed streams again
+
+
 class WorkerRouting:
     """One worker's routing: its stream, what it publishes, what it steals."""
 
@@ -89,6 +92,7 @@ class WorkerRouting:
         self.own = keys.routed(name)
         self.peers: list[str] = []  # the other workers with a routed stream (as of ``streams``)
         self._notes: set[asyncio.Task[None]] = set()
+        self._listed_at_s = 0.0  # when ``peers`` was last read
         self._register = redis.register_script(REGISTER_SCRIPT)
         self._peek = redis.register_script(PEEK_SCRIPT)
         self._prune = redis.register_script(PRUNE_SCRIPT)
@@ -103,6 +107,7 @@ class WorkerRouting:
         """Every listed worker's stream (this one's included): what takeover scans."""
         names = sorted(text(name) for name in await self.redis.smembers(self.keys.routed_workers))
         self.peers = [name for name in names if name != self.name]
+        self._listed_at_s = time.monotonic()
         return [self.keys.routed(name) for name in names]
 
     def note_served_soon(self, request: Request) -> None:
@@ -135,7 +140,11 @@ class WorkerRouting:
         """Up to ``count`` entries from other workers' streams whose oldest undelivered entry
         waited ``steal_after_ms``, or whose worker is gone; each stream also pruned when its
         worker is gone and it is empty."""
-        if not self.peers or count <= 0:
+        if count <= 0:
+            return []
+        if time.monotonic() - self._listed_at_s > PEERS_REFRESH_S:  # workers come and go
+            await self.streams()
+        if not self.peers:
             return []
         streams = [self.keys.routed(name) for name in self.peers]
         oldest, beats = await self._peek_all(streams)
