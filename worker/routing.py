@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -75,6 +76,7 @@ return 0
 """
 
 
+MAX_REMEMBERED_LINKS = 100_000  # about 6 MB of a worker's memory
 PEERS_REFRESH_S = 1.0  # how often a stealing worker reads the list of routed streams again
 
 
@@ -93,6 +95,7 @@ class WorkerRouting:
         self.peers: list[str] = []  # the other workers with a routed stream (as of ``streams``)
         self._notes: set[asyncio.Task[None]] = set()
         self._listed_at_s = 0.0  # when ``peers`` was last read
+        self._published: OrderedDict[bytes, int] = OrderedDict()  # link -> Unix ms, oldest first
         self._register = redis.register_script(REGISTER_SCRIPT)
         self._peek = redis.register_script(PEEK_SCRIPT)
         self._prune = redis.register_script(PRUNE_SCRIPT)
@@ -124,10 +127,12 @@ class WorkerRouting:
             log.warning("prefix links not published", request_id=request.id, error=str(exc))
 
     async def note_served(self, request: Request) -> None:
-        """Publish that this worker now holds ``request``'s chain (and its session's pin)."""
+        """Publish that this worker now holds ``request``'s chain (and its session's pin).
+        Links this worker published within half the TTL are skipped: a conversation's next
+        turn repeats all of this turn's links, and only its new ones need writing."""
         now_ms = int(time.time() * 1000)
         pipe = self.redis.pipeline(transaction=False)
-        for link in request_chain(request):
+        for link in self._fresh(request_chain(request), now_ms):
             key = link_key(self.keys.prefix, link)
             pipe.zadd(key, {self.name: now_ms})
             pipe.zremrangebyscore(key, 0, now_ms - self.prefix_ttl_s * 1000)
@@ -135,6 +140,18 @@ class WorkerRouting:
         if request.session is not None:
             pipe.set(self.keys.session(request.session), self.name, ex=self.prefix_ttl_s)
         await pipe.execute()
+
+    def _fresh(self, chain: list[bytes], now_ms: int) -> list[bytes]:
+        """The links of ``chain`` not published by this worker within half the TTL (and
+        remember them as published now; the memory is bounded, oldest forgotten first)."""
+        due_ms = now_ms - self.prefix_ttl_s * 500
+        fresh = [link for link in chain if self._published.get(link, due_ms) <= due_ms]
+        for link in fresh:
+            self._published[link] = now_ms
+            self._published.move_to_end(link)
+        while len(self._published) > MAX_REMEMBERED_LINKS:
+            self._published.popitem(last=False)
+        return fresh
 
     async def steal(self, stream: RequestStream, count: int) -> list[Entry]:
         """Up to ``count`` entries from other workers' streams whose oldest undelivered entry
