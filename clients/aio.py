@@ -27,6 +27,7 @@ from clients.protocol import (
     Usage,
 )
 from clients.reader import StreamReader, Subscription
+from clients.router import Router, routing_from_env
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEADLINE_GRACE_S = 5.0  # after a request's deadline, wait this long for its `timeout` event
@@ -135,9 +136,12 @@ class AsyncClient:
         prefix: str = protocol.DEFAULT_PREFIX,
         timeout_s: float | None = None,
         redis: aioredis.Redis | None = None,
+        routing: bool | None = None,
     ) -> None:
         self.redis = redis or aioredis.Redis.from_url(redis_url)
         self.keys = Keys(prefix)
+        # Prefix-aware routing (docs/routing.md); None: PAGESTREAM_ROUTING decides.
+        self.router = Router(self.redis, self.keys) if _routing(routing) else None
         self.timeout_s = timeout_s
         self.batches = BatchClient(self.redis, prefix)
         self._reader = StreamReader(self.redis, self.keys)
@@ -188,9 +192,11 @@ class AsyncClient:
             timeout_s=self.timeout_s if timeout_s is None else timeout_s,
             traceparent=traceparent, now_ms=int(time.time() * 1000), **sampling,
         )  # fmt: skip
-        await self.redis.xadd(
-            self.keys.requests, {protocol.PAYLOAD_FIELD: protocol.encode_request(request)}
-        )
+        payload = protocol.encode_request(request)
+        if self.router is not None:
+            await self.router.enqueue(request, payload)
+        else:
+            await self.redis.xadd(self.keys.requests, {protocol.PAYLOAD_FIELD: payload})
         return request_id
 
     async def events(
@@ -365,3 +371,7 @@ class AsyncClient:
     ) -> BatchStatus:
         """Abort a batch job; its finished lines keep their records. Returns its status."""
         return await self.batches.abort(job_id, wait=wait, timeout_s=timeout_s)
+
+
+def _routing(routing: bool | None) -> bool:
+    return routing_from_env() if routing is None else routing

@@ -89,6 +89,25 @@ class Keys:
         """``SCAN`` pattern matching every worker's heartbeat key."""
         return f"{self.prefix}:worker:*"
 
+    # Prefix-aware routing (docs/routing.md): a worker's own stream, read by the same group.
+
+    def routed(self, name: str) -> str:
+        """The request stream of one worker (entries routed to it; others may steal them)."""
+        return f"{self.prefix}:requests:{name}"
+
+    @property
+    def routed_workers(self) -> str:
+        """The set of workers that have a routed stream (takeover and stealing scan it)."""
+        return f"{self.prefix}:routed"
+
+    def prefix_link(self, link_hex: str) -> str:
+        """The worker that last served a request holding this prefix link (with a TTL)."""
+        return f"{self.prefix}:px:{link_hex}"
+
+    def session(self, session_id: str) -> str:
+        """The worker that last served this session (with a TTL)."""
+        return f"{self.prefix}:session:{{{session_id}}}"
+
 
 # -- requests ----------------------------------------------------------------------------------
 
@@ -160,6 +179,8 @@ class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     deadline_ms: int | None = None
     traceparent: str | None = None
     enqueued_at_ms: int | None = None
+    # routing (added in v1 with a default): pins a conversation to the worker that served it
+    session: str | None = None
 
 
 SAMPLING_FIELDS = (

@@ -2,18 +2,28 @@
 choice of worker from what the workers published. Pure (no Redis, no tokenizer), so that the
 client, the gateway and the workers compute the same links.
 
-Not wired into ``submit`` or the workers yet (steps 2-4 of the design).
+The Redis side is ``clients/router.py`` (the client's choice) and ``worker/routing.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from clients.protocol import Request
+
 LINK_BYTES = 16  # a link's hash, truncated: 2^-64 collisions per pair are far below a miss's cost
-TEXT_CHARS_PER_LINK = 1024
-TOKENS_PER_LINK = 256
+# Prompts and token ids are cut where their content says (content-defined chunking), not every
+# N: a cut depends only on what is before it (a window of the last few items), so turn k+1,
+# which starts with turn k's prompt, has every one of turn k's cuts; fixed chunks would put a
+# session's own text in a chunk the next turn does not share whenever it is shorter than one.
+TOKENS_PER_LINK = 32  # a cut after a token whose mixed id is 0 mod 32: links of 32 on average
+MIN_TOKENS_PER_LINK, MAX_TOKENS_PER_LINK = 8, 128
+TEXT_CHARS_PER_LINK = 128  # a cut where the crc of the last 8 characters is 0 mod 128
+MIN_CHARS_PER_LINK, MAX_CHARS_PER_LINK = 32, 512
+_TEXT_WINDOW = 8
 _ROOT = b"pagestream-prefix-v1"
 
 
@@ -23,21 +33,17 @@ def prefix_chain(
     messages: Sequence[Mapping[str, str]] | None = None,
     token_ids: Sequence[int] | None = None,
 ) -> list[bytes]:
-    """The request's chain of links, each hashing everything before it: one per message, per
-    ``TEXT_CHARS_PER_LINK`` characters of a prompt, or per ``TOKENS_PER_LINK`` token ids (a
-    trailing partial chunk of a prompt is left out: the next turn's prompt may not share it).
-    A request whose chain is a prefix of another's shares that much of its history."""
+    """The request's chain of links, each hashing everything before it: one per message, or
+    one per content-defined chunk of a prompt or of token ids (a trailing chunk without a cut
+    after it is left out: the next turn may not share it). A request whose chain is a prefix
+    of another's shares that much of its history."""
     if messages is not None:
         parts = [f"{m['role']}\x00{m['content']}".encode() for m in messages]
     elif prompt is not None:
-        parts = [
-            prompt[i : i + TEXT_CHARS_PER_LINK].encode()
-            for i in range(0, len(prompt) - TEXT_CHARS_PER_LINK + 1, TEXT_CHARS_PER_LINK)
-        ]
+        parts = [prompt[a:b].encode() for a, b in _text_cuts(prompt)]
     elif token_ids is not None:
         parts = [
-            b",".join(str(t).encode() for t in token_ids[i : i + TOKENS_PER_LINK])
-            for i in range(0, len(token_ids) - TOKENS_PER_LINK + 1, TOKENS_PER_LINK)
+            b",".join(str(t).encode() for t in token_ids[a:b]) for a, b in _token_cuts(token_ids)
         ]
     else:
         raise ValueError("give one of prompt, messages, token_ids")
@@ -49,8 +55,39 @@ def prefix_chain(
     return chain
 
 
+def _token_cuts(token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    def cut_after(i: int) -> bool:
+        mixed = (token_ids[i] * 0x9E3779B1) & 0xFFFFFFFF  # Fibonacci hashing: spreads ids
+        return (mixed >> 16) % TOKENS_PER_LINK == 0
+
+    return _cuts(len(token_ids), cut_after, MIN_TOKENS_PER_LINK, MAX_TOKENS_PER_LINK)
+
+
+def _text_cuts(text: str) -> list[tuple[int, int]]:
+    def cut_after(i: int) -> bool:
+        window = text[max(0, i + 1 - _TEXT_WINDOW) : i + 1].encode()
+        return zlib.crc32(window) % TEXT_CHARS_PER_LINK == 0
+
+    return _cuts(len(text), cut_after, MIN_CHARS_PER_LINK, MAX_CHARS_PER_LINK)
+
+
+def _cuts(
+    length: int, cut_after: Callable[[int], bool], min_len: int, max_len: int
+) -> list[tuple[int, int]]:
+    """[start, end) of each chunk that ends in a cut: after ``min_len`` items, where
+    ``cut_after`` says, or at ``max_len`` (from the chunk's start, itself a cut)."""
+    spans, start = [], 0
+    for i in range(length):
+        size = i + 1 - start
+        if size >= max_len or (size >= min_len and cut_after(i)):
+            spans.append((start, i + 1))
+            start = i + 1
+    return spans
+
+
 def link_key(prefix: str, link: bytes) -> str:
-    """``{p}:px:{hex}``: the worker that last served a request holding this link."""
+    """``{p}:px:{hex}``: a sorted set of the workers that served a request holding this link
+    (score: when, in Unix ms), with a TTL refreshed on each write."""
     return f"{prefix}:px:{link.hex()}"
 
 
@@ -64,16 +101,39 @@ class WorkerLoad:
 
     @property
     def is_busy(self) -> bool:
-        """Affinity yields: requests already wait in its engine, or it has no free slot."""
-        return self.num_waiting > 0 or self.num_in_flight >= self.max_in_flight
+        """Affinity yields: it has no free slot (past its admission capacity), or a backlog
+        waits in its engine (for memory). One or two waiting are normal between a read and the
+        next step, and a heartbeat is seconds old: only a backlog counts."""
+        backlog = max(2, self.max_in_flight // 4)
+        return self.num_in_flight >= self.max_in_flight or self.num_waiting >= backlog
 
 
-def choose_worker(owners: Sequence[str | None], live: Mapping[str, WorkerLoad]) -> str | None:
-    """The worker to route to, from each link's owner (``MGET`` of the chain's keys, in chain
-    order): the owner of the deepest link owned by a live worker, since it served a request
-    holding every link up to there. None (the shared stream) when no live worker holds any
-    link, or when that worker is busy."""
-    for owner in reversed(owners):
-        if owner is not None and owner in live:
-            return None if live[owner].is_busy else owner
+def choose_worker(
+    holders: Sequence[Sequence[str]], live: Mapping[str, WorkerLoad], pinned: str | None = None
+) -> str | None:
+    """The worker to route to, from each link's holders (in chain order): the live holder of
+    the deepest link that any live worker holds, since it served a request holding every link
+    up to there. A session's ``pinned`` worker comes first while it is live and not busy. None
+    (the shared stream) when no live worker holds any link; when that holder is busy (affinity
+    yields to load); or when several live workers hold that link (a system prompt every worker
+    has seen: any of them serves it, and the shared stream, where idle workers pull, balances
+    the load better than heartbeats seconds old would)."""
+    if pinned is not None and pinned in live and not live[pinned].is_busy:
+        return pinned
+    for names in reversed(holders):
+        alive = [name for name in names if name in live]
+        if len(alive) == 1:
+            return None if live[alive[0]].is_busy else alive[0]
+        if alive:
+            return None
     return None
+
+
+def request_chain(request: Request) -> list[bytes]:
+    """The chain of a protocol ``Request`` (what the client routes on and the worker publishes)."""
+    if request.messages is not None:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        return prefix_chain(messages=messages)
+    if request.prompt is not None:
+        return prefix_chain(prompt=request.prompt)
+    return prefix_chain(token_ids=request.token_ids or [])

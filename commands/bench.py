@@ -176,8 +176,22 @@ def _configure_bench_multiturn(parser: argparse.ArgumentParser) -> None:
                    help="tokens per reply, EOS ignored (default 64)")  # fmt: skip
     w.add_argument("--concurrency", type=positive_int, default=16,
                    help="sessions with a turn in flight at once (default 16)")  # fmt: skip
+    w.add_argument("--workers", type=int_list, metavar="N[,N,...]",
+                   help="through Redis against N worker processes per count, with --routing's "
+                   "modes (docs/routing.md); default: the offline engine, host KV tier off and on")  # fmt: skip
+    w.add_argument("--routing", type=_routing_modes, default=("shared", "routed"),
+                   metavar="shared,routed",
+                   help="with --workers: the shared consumer group, prefix-aware routing, or "
+                   "both (default both)")  # fmt: skip
     # the engine's --kv-offload-mb is the tier of the second run; its --seed the prompts'
     finish_engine_bench(parser, w, _run_bench_multiturn)
+
+
+def _routing_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(mode.strip() for mode in text.split(",") if mode.strip())
+    if not modes or set(modes) - {"shared", "routed"}:
+        raise argparse.ArgumentTypeError(f"expected shared, routed or both, got {text!r}")
+    return modes
 
 
 def _run_bench_multiturn(args: argparse.Namespace) -> int:
@@ -191,12 +205,18 @@ def _run_bench_multiturn(args: argparse.Namespace) -> int:
             args.num_sessions, args.num_turns, args.system_len, args.user_len, args.output_len,
             args.concurrency, args.seed,
         )  # fmt: skip
-        record = run_multiturn(
-            engine_config_from_args(args), workload, use_tqdm=not args.no_progress
-        )
+        if args.workers:
+            from bench.multiturn_fleet import run_multiturn_fleet
+
+            record = run_multiturn_fleet(args, workload, args.workers, list(args.routing))
+        else:
+            record = run_multiturn(
+                engine_config_from_args(args), workload, use_tqdm=not args.no_progress
+            )
     except PagestreamError as exc:
         raise CommandError(str(exc)) from exc
-    print(format_results(record["results"]))
+    if not args.workers:
+        print(format_results(record["results"]))
     save(record, args.output_json)
     return 0
 

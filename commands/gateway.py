@@ -18,7 +18,7 @@ from typing import Any
 from clients.aio import DEFAULT_REDIS_URL
 from clients.protocol import DEFAULT_PREFIX
 from commands.parser import CommandError, Subparsers
-from worker.arg_types import positive_int
+from worker.arg_types import on_off, positive_int
 from worker.gateway import config
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -55,6 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default="auto", choices=config.REASONING_PARSERS,
                    help="how a thinking model's reasoning is split into reasoning_content: "
                    "auto (what the workers find in their chat template), qwen3, none")  # fmt: skip
+    g.add_argument("--routing", type=on_off, default=False, metavar="on/off",
+                   help="prefix-aware routing: send each request to the worker that holds "
+                   "its longest prefix (docs/routing.md; default off)")  # fmt: skip
     g.add_argument("--workers", type=positive_int, default=1,
                    help="server processes sharing the port (default 1); each streams about "
                    "15,000 tokens/s on one core")  # fmt: skip
@@ -71,7 +74,7 @@ def settings_from_args(args: argparse.Namespace) -> config.GatewaySettings:
             redis_url=args.redis_url, prefix=args.prefix, host=args.host, port=args.port,
             api_keys=keys, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout_s,
             chat_max_tokens=args.chat_max_tokens, tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
+            reasoning_parser=args.reasoning_parser, routing=args.routing,
         )  # fmt: skip
     except config.GatewayConfigError as exc:
         raise CommandError(str(exc)) from exc

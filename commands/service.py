@@ -14,14 +14,16 @@ import time
 from typing import Any
 
 from commands.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
-from worker.arg_types import add_client_sampling_args, client_sampling, positive_int
+from worker.arg_types import add_client_sampling_args, client_sampling, on_off, positive_int
 from worker.defaults import with_default_max_tokens
 from worker.settings import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_METRICS_HOST,
+    DEFAULT_PREFIX_TTL_S,
     DEFAULT_REDIS_URL,
+    DEFAULT_STEAL_AFTER_MS,
 )
 
 
@@ -102,6 +104,27 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
         "--metrics-host",
         default=DEFAULT_METRICS_HOST,
         help=f"interface of --metrics-port (default {DEFAULT_METRICS_HOST})",
+    )
+    g.add_argument(
+        "--routing",
+        type=on_off,
+        default=False,
+        metavar="on/off",
+        help="prefix-aware routing: read a stream of this worker's own, publish the prefixes "
+        "it serves, steal from busy workers (docs/routing.md; default off)",
+    )
+    g.add_argument(
+        "--steal-after-ms",
+        type=int,
+        default=DEFAULT_STEAL_AFTER_MS,
+        help="with --routing: take another worker's routed entry once it waited this long "
+        f"(default {DEFAULT_STEAL_AFTER_MS})",
+    )
+    g.add_argument(
+        "--prefix-ttl-s",
+        type=positive_int,
+        default=DEFAULT_PREFIX_TTL_S,
+        help=f"with --routing: a published prefix expires after this long (default {DEFAULT_PREFIX_TTL_S})",
     )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     add_batch_args(parser)

@@ -25,7 +25,7 @@ FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 ENGINE_LINK = "[engine flag](#engine-flags)"
 VERB_TABLE_GROUPS = ("batch", "bench")  # sections whose table has a verb column
 # variables of flags that the table lists too, for what they mean beyond their flag
-FLAG_VARIABLES_ALSO_LISTED = {"PAGESTREAM_DEVICE", "PAGESTREAM_CUDA_GRAPHS"}
+FLAG_VARIABLES_ALSO_LISTED = {"PAGESTREAM_DEVICE", "PAGESTREAM_CUDA_GRAPHS", "PAGESTREAM_ROUTING"}
 
 
 def leaf_commands() -> dict[str, argparse.ArgumentParser]:

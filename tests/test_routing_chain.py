@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from clients.routing import (
-    TEXT_CHARS_PER_LINK,
-    TOKENS_PER_LINK,
+    MAX_CHARS_PER_LINK,
+    MAX_TOKENS_PER_LINK,
+    MIN_CHARS_PER_LINK,
+    MIN_TOKENS_PER_LINK,
     WorkerLoad,
     choose_worker,
     link_key,
@@ -29,26 +33,46 @@ def test_a_conversations_next_turn_extends_its_chain() -> None:
     )
 
 
-def test_prompts_and_token_ids_link_per_whole_chunk() -> None:
-    text = "a" * (2 * TEXT_CHARS_PER_LINK + 10)
-    assert len(prefix_chain(prompt=text)) == 2
-    assert prefix_chain(prompt=text)[:1] == prefix_chain(prompt=text[:TEXT_CHARS_PER_LINK])
-    assert prefix_chain(prompt="short") == []
-    ids = list(range(TOKENS_PER_LINK * 2))
-    assert len(prefix_chain(token_ids=ids)) == 2
-    assert prefix_chain(token_ids=ids)[0] == prefix_chain(token_ids=ids[:TOKENS_PER_LINK])[0]
+def test_prompts_and_token_ids_are_cut_by_content_so_a_next_turn_keeps_every_link() -> None:
+    rng = random.Random(0)
+    ids = [rng.randrange(50_000) for _ in range(400)]
+    chain = prefix_chain(token_ids=ids)
+    assert 400 // MAX_TOKENS_PER_LINK <= len(chain) <= 400 // MIN_TOKENS_PER_LINK
+    for end in (37, 150, 399):  # any earlier turn, cut anywhere: its whole chain is a prefix
+        earlier = prefix_chain(token_ids=ids[:end])
+        assert chain[: len(earlier)] == earlier
+        assert len(earlier) >= (end - 2 * MAX_TOKENS_PER_LINK) // MAX_TOKENS_PER_LINK
+    assert prefix_chain(token_ids=ids[1:])[:3] != chain[:3]  # shifted: a different history
+    text = " ".join(f"word{rng.randrange(1000)}" for _ in range(300))
+    links = prefix_chain(prompt=text)
+    assert len(text) // MAX_CHARS_PER_LINK <= len(links) <= len(text) // MIN_CHARS_PER_LINK
+    assert links[: len(prefix_chain(prompt=text[:900]))] == prefix_chain(prompt=text[:900])
+    assert prefix_chain(prompt="short") == [] and prefix_chain(token_ids=[1, 2]) == []
     with pytest.raises(ValueError):
         prefix_chain()
 
 
-def test_the_deepest_live_owner_wins_and_a_busy_one_yields() -> None:
+def test_the_deepest_live_holder_wins_and_a_busy_one_yields() -> None:
     idle = WorkerLoad(num_in_flight=1, max_in_flight=8, num_waiting=0)
+    idler = WorkerLoad(num_in_flight=0, max_in_flight=8, num_waiting=0)
     full = WorkerLoad(num_in_flight=8, max_in_flight=8, num_waiting=0)
     queued = WorkerLoad(num_in_flight=3, max_in_flight=8, num_waiting=2)
-    owners = ["a", "b", None]
-    assert choose_worker(owners, {"a": idle, "b": idle}) == "b"
-    assert choose_worker(owners, {"a": idle}) == "a"  # b is gone: a holds the first link
-    assert choose_worker(owners, {"a": idle, "b": full}) is None  # the shared stream
-    assert choose_worker(owners, {"a": idle, "b": queued}) is None
-    assert choose_worker([None, None], {"a": idle}) is None
+    holders = [["a"], ["b"], []]
+    assert choose_worker(holders, {"a": idle, "b": idle}) == "b"
+    assert choose_worker(holders, {"a": idle}) == "a"  # b is gone: a holds the first link
+    assert choose_worker(holders, {"a": idle, "b": full}) is None  # the shared stream
+    assert choose_worker(holders, {"a": idle, "b": queued}) is None
+    assert choose_worker([[], []], {"a": idle}) is None
+    # several hold the deepest link (a shared system prompt): the shared stream balances it
+    assert choose_worker([["a", "b"]], {"a": idle, "b": idler}) is None
+    assert choose_worker([["a", "b"]], {"a": idle}) == "a"  # b is gone
     assert link_key("ps", bytes([1, 255])) == "ps:px:01ff"
+
+
+def test_a_pinned_session_wins_while_it_is_live_and_not_busy() -> None:
+    idle = WorkerLoad(num_in_flight=1, max_in_flight=8, num_waiting=0)
+    full = WorkerLoad(num_in_flight=8, max_in_flight=8, num_waiting=0)
+    holders = [["a"], ["b"]]
+    assert choose_worker(holders, {"a": idle, "b": idle, "c": idle}, pinned="c") == "c"
+    assert choose_worker(holders, {"a": idle, "b": idle, "c": full}, pinned="c") == "b"
+    assert choose_worker(holders, {"a": idle, "b": idle}, pinned="c") == "b"  # c is gone

@@ -74,6 +74,7 @@ BAD_ENTRIES: dict[str, tuple[dict[str, bytes], str | None, list[str]]] = {
     ),
     "future schema": ({"msg": pack(good("r-v2", v=2))}, "r-v2", ["schema version 2"]),
     "empty prompt": ({"msg": pack(good("r-empty", prompt=""))}, "r-empty", ["prompt", "empty"]),
+    "session too long": ({"msg": pack(good("r-sess", session="s" * 300))}, "r-sess", ["session", "printable"]),
 }  # fmt: skip
 
 

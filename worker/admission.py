@@ -107,6 +107,13 @@ def _decode_payload(payload: bytes) -> Request:
             request.id,
             "v",
         )
+    if request.session is not None and not protocol.is_valid_request_id(request.session):
+        raise MalformedEntry(  # it names a Redis key, as an id does
+            ErrorCode.INVALID_REQUEST,
+            f"session: must be 1..{protocol.MAX_REQUEST_ID_CHARS} printable characters",
+            request.id,
+            "session",
+        )
     return request
 
 

@@ -23,6 +23,16 @@ STRUCTURED_OUTPUTS_HELP = (
 )
 
 
+def on_off(text: str) -> bool:
+    """``on``/``off``; ``1/0``, ``true/false`` and ``yes/no`` too (for environment variables)."""
+    word = text.strip().lower()
+    if word in ("on", "1", "true", "yes"):
+        return True
+    if word in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
 def positive_int(text: str) -> int:
     value = int(text) if text.lstrip("-").isdigit() else 0
     if value < 1:

@@ -127,6 +127,7 @@ class Entry:
     entry_id: str
     fields: dict[bytes, bytes]
     times_delivered: int = 1
+    stream: str = ""  # the stream it came through: "" is the shared one (docs/routing.md)
 
     @property
     def payload(self) -> bytes | None:
@@ -151,45 +152,55 @@ class RequestStream:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def read_new(self, count: int, block_ms: int) -> list[Entry]:
-        """Up to ``count`` entries never delivered before; waits up to ``block_ms``."""
+    def key(self, stream: str) -> str:
+        """The Redis key of ``stream`` ("" is the shared one)."""
+        return stream or self.keys.requests
+
+    async def read_new(
+        self, count: int, block_ms: int | None, streams: tuple[str, ...] = ("",)
+    ) -> list[Entry]:
+        """Up to ``count`` entries (per stream) never delivered before, from ``streams``
+        (keys; "" is the shared stream); waits up to ``block_ms`` (None: not at all)."""
+        by_key = {self.key(stream): stream for stream in streams}
         reply = await self.redis.xreadgroup(
-            self.keys.group, self.consumer, {self.keys.requests: ">"}, count=count, block=block_ms
+            self.keys.group, self.consumer, dict.fromkeys(by_key, ">"), count=count, block=block_ms
         )
         return [
-            Entry(text(entry_id), fields or {})
-            for _, entries in reply or []
+            Entry(text(entry_id), fields or {}, stream=by_key[text(key)])
+            for key, entries in reply or []
             for entry_id, fields in entries
         ]
 
     async def claim_expired(
-        self, count: int, min_idle_ms: int, cursor: str
+        self, count: int, min_idle_ms: int, cursor: str, stream: str = ""
     ) -> tuple[str, list[Entry]]:
-        """Take over up to ``count`` entries idle for ``min_idle_ms``; returns (next cursor, entries)."""
+        """Take over up to ``count`` entries of ``stream`` idle for ``min_idle_ms``; returns
+        (next cursor, entries)."""
         reply = await self.redis.xautoclaim(
-            self.keys.requests, self.keys.group, self.consumer, min_idle_ms, cursor, count=count
+            self.key(stream), self.keys.group, self.consumer, min_idle_ms, cursor, count=count
         )
         next_cursor, claimed = text(reply[0]), reply[1]
         # Entries deleted while pending come back as nil (Redis 6.2): nothing to run.
         entries = [(text(i), f) for i, f in claimed if i is not None]
-        counts = await self._delivery_counts([entry_id for entry_id, _ in entries])
-        return next_cursor, [Entry(i, f or {}, counts.get(i, 1)) for i, f in entries]
+        counts = await self._delivery_counts([entry_id for entry_id, _ in entries], stream)
+        return next_cursor, [Entry(i, f or {}, counts.get(i, 1), stream) for i, f in entries]
 
-    async def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
+    async def _delivery_counts(self, entry_ids: list[str], stream: str) -> dict[str, int]:
         pipe = self.redis.pipeline(transaction=False)
         for entry_id in entry_ids:
-            pipe.xpending_range(self.keys.requests, self.keys.group, entry_id, entry_id, 1)
+            pipe.xpending_range(self.key(stream), self.keys.group, entry_id, entry_id, 1)
         replies = await pipe.execute() if entry_ids else []
         return {
             text(row["message_id"]): int(row["times_delivered"]) for rows in replies for row in rows
         }
 
-    async def renew(self, entry_ids: list[str]) -> list[str]:
-        """Reset the idle time of ``entry_ids``; returns those this worker no longer owns."""
+    async def renew(self, entry_ids: list[str], stream: str = "") -> list[str]:
+        """Reset the idle time of ``entry_ids`` (of ``stream``); returns those this worker no
+        longer owns."""
         if not entry_ids:
             return []
         lost = await self._renew(
-            keys=[self.keys.requests], args=[self.keys.group, self.consumer, *entry_ids]
+            keys=[self.key(stream)], args=[self.keys.group, self.consumer, *entry_ids]
         )
         return [text(entry_id) for entry_id in lost]
 
@@ -201,7 +212,7 @@ class RequestStream:
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
             pipe.xclaim(
-                self.keys.requests, self.keys.group, self.consumer, 0, [entry.entry_id],
+                self.key(entry.stream), self.keys.group, self.consumer, 0, [entry.entry_id],
                 idle=idle_ms, retrycount=max(entry.times_delivered - 1, 0), justid=True,
             )  # fmt: skip
         await pipe.execute()
@@ -228,10 +239,10 @@ class RequestStream:
             return False
         return isinstance(event, protocol.TERMINAL_EVENTS)
 
-    def ack(self, pipe: Any, entry_id: str) -> None:
-        """Queue on ``pipe``: acknowledge the entry and delete it from the stream."""
-        pipe.xack(self.keys.requests, self.keys.group, entry_id)
-        pipe.xdel(self.keys.requests, entry_id)
+    def ack(self, pipe: Any, entry: Entry) -> None:
+        """Queue on ``pipe``: acknowledge the entry and delete it from its stream."""
+        pipe.xack(self.key(entry.stream), self.keys.group, entry.entry_id)
+        pipe.xdel(self.key(entry.stream), entry.entry_id)
 
     def add_event(
         self, pipe: Any, request_id: str, event: protocol.Event, *, refresh_ttl: bool = True
@@ -242,12 +253,13 @@ class RequestStream:
         if refresh_ttl:
             pipe.expire(out, protocol.OUT_STREAM_TTL_S)
 
-    async def publish(self, events: list[OutEvent], acks: list[str]) -> Published:
-        """Write ``events`` and acknowledge the entries ``acks`` in one atomic call, each only
-        while its entry is this consumer's; a full Redis stops it before the acknowledgements
-        (see ``PUBLISH_SCRIPT``), or refuses the whole call (``OutOfMemoryError``)."""
+    async def publish(self, events: list[OutEvent], acks: list[str], stream: str = "") -> Published:
+        """Write ``events`` and acknowledge the entries ``acks`` (all of ``stream``) in one
+        atomic call, each only while its entry is this consumer's; a full Redis stops it before
+        the acknowledgements (see ``PUBLISH_SCRIPT``), or refuses the whole call
+        (``OutOfMemoryError``)."""
         assert protocol.PAYLOAD_FIELD == "msg"  # the script's field name
-        keys = [self.keys.requests, *(self.keys.out(event.request_id) for event in events)]
+        keys = [self.key(stream), *(self.keys.out(event.request_id) for event in events)]
         args: list[Any] = [self.keys.group, self.consumer, protocol.OUT_STREAM_TTL_S, len(events)]
         args += [event.payload for event in events]
         args += ["1" if event.refresh_ttl else "0" for event in events]
@@ -273,7 +285,7 @@ class RequestStream:
             maxlen=protocol.DEAD_MAXLEN,
             approximate=True,
         )
-        self.ack(pipe, entry.entry_id)
+        self.ack(pipe, entry)
         await pipe.execute()
 
 

@@ -23,6 +23,7 @@ from worker.engine_thread import EngineThread
 from worker.events import InFlight, coalesce, queue_ms, wall_ms
 from worker.logs import get_logger
 from worker.prometheus import WorkerCounters
+from worker.routing import WorkerRouting
 from worker.settings import WorkerSettings
 from worker.telemetry import Telemetry
 
@@ -44,6 +45,7 @@ class ServiceParts(Protocol):
     stream: RequestStream
     in_flight: dict[str, InFlight]
     counters: WorkerCounters
+    routing: WorkerRouting | None
 
     async def retrying(self, what: str, operation: Callable[[], Awaitable[Any]]) -> Any: ...
 
@@ -171,6 +173,8 @@ class RequestHandler:
             return
         flight.in_engine = True
         flight.trace.admitted()
+        if service.routing is not None:  # after the engine has it: its prefix is cached from now
+            service.routing.note_served_soon(request)
 
     def _attributes(self, request: Request) -> dict[str, str | int | float]:
         attributes: dict[str, str | int | float] = {
@@ -187,7 +191,7 @@ class RequestHandler:
 
     async def _ack(self, entry: Entry) -> None:
         pipe = self.service.redis.pipeline(transaction=True)
-        self.service.stream.ack(pipe, entry.entry_id)
+        self.service.stream.ack(pipe, entry)
         await pipe.execute()
 
     async def _write_restart(self, request_id: str, entry: Entry) -> None:
@@ -242,7 +246,7 @@ class RequestHandler:
         event.finish_reason = protocol.FinishReason.CANCELLED
         pipe = self.service.redis.pipeline(transaction=True)
         self.service.stream.add_event(pipe, flight.request_id, event)
-        self.service.stream.ack(pipe, flight.entry.entry_id)
+        self.service.stream.ack(pipe, flight.entry)
         await pipe.execute()
         flight.trace.finish(finish_reason="cancelled", prompt_tokens=0, completion_tokens=0)
         self.service.counters.finished["cancelled"] += 1
@@ -251,7 +255,18 @@ class RequestHandler:
     # -- engine outputs --------------------------------------------------------------------------
 
     async def write_outputs(self, outputs: list[StepOutput]) -> None:
-        """Write one or more steps' outputs in one atomic call (retried until Redis takes it)."""
+        """Write one or more steps' outputs: one atomic call per request stream their entries
+        came through (the shared one, and with routing this worker's own or a stolen one's),
+        each retried until Redis takes it. Entry ids are unique within a stream only."""
+        by_stream: dict[str, list[StepOutput]] = {}
+        for out in outputs:
+            flight = self.service.owns(out)
+            if flight is not None:
+                by_stream.setdefault(flight.entry.stream, []).append(out)
+        for stream, outs in by_stream.items():
+            await self._write_stream(outs, stream)
+
+    async def _write_stream(self, outputs: list[StepOutput], stream: str) -> None:
         service = self.service
         events, owners, finished = self._events_of(outputs)
         if not events:
@@ -262,7 +277,7 @@ class RequestHandler:
 
         async def execute() -> None:
             nonlocal unwritten
-            published = await service.stream.publish(unwritten, acks)
+            published = await service.stream.publish(unwritten, acks, stream)
             for failure in published.refused:
                 log.error("redis refused an event", error=failure)
             lost.update(published.lost)

@@ -39,6 +39,7 @@ from worker.prometheus import (
     render,
 )
 from worker.requests import RequestHandler
+from worker.routing import WorkerRouting
 from worker.settings import WorkerSettings
 from worker.telemetry import EngineGauges, Telemetry
 
@@ -67,6 +68,12 @@ class WorkerService:
         self.redis = redis or aioredis.Redis.from_url(settings.redis_url)
         self.telemetry = telemetry or Telemetry.from_env(worker_name=settings.name)
         self.stream = RequestStream(self.redis, self.keys, settings.name)
+        self.routing: WorkerRouting | None = None
+        if settings.routing:
+            self.routing = WorkerRouting(
+                self.redis, self.keys, settings.name,
+                prefix_ttl_s=settings.prefix_ttl_s, steal_after_ms=settings.steal_after_ms,
+            )  # fmt: skip
         self.in_flight: dict[str, InFlight] = {}
         self.requests = RequestHandler(self)
         self._batches: asyncio.Queue[StepBatch] = asyncio.Queue()
@@ -126,6 +133,8 @@ class WorkerService:
             self._spawn(self._read_once, intake=True),
             self._spawn(self._claim_once, intake=True),
         ]
+        if self.routing is not None:
+            intake.append(self._spawn(self._steal_once, intake=True))
         upkeep = [
             self._spawn(self._write_once),
             self._spawn(self._renew_once),
@@ -138,6 +147,9 @@ class WorkerService:
     async def _first_contact(self) -> str:
         """Make sure the group exists; returns the cancel stream's position to tail from."""
         await self.retrying("create group", self.stream.ensure_group)
+        if self.routing is not None:
+            await self.retrying("register routed stream", self.routing.register)
+            await self.retrying("list routed streams", self.routing.streams)
         cancels_from: str = await self.retrying("read cancels", self._last_cancel_id)
         return cancels_from
 
@@ -221,35 +233,59 @@ class WorkerService:
             if not self._stop.is_set():
                 await self._slots_changed.wait()
             return
-        entries = await self.stream.read_new(self.free_slots(), self.settings.read_block_ms)
+        # With routing, this worker's own stream and the shared one in one blocking read (up to
+        # ``free_slots`` from each: a burst may admit up to twice that; the engine queues them).
+        streams = ("",) if self.routing is None else (self.routing.own, "")
+        entries = await self.stream.read_new(
+            self.free_slots(), self.settings.read_block_ms, streams
+        )
         for entry in entries:
             await self.requests.serve(entry)
 
     async def _claim_once(self) -> None:
+        streams = [""] if self.routing is None else ["", *await self.routing.streams()]
+        for stream in streams:
+            await self._claim_stream(stream)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), self.settings.claim_interval_s)
+
+    async def _claim_stream(self, stream: str) -> None:
         cursor = "0-0"
         while self.free_slots() > 0:
             min_idle_ms = int(self.settings.lease_s * 1000)
             cursor, entries = await self.stream.claim_expired(
-                self.free_slots(), min_idle_ms, cursor
+                self.free_slots(), min_idle_ms, cursor, stream
             )
-            mine = {flight.entry.entry_id for flight in self.in_flight.values()}
+            mine = {(f.entry.stream, f.entry.entry_id) for f in self.in_flight.values()}
             for entry in entries:
-                if entry.entry_id not in mine:
-                    log.info("taking over", entry_id=entry.entry_id, times=entry.times_delivered)
+                if (entry.stream, entry.entry_id) not in mine:
+                    log.info(
+                        "taking over", entry_id=entry.entry_id, stream=entry.stream or "shared",
+                        times=entry.times_delivered,
+                    )  # fmt: skip
                     await self.requests.serve(entry)
             if cursor == "0-0":
                 break
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), self.settings.claim_interval_s)
+
+    async def _steal_once(self) -> None:
+        """With routing: take other workers' routed entries that waited too long."""
+        assert self.routing is not None
+        await asyncio.sleep(max(self.settings.steal_after_ms, 20) / 2000)
+        for entry in await self.routing.steal(self.stream, self.free_slots()):
+            log.info("stealing", entry_id=entry.entry_id, stream=entry.stream)
+            await self.requests.serve(entry)
 
     async def _renew_once(self) -> None:
         await asyncio.sleep(self.settings.renew_interval_s)
-        by_entry = {flight.entry.entry_id: flight for flight in self.in_flight.values()}
-        for entry_id in await self.stream.renew(list(by_entry)):
-            flight = by_entry[entry_id]
-            if self.in_flight.get(flight.request_id) is flight:
-                log.warning("lease lost; another worker runs it", request_id=flight.request_id)
-                self.drop(flight, error="lease_lost")
+        by_stream: dict[str, dict[str, InFlight]] = {}
+        for flight in self.in_flight.values():
+            by_stream.setdefault(flight.entry.stream, {})[flight.entry.entry_id] = flight
+        for stream, by_entry in by_stream.items():
+            for entry_id in await self.stream.renew(list(by_entry), stream):
+                flight = by_entry[entry_id]
+                if self.in_flight.get(flight.request_id) is flight:
+                    log.warning("lease lost; another worker runs it", request_id=flight.request_id)
+                    self.drop(flight, error="lease_lost")
 
     async def _last_cancel_id(self) -> str:
         last = await self.redis.xrevrange(self.keys.cancels, count=1)
@@ -345,8 +381,14 @@ class WorkerService:
         )
         pipe.xlen(self.keys.requests)
         pipe.xpending(self.keys.requests, self.keys.group)  # commands the worker's ACL has
-        _, self._queue_depth, pending = await pipe.execute()
-        self.queue = queue_reading(self._queue_depth, int(pending["pending"]))
+        if self.routing is not None:  # the queue this worker serves: shared + its own stream
+            await self.routing.register()
+            pipe.xlen(self.routing.own)
+            pipe.xpending(self.routing.own, self.keys.group)
+        replies = await pipe.execute()
+        self._queue_depth = sum(int(depth) for depth in replies[1::2])
+        pending = sum(int(reply["pending"]) for reply in replies[2::2])
+        self.queue = queue_reading(self._queue_depth, pending)
         await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def render_metrics(self) -> str:

@@ -16,6 +16,8 @@ DEFAULT_GRACE_S = 30.0
 # Every interface: Prometheus scrapes a worker from another host (pod). The endpoint is off
 # unless a port is given, and it serves counters only.
 DEFAULT_METRICS_HOST = "0.0.0.0"
+DEFAULT_STEAL_AFTER_MS = 200
+DEFAULT_PREFIX_TTL_S = 600
 
 
 def default_worker_name() -> str:
@@ -53,6 +55,10 @@ class WorkerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 = not served
     metrics_host: str = DEFAULT_METRICS_HOST
+    # prefix-aware routing (docs/routing.md): a stream of its own, prefix links published
+    routing: bool = False
+    steal_after_ms: int = DEFAULT_STEAL_AFTER_MS
+    prefix_ttl_s: int = DEFAULT_PREFIX_TTL_S
 
     def __post_init__(self) -> None:
         checks = (
@@ -65,6 +71,8 @@ class WorkerSettings:
             (bool(self.name) and ":" not in self.name, "name must be non-empty, without ':'"),
             (bool(self.prefix), "prefix must be non-empty"),
             (0 <= self.metrics_port <= 65535, "metrics_port must be 0..65535 (0: off)"),
+            (self.steal_after_ms >= 0, "steal_after_ms must be >= 0"),
+            (self.prefix_ttl_s >= 1, "prefix_ttl_s must be >= 1"),
         )
         for ok, message in checks:
             if not ok:
@@ -92,6 +100,9 @@ class WorkerSettings:
             grace_s=args.grace_s,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            routing=args.routing,
+            steal_after_ms=args.steal_after_ms,
+            prefix_ttl_s=args.prefix_ttl_s,
             limits=RequestLimits(
                 max_prompt_tokens=args.max_prompt_tokens,
                 max_output_tokens=args.max_output_tokens,

@@ -19,6 +19,7 @@ class ChaosSettings:
     num_cancels: int
     num_duplicates: int
     max_tokens: int
+    routing: bool = False  # workers --routing on, clients routing=True, sessions pinned
 
     def __post_init__(self) -> None:
         if min(self.num_requests, self.max_tokens) < 1 or self.num_duplicates > self.num_requests:
@@ -36,6 +37,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--chaos-duplicates", type=int, default=20, help="ids submitted twice (20)")
     group.addoption("--chaos-max-tokens", type=int, default=8, help="tokens per good request (8)")
+    group.addoption(
+        "--chaos-routing",
+        action="store_true",
+        help="with prefix-aware routing: workers --routing on, routing clients, good requests "
+        "pinned to 16 sessions (docs/routing.md)",
+    )
 
 
 @pytest.fixture
@@ -47,6 +54,7 @@ def chaos_settings(request: pytest.FixtureRequest) -> ChaosSettings:
         num_cancels=option("--chaos-cancels"),
         num_duplicates=option("--chaos-duplicates"),
         max_tokens=option("--chaos-max-tokens"),
+        routing=option("--chaos-routing"),
     )
 
 

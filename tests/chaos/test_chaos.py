@@ -45,8 +45,15 @@ async def retry_redis(operation: Any) -> Any:
     raise AssertionError("redis did not come back")
 
 
-async def good_request(client: AsyncClient, rid: str, text: str, max_tokens: int) -> Completion:
-    options = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+NUM_SESSIONS = 16  # with --chaos-routing: good requests pinned to this many conversations
+
+
+async def good_request(
+    client: AsyncClient, rid: str, text: str, max_tokens: int, session: str | None = None
+) -> Completion:
+    options: dict[str, Any] = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    if session is not None:
+        options["session"] = session
     # Submitting again after a lost reply is safe: a duplicate id is not run twice.
     await retry_redis(lambda: client.submit(text, request_id=rid, **options))
     return await client.result(rid, timeout_s=300)
@@ -64,19 +71,32 @@ async def cancelled_request(client: AsyncClient, rid: str, text: str) -> Complet
 
 
 def num_streaming(server: RedisServer, consumer: str) -> int:
-    """Entries pending under ``consumer`` whose request has events (hostile ones may lack ``msg``)."""
+    """Entries pending under ``consumer`` whose request has events (hostile ones may lack ``msg``),
+    in the shared stream and (with routing) the consumer's own."""
     r = server.client()
     try:
-        rows = r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 1000, consumername=consumer)
         count = 0
-        for row in rows:
-            entries = r.xrange(KEYS.requests, row["message_id"], row["message_id"])
-            payload = entries[0][1].get(b"msg", b"") if entries else b""
-            request_id = protocol.peek_request_id(payload)
-            count += bool(request_id and r.xlen(KEYS.out(request_id)))
+        for stream in (KEYS.requests, KEYS.routed(consumer)):
+            if not r.exists(stream):
+                continue
+            rows = r.xpending_range(stream, KEYS.group, "-", "+", 1000, consumername=consumer)
+            for row in rows:
+                entries = r.xrange(stream, row["message_id"], row["message_id"])
+                payload = entries[0][1].get(b"msg", b"") if entries else b""
+                request_id = protocol.peek_request_id(payload)
+                count += bool(request_id and r.xlen(KEYS.out(request_id)))
         return count
     finally:
         r.close()
+
+
+def all_served(r: redis.Redis) -> bool:
+    """The shared stream and every routed one: empty, nothing pending."""
+    streams = [KEYS.requests, *(KEYS.routed(n.decode()) for n in r.smembers(KEYS.routed_workers))]
+    return all(
+        r.xlen(s) == 0 and (not r.exists(s) or r.xpending(s, KEYS.group)["pending"] == 0)
+        for s in streams
+    )
 
 
 def events_of(r: redis.Redis, rid: str) -> list[Any]:
@@ -108,9 +128,8 @@ def test_chaos_under_load(
     texts = prompts(cfg.num_requests, seed=11)
     greedy = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
     reference = LLM(str(text_model_dir), device="cpu").generate(texts, greedy, use_tqdm=False)
-    workers = {
-        n: spawn_worker(text_model_dir, redis_server, n, tmp_path, *WORKER_FLAGS) for n in "AB"
-    }
+    flags = (*WORKER_FLAGS, "--routing", "on") if cfg.routing else WORKER_FLAGS
+    workers = {n: spawn_worker(text_model_dir, redis_server, n, tmp_path, *flags) for n in "AB"}
     rng = random.Random(5)
     hostile = [hostile_entry(i, rng) for i in range(cfg.num_hostile)]
     hostile_entry_ids: list[str] = []
@@ -124,8 +143,10 @@ def test_chaos_under_load(
         raw = redis_server.client()
 
         async def load() -> tuple[list[Completion], list[Completion]]:
-            async with AsyncClient(redis_server.url) as client:
-                good = [asyncio.create_task(good_request(client, f"good-{i}", t, cfg.max_tokens))
+            async with AsyncClient(redis_server.url, routing=cfg.routing) as client:
+                good = [asyncio.create_task(good_request(
+                            client, f"good-{i}", t, cfg.max_tokens,
+                            f"s{i % NUM_SESSIONS}" if cfg.routing else None))
                         for i, t in enumerate(texts)]  # fmt: skip
                 cancels = [asyncio.create_task(cancelled_request(client, f"cancel-{i}", t))
                            for i, t in enumerate(prompts(cfg.num_cancels, seed=12))]  # fmt: skip
@@ -160,9 +181,7 @@ def test_chaos_under_load(
                 await writing
                 await asyncio.to_thread(kill_redis, redis_server)
                 faults.append("redis kill -9 + restart (AOF)")
-                workers["A2"] = spawn_worker(
-                    text_model_dir, redis_server, "A2", tmp_path, *WORKER_FLAGS
-                )
+                workers["A2"] = spawn_worker(text_model_dir, redis_server, "A2", tmp_path, *flags)
                 return await asyncio.gather(*good), await asyncio.gather(*cancels)
 
         good, cancelled = asyncio.run(load())
@@ -189,14 +208,7 @@ def test_chaos_under_load(
         )
         # hostile entries may still be on their way (one held by the killed worker waits for
         # its lease to expire): wait until every entry is served
-        wait_until(
-            lambda: (
-                raw.xlen(KEYS.requests) == 0
-                and raw.xpending(KEYS.requests, KEYS.group)["pending"] == 0
-            ),
-            60,
-            "every entry served",
-        )
+        wait_until(lambda: all_served(raw), 60, "every entry served")
         # hostile: each dead-lettered, with its error event when its id is readable
         letters = [
             protocol.decode_struct(f[b"msg"], protocol.DeadLetter) for _, f in raw.xrange(KEYS.dead)
@@ -207,8 +219,7 @@ def test_chaos_under_load(
                 (event,) = events_of(raw, rid)
                 assert isinstance(event, protocol.ErrorEvent), rid
         # nothing left behind; workers alive; every out stream expires
-        assert raw.xlen(KEYS.requests) == 0
-        assert raw.xpending(KEYS.requests, KEYS.group)["pending"] == 0
+        assert all_served(raw)
         wait_until(
             lambda: healthy(redis_server, "B") and healthy(redis_server, "A2"),
             START_TIMEOUT_S,

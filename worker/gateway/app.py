@@ -49,7 +49,9 @@ class Gateway:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         """The Redis client lives in the server's event loop."""
         settings = self.settings
-        self.client = AsyncClient(settings.redis_url, prefix=settings.prefix, redis=self._redis)
+        self.client = AsyncClient(
+            settings.redis_url, prefix=settings.prefix, redis=self._redis, routing=settings.routing
+        )
         self.directory = WorkerDirectory(self.client.redis, Keys(settings.prefix),
                                          settings.workers_cache_s)  # fmt: skip
         try:

@@ -53,6 +53,7 @@ class GatewaySettings:
     workers_cache_s: float = WORKERS_CACHE_S
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
+    routing: bool = False  # prefix-aware routing of the requests (docs/routing.md)
 
     def __post_init__(self) -> None:
         checks = [

@@ -21,6 +21,7 @@ COMMON_FIELDS = frozenset({
     "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
     # extensions, named as other OpenAI-compatible servers name them
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "priority", "tenant",
+    "session",
     # structured outputs (structured.py): OpenAI's, then vLLM's
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
     "guided_choice", "guided_decoding_backend",

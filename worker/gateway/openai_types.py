@@ -90,6 +90,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     priority: Int64 | None = None  # lower runs first (vLLM's extension); may preempt
     tenant: str | None = None  # the protocol's tenant (page quotas); `user` is not mapped
+    session: str | None = None  # pins a conversation to one worker (docs/routing.md)
     # structured outputs (worker/gateway/structured.py): OpenAI's, then vLLM's extensions
     response_format: ResponseFormat | None = None
     structured_outputs: VllmStructuredOutputs | None = None

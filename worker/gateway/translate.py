@@ -256,6 +256,10 @@ def _scheduling(request: CompletionRequest | ChatRequest) -> dict[str, Any]:
         if not request.tenant:
             raise OpenAIError(400, "tenant must be a non-empty string", param="tenant")
         scheduling["tenant"] = request.tenant
+    if request.session is not None:  # routing's pin; `user` is not taken as one silently
+        if not request.session:
+            raise OpenAIError(400, "session must be a non-empty string", param="session")
+        scheduling["session"] = request.session
     return scheduling
 
 

@@ -1,0 +1,204 @@
+"""``pagestream bench multiturn --workers N[,N,...] --routing shared,routed``: the multi-turn
+chat workload through Redis against N worker processes, with the shared consumer group and
+with prefix-aware routing (docs/routing.md).
+
+For each count N and each mode, a fresh embedded Redis and N fresh workers (cold caches; on a
+CPU, cores / N threads each) serve the same sessions: the shared system prompt, then each
+session's turns (system + history + a new user turn, token ids), up to ``concurrency`` turns in
+flight across the fleet, a session going to the back of the line after each reply. The row of
+a run: the prefix hit rate (the prompt tokens the workers' caches served, from each ``done``
+event's usage, over all prompt tokens), TTFT p50/p90 from submit to the first token, output
+tokens/s over the run, and the requests each worker finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import os
+import time
+from collections import Counter, deque
+from datetime import datetime, timezone
+from typing import Any
+
+from bench.fleet import WORKER_FLAGS, _memory_fractions, available_cores, worker_gpus
+from bench.multiturn import MultiTurnWorkload, Session, make_sessions
+from bench.records import machine_info, percentiles
+from clients import AsyncClient, DoneEvent, TokenEvent
+from worker.local_stack import WorkerProcess, embedded_redis, engine_flags, running_workers
+
+ROUTING_MODES = ("shared", "routed")
+PREFIX = "mtfleet"
+
+
+def run_multiturn_fleet(
+    args: argparse.Namespace, workload: MultiTurnWorkload, counts: list[int], modes: list[str]
+) -> dict[str, Any]:
+    """Every count in ``counts`` under every mode in ``modes``: the record."""
+    vocab_size = _vocab_size(args)
+    system, sessions = make_sessions(workload, vocab_size)
+    rows = []
+    for num_workers in sorted(set(counts)):
+        for mode in modes:
+            row = _run_point(args, workload, system, copy.deepcopy(sessions), num_workers, mode)
+            print(format_row(row), flush=True)
+            rows.append(row)
+    return {
+        "benchmark": "multiturn-fleet",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "settings": {
+            "model": args.model,
+            "workload": {
+                "num_sessions": workload.num_sessions,
+                "num_turns": workload.num_turns,
+                "system_len": workload.system_len,
+                "user_len": list(workload.user_len),
+                "output_len": workload.output_len,
+                "concurrency": workload.concurrency,
+                "seed": workload.seed,
+            },
+            "engine_flags": engine_flags(args),
+            "cores": available_cores(),
+            "redis": "embedded, fresh per run",
+            "note": "concurrency is across the whole fleet: the same offered load for every N",
+        },
+        "rows": rows,
+        "targets": _targets(rows),
+    }
+
+
+def _vocab_size(args: argparse.Namespace) -> int:
+    from engine import LLMEngine
+    from engine.config_flags import engine_config_from_args
+
+    engine = LLMEngine(engine_config_from_args(args))
+    vocab_size = int(engine.loaded.arch.vocab_size)
+    engine.shutdown()
+    return vocab_size
+
+
+def _run_point(
+    args: argparse.Namespace,
+    workload: MultiTurnWorkload,
+    system: list[int],
+    sessions: list[Session],
+    num_workers: int,
+    mode: str,
+) -> dict[str, Any]:
+    """One run: a fresh Redis, ``num_workers`` fresh workers (on a GPU host: one per GPU when
+    there are enough, else all on one, splitting its memory as ``bench serve`` does)."""
+    from engine.config_flags import engine_config_from_args
+
+    routed = mode == "routed"
+    device_type = engine_config_from_args(args).resolved_device().split(":")[0]
+    placing = argparse.Namespace(**{**vars(args), "worker_devices": "auto"})
+    gpus = worker_gpus(placing, num_workers, device_type)
+    fractions = _memory_fractions(placing, num_workers, device_type)
+    threads = max(available_cores() // num_workers, 1) if device_type == "cpu" else None
+    with embedded_redis() as redis_url:
+        workers = []
+        for index in range(num_workers):
+            flag_args = args
+            if fractions is not None:
+                flag_args = argparse.Namespace(
+                    **{**vars(args), "pa_memory_fraction": fractions[index]}
+                )
+            env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[index]
+            flags = [
+                *WORKER_FLAGS,
+                "--routing",
+                "on" if routed else "off",
+                *engine_flags(flag_args),
+            ]
+            workers.append(
+                WorkerProcess(redis_url, PREFIX, flags, name=f"mt-{mode}-{index}", env=env)
+            )
+        sharing = device_type == "cuda" and (gpus is None or len(set(gpus)) < len(gpus))
+        with running_workers(workers, one_at_a_time=sharing and num_workers > 1):
+            results = asyncio.run(_drive(redis_url, system, sessions, workload, routed))
+    return {
+        "mode": mode, "workers": num_workers, "threads_per_worker": threads, "worker_gpus": gpus,
+        "memory_fractions": fractions, **results,
+    }  # fmt: skip
+
+
+async def _drive(
+    redis_url: str,
+    system: list[int],
+    sessions: list[Session],
+    workload: MultiTurnWorkload,
+    routed: bool,
+) -> dict[str, Any]:
+    waiting = deque(range(len(sessions)))
+    ttfts_s: list[float] = []
+    tokens = Counter[str]()
+    per_worker = Counter[str]()
+
+    async def lane(client: AsyncClient) -> None:
+        while waiting:
+            index = waiting.popleft()
+            session = sessions[index]
+            reply, first_s, started_s = [], None, time.perf_counter()
+            async for event in client.stream(
+                token_ids=session.next_prompt(system), max_tokens=workload.output_len,
+                ignore_eos=True, temperature=0.0,
+            ):  # fmt: skip
+                if isinstance(event, TokenEvent):
+                    first_s = first_s or time.perf_counter()
+                    reply += event.token_ids
+                elif isinstance(event, DoneEvent) and event.usage is not None:
+                    tokens["prompt"] += event.usage.prompt_tokens
+                    tokens["cached"] += event.usage.cached_prompt_tokens
+                    tokens["output"] += len(reply)
+                    per_worker[event.worker] += 1
+            ttfts_s.append((first_s or time.perf_counter()) - started_s)
+            session.add_reply(reply)
+            if session.num_done < workload.num_turns:
+                waiting.append(index)
+
+    async with AsyncClient(redis_url, prefix=PREFIX, routing=routed) as client:
+        started_s = time.perf_counter()
+        await asyncio.gather(*(lane(client) for _ in range(workload.concurrency)))
+        elapsed_s = time.perf_counter() - started_s
+    ttft = percentiles(ttfts_s)
+    return {
+        "prefix_hit_rate": tokens["cached"] / max(tokens["prompt"], 1),
+        "ttft_s": {"p50": ttft["p50"], "p90": ttft["p90"]},
+        "output_tok_s": tokens["output"] / elapsed_s,
+        "num_requests": len(ttfts_s),
+        "elapsed_s": elapsed_s,
+        "prompt_tokens": tokens["prompt"],
+        "cached_prompt_tokens": tokens["cached"],
+        "requests_per_worker": sorted(per_worker.values(), reverse=True),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 31's targets at the largest N, against one worker's hit rate (same mode)."""
+    by = {(row["mode"], row["workers"]): row for row in rows}
+    largest = max(row["workers"] for row in rows)
+    out: dict[str, Any] = {"workers": largest}
+    for mode in ROUTING_MODES:
+        one, many = by.get((mode, 1)), by.get((mode, largest))
+        if one and many and one["prefix_hit_rate"]:
+            out[f"{mode}_hit_rate_vs_1_worker"] = many["prefix_hit_rate"] / one["prefix_hit_rate"]
+    shared, routed = by.get(("shared", largest)), by.get(("routed", largest))
+    if shared and routed and shared["ttft_s"]["p50"]:
+        out["ttft_p50_routed_vs_shared"] = routed["ttft_s"]["p50"] / shared["ttft_s"]["p50"]
+        out["output_tok_s_routed_vs_shared"] = routed["output_tok_s"] / shared["output_tok_s"]
+    out["goals"] = {"routed_hit_rate_vs_1_worker": ">= 0.9", "ttft_p50_routed_vs_shared": "<= 0.67"}
+    return out
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """One line per run."""
+    return (
+        f"{row['mode']:>6} x{row['workers']}: prefix hit {row['prefix_hit_rate']:.3f}, "
+        f"TTFT p50 {row['ttft_s']['p50'] * 1000:.0f} ms p90 {row['ttft_s']['p90'] * 1000:.0f} ms, "
+        f"{row['output_tok_s']:.1f} output tok/s, per worker {row['requests_per_worker']}"
+    )

@@ -1,0 +1,176 @@
+"""Prefix-aware routing on the queue (docs/routing.md): a conversation's turns go to the worker
+that holds its prefix; a busy worker yields; a session pins; and the delivery guarantees hold
+for routed entries: a dead worker's routed entry is taken over with ``restart``, a waiting one
+is stolen, each answered once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from clients import AsyncClient, Client, RestartEvent, TokenEvent, protocol
+from clients.protocol import Keys, WorkerStatus
+from clients.router import Router
+from clients.routing import link_key, prefix_chain
+from tests.redis_server import RedisServer
+from worker.gateway.errors import OpenAIError
+from worker.gateway.translate import decode_chat, decode_completion
+
+KEYS = Keys()
+GREEDY: dict[str, Any] = dict(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 200) for _ in range(count)]
+
+
+def fake_worker(server: RedisServer, name: str, *, beat: bool = True, num_waiting: int = 0) -> None:
+    """A worker that never reads: its routed stream and group, its listing, its heartbeat."""
+    r = server.client()
+    for stream in (KEYS.requests, KEYS.routed(name)):
+        if not r.exists(stream):
+            r.xgroup_create(stream, KEYS.group, "0", mkstream=True)
+    r.sadd(KEYS.routed_workers, name)
+    if beat:
+        status = WorkerStatus(
+            name=name, host="h", pid=1, model="m", started_at_ms=0, updated_at_ms=0,
+            num_in_flight=0, max_in_flight=8, num_running=0, num_waiting=num_waiting,
+            num_pages_free=0, num_steps=0, step_time_s=0.0,
+        )  # fmt: skip
+        r.set(KEYS.worker(name), protocol.encode(status), ex=30)
+    r.close()
+
+
+def holds(server: RedisServer, name: str, token_ids: list[int]) -> None:
+    """Publish, as worker ``name`` would have, that it holds ``token_ids``' chain."""
+    r = server.client()
+    for link in prefix_chain(token_ids=token_ids):
+        r.zadd(link_key(KEYS.prefix, link), {name: int(time.time() * 1000)})
+    r.close()
+
+
+def test_a_conversations_turns_stay_on_the_worker_that_holds_its_prefix(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    for name in ("w1", "w2"):
+        start_worker(name, routing=True)
+    with Client(redis_server.url, routing=True) as client:
+        for conversation in range(3):
+            history = tokens(conversation, 100)
+            served_by, cached = [], []
+            for turn in range(3):
+                done = client.complete(token_ids=history, **GREEDY)
+                served_by.append(done.worker)
+                cached.append(done.usage.cached_prompt_tokens if done.usage else 0)
+                history = history + done.token_ids + tokens(100 * conversation + turn, 6)
+            assert len(set(served_by)) == 1, served_by  # every turn where the prefix is cached
+            assert all(count >= 64 for count in cached[1:]), cached  # its history's pages
+
+
+def test_a_busy_worker_yields_and_a_session_pins(redis_server: RedisServer) -> None:
+    async def main(server: RedisServer) -> None:
+        redis = aioredis.Redis(port=server.port)
+        router = Router(redis, KEYS)
+        history = tokens(1, 100)
+        request = protocol.new_request("r", token_ids=history, now_ms=0)
+        assert await router.choose(request) is None  # nobody holds it: the shared stream
+        fake_worker(server, "busy", num_waiting=2)
+        holds(server, "busy", history)
+        assert await router.choose(request) is None  # its holder is busy: affinity yields
+        fake_worker(server, "idle")
+        holds(server, "idle", history)
+        assert await router.choose(request) is None  # two hold it: the shared stream balances
+        longer = history + tokens(2, 100)  # the next turn, served by "idle" alone
+        holds(server, "idle", longer)
+        request = protocol.new_request("r2", token_ids=longer + tokens(3, 20), now_ms=0)
+        assert await router.choose(request) == "idle"  # the longest prefix wins
+        fake_worker(server, "pin")
+        await redis.set(KEYS.session("chat-7"), "pin")
+        pinned = protocol.new_request("s", token_ids=longer, session="chat-7", now_ms=0)
+        assert await router.choose(pinned) == "pin"
+        await redis.delete(KEYS.worker("pin"))  # its worker is gone: the prefix decides
+        assert await router.choose(pinned) == "idle"
+        await redis.aclose(close_connection_pool=True)
+
+    asyncio.run(main(redis_server))
+
+
+def routed_submit(server: RedisServer, ghost: str, request_id: str) -> str:
+    """Submit through a routing client a request that goes to ``ghost``'s stream."""
+    history = tokens(7, 100)
+    assert prefix_chain(token_ids=history)  # a cut or more: something to route on
+    holds(server, ghost, history)
+
+    async def submit() -> None:
+        async with AsyncClient(server.url, routing=True) as client:
+            await client.submit(token_ids=history, request_id=request_id, **GREEDY)
+
+    asyncio.run(submit())
+    r = server.client()
+    assert r.xlen(KEYS.routed(ghost)) == 1 and r.xlen(KEYS.requests) == 0
+    r.close()
+    return request_id
+
+
+def test_a_routed_request_whose_worker_died_is_taken_over_once(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    fake_worker(redis_server, "ghost")
+    request_id = routed_submit(redis_server, "ghost", "orphan")
+    r = redis_server.client()
+    # The ghost reads it, streams a token, and dies (its heartbeat lapses).
+    reply: Any = r.xreadgroup(KEYS.group, "ghost", {KEYS.routed("ghost"): ">"})
+    entry_id = reply[0][1][0][0]
+    r.set(KEYS.claim(request_id), entry_id)
+    partial = protocol.TokenEvent(seq=0, text="w99", token_ids=[99])
+    r.xadd(KEYS.out(request_id), {"msg": protocol.encode(partial)})
+    r.delete(KEYS.worker("ghost"))
+    start_worker("w1", routing=True)
+    with Client(redis_server.url) as client:
+        events = list(client.resume(request_id, timeout_s=30))
+    restarts = [e for e in events if isinstance(e, RestartEvent)]
+    assert len(restarts) == 1 and restarts[0].worker == "w1"
+    after = events[events.index(restarts[0]) + 1 :]
+    assert sum(len(e.token_ids) for e in after if isinstance(e, TokenEvent)) == 4
+    assert isinstance(events[-1], protocol.DoneEvent) and events[-1].worker == "w1"
+    deadline_s = time.monotonic() + 10  # acknowledged and deleted, then the stream pruned
+    while r.sismember(KEYS.routed_workers, "ghost") and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    assert not r.exists(KEYS.routed("ghost")) and not r.sismember(KEYS.routed_workers, "ghost")
+    r.close()
+
+
+def test_an_entry_waiting_on_a_live_busy_worker_is_stolen_once(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    start_worker("w1", routing=True, steal_after_ms=300)
+    fake_worker(redis_server, "slow")  # joins later; alive (heartbeat), but never reads
+    started_s = time.monotonic()
+    request_id = routed_submit(redis_server, "slow", "stolen")
+    with Client(redis_server.url) as client:
+        events = list(client.resume(request_id, timeout_s=30))
+    assert time.monotonic() - started_s >= 0.3  # not before it waited steal_after_ms
+    assert not any(isinstance(e, RestartEvent) for e in events)
+    assert [type(e).__name__ for e in events].count("DoneEvent") == 1
+    assert isinstance(events[-1], protocol.DoneEvent) and events[-1].worker == "w1"
+    r = redis_server.client()
+    assert r.xlen(KEYS.routed("slow")) == 0  # acknowledged and deleted from the slow one's stream
+    assert r.sismember(KEYS.routed_workers, "slow")  # live: its stream is kept
+    r.close()
+
+
+def test_the_gateway_passes_a_session_and_refuses_an_empty_one() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "session": "chat-7"}
+    assert decode_chat(json.dumps(body).encode(), chat_max_tokens=8).inputs["session"] == "chat-7"
+    plain = decode_completion(json.dumps({"prompt": "hi"}).encode()).inputs
+    assert "session" not in plain  # no pin unless asked: `user` is never taken as one
+    with pytest.raises(OpenAIError) as error:
+        decode_completion(json.dumps({"prompt": "hi", "session": ""}).encode())
+    assert (error.value.status, error.value.body.param) == (400, "session")

@@ -1,0 +1,193 @@
+"""The worker's side of prefix-aware routing (docs/routing.md).
+
+A routing worker has a stream of its own, ``{p}:requests:{name}``, read by the same consumer
+group as the shared ``{p}:requests``, and listed in the set ``{p}:routed``. It
+
+- publishes, for each request it admits, the links of the request's chain: it joins each link's
+  sorted set ``{p}:px:{link}`` (score: now, Unix ms; the key's TTL refreshed; members older than
+  the TTL trimmed), and the session's pin;
+- steals: with free slots, it reads another worker's stream when its oldest undelivered entry
+  has waited ``steal_after_ms`` (at once when that worker's heartbeat is gone), so a busy or
+  dead worker's routed entries are not stuck;
+- takes over (``XAUTOCLAIM``) on every listed stream as on the shared one;
+- prunes a listed stream whose worker is gone and that holds nothing.
+
+The consumer group hands each entry to one consumer, so neither a steal nor a takeover doubles
+a request; fencing, dead letters and duplicate ids work per entry whatever its stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from clients.protocol import Keys, Request
+from clients.routing import link_key, request_chain
+from worker.delivery import REDIS_ERRORS, Entry, RequestStream, text
+from worker.logs import get_logger
+
+log = get_logger(__name__)
+
+# Keep the worker's stream, its group and its place in {p}:routed (Redis may have restarted
+# without data, or a pruner removed it while this worker's heartbeat had lapsed).
+# KEYS: {p}:routed, the worker's stream. ARGV: group, worker name.
+REGISTER_SCRIPT = """
+redis.call('SADD', KEYS[1], ARGV[2])
+redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[1], '0', 'MKSTREAM')
+return 1
+"""
+
+# Per stream, the id of its oldest entry not yet delivered to any consumer, or ''.
+# KEYS: streams. ARGV: group.
+PEEK_SCRIPT = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  out[i] = ''
+  if redis.call('EXISTS', key) == 1 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+      local name, last
+      for j = 1, #g, 2 do
+        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
+      end
+      if name == ARGV[1] then
+        local r = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', 1)
+        if r[1] then out[i] = r[1][1] end
+      end
+    end
+  end
+end
+return out
+"""
+
+# Remove a worker's stream and its place in {p}:routed when its heartbeat is gone and the
+# stream is empty: atomic with the heartbeat check, as the client's enqueue is.
+# KEYS: {p}:routed, the heartbeat, the stream. ARGV: worker name.
+PRUNE_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 0 and redis.call('XLEN', KEYS[3]) == 0 then
+  redis.call('DEL', KEYS[3])
+  redis.call('SREM', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
+MAX_REMEMBERED_LINKS = 100_000  # about 6 MB of a worker's memory
+PEERS_REFRESH_S = 1.0  # how often a stealing worker reads the list of routed streams again
+
+
+class WorkerRouting:
+    """One worker's routing: its stream, what it publishes, what it steals."""
+
+    def __init__(
+        self, redis: Any, keys: Keys, name: str, *, prefix_ttl_s: int, steal_after_ms: int
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.name = name
+        self.prefix_ttl_s = prefix_ttl_s
+        self.steal_after_ms = steal_after_ms
+        self.own = keys.routed(name)
+        self.peers: list[str] = []  # the other workers with a routed stream (as of ``streams``)
+        self._notes: set[asyncio.Task[None]] = set()
+        self._listed_at_s = 0.0  # when ``peers`` was last read
+        self._published: OrderedDict[bytes, int] = OrderedDict()  # link -> Unix ms, oldest first
+        self._register = redis.register_script(REGISTER_SCRIPT)
+        self._peek = redis.register_script(PEEK_SCRIPT)
+        self._prune = redis.register_script(PRUNE_SCRIPT)
+
+    async def register(self) -> None:
+        """Make sure this worker's stream, group and listing exist (at start, each heartbeat)."""
+        await self._register(
+            keys=[self.keys.routed_workers, self.own], args=[self.keys.group, self.name]
+        )
+
+    async def streams(self) -> list[str]:
+        """Every listed worker's stream (this one's included): what takeover scans."""
+        names = sorted(text(name) for name in await self.redis.smembers(self.keys.routed_workers))
+        self.peers = [name for name in names if name != self.name]
+        self._listed_at_s = time.monotonic()
+        return [self.keys.routed(name) for name in names]
+
+    def note_served_soon(self, request: Request) -> None:
+        """``note_served`` in the background: a hint, not worth delaying the request's first
+        token (the write shares the event loop); one lost to a Redis error costs a miss."""
+        task = asyncio.create_task(self._note_quietly(request))
+        self._notes.add(task)
+        task.add_done_callback(self._notes.discard)
+
+    async def _note_quietly(self, request: Request) -> None:
+        try:
+            await self.note_served(request)
+        except (*REDIS_ERRORS, RedisError) as exc:
+            log.warning("prefix links not published", request_id=request.id, error=str(exc))
+
+    async def note_served(self, request: Request) -> None:
+        """Publish that this worker now holds ``request``'s chain (and its session's pin).
+        Links this worker published within half the TTL are skipped: a conversation's next
+        turn repeats all of this turn's links, and only its new ones need writing."""
+        now_ms = int(time.time() * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for link in self._fresh(request_chain(request), now_ms):
+            key = link_key(self.keys.prefix, link)
+            pipe.zadd(key, {self.name: now_ms})
+            pipe.zremrangebyscore(key, 0, now_ms - self.prefix_ttl_s * 1000)
+            pipe.expire(key, self.prefix_ttl_s)
+        if request.session is not None:
+            pipe.set(self.keys.session(request.session), self.name, ex=self.prefix_ttl_s)
+        await pipe.execute()
+
+    def _fresh(self, chain: list[bytes], now_ms: int) -> list[bytes]:
+        """The links of ``chain`` not published by this worker within half the TTL (and
+        remember them as published now; the memory is bounded, oldest forgotten first)."""
+        due_ms = now_ms - self.prefix_ttl_s * 500
+        fresh = [link for link in chain if self._published.get(link, due_ms) <= due_ms]
+        for link in fresh:
+            self._published[link] = now_ms
+            self._published.move_to_end(link)
+        while len(self._published) > MAX_REMEMBERED_LINKS:
+            self._published.popitem(last=False)
+        return fresh
+
+    async def steal(self, stream: RequestStream, count: int) -> list[Entry]:
+        """Up to ``count`` entries from other workers' streams whose oldest undelivered entry
+        waited ``steal_after_ms``, or whose worker is gone; each stream also pruned when its
+        worker is gone and it is empty."""
+        if count <= 0:
+            return []
+        if time.monotonic() - self._listed_at_s > PEERS_REFRESH_S:  # workers come and go
+            await self.streams()
+        if not self.peers:
+            return []
+        streams = [self.keys.routed(name) for name in self.peers]
+        oldest, beats = await self._peek_all(streams)
+        now_ms = int(time.time() * 1000)
+        stolen: list[Entry] = []
+        for name, key, entry_id, beat in zip(self.peers, streams, oldest, beats, strict=True):
+            if not entry_id:
+                if not beat:
+                    await self._prune(
+                        keys=[self.keys.routed_workers, self.keys.worker(name), key], args=[name]
+                    )
+                continue
+            waited_ms = now_ms - int(entry_id.split("-")[0])
+            if beat and waited_ms < self.steal_after_ms:
+                continue
+            got = await stream.read_new(count - len(stolen), None, (key,))
+            stolen += got
+            if len(stolen) >= count:
+                break
+        return stolen
+
+    async def _peek_all(self, streams: list[str]) -> tuple[list[str], list[bool]]:
+        """Each stream's oldest undelivered entry id ('' when none), and whether its worker's
+        heartbeat is there, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        await self._peek(keys=streams, args=[self.keys.group], client=pipe)
+        pipe.mget([self.keys.worker(name) for name in self.peers])
+        oldest, beats = await pipe.execute()
+        return [text(entry_id) for entry_id in oldest], [beat is not None for beat in beats]
