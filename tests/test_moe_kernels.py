@@ -6,18 +6,12 @@ and uneven on purpose: an expert no token picks, an expert every token picks, on
 
 from __future__ import annotations
 
-import importlib
-import os
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpret import CUDA, DEVICE, import_kernels
 
 KERNEL_MODULES = (
     "kernels.moe.router_triton",
@@ -27,22 +21,7 @@ KERNEL_MODULES = (
 )
 
 
-def import_kernels() -> dict[str, ModuleType]:
-    """The kernel modules, reloaded for the interpreter if imported before it was set (as
-    tests/test_triton_kernels.py does)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    modules: dict[str, ModuleType] = {}
-    stale = False
-    for name in KERNEL_MODULES:
-        module = importlib.import_module(name)
-        jitted = [v for v in vars(module).values() if hasattr(v, "fn") and hasattr(v, "run")]
-        stale = stale or (not CUDA and not all(isinstance(v, InterpretedFunction) for v in jitted))
-        modules[name.rsplit(".", 1)[1]] = importlib.reload(module) if stale else module
-    return modules
-
-
-KERNELS = import_kernels()
+KERNELS = import_kernels(KERNEL_MODULES)
 router_triton = KERNELS["router_triton"]
 align_triton = KERNELS["align_triton"]
 fused_moe_triton = KERNELS["fused_moe_triton"]

@@ -3,29 +3,16 @@ plain loop, and the masks a step fills against what the grammar accepts token by
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 from kernels.sampling.token_bitmask import apply_token_bitmask_ref, unpack_bitmask_ref
-
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpret import DEVICE, import_kernels
 
 
 def _kernel_module():  # type: ignore[no-untyped-def]
-    """The kernel module, decorated for the interpreter when there is no GPU (reloaded if an
-    earlier import decorated it without; see tests/test_triton_kernels.py)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    module = importlib.import_module("kernels.sampling.token_bitmask_triton")
-    if not CUDA and not isinstance(module._apply_token_bitmask_kernel, InterpretedFunction):
-        module = importlib.reload(module)
-    return module
+    """The kernel module, decorated for the interpreter when there is no GPU."""
+    return import_kernels(("kernels.sampling.token_bitmask_triton",))["token_bitmask_triton"]
 
 
 def random_bitmask(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:

@@ -6,17 +6,10 @@ at small sizes; with CUDA the same tests run on the GPU, plus the ``gpu``-marked
 
 from __future__ import annotations
 
-import importlib
-import os
-from types import ModuleType
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpret import CUDA, DEVICE, import_kernels
 
 # Dependencies before dependents: a reload must see the reloaded helpers.
 KERNEL_MODULES = (
@@ -31,26 +24,7 @@ KERNEL_MODULES = (
 )
 
 
-def import_kernels() -> dict[str, ModuleType]:
-    """The kernel modules, decorated for the interpreter when there is no GPU.
-
-    ``@triton.jit`` reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is
-    first imported. Another test module (through the engine) may have imported a kernel
-    module before this file set the variable: such modules are reloaded, in dependency order.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-
-    modules: dict[str, ModuleType] = {}
-    stale = False
-    for name in KERNEL_MODULES:
-        module = importlib.import_module(name)
-        jitted = [v for v in vars(module).values() if hasattr(v, "fn") and hasattr(v, "run")]
-        stale = stale or (not CUDA and not all(isinstance(v, InterpretedFunction) for v in jitted))
-        modules[name.rsplit(".", 1)[1]] = importlib.reload(module) if stale else module
-    return modules
-
-
-KERNELS = import_kernels()
+KERNELS = import_kernels(KERNEL_MODULES)
 norm_triton = KERNELS["norm_triton"]
 rotary_triton = KERNELS["rotary_triton"]
 activation_triton = KERNELS["activation_triton"]
