@@ -24,7 +24,10 @@ STRUCTURED_OUTPUTS_HELP = (
 
 
 def on_off(text: str) -> bool:
-    """``on``/``off``; ``1/0``, ``true/false`` and ``yes/no`` too (for environment variables)."""
+    """``on``/``off``; ``1/0``, ``true/false`` and ``yes/no`` too (for environment variables).
+
+    The engine's flags parse the same words (``engine.config_flags``); that module imports the
+    engine, and so torch, which the gateway and the client commands must not load."""
     word = text.strip().lower()
     if word in ("on", "1", "true", "yes"):
         return True
