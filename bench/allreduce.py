@@ -69,15 +69,7 @@ def _time_in_graph(numel: int, method: str, peer: PeerAllReduce) -> float:
         for _ in range(CALLS_PER_GRAPH):
             y = _sum(y, method, peer) * 0.5  # keeps values bounded; a dependent chain
     dist.barrier()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (REPLAYS * CALLS_PER_GRAPH)
+    return _replay_us(graph)
 
 
 def _scale_us(numel: int) -> float:
@@ -87,6 +79,11 @@ def _scale_us(numel: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS_PER_GRAPH):
             x = x * 0.5
+    return _replay_us(graph)
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """Microseconds per captured call: one untimed replay, then ``REPLAYS`` timed ones."""
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -305,7 +305,7 @@ def _load_vllm(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
         from engine.structured.tokenizers import bundled_tokenizer
 
         bundled_tokenizer().save_pretrained(model_dir)
-    _force_cuda_platform()
+    force_cuda_platform()
     import torch
     import vllm
 
@@ -395,7 +395,7 @@ def _add_expert_count_alias(config_path: Path) -> None:
         config_path.write_text(json.dumps(data, indent=2))
 
 
-def _force_cuda_platform() -> None:
+def force_cuda_platform() -> None:
     """vLLM finds its platform through NVML, which fails on some VMs whose CUDA works."""
     import vllm.platforms as platforms
 

@@ -12,9 +12,9 @@ import os
 import sys
 
 if os.environ.get("PAGESTREAM_VLLM_FORCE_CUDA") == "1" and importlib.util.find_spec("vllm"):
-    try:
-        import vllm.platforms as _platforms
+    try:  # the project's root follows this folder on the path
+        from bench.vllm_peer import force_cuda_platform
 
-        _platforms.builtin_platform_plugins["cuda"] = lambda: "vllm.platforms.cuda.CudaPlatform"
+        force_cuda_platform()
     except Exception as _exc:  # a broken vLLM fails later with its own message
         print(f"pagestream sitecustomize: vLLM platform patch failed: {_exc!r}", file=sys.stderr)
