@@ -39,8 +39,7 @@ def _sum(x: torch.Tensor, method: str, peer: PeerAllReduce) -> torch.Tensor:
     if method == "nccl":
         dist.all_reduce(x)
         return x
-    peer.method = method
-    return peer.all_reduce(x)
+    return peer.all_reduce(x, method)
 
 
 def _check(numel: int, method: str, peer: PeerAllReduce, rank: int, world: int) -> float:

@@ -113,8 +113,9 @@ class TensorParallelGroup:
         result, not ``x``)."""
         if self.size == 1:
             return x
-        if self.peer is not None and self.peer.fits(x):
-            return self.peer.all_reduce(x)
+        method = None if self.peer is None else self.peer.method_for(x)
+        if self.peer is not None and method is not None:
+            return self.peer.all_reduce(x, method)
         dist.all_reduce(x, group=self.device_group)
         return x
 

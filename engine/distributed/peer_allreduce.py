@@ -120,17 +120,18 @@ class PeerAllReduce:
             logger.warning("tensor parallel: peer all-reduce unavailable (%s); using NCCL", exc)
             return None
 
-    def fits(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is summed here (else NCCL sums it)."""
+    def method_for(self, x: torch.Tensor) -> str | None:
+        """The peer path that sums ``x`` (``one-shot``/``two-shot``), or None: NCCL does."""
         num_bytes = x.numel() * x.element_size()
         if x.dtype not in DTYPES or not x.is_contiguous() or num_bytes > MAX_PEER_BYTES:
-            return False
-        return self.method != "auto" or self.table.method_for(num_bytes) != "nccl"
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x`` (a new tensor; ``x`` is left as it was)."""
-        num_bytes = x.numel() * x.element_size()
+            return None
         method = self.method if self.method != "auto" else self.table.method_for(num_bytes)
+        return None if method == "nccl" else method
+
+    def all_reduce(self, x: torch.Tensor, method: str) -> torch.Tensor:
+        """The sum of every rank's ``x`` by ``method`` (``method_for``'s answer): a new tensor,
+        ``x`` is left as it was."""
+        num_bytes = x.numel() * x.element_size()
         staged = self.buffer[:num_bytes].view(x.dtype)  # [numel] in this rank's mapped buffer
         staged.copy_(x.reshape(-1))
         out = torch.empty_like(x)
