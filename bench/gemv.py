@@ -10,9 +10,10 @@ against the activation kernel plus ``F.linear``. Reports achieved bandwidth agai
 bandwidth measured in the same run, and the best launch shape per linear.
 ``--tensor-parallel-size N`` times one rank's shard of each linear (qkv, gate_up and the LM
 head split their outputs, o and down their inputs). ``--install`` writes the fastest launch
-shape of each linear the engine runs through the GEMV (o, down with the activation, the LM
-head) into ``kernels/linear/gemv_configs.json`` for this GPU, where it beats the engine's
-current choice by more than ``INSTALL_MARGIN``.
+shape of each linear into ``kernels/linear/gemv_configs.json`` for this GPU, where it beats
+the engine's current choice by more than ``INSTALL_MARGIN``: for o, down (with the
+activation) and the LM head the GEMV's default shape, for qkv and gate_up cuBLAS (they take
+the GEMV only where the table holds a shape for them).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 ENGINE_GEMV_LINEARS = ("o", "down+silu", "lm_head")  # where the engine calls the GEMV
+TABLE_GEMV_LINEARS = ("qkv", "gate_up")  # cuBLAS, unless the table holds a faster GEMV
 INSTALL_MARGIN = 0.03  # a config must beat the current choice by this much (noise)
 
 
@@ -88,14 +90,18 @@ def install_faster(
     chosen: dict[str, GemvConfig] = {}
     for result in results:
         summary = result["summary"]
-        if summary["linear"] not in ENGINE_GEMV_LINEARS:
+        linear = summary["linear"]
+        if linear not in ENGINE_GEMV_LINEARS + TABLE_GEMV_LINEARS:
             continue
-        rows, silu = summary["rows"], summary["linear"] == "down+silu"
+        rows, silu = summary["rows"], linear == "down+silu"
         key = shape_key(rows, summary["N"], summary["K"], silu)
-        fallback = None if summary["linear"] == "lm_head" else LAYER_GEMV_CONFIG
+        fallback = LAYER_GEMV_CONFIG if linear in ("o", "down+silu") else None
         current = tuned_for(device_name, key, fallback, path)
-        current = current or default_config(summary["N"], summary["K"])
-        current_us = result["timings_us"][config_key(current)]
+        if current is None and linear in TABLE_GEMV_LINEARS:
+            current_us = result["timings_us"]["cublas"]
+        else:
+            current = current or default_config(summary["N"], summary["K"])
+            current_us = result["timings_us"][config_key(current)]
         best = summary["best"]
         if result["timings_us"][best] < (1 - INSTALL_MARGIN) * current_us:
             chosen[key] = parse_key(best)

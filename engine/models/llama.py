@@ -59,6 +59,20 @@ def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
     )
 
 
+def input_linear(x: torch.Tensor | Int8Rows, linear: nn.Module) -> torch.Tensor:
+    """``linear(x)`` for qkv and gate_up: cuBLAS, or the GEMV where ``bench.gemv --install``
+    measured a launch shape of it faster than cuBLAS on this GPU (one rank's shard of a
+    tensor-parallel layer is a narrower matrix, which cuBLAS streams less well)."""
+    if isinstance(x, torch.Tensor) and takes_gemv(x, linear):
+        weight = linear.weight
+        assert isinstance(weight, torch.Tensor)
+        config = tuned_config(weight, x.shape[0], False, None)
+        if config is not None:
+            return gemv(x, weight, config=config)
+    result: torch.Tensor = linear(x)
+    return result
+
+
 def takes_int8_rows(x: torch.Tensor, linear: nn.Module) -> bool:
     """Whether the kernel producing ``linear``'s input ``x`` should round it to int8 blocks
     itself (where its kernel family has an int8 variant): a quantized linear that multiplies
@@ -151,7 +165,9 @@ class Attention(nn.Module):
         """The new tokens' queries, keys and values, not yet rotated: attention rotates q and
         k, fused with the KV write (one kernel launch where rotary and the write were two)."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = input_linear(x, self.qkv_proj).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -193,7 +209,7 @@ class MLP(nn.Module):
         self,
         x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where gate_up_proj takes int8 rows
     ) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = input_linear(x, self.gate_up_proj)
         rounding = self.ops.silu_and_mul_int8
         if takes_gemv(gate_up, self.down_proj):  # the activation in the GEMV's prologue
             weight = self.down_proj.weight
