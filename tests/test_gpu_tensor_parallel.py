@@ -29,11 +29,14 @@ pytestmark = [
 GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
 PROMPTS = random_prompts([5, 37, 70, 16, 101], 320, seed=3)
 DEAD_RANK_EXIT_BOUND_S = 30.0  # the error, rank 0's bounded teardown and CUDA's own exit
+# A small engine: the default 256 rows and 8,192-token steps capture some 20 decode graphs and
+# more piecewise ones on each rank, a minute of every test spent capturing (2x H200)
+SMALL = dict(max_seqs=8, max_batched_tokens=512)
 
 
 def _tokens(model: str, **settings: object) -> tuple[list[list[int]], bool]:
     """Greedy tokens of ``PROMPTS``, and whether decode steps replayed CUDA graphs."""
-    with LLM(model, device="cuda", **settings) as llm:
+    with LLM(model, device="cuda", **SMALL, **settings) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         return [out.token_ids for out in outputs], llm.engine.runner.uses_cuda_graphs
 
