@@ -9,11 +9,11 @@ decode runs), and the MLP's down projection with ``silu_and_mul`` fused into the
 against the activation kernel plus ``F.linear``. Reports achieved bandwidth against the copy
 bandwidth measured in the same run, and the best launch shape per linear.
 ``--tensor-parallel-size N`` times one rank's shard of each linear (qkv, gate_up and the LM
-head split their outputs, o and down their inputs). ``--install`` writes the fastest launch
-shape of each linear into ``kernels/linear/gemv_configs.json`` for this GPU, where it beats
-the engine's current choice by more than ``INSTALL_MARGIN``: for o, down (with the
-activation) and the LM head the GEMV's default shape, for qkv and gate_up cuBLAS (they take
-the GEMV only where the table holds a shape for them).
+head split their outputs, o and down their inputs). ``--install`` writes, per linear, the
+fastest of cuBLAS and the GEMV's launch shapes into ``kernels/linear/gemv_configs.json`` for
+this GPU, where it beats the engine's current choice by more than ``INSTALL_MARGIN`` (without
+an entry: the GEMV for o, down with the activation and the LM head; cuBLAS for qkv and
+gate_up).
 """
 
 from __future__ import annotations
@@ -73,41 +73,48 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps(record, indent=1))
 
 
-ENGINE_GEMV_LINEARS = ("o", "down+silu", "lm_head")  # where the engine calls the GEMV
-TABLE_GEMV_LINEARS = ("qkv", "gate_up")  # cuBLAS, unless the table holds a faster GEMV
-INSTALL_MARGIN = 0.03  # a config must beat the current choice by this much (noise)
+INSTALL_MARGIN = 0.03  # a choice must beat the current one by this much (noise)
+
+
+def engine_default(linear: str, num_cols: int, size_k: int) -> GemvConfig | None:
+    """What the engine runs ``linear`` on where the table says nothing (``None``: cuBLAS):
+    the GEMV for o, down (the activation fused) and the LM head, cuBLAS for qkv and gate_up."""
+    from engine.models.llama import LAYER_GEMV_CONFIG
+
+    if linear in ("o", "down+silu"):
+        return LAYER_GEMV_CONFIG
+    if linear == "lm_head":
+        return default_config(num_cols, size_k)
+    return None
 
 
 def install_faster(
     results: list[dict[str, Any]], device_name: str, path: Path | None = None
 ) -> dict[str, str]:
-    """Install each engine linear's fastest config where it beats the engine's current one
-    (the table's, else the engine's default); the installed keys and configs."""
-    from engine.models.llama import LAYER_GEMV_CONFIG
+    """Install, per linear, the fastest of cuBLAS and every GEMV shape timed, where it beats
+    the engine's current choice (the table's, else ``engine_default``) by ``INSTALL_MARGIN``;
+    the installed keys and choices (``"cublas"`` or a config key)."""
     from kernels.linear.gemv_tuning import TUNED_PATH, install, shape_key, tuned_for
 
     path = path or TUNED_PATH
-    chosen: dict[str, GemvConfig] = {}
+    chosen: dict[str, GemvConfig | None] = {}
     for result in results:
-        summary = result["summary"]
-        linear = summary["linear"]
-        if linear not in ENGINE_GEMV_LINEARS + TABLE_GEMV_LINEARS:
-            continue
-        rows, silu = summary["rows"], linear == "down+silu"
-        key = shape_key(rows, summary["N"], summary["K"], silu)
-        fallback = LAYER_GEMV_CONFIG if linear in ("o", "down+silu") else None
-        current = tuned_for(device_name, key, fallback, path)
-        if current is None and linear in TABLE_GEMV_LINEARS:
-            current_us = result["timings_us"]["cublas"]
-        else:
-            current = current or default_config(summary["N"], summary["K"])
-            current_us = result["timings_us"][config_key(current)]
-        best = summary["best"]
-        if result["timings_us"][best] < (1 - INSTALL_MARGIN) * current_us:
-            chosen[key] = parse_key(best)
+        summary, timings = result["summary"], result["timings_us"]
+        silu = summary["linear"] == "down+silu"
+        key = shape_key(summary["rows"], summary["N"], summary["K"], silu)
+        default = engine_default(summary["linear"], summary["N"], summary["K"])
+        current = choice_key(tuned_for(device_name, key, default, path))
+        best = min(timings, key=timings.__getitem__)
+        if timings[best] < (1 - INSTALL_MARGIN) * timings.get(current, float("inf")):
+            chosen[key] = None if best == "cublas" else parse_key(best)
     if chosen:
         install(device_name, chosen, path)
-    return {key: config_key(config) for key, config in chosen.items()}
+    return {key: choice_key(choice) for key, choice in chosen.items()}
+
+
+def choice_key(choice: GemvConfig | None) -> str:
+    """A timing's key: ``"cublas"`` for ``None``, else ``config_key``."""
+    return "cublas" if choice is None else config_key(choice)
 
 
 def config_key(config: GemvConfig) -> str:

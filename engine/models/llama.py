@@ -35,7 +35,7 @@ from engine.models.moe import (
 )
 from engine.quant.linear import PackedWeight, QuantizedLinear
 from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
-from kernels.linear.gemv_triton import GemvConfig, gemv
+from kernels.linear.gemv_triton import GemvConfig, default_config, gemv
 from kernels.linear.gemv_tuning import tuned_config
 from kernels.linear.int8_rows_triton import Int8Rows
 
@@ -155,7 +155,8 @@ class Attention(nn.Module):
         if takes_gemv(attn, self.o_proj):
             weight = self.o_proj.weight
             config = tuned_config(weight, attn.shape[0], False, LAYER_GEMV_CONFIG)
-            return self.group.all_reduce(gemv(attn, weight, config=config))
+            if config is not None:  # None: cuBLAS measured faster on this GPU
+                return self.group.all_reduce(gemv(attn, weight, config=config))
         return self.group.all_reduce(self.o_proj(attn))
 
     def project(
@@ -211,10 +212,11 @@ class MLP(nn.Module):
     ) -> torch.Tensor:
         gate_up = input_linear(x, self.gate_up_proj)
         rounding = self.ops.silu_and_mul_int8
-        if takes_gemv(gate_up, self.down_proj):  # the activation in the GEMV's prologue
-            weight = self.down_proj.weight
-            config = tuned_config(weight, gate_up.shape[0], True, LAYER_GEMV_CONFIG)
-            down = gemv(gate_up, weight, silu_mul=True, config=config)
+        config = None
+        if takes_gemv(gate_up, self.down_proj):  # None: cuBLAS measured faster on this GPU
+            config = tuned_config(self.down_proj.weight, gate_up.shape[0], True, LAYER_GEMV_CONFIG)
+        if config is not None:  # the activation in the GEMV's prologue
+            down = gemv(gate_up, self.down_proj.weight, silu_mul=True, config=config)
         elif rounding is not None and takes_int8_rows(gate_up, self.down_proj):
             down = self.down_proj(rounding(gate_up))  # the activation rounds for the int8 kernel
         else:
@@ -372,8 +374,11 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head.weight
         if takes_gemv(hidden, self.lm_head):
             # batch-1 decode: the LM head is the largest single read of the step, and the GEMV
-            # streams it at the bandwidth limit where cuBLAS reached 0.93 of it (H100, bf16)
-            return gemv(hidden, weight, out=out, config=tuned_config(weight, 1, False, None))
+            # streams it at the bandwidth limit where cuBLAS reached 0.93 of it (H100, bf16);
+            # on GPUs where the table measured cuBLAS faster (None), cuBLAS
+            config = tuned_config(weight, 1, False, default_config(*weight.shape))
+            if config is not None:
+                return gemv(hidden, weight, out=out, config=config)
         if out is None:
             return self.lm_head(hidden)
         # into a caller's buffer (a CUDA graph's one static logits tensor); lm_head has no bias
