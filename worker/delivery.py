@@ -19,14 +19,13 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
-from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
-from clients.protocol import DeadLetter, Keys
+from clients.connect import is_cluster
+from clients.protocol import DeadLetter, Keys, key_slot
 
 # Renew only the entries still pending under this consumer; return the ids that are not (a
 # worker that took them over owns them now). Atomic, so a takeover cannot slip in between.
@@ -317,7 +316,7 @@ class RequestStream:
             return [events] if events else []
         groups: dict[int, list[OutEvent]] = {}
         for event in events:
-            groups.setdefault(key_slot(self.keys.out(event.request_id).encode()), []).append(event)
+            groups.setdefault(key_slot(self.keys.out(event.request_id)), []).append(event)
         return list(groups.values())
 
     async def _write_group(self, events: list[OutEvent], stream: str) -> Any:
@@ -339,11 +338,6 @@ class RequestStream:
             approximate=True,
         )
         await self.ack([entry.entry_id], entry.stream)
-
-
-def is_cluster(redis: Any) -> bool:
-    """Whether ``redis`` is a Redis Cluster client (keys of one call must share a slot)."""
-    return isinstance(redis, RedisCluster)
 
 
 def text(value: bytes | str) -> str:
