@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from clients import protocol
 from clients.batch import BatchClient, BatchResult, BatchStatus
+from clients.connect import cluster_from_env, connect, is_cluster
 from clients.protocol import (
     CancelNotice,
     DoneEvent,
@@ -26,8 +27,8 @@ from clients.protocol import (
     TokenLogprob,
     Usage,
 )
-from clients.reader import StreamReader, Subscription
-from clients.router import Router, routing_from_env
+from clients.reader import PerStreamReader, StreamReader, Subscription
+from clients.router import Router, routing_from_env, shards_from_env
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEADLINE_GRACE_S = 5.0  # after a request's deadline, wait this long for its `timeout` event
@@ -127,6 +128,9 @@ class AsyncClient:
 
     ``timeout_s`` (here, or per call) bounds how long a call waits for the request's end; it
     also becomes the request's deadline, after which a worker ends it as ``timeout``.
+    ``shards``: how many request streams the deployment's workers read (its ``--shards``);
+    each request goes to one, by its session or its id. ``cluster``: ``redis_url`` names a
+    node of a Redis Cluster (batch jobs then are not available: arq needs one Redis).
     """
 
     def __init__(
@@ -135,16 +139,24 @@ class AsyncClient:
         *,
         prefix: str = protocol.DEFAULT_PREFIX,
         timeout_s: float | None = None,
-        redis: aioredis.Redis | None = None,
+        redis: aioredis.Redis | Any = None,
         routing: bool | None = None,
+        shards: int | None = None,
+        cluster: bool | None = None,
     ) -> None:
-        self.redis = redis or aioredis.Redis.from_url(redis_url)
-        self.keys = Keys(prefix)
+        # A Redis Cluster when ``cluster`` (None: PAGESTREAM_REDIS_CLUSTER) or ``redis`` is one.
+        if redis is None:
+            redis = connect(redis_url, cluster=cluster_from_env() if cluster is None else cluster)
+        self.redis = redis
+        # The deployment's request streams (docs/protocol.md#shards); None: PAGESTREAM_SHARDS.
+        self.keys = Keys(prefix, shards_from_env() if shards is None else shards)
         # Prefix-aware routing (docs/routing.md); None: PAGESTREAM_ROUTING decides.
         self.router = Router(self.redis, self.keys) if _routing(routing) else None
         self.timeout_s = timeout_s
-        self.batches = BatchClient(self.redis, prefix)
-        self._reader = StreamReader(self.redis, self.keys)
+        # arq's transactions span keys of several slots: no batch jobs on a Redis Cluster
+        self._batches = None if is_cluster(self.redis) else BatchClient(self.redis, prefix)
+        reader = PerStreamReader if is_cluster(self.redis) else StreamReader
+        self._reader = reader(self.redis, self.keys)
 
     async def close(self) -> None:
         await self._reader.close()
@@ -196,7 +208,8 @@ class AsyncClient:
         if self.router is not None:
             await self.router.enqueue(request, payload)
         else:
-            await self.redis.xadd(self.keys.requests, {protocol.PAYLOAD_FIELD: payload})
+            shard = self.keys.shard_for(request.id, request.session)
+            await self.redis.xadd(shard, {protocol.PAYLOAD_FIELD: payload})
         return request_id
 
     async def events(
@@ -317,7 +330,9 @@ class AsyncClient:
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request, queued or running; its stream then ends with ``done``/``cancelled``."""
-        pipe = self.redis.pipeline(transaction=True)
+        # Two slots in a Redis Cluster, so not one transaction: the key first, which a worker
+        # reads when it admits the request; the notice wakes the worker running it.
+        pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.cancel(request_id), 1, ex=protocol.CANCEL_TTL_S)
         pipe.xadd(
             self.keys.cancels,
@@ -333,6 +348,16 @@ class AsyncClient:
         return None if timeout_s is None else timeout_s + DEADLINE_GRACE_S
 
     # -- batch jobs (see clients.batch and docs/batch.md) -----------------------------------------
+
+    @property
+    def batches(self) -> BatchClient:
+        """The batch jobs' client; ``ClientError`` on a Redis Cluster."""
+        if self._batches is None:
+            raise ClientError(
+                "batch jobs need a single Redis, not a Redis Cluster (arq's transactions span "
+                "keys of several slots): give the batch client a standalone Redis's URL"
+            )
+        return self._batches
 
     async def submit_batch(
         self,

@@ -12,8 +12,12 @@ This module imports msgspec only: workers and clients both use it, and clients n
 
 from __future__ import annotations
 
+import binascii
 import enum
+import functools
+import itertools
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,20 +36,53 @@ HEARTBEAT_TTL_S = 15  # {p}:worker:{name} vanishes this long after the worker's 
 CANCELS_MAXLEN = 10_000  # {p}:cancels keeps about this many recent notices
 DEAD_MAXLEN = 100_000  # {p}:dead keeps about this many entries
 MAX_REQUEST_ID_CHARS = 256
+MAX_SHARDS = 256  # request streams of one deployment, at most
+CLUSTER_SLOTS = 16384  # Redis Cluster's hash slots
 # msgpack's integers: what any integer field of a payload can hold
 MIN_INT, MAX_INT = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
 class Keys:
-    """Builds every Redis key of one deployment (all share ``prefix``)."""
+    """Builds every Redis key of one deployment (all share ``prefix``).
+
+    ``num_shards`` request streams take the requests (one: ``{p}:requests``, as ever); clients
+    and workers of a deployment must agree on it."""
 
     prefix: str = DEFAULT_PREFIX
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_shards <= MAX_SHARDS:
+            raise ValueError(f"the number of shards must be 1..{MAX_SHARDS}, got {self.num_shards}")
 
     @property
     def requests(self) -> str:
-        """The request stream every client ``XADD``s to."""
+        """The request stream of a deployment with one shard (shard 0's key)."""
         return f"{self.prefix}:requests"
+
+    @property
+    def shards(self) -> list[str]:
+        """Every request stream (shard) of the deployment, in shard order."""
+        return [self.shard(index) for index in range(self.num_shards)]
+
+    def shard(self, index: int) -> str:
+        """Request stream ``index`` (0-based). With more than one shard each key holds a hash
+        tag of its own (``{p}:requests:{s1-4}``) chosen so that shard i of K lies in the i-th
+        K-th of Redis Cluster's slots: on a cluster whose primaries hold equal slot ranges in
+        order (what ``redis-cli --cluster create`` does), K = the number of primaries puts one
+        shard on each."""
+        if self.num_shards == 1:
+            return self.requests
+        return f"{self.prefix}:requests:{{{shard_tag(index, self.num_shards)}}}"
+
+    def shard_for(self, request_id: str, session: str | None = None) -> str:
+        """The shard a request goes to: by its ``session`` when it has one (a conversation's
+        turns share a shard), else by its id."""
+        if self.num_shards == 1:
+            return self.requests
+        placed_by = request_id if session is None else session
+        return self.shard(zlib.crc32(placed_by.encode()) % self.num_shards)
 
     @property
     def group(self) -> str:
@@ -107,6 +144,33 @@ class Keys:
     def session(self, session_id: str) -> str:
         """The worker that last served this session (with a TTL)."""
         return f"{self.prefix}:session:{{{session_id}}}"
+
+
+def key_slot(key: str) -> int:
+    """The Redis Cluster hash slot of ``key``: CRC16 (XMODEM) of its hash tag (the text in its
+    first non-empty ``{...}``), else of the whole key, mod 16384."""
+    data = key.encode()
+    start = data.find(b"{")
+    if start >= 0:
+        end = data.find(b"}", start + 1)
+        if end > start + 1:
+            data = data[start + 1 : end]
+    return binascii.crc_hqx(data, 0) % CLUSTER_SLOTS
+
+
+@functools.lru_cache(maxsize=MAX_SHARDS)
+def shard_tag(index: int, num_shards: int) -> str:
+    """The hash tag of shard ``index`` of ``num_shards``: the first ``s{index}-{n}`` whose slot
+    lies in the ``index``-th of ``num_shards`` equal slot ranges."""
+    if not 0 <= index < num_shards:
+        raise ValueError(f"shard index must be 0..{num_shards - 1}, got {index}")
+    low = index * CLUSTER_SLOTS // num_shards
+    high = (index + 1) * CLUSTER_SLOTS // num_shards
+    for n in itertools.count():
+        tag = f"s{index}-{n}"
+        if low <= key_slot(f"{{{tag}}}") < high:
+            return tag
+    raise AssertionError("unreachable")
 
 
 # -- requests ----------------------------------------------------------------------------------

@@ -179,3 +179,51 @@ class StreamReader:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+class PerStreamReader(StreamReader):
+    """``StreamReader`` for a Redis Cluster, where one ``XREAD`` cannot span hash slots (and
+    every out stream has a slot of its own): each stream is read by a blocked ``XREAD`` of its
+    own, on a connection to the primary that holds it, started with its first subscriber and
+    ended once it has none (within a read's block time)."""
+
+    def __init__(self, redis: Any, keys: Keys) -> None:
+        super().__init__(redis, keys)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def subscribe(self, key: str, after: str) -> Subscription:
+        subscription = Subscription(key, after)
+        self._subscriptions.setdefault(key, []).append(subscription)
+        if key not in self._tasks:
+            self._tasks[key] = asyncio.create_task(self._read_stream(key), name=f"read {key}")
+        return subscription
+
+    async def close(self) -> None:
+        tasks, self._tasks = list(self._tasks.values()), {}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read_stream(self, key: str) -> None:
+        delay_s = BACKOFF_MIN_S
+        try:
+            while self._subscriptions.get(key):
+                read_from = min((s.last_id for s in self._subscriptions[key]), key=stream_id)
+                try:
+                    reply = await self._redis.xread(
+                        {key: read_from}, count=READ_COUNT, block=READ_BLOCK_MS
+                    )
+                except REDIS_ERRORS:
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, BACKOFF_MAX_S)
+                    continue
+                except ResponseError as exc:  # not a stream: its readers fail
+                    for subscription in self._subscriptions.pop(key, []):
+                        subscription.queue.put_nowait(exc)
+                    return
+                delay_s = BACKOFF_MIN_S
+                for _, entries in reply or []:
+                    self._deliver(key, entries, read_from=read_from)
+        finally:
+            if self._tasks.get(key) is asyncio.current_task():
+                del self._tasks[key]

@@ -3,9 +3,11 @@
 With routing on, ``AsyncClient.submit`` reads, in one pipelined round trip, the holders of
 each link of the request's chain (``{p}:px:{link}``, sorted sets the workers write) and the
 session's pin, then the heartbeats of those workers, and enqueues to the chosen worker's own
-stream, ``{p}:requests:{name}``, or to the shared ``{p}:requests``. The enqueue is a script
-that checks the chosen worker's heartbeat in the same atomic step: an entry never lands in the
-stream of a worker already gone (its stream may be pruned), only on the shared stream.
+stream, ``{p}:requests:{name}``, or to the request's shard (``{p}:requests`` with one). The
+enqueue is a script that appends only while the chosen worker's stream exists, in the same
+atomic step: an entry never lands in a stream already pruned (a worker's stream is pruned
+only when its heartbeat is gone and it is empty), only on the shard. The script touches that
+one key, so it runs in a Redis Cluster too.
 """
 
 from __future__ import annotations
@@ -14,24 +16,38 @@ import os
 from typing import Any
 
 from clients import protocol
+from clients.connect import get_many
 from clients.protocol import Keys, Request, WorkerStatus
 from clients.routing import WorkerLoad, choose_worker, link_key, request_chain
 
 ROUTING_ENV = "PAGESTREAM_ROUTING"
+SHARDS_ENV = "PAGESTREAM_SHARDS"
 
-# KEYS: the chosen worker's heartbeat, its stream, the shared stream. ARGV: the payload.
-# Returns {1 if routed else 0, entry id}.
+# KEYS: the chosen worker's stream. ARGV: the payload. Returns the entry id, or false when
+# the stream is gone (the caller enqueues on the shard instead).
 ENQUEUE_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {1, redis.call('XADD', KEYS[2], '*', 'msg', ARGV[1])}
+  return redis.call('XADD', KEYS[1], '*', 'msg', ARGV[1])
 end
-return {0, redis.call('XADD', KEYS[3], '*', 'msg', ARGV[1])}
+return false
 """
 
 
 def routing_from_env() -> bool:
     """``PAGESTREAM_ROUTING``: 1/true/yes/on turns routing on where the caller does not say."""
     return os.environ.get(ROUTING_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def shards_from_env() -> int:
+    """``PAGESTREAM_SHARDS``: the deployment's number of request streams (unset: 1)."""
+    value = os.environ.get(SHARDS_ENV, "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or not 1 <= int(value) <= protocol.MAX_SHARDS:
+        raise ValueError(
+            f"{SHARDS_ENV}={value!r}: give the number of request streams, 1..{protocol.MAX_SHARDS}"
+        )
+    return int(value)
 
 
 class Router:
@@ -57,7 +73,7 @@ class Router:
         names = sorted(named if pinned is None else named | {pinned})
         if not names:
             return None
-        beats = await self.redis.mget([self.keys.worker(name) for name in names])
+        beats = await get_many(self.redis, [self.keys.worker(name) for name in names])
         loads = {name: _load(beat) for name, beat in zip(names, beats, strict=True) if beat}
         live = {name: load for name, load in loads.items() if load is not None}
         return choose_worker(holders, live, pinned)
@@ -66,12 +82,13 @@ class Router:
         """Enqueue ``payload`` (the encoded ``request``); returns the worker it was routed to,
         None when it went to the shared stream."""
         chosen = await self.choose(request)
-        if chosen is None:
-            await self.redis.xadd(self.keys.requests, {protocol.PAYLOAD_FIELD: payload})
-            return None
-        keys = [self.keys.worker(chosen), self.keys.routed(chosen), self.keys.requests]
-        routed, _ = await self._enqueue(keys=keys, args=[payload])
-        return chosen if int(routed) else None
+        if chosen is not None and await self._enqueue(
+            keys=[self.keys.routed(chosen)], args=[payload]
+        ):
+            return chosen
+        shard = self.keys.shard_for(request.id, request.session)
+        await self.redis.xadd(shard, {protocol.PAYLOAD_FIELD: payload})
+        return None
 
 
 def _load(beat: bytes) -> WorkerLoad | None:

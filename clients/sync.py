@@ -34,13 +34,18 @@ class Client:
         prefix: str = DEFAULT_PREFIX,
         timeout_s: float | None = None,
         routing: bool | None = None,
+        shards: int | None = None,
+        cluster: bool | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=_run_loop, args=(self._loop,), name="pagestream-client", daemon=True
         )
         self._thread.start()
-        self._client = AsyncClient(redis_url, prefix=prefix, timeout_s=timeout_s, routing=routing)
+        self._client = AsyncClient(
+            redis_url, prefix=prefix, timeout_s=timeout_s, routing=routing, shards=shards,
+            cluster=cluster,
+        )  # fmt: skip
         # Without this, a client left open leaves its stream reader blocked in XREAD on a loop
         # that interpreter exit freezes; the garbage collector then destroys the pending task
         # off its loop ("Task was destroyed but it is pending!"). The finalizer holds no

@@ -36,6 +36,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", default=DEFAULT_REDIS_URL,
                    help=f"the workers' Redis (default {DEFAULT_REDIS_URL})")  # fmt: skip
     g.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the deployment")
+    g.add_argument("--redis-cluster", type=on_off, default=False, metavar="on/off",
+                   help="--redis-url names a node of a Redis Cluster (default off)")  # fmt: skip
+    g.add_argument("--shards", type=positive_int, default=1,
+                   help="request streams of the deployment, as the workers' --shards (default 1)")  # fmt: skip
     g.add_argument("--host", default=config.DEFAULT_HOST,
                    help=f"address to listen on (default {config.DEFAULT_HOST}; 0.0.0.0 = all)")  # fmt: skip
     g.add_argument("--port", type=int, default=config.DEFAULT_PORT,
@@ -71,7 +75,9 @@ def settings_from_args(args: argparse.Namespace) -> config.GatewaySettings:
     keys = tuple(key.strip() for key in args.api_key or [] if key.strip())
     try:
         return config.GatewaySettings(
-            redis_url=args.redis_url, prefix=args.prefix, host=args.host, port=args.port,
+            redis_url=args.redis_url, redis_cluster=args.redis_cluster, prefix=args.prefix,
+            num_shards=args.shards,
+            host=args.host, port=args.port,
             api_keys=keys, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout_s,
             chat_max_tokens=args.chat_max_tokens, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, routing=args.routing,

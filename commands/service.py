@@ -39,7 +39,7 @@ def register(subparsers: Subparsers) -> None:
         subparsers.add_parser(name, help=help_text, description=help_text, configure=configure)
 
 
-def _add_redis_args(parser: argparse.ArgumentParser) -> None:
+def _add_redis_args(parser: argparse.ArgumentParser, *, shards: bool = False) -> None:
     from clients.protocol import DEFAULT_PREFIX
 
     parser.add_argument(
@@ -47,7 +47,23 @@ def _add_redis_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_REDIS_URL,
         help=f"redis:// or rediss:// URL, password included if any (default {DEFAULT_REDIS_URL})",
     )
+    parser.add_argument(
+        "--redis-cluster",
+        type=on_off,
+        default=False,
+        metavar="on/off",
+        help="--redis-url names a node of a Redis Cluster (default off)",
+    )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the deployment")
+    if not shards:
+        return
+    parser.add_argument(
+        "--shards",
+        type=positive_int,
+        default=1,
+        help="request streams of the deployment; clients and workers must agree (default 1: "
+        "the one stream {prefix}:requests)",
+    )
 
 
 # -- worker ------------------------------------------------------------------------------------
@@ -57,7 +73,7 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
     from engine.config_flags import add_engine_args
     from worker.batch import add_batch_args
 
-    _add_redis_args(parser)
+    _add_redis_args(parser, shards=True)
     g = parser.add_argument_group("service")
     g.add_argument("--name", help="consumer name in the group (default host-pid); unique")
     g.add_argument(
@@ -159,7 +175,9 @@ def run_worker(args: argparse.Namespace) -> int:
     async def serve() -> None:
         engine_thread = EngineThread(engine)
         service = WorkerService(settings, engine_thread)
-        batches = BatchRunner(batch_settings, engine_thread) if batch_settings.max_jobs else None
+        # arq needs one Redis: on a Redis Cluster this worker serves the streams alone
+        with_batches = batch_settings.max_jobs and not settings.redis_cluster
+        batches = BatchRunner(batch_settings, engine_thread) if with_batches else None
 
         def request_stop() -> None:
             service.request_stop()
@@ -186,7 +204,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def _configure_submit(parser: argparse.ArgumentParser) -> None:
-    _add_redis_args(parser)
+    _add_redis_args(parser, shards=True)
     parser.add_argument("prompt", help="the prompt; its text streams to stdout")
     parser.add_argument("--chat", action="store_true", help="send it as one user message")
     parser.add_argument("--id", help="request id (default: a random one)")
@@ -208,7 +226,9 @@ def run_submit(args: argparse.Namespace) -> int:
         else {"prompt": args.prompt}
     )
     start_s = time.perf_counter()
-    with Client(args.redis_url, prefix=args.prefix) as client:
+    with Client(
+        args.redis_url, prefix=args.prefix, shards=args.shards, cluster=args.redis_cluster
+    ) as client:
         try:
             for event in client.stream(
                 **prompt, request_id=args.id, timeout_s=args.timeout_s, priority=args.priority,
@@ -241,7 +261,7 @@ def run_cancel(args: argparse.Namespace) -> int:
     """Handler of ``pagestream cancel``."""
     from clients import Client
 
-    with Client(args.redis_url, prefix=args.prefix) as client:
+    with Client(args.redis_url, prefix=args.prefix, cluster=args.redis_cluster) as client:
         client.cancel(args.request_id)
     print(f"cancel sent for {args.request_id}", file=sys.stderr)
     return 0
@@ -267,7 +287,11 @@ def run_health(args: argparse.Namespace) -> int:
     from clients.protocol import Keys, WorkerStatus, decode_struct
 
     keys = Keys(args.prefix)
-    client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    client: Any = (
+        redis.RedisCluster.from_url(args.redis_url, socket_timeout=5)  # SCAN covers every node
+        if args.redis_cluster
+        else redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    )
     try:
         names = (
             [keys.worker(args.name)] if args.name else list(client.scan_iter(keys.worker_pattern()))

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest_plugins = [
     "tests.redis_server",
+    "tests.redis_cluster",
     "tests.service_fixtures",
     "tests.gateway_fixtures",
     "tests.structured_fixtures",

@@ -24,7 +24,8 @@ PACKAGES = ("commands", "worker", "bench", "clients", "engine", "kernels")
 SERVICE_COMMANDS = ("up", "worker", "gateway")
 # Variables these commands share on purpose: the same setting under the same name
 SHARED_ON_PURPOSE = {"PAGESTREAM_PREFIX", "PAGESTREAM_REDIS_URL", "PAGESTREAM_GRACE_S",
-                     "PAGESTREAM_LOG_LEVEL", "PAGESTREAM_ROUTING"}  # fmt: skip
+                     "PAGESTREAM_LOG_LEVEL", "PAGESTREAM_ROUTING", "PAGESTREAM_SHARDS",
+                     "PAGESTREAM_REDIS_CLUSTER"}  # fmt: skip
 
 
 # -- abbreviations -----------------------------------------------------------------------------

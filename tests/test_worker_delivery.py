@@ -24,7 +24,7 @@ from clients import (
 )
 from tests.redis_server import RedisServer
 from tests.service_fixtures import WORDS
-from worker.delivery import OutEvent, RequestStream
+from worker.delivery import Entry, OutEvent, Ownership, RequestStream
 
 KEYS = protocol.Keys()
 GOOD = dict(max_tokens=6, temperature=0, ignore_eos=True)
@@ -286,7 +286,7 @@ def test_a_worker_whose_lease_was_taken_over_writes_and_acknowledges_nothing(
     redis_server: RedisServer,
 ) -> None:
     """Fencing: a stalled worker (or one cut off while Redis restarted) whose entry another
-    worker claimed cannot write after the new owner's ``restart`` nor acknowledge its entry."""
+    worker took over cannot write after the new owner's ``restart`` nor acknowledge its entry."""
 
     async def scenario() -> None:
         r = aioredis.Redis.from_url(redis_server.url)
@@ -294,17 +294,24 @@ def test_a_worker_whose_lease_was_taken_over_writes_and_acknowledges_nothing(
         await stalled.ensure_group()
         entry_id = (await r.xadd(KEYS.requests, {"msg": b"x"})).decode()
         await r.xreadgroup(KEYS.group, "stalled", {KEYS.requests: ">"}, count=1)
-        await r.xclaim(KEYS.requests, KEYS.group, "taker", 0, [entry_id], justid=True)
+        entry = Entry(entry_id, {})
+        assert await stalled.own("fenced", entry) is Ownership.NEW
+        await r.xautoclaim(KEYS.requests, KEYS.group, "taker", 0, "0-0")
         token = OutEvent("fenced", entry_id, b"token", True)
+        # Taken over but not yet run: the stalled worker's token still lands (before the
+        # new owner's restart); its acknowledgement does not.
+        published = await stalled.publish([token], acks=[entry_id])
+        assert published.lost == [entry_id] and await r.xlen(KEYS.out("fenced")) == 1
+        assert await taker.own("fenced", entry) is Ownership.RETRY  # the claim moves
         published = await stalled.publish([token, token], acks=[entry_id])
-        assert published.lost == [entry_id] and published.num_written == 2
-        assert await r.xlen(KEYS.out("fenced")) == 0
+        assert published.lost == [entry_id] and published.unwritten == []
+        assert await r.xlen(KEYS.out("fenced")) == 1
         pending = await r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 10)
         assert [(p["message_id"].decode(), p["consumer"].decode()) for p in pending] == [
             (entry_id, "taker")
         ]
         published = await taker.publish([token], acks=[entry_id])  # the owner writes and acks
-        assert published.lost == [] and await r.xlen(KEYS.out("fenced")) == 1
+        assert published.lost == [] and await r.xlen(KEYS.out("fenced")) == 2
         assert await r.xpending(KEYS.requests, KEYS.group) == {
             "pending": 0, "min": None, "max": None, "consumers": []
         }  # fmt: skip

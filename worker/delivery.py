@@ -5,23 +5,27 @@ worker's name until it is acknowledged with the request's terminal event. While 
 worker renews its lease (resets the entry's idle time); an entry idle longer than the lease
 belongs to a worker that died, and another worker takes it over with ``XAUTOCLAIM``.
 
-``{p}:claim:{id}`` maps a request id to the stream entry that owns it: only that entry's
-worker writes to ``{p}:out:{id}``, so a second entry with the same id is never run.
+``{p}:claim:{id}`` maps a request id to the stream entry that owns it and the consumer that
+runs it: only that consumer writes to ``{p}:out:{id}`` (a second entry with the same id is
+never run, and a worker whose entry was taken over writes nothing more). The claim and the
+out stream share the request's hash slot, so the fenced write is one script call per slot in
+a Redis Cluster; the request streams' own scripts touch one stream each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
-from clients.protocol import DeadLetter, ErrorEvent, Keys
+from clients.connect import is_cluster
+from clients.protocol import DeadLetter, Keys, key_slot
 
 # Renew only the entries still pending under this consumer; return the ids that are not (a
 # worker that took them over owns them now). Atomic, so a takeover cannot slip in between.
@@ -38,55 +42,78 @@ end
 return lost
 """
 
-# One engine step's events in one call: append each to its request's out stream (refreshing
-# the TTL where asked), then acknowledge and delete the finished requests' entries. Atomic
-# like MULTI, and one command to encode where a pipeline has hundreds (the event loop shares
-# the GIL with the engine thread). Fenced: an event or acknowledgement is written only while
-# its entry is still pending under this consumer, so a worker whose lease was taken over (it
-# stalled, or Redis was down longer than the lease) cannot write after the new owner's
-# `restart` or acknowledge the entry the new owner runs; its lost entries are returned. A
-# write Redis refuses for its key (an out key that is not a stream) is reported, not retried,
-# and does not stop the others. A full Redis (OOM, under `maxmemory` with `noeviction`) stops
-# the call where it is, before any acknowledgement: the caller retries the rest later, so no
-# event is lost and no entry is acknowledged without its terminal event.
-# KEYS: the request stream, then each event's out stream. ARGV: group, consumer, TTL s,
-# n events, n payloads, n TTL flags ('1' = refresh), n entry ids (the events' owners), then the
-# entry ids to acknowledge. Returns {events done (n unless Redis is full), refusals as
-# "key: error", entry ids no longer this consumer's}.
-PUBLISH_SCRIPT = """
-local group, consumer, n = ARGV[1], ARGV[2], tonumber(ARGV[4])
+# A request id's owner, in {p}:claim:{id}: "ENTRY_ID STREAM CONSUMER" (the entry and the stream
+# it came through: entry ids are unique within one stream only). The first entry of an id sets
+# it (`new`); a redelivery of that entry (its worker died) moves it to the new consumer (`retry`):
+# from then on the old consumer's writes are refused (the fence below); a value naming another
+# entry means a duplicate id. A bare ENTRY_ID (written before the consumer was part of it)
+# counts as that entry's. The claim lives in the request's hash slot, beside its out stream.
+# KEYS: the claim. ARGV: this owner's value, the entry id, "ENTRY_ID STREAM " (any consumer), TTL s.
+OWN_SCRIPT = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[4]) then return 'new' end
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[2] or string.sub(v, 1, #ARGV[3]) == ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
+  return 'retry'
+end
+return 'duplicate'
+"""
+
+# Events in one call: append each to its request's out stream (refreshing the TTL where asked).
+# Fenced: an event is written only while its request's claim names this owner, so a worker
+# whose entry another worker took over (it stalled, or Redis was down longer than the lease)
+# cannot write after the new owner's `restart`; the entries it lost are returned. Every key
+# of one request shares its hash slot; a Redis Cluster gets one call per slot, a single Redis
+# one call for all (one command to encode where a pipeline has hundreds: the event loop shares
+# the GIL with the engine thread). A write Redis refuses for its key (an out key that is not a
+# stream) is reported, not retried, and does not stop the others. A full Redis (OOM, under
+# `maxmemory` with `noeviction`) stops the call where it is: the caller retries the rest later.
+# KEYS: per event its out stream and its claim. ARGV: TTL s, then per event its payload, TTL
+# flag ('1' = refresh), owner value (the claim it needs) and entry id. Returns {events done (n
+# unless Redis is full), refusals as "key: error", entry ids no longer this owner's}.
+WRITE_SCRIPT = """
+local n = #KEYS / 2
 local owned = {}
 local lost = {}
-local function owns(entry_id)
-  if owned[entry_id] == nil then
-    local p = redis.call('XPENDING', KEYS[1], group, entry_id, entry_id, 1)
-    owned[entry_id] = (p[1] ~= nil and p[1][2] == consumer)
-    if not owned[entry_id] then table.insert(lost, entry_id) end
-  end
-  return owned[entry_id]
-end
 local refused = {}
 for i = 1, n do
-  local key = KEYS[i + 1]
-  if owns(ARGV[4 + 2 * n + i]) then
-    local reply = redis.pcall('XADD', key, '*', 'msg', ARGV[4 + i])
+  local key, claim = KEYS[2 * i - 1], KEYS[2 * i]
+  local payload, refresh, owner, entry_id = ARGV[4 * i - 2], ARGV[4 * i - 1], ARGV[4 * i], ARGV[4 * i + 1]
+  if owned[claim] == nil then
+    owned[claim] = redis.call('GET', claim) == owner
+    if not owned[claim] then table.insert(lost, entry_id) end
+  end
+  if owned[claim] then
+    local reply = redis.pcall('XADD', key, '*', 'msg', payload)
     if type(reply) == 'table' and reply.err then
       if string.find(reply.err, 'OOM', 1, true) then  -- '-OOM command not allowed ...'
         return {i - 1, refused, lost}
       end
       table.insert(refused, key .. ': ' .. reply.err)
-    elseif ARGV[4 + n + i] == '1' then
-      redis.call('EXPIRE', key, ARGV[3])
+    elseif refresh == '1' then
+      redis.call('EXPIRE', key, ARGV[1])
     end
   end
 end
-for j = 5 + 3 * n, #ARGV do
-  if owns(ARGV[j]) then
-    redis.pcall('XACK', KEYS[1], group, ARGV[j])
-    redis.pcall('XDEL', KEYS[1], ARGV[j])
+return {n, refused, lost}
+"""
+
+# Acknowledge and delete entries of one request stream, each only while it is pending under
+# this consumer (a worker that lost its lease must not acknowledge the entry its new owner
+# runs). Called only once the entries' terminal events are written. KEYS: the request stream.
+# ARGV: group, consumer, entry ids. Returns the entry ids no longer this consumer's.
+ACK_SCRIPT = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+  else
+    table.insert(lost, ARGV[i])
   end
 end
-return {n, refused, lost}
+return lost
 """
 
 # Errors that mean "Redis is unreachable right now": back off and retry, never give up.
@@ -111,11 +138,12 @@ class OutEvent:
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """What ``publish`` did: the first ``num_written`` events are done (written, or skipped
-    as ``lost``; all of them unless Redis is full); ``refused`` are the writes Redis refused
-    for their key, as messages; ``lost`` the entries another worker has taken over."""
+    """What ``publish`` did: ``unwritten`` are the events still to write (Redis is full; none
+    otherwise: every other event was written, or skipped as ``lost``); ``refused`` are the
+    writes Redis refused for their key, as messages; ``lost`` the entries another worker has
+    taken over."""
 
-    num_written: int
+    unwritten: list[OutEvent]
     refused: list[str]
     lost: list[str]
 
@@ -135,19 +163,23 @@ class Entry:
 
 
 class RequestStream:
-    """The request stream seen by one consumer (worker) of the group."""
+    """The request streams seen by one consumer (worker) of the group."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, consumer: str) -> None:
+    def __init__(self, redis: Any, keys: Keys, consumer: str) -> None:
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
+        self.cluster = is_cluster(redis)
         self._renew = redis.register_script(RENEW_SCRIPT)
-        self._publish = redis.register_script(PUBLISH_SCRIPT)
+        self._own = redis.register_script(OWN_SCRIPT)
+        self._write = redis.register_script(WRITE_SCRIPT)
+        self._ack = redis.register_script(ACK_SCRIPT)
 
-    async def ensure_group(self) -> None:
-        """Create the stream and its group if missing (e.g. Redis restarted without data)."""
+    async def ensure_group(self, stream: str = "") -> None:
+        """Create ``stream`` ("" is the shared one) and its group if missing (e.g. Redis
+        restarted without data)."""
         try:
-            await self.redis.xgroup_create(self.keys.requests, self.keys.group, "0", mkstream=True)
+            await self.redis.xgroup_create(self.key(stream), self.keys.group, "0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -156,11 +188,16 @@ class RequestStream:
         """The Redis key of ``stream`` ("" is the shared one)."""
         return stream or self.keys.requests
 
+    def owner(self, entry_id: str, stream: str) -> str:
+        """The value of a request's claim while this consumer owns it through ``entry_id``."""
+        return f"{entry_id} {self.key(stream)} {self.consumer}"
+
     async def read_new(
         self, count: int, block_ms: int | None, streams: tuple[str, ...] = ("",)
     ) -> list[Entry]:
         """Up to ``count`` entries (per stream) never delivered before, from ``streams``
-        (keys; "" is the shared stream); waits up to ``block_ms`` (None: not at all)."""
+        (keys; "" is the shared stream); waits up to ``block_ms`` (None: not at all). In a
+        Redis Cluster, ``streams`` must share a hash slot (one stream, in practice)."""
         by_key = {self.key(stream): stream for stream in streams}
         reply = await self.redis.xreadgroup(
             self.keys.group, self.consumer, dict.fromkeys(by_key, ">"), count=count, block=block_ms
@@ -217,15 +254,19 @@ class RequestStream:
             )  # fmt: skip
         await pipe.execute()
 
-    async def own(self, request_id: str, entry_id: str) -> Ownership:
-        """Claim ``request_id`` for ``entry_id`` (``SET NX``), or say who owns it."""
-        key = self.keys.claim(request_id)
-        if await self.redis.set(key, entry_id, nx=True, ex=protocol.CLAIM_TTL_S):
-            return Ownership.NEW
-        owner = await self.redis.get(key)
-        if owner is not None and text(owner) == entry_id:
-            return Ownership.RETRY
-        return Ownership.DUPLICATE
+    async def own(self, request_id: str, entry: Entry) -> Ownership:
+        """Claim ``request_id`` for ``entry``, or take the claim over from the consumer that
+        ran ``entry`` before (after this, that consumer writes nothing more), or say that
+        another entry owns the id (see ``OWN_SCRIPT``)."""
+        stream_key = self.key(entry.stream)
+        reply = await self._own(
+            keys=[self.keys.claim(request_id)],
+            args=[
+                self.owner(entry.entry_id, entry.stream), entry.entry_id,
+                f"{entry.entry_id} {stream_key} ", protocol.CLAIM_TTL_S,
+            ],
+        )  # fmt: skip
+        return Ownership(text(reply))
 
     async def has_terminal_event(self, request_id: str) -> bool:
         """Whether the request's out stream already ends with ``done`` or ``error``."""
@@ -239,54 +280,64 @@ class RequestStream:
             return False
         return isinstance(event, protocol.TERMINAL_EVENTS)
 
-    def ack(self, pipe: Any, entry: Entry) -> None:
-        """Queue on ``pipe``: acknowledge the entry and delete it from its stream."""
-        pipe.xack(self.key(entry.stream), self.keys.group, entry.entry_id)
-        pipe.xdel(self.key(entry.stream), entry.entry_id)
-
-    def add_event(
-        self, pipe: Any, request_id: str, event: protocol.Event, *, refresh_ttl: bool = True
-    ) -> None:
-        """Queue on ``pipe``: append ``event`` to the request's out stream (and refresh its TTL)."""
-        out = self.keys.out(request_id)
-        pipe.xadd(out, {protocol.PAYLOAD_FIELD: protocol.encode(event)})
-        if refresh_ttl:
-            pipe.expire(out, protocol.OUT_STREAM_TTL_S)
+    async def ack(self, entry_ids: list[str], stream: str = "") -> list[str]:
+        """Acknowledge and delete ``entry_ids`` of ``stream``, those still this consumer's;
+        returns the others (see ``ACK_SCRIPT``)."""
+        if not entry_ids:
+            return []
+        lost = await self._ack(
+            keys=[self.key(stream)], args=[self.keys.group, self.consumer, *entry_ids]
+        )
+        return [text(entry_id) for entry_id in lost]
 
     async def publish(self, events: list[OutEvent], acks: list[str], stream: str = "") -> Published:
-        """Write ``events`` and acknowledge the entries ``acks`` (all of ``stream``) in one
-        atomic call, each only while its entry is this consumer's; a full Redis stops it before
-        the acknowledgements (see ``PUBLISH_SCRIPT``), or refuses the whole call
-        (``OutOfMemoryError``)."""
+        """Write ``events`` (each only while its request's claim names this consumer), then,
+        once all are written, acknowledge ``acks`` (entries of ``stream``, those still this
+        consumer's). A full Redis leaves events unwritten and nothing acknowledged (see
+        ``WRITE_SCRIPT``), or refuses the whole call (``OutOfMemoryError``)."""
         assert protocol.PAYLOAD_FIELD == "msg"  # the script's field name
-        keys = [self.key(stream), *(self.keys.out(event.request_id) for event in events)]
-        args: list[Any] = [self.keys.group, self.consumer, protocol.OUT_STREAM_TTL_S, len(events)]
-        args += [event.payload for event in events]
-        args += ["1" if event.refresh_ttl else "0" for event in events]
-        args += [event.entry_id for event in events]
-        args += acks
-        num_done, refused, lost = await self._publish(keys=keys, args=args)
-        return Published(
-            num_written=int(num_done),
-            refused=[text(m) for m in refused],
-            lost=[text(entry_id) for entry_id in lost],
-        )
+        groups = self._by_slot(events)
+        replies = await asyncio.gather(*(self._write_group(group, stream) for group in groups))
+        unwritten: list[OutEvent] = []
+        refused: list[str] = []
+        lost: list[str] = []
+        for group, (num_done, group_refused, group_lost) in zip(groups, replies, strict=True):
+            unwritten += group[int(num_done) :]
+            refused += [text(message) for message in group_refused]
+            lost += [text(entry_id) for entry_id in group_lost]
+        if not unwritten:
+            lost += [entry_id for entry_id in await self.ack(acks, stream) if entry_id not in lost]
+        return Published(unwritten=unwritten, refused=refused, lost=lost)
 
-    async def dead_letter(
-        self, entry: Entry, letter: DeadLetter, error: ErrorEvent | None = None
-    ) -> None:
-        """Move ``entry`` to the dead stream (acknowledged), with an error event if given."""
-        pipe = self.redis.pipeline(transaction=True)
-        if error is not None and letter.request_id is not None:
-            self.add_event(pipe, letter.request_id, error)
-        pipe.xadd(
+    def _by_slot(self, events: list[OutEvent]) -> list[list[OutEvent]]:
+        """``events`` in calls: one per hash slot in a Redis Cluster, else one (order kept
+        within each request, whose keys share a slot)."""
+        if not self.cluster:
+            return [events] if events else []
+        groups: dict[int, list[OutEvent]] = {}
+        for event in events:
+            groups.setdefault(key_slot(self.keys.out(event.request_id)), []).append(event)
+        return list(groups.values())
+
+    async def _write_group(self, events: list[OutEvent], stream: str) -> Any:
+        keys: list[str] = []
+        args: list[Any] = [protocol.OUT_STREAM_TTL_S]
+        for event in events:
+            keys += [self.keys.out(event.request_id), self.keys.claim(event.request_id)]
+            args += [event.payload, "1" if event.refresh_ttl else "0"]
+            args += [self.owner(event.entry_id, stream), event.entry_id]
+        return await self._write(keys=keys, args=args)
+
+    async def dead_letter(self, entry: Entry, letter: DeadLetter) -> None:
+        """Move ``entry`` to the dead stream and acknowledge it (its error event, if any, is
+        already written: a redelivery finds it and writes no second one)."""
+        await self.redis.xadd(
             self.keys.dead,
             {protocol.PAYLOAD_FIELD: protocol.encode(letter)},
             maxlen=protocol.DEAD_MAXLEN,
             approximate=True,
         )
-        self.ack(pipe, entry)
-        await pipe.execute()
+        await self.ack([entry.entry_id], entry.stream)
 
 
 def text(value: bytes | str) -> str:

@@ -1,8 +1,9 @@
 """One request's way through a worker: decode, own, admit, stream events, finish.
 
 Every write to ``{p}:out:{id}`` happens only after this worker's entry owns ``{p}:claim:{id}``,
-so neither a duplicate id nor a hostile entry can write into another request's stream. The
-terminal event and the ``XACK`` go out in one atomic script call.
+so neither a duplicate id nor a hostile entry can write into another request's stream; each
+write checks that claim in the same script call. An entry is acknowledged only after its
+terminal event is written.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class RequestHandler:
             invalid = MalformedEntry(ErrorCode.INVALID_REQUEST, str(exc), request.id, exc.field)
             await self._reject(entry, invalid)
             return
-        ownership = await service.stream.own(request.id, entry.entry_id)
+        ownership = await service.stream.own(request.id, entry)
         if ownership is Ownership.DUPLICATE:
             log.warning("duplicate request id; not run", request_id=request.id)
             await self._ack(entry)
@@ -190,18 +191,29 @@ class RequestHandler:
     # -- writes outside the engine -------------------------------------------------------------
 
     async def _ack(self, entry: Entry) -> None:
-        pipe = self.service.redis.pipeline(transaction=True)
-        self.service.stream.ack(pipe, entry)
-        await pipe.execute()
+        await self.service.stream.ack([entry.entry_id], entry.stream)
+
+    async def _write_event(
+        self, request_id: str, entry: Entry, event: protocol.Event, *, ack: bool = False
+    ) -> None:
+        """Write one event outside the engine's steps (fenced by the claim, as they are), and
+        acknowledge ``entry`` after it when ``ack``."""
+        out = OutEvent(request_id, entry.entry_id, protocol.encode(event), True)
+        acks = [entry.entry_id] if ack else []
+
+        async def execute() -> None:
+            published = await self.service.stream.publish([out], acks, entry.stream)
+            if published.unwritten:
+                raise OutOfMemoryError("an event waits for memory")
+
+        await self.service.retrying("write event", execute)
 
     async def _write_restart(self, request_id: str, entry: Entry) -> None:
         event = RestartEvent(
             attempt=max(entry.times_delivered - 1, 1), worker=self.service.settings.name
         )
         log.info("restarting", request_id=request_id, attempt=event.attempt)
-        pipe = self.service.redis.pipeline(transaction=True)
-        self.service.stream.add_event(pipe, request_id, event)
-        await pipe.execute()
+        await self._write_event(request_id, entry, event)
 
     async def _reject(self, entry: Entry, exc: MalformedEntry) -> None:
         """Dead-letter ``entry``, with an error event when its id is readable and this entry
@@ -211,10 +223,13 @@ class RequestHandler:
         error: ErrorEvent | None = None
         message = exc.message
         if exc.request_id is not None:
-            ownership = await service.stream.own(exc.request_id, entry.entry_id)
+            ownership = await service.stream.own(exc.request_id, entry)
             if ownership is Ownership.DUPLICATE:
                 message += f"; {DUPLICATE_NOTE}"
-            else:
+            elif not (
+                ownership is Ownership.RETRY
+                and await service.stream.has_terminal_event(exc.request_id)
+            ):  # a redelivery after its error was written gets no second one
                 error = ErrorEvent(code=exc.code, message=exc.message, field=exc.field)
         log.warning("entry rejected", entry_id=entry.entry_id, code=exc.code.value, error=message)
         service.counters.finished["error"] += 1
@@ -227,7 +242,9 @@ class RequestHandler:
             times_delivered=entry.times_delivered,
             payload=_kept_payload(entry.payload, service.settings.limits.max_entry_bytes),
         )
-        await service.stream.dead_letter(entry, letter, error)
+        if error is not None and exc.request_id is not None:
+            await self._write_event(exc.request_id, entry, error)
+        await service.stream.dead_letter(entry, letter)
 
     async def _refuse(self, flight: InFlight, exc: InvalidRequestError) -> None:
         malformed = MalformedEntry(
@@ -244,10 +261,7 @@ class RequestHandler:
         out = StepOutput(flight.request_id, [], "", [], finished=True)
         event = flight.done_event(out, self.service.settings.name)
         event.finish_reason = protocol.FinishReason.CANCELLED
-        pipe = self.service.redis.pipeline(transaction=True)
-        self.service.stream.add_event(pipe, flight.request_id, event)
-        self.service.stream.ack(pipe, flight.entry)
-        await pipe.execute()
+        await self._write_event(flight.request_id, flight.entry, event, ack=True)
         flight.trace.finish(finish_reason="cancelled", prompt_tokens=0, completion_tokens=0)
         self.service.counters.finished["cancelled"] += 1
         self.service.release(flight)
@@ -255,9 +269,9 @@ class RequestHandler:
     # -- engine outputs --------------------------------------------------------------------------
 
     async def write_outputs(self, outputs: list[StepOutput]) -> None:
-        """Write one or more steps' outputs: one atomic call per request stream their entries
-        came through (the shared one, and with routing this worker's own or a stolen one's),
-        each retried until Redis takes it. Entry ids are unique within a stream only."""
+        """Write one or more steps' outputs: one publish per request stream their entries came
+        through (a shard, and with routing this worker's own or a stolen one's), each retried
+        until Redis takes it. Entry ids are unique within a stream only."""
         by_stream: dict[str, list[StepOutput]] = {}
         for out in outputs:
             flight = self.service.owns(out)
@@ -281,7 +295,7 @@ class RequestHandler:
             for failure in published.refused:
                 log.error("redis refused an event", error=failure)
             lost.update(published.lost)
-            unwritten = unwritten[published.num_written :]
+            unwritten = published.unwritten
             if unwritten:  # written in order up to here; the rest and the acks come later
                 raise OutOfMemoryError(f"{len(unwritten)} events wait for memory")
 

@@ -23,8 +23,9 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
+from clients.connect import get_many, is_cluster
 from clients.protocol import Keys, Request
 from clients.routing import link_key, request_chain
 from worker.delivery import REDIS_ERRORS, Entry, RequestStream, text
@@ -32,17 +33,8 @@ from worker.logs import get_logger
 
 log = get_logger(__name__)
 
-# Keep the worker's stream, its group and its place in {p}:routed (Redis may have restarted
-# without data, or a pruner removed it while this worker's heartbeat had lapsed).
-# KEYS: {p}:routed, the worker's stream. ARGV: group, worker name.
-REGISTER_SCRIPT = """
-redis.call('SADD', KEYS[1], ARGV[2])
-redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[1], '0', 'MKSTREAM')
-return 1
-"""
-
 # Per stream, the id of its oldest entry not yet delivered to any consumer, or ''.
-# KEYS: streams. ARGV: group.
+# KEYS: streams (in a Redis Cluster, one per call: streams lie in different slots). ARGV: group.
 PEEK_SCRIPT = """
 local out = {}
 for i, key in ipairs(KEYS) do
@@ -63,13 +55,14 @@ end
 return out
 """
 
-# Remove a worker's stream and its place in {p}:routed when its heartbeat is gone and the
-# stream is empty: atomic with the heartbeat check, as the client's enqueue is.
-# KEYS: {p}:routed, the heartbeat, the stream. ARGV: worker name.
+# Delete a worker's stream when it is empty (its heartbeat was found gone just before): atomic
+# with the emptiness check, as the client's enqueue is with the stream's existence, so an
+# entry is either in the stream before (which is then kept, and stolen) or goes to its shard.
+# A worker that comes back makes its stream again at its next heartbeat.
+# KEYS: the stream.
 PRUNE_SCRIPT = """
-if redis.call('EXISTS', KEYS[2]) == 0 and redis.call('XLEN', KEYS[3]) == 0 then
-  redis.call('DEL', KEYS[3])
-  redis.call('SREM', KEYS[1], ARGV[1])
+if redis.call('XLEN', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
@@ -96,15 +89,19 @@ class WorkerRouting:
         self._notes: set[asyncio.Task[None]] = set()
         self._listed_at_s = 0.0  # when ``peers`` was last read
         self._published: OrderedDict[bytes, int] = OrderedDict()  # link -> Unix ms, oldest first
-        self._register = redis.register_script(REGISTER_SCRIPT)
         self._peek = redis.register_script(PEEK_SCRIPT)
         self._prune = redis.register_script(PRUNE_SCRIPT)
 
     async def register(self) -> None:
-        """Make sure this worker's stream, group and listing exist (at start, each heartbeat)."""
-        await self._register(
-            keys=[self.keys.routed_workers, self.own], args=[self.keys.group, self.name]
-        )
+        """Make sure this worker's stream, group and listing exist (at start, each heartbeat:
+        Redis may have restarted without data, or a pruner removed them while this worker's
+        heartbeat had lapsed)."""
+        await self.redis.sadd(self.keys.routed_workers, self.name)
+        try:
+            await self.redis.xgroup_create(self.own, self.keys.group, "0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
     async def streams(self) -> list[str]:
         """Every listed worker's stream (this one's included): what takeover scans."""
@@ -169,10 +166,8 @@ class WorkerRouting:
         stolen: list[Entry] = []
         for name, key, entry_id, beat in zip(self.peers, streams, oldest, beats, strict=True):
             if not entry_id:
-                if not beat:
-                    await self._prune(
-                        keys=[self.keys.routed_workers, self.keys.worker(name), key], args=[name]
-                    )
+                if not beat and await self._prune(keys=[key]):
+                    await self.redis.srem(self.keys.routed_workers, name)
                 continue
             waited_ms = now_ms - int(entry_id.split("-")[0])
             if beat and waited_ms < self.steal_after_ms:
@@ -186,8 +181,10 @@ class WorkerRouting:
     async def _peek_all(self, streams: list[str]) -> tuple[list[str], list[bool]]:
         """Each stream's oldest undelivered entry id ('' when none), and whether its worker's
         heartbeat is there, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        await self._peek(keys=streams, args=[self.keys.group], client=pipe)
-        pipe.mget([self.keys.worker(name) for name in self.peers])
-        oldest, beats = await pipe.execute()
+        groups = [[key] for key in streams] if is_cluster(self.redis) else [streams]
+        peeks, beats = await asyncio.gather(
+            asyncio.gather(*(self._peek(keys=keys, args=[self.keys.group]) for keys in groups)),
+            get_many(self.redis, [self.keys.worker(name) for name in self.peers]),
+        )
+        oldest = [entry_id for peek in peeks for entry_id in peek]
         return [text(entry_id) for entry_id in oldest], [beat is not None for beat in beats]

@@ -1,10 +1,11 @@
 """The worker service: Redis streams in, the engine in the middle, token streams out.
 
 One asyncio loop does all Redis I/O in a few tasks, each a loop that survives Redis errors
-(backing off, reconnecting): the reader (``XREADGROUP``, only as many entries as there are
-free slots), the claimer (``XAUTOCLAIM`` of entries whose lease expired), the renewer (leases
+(backing off, reconnecting): the readers (an ``XREADGROUP`` per request stream, shard or
+routed, together only as many entries as there are free slots), the claimer (``XAUTOCLAIM`` of entries whose lease expired), the renewer (leases
 of the entries in flight), the cancel tail (``{p}:cancels``), the heartbeat, and the writer
-(each engine step's outputs in one atomic script call). The engine steps on its own thread
+(each engine step's outputs in one fenced script call per request stream; per hash slot on a
+Redis Cluster). The engine steps on its own thread
 (``EngineThread``). ``request_stop`` (SIGTERM) drains: stop reading, let in-flight requests
 finish for ``grace_s``, hand the rest back to other workers.
 """
@@ -23,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from clients import protocol
+from clients.connect import connect
 from clients.protocol import CancelNotice, Keys, WorkerStatus
 from engine import StepOutput
 from worker.chat_formats import detect_chat_formats
@@ -59,13 +61,13 @@ class WorkerService:
         settings: WorkerSettings,
         engine_thread: EngineThread,
         *,
-        redis: aioredis.Redis | None = None,
+        redis: aioredis.Redis | Any = None,
         telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
         self.engine_thread = engine_thread
-        self.keys = Keys(settings.prefix)
-        self.redis = redis or aioredis.Redis.from_url(settings.redis_url)
+        self.keys = Keys(settings.prefix, settings.num_shards)
+        self.redis = redis or connect(settings.redis_url, cluster=settings.redis_cluster)
         self.telemetry = telemetry or Telemetry.from_env(worker_name=settings.name)
         self.stream = RequestStream(self.redis, self.keys, settings.name)
         self.routing: WorkerRouting | None = None
@@ -128,9 +130,18 @@ class WorkerService:
         if self.engine_thread.failed.done():
             self.engine_thread.failed.result()  # re-raise an engine failure
 
+    def sources(self) -> list[str]:
+        """The request streams this worker reads new entries from: every shard, and with
+        routing its own stream."""
+        own = [] if self.routing is None else [self.routing.own]
+        return [*self.keys.shards, *own]
+
     async def _serve(self, cancels_from: str, waiters: list[asyncio.Future[Any]]) -> None:
+        # One reader per stream, each blocked on its stream alone (streams in a Redis Cluster
+        # lie in different slots, which one XREADGROUP cannot span): a busy shard cannot
+        # starve the others, and each reader takes its share of the free slots.
         intake = [
-            self._spawn(self._read_once, intake=True),
+            *(self._spawn(self._reader(stream), intake=True) for stream in self.sources()),
             self._spawn(self._claim_once, intake=True),
         ]
         if self.routing is not None:
@@ -145,8 +156,8 @@ class WorkerService:
         await self._drain(intake, upkeep)
 
     async def _first_contact(self) -> str:
-        """Make sure the group exists; returns the cancel stream's position to tail from."""
-        await self.retrying("create group", self.stream.ensure_group)
+        """Make sure the groups exist; returns the cancel stream's position to tail from."""
+        await self.retrying("create groups", self.ensure_groups)
         if self.routing is not None:
             await self.retrying("register routed stream", self.routing.register)
             await self.retrying("list routed streams", self.routing.streams)
@@ -218,7 +229,7 @@ class WorkerService:
                 if "NOGROUP" not in str(exc):
                     log.exception("redis refused a command", during=what)
                 with contextlib.suppress(*REDIS_ERRORS, ResponseError):
-                    await self.stream.ensure_group()  # Redis came back without our group
+                    await self.ensure_groups()  # Redis came back without our groups
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, BACKOFF_MAX_S)
 
@@ -227,23 +238,36 @@ class WorkerService:
     def free_slots(self) -> int:
         return 0 if self._stop.is_set() else self.settings.max_in_flight - len(self.in_flight)
 
-    async def _read_once(self) -> None:
-        if self.free_slots() <= 0:
+    async def ensure_groups(self) -> None:
+        """Create each shard and its group where missing (at start, or when Redis lost them)."""
+        for shard in self.keys.shards:
+            await self.stream.ensure_group(shard)
+
+    def _reader(self, stream: str) -> Callable[[], Awaitable[None]]:
+        async def read_once() -> None:
+            await self._read_once(stream)
+
+        read_once.__name__ = f"read {stream}"
+        return read_once
+
+    async def _read_once(self, stream: str) -> None:
+        """One blocking read of ``stream``: up to its share of the free slots (the readers of
+        a burst on every stream may admit a few more than that; the engine queues them)."""
+        free = self.free_slots()
+        if free <= 0:
             self._slots_changed.clear()
             if not self._stop.is_set():
                 await self._slots_changed.wait()
             return
-        # With routing, this worker's own stream and the shared one in one blocking read (up to
-        # ``free_slots`` from each: a burst may admit up to twice that; the engine queues them).
-        streams = ("",) if self.routing is None else (self.routing.own, "")
-        entries = await self.stream.read_new(
-            self.free_slots(), self.settings.read_block_ms, streams
-        )
+        share = -(-free // len(self.sources()))  # ceil: one free slot is still read for
+        entries = await self.stream.read_new(share, self.settings.read_block_ms, (stream,))
         for entry in entries:
             await self.requests.serve(entry)
 
     async def _claim_once(self) -> None:
-        streams = [""] if self.routing is None else ["", *await self.routing.streams()]
+        streams = list(self.keys.shards)
+        if self.routing is not None:
+            streams += await self.routing.streams()
         for stream in streams:
             await self._claim_stream(stream)
         with contextlib.suppress(TimeoutError):
@@ -379,12 +403,11 @@ class WorkerService:
             protocol.encode(status),
             ex=protocol.HEARTBEAT_TTL_S,
         )
-        pipe.xlen(self.keys.requests)
-        pipe.xpending(self.keys.requests, self.keys.group)  # commands the worker's ACL has
-        if self.routing is not None:  # the queue this worker serves: shared + its own stream
+        if self.routing is not None:
             await self.routing.register()
-            pipe.xlen(self.routing.own)
-            pipe.xpending(self.routing.own, self.keys.group)
+        for stream in self.sources():  # the queue this worker serves: every shard, its own
+            pipe.xlen(stream)
+            pipe.xpending(stream, self.keys.group)  # commands the worker's ACL has
         replies = await pipe.execute()
         self._queue_depth = sum(int(depth) for depth in replies[1::2])
         pending = sum(int(reply["pending"]) for reply in replies[2::2])

@@ -7,7 +7,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from clients.protocol import DEFAULT_PREFIX
+from clients.protocol import DEFAULT_PREFIX, MAX_SHARDS
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_LEASE_S = 30.0
@@ -44,8 +44,10 @@ class WorkerSettings:
     """
 
     redis_url: str = DEFAULT_REDIS_URL
+    redis_cluster: bool = False  # redis_url names a node of a Redis Cluster
     name: str = field(default_factory=default_worker_name)
     prefix: str = DEFAULT_PREFIX
+    num_shards: int = 1  # request streams read in turn (clients must place on as many)
     max_deliveries: int = DEFAULT_MAX_DELIVERIES
     lease_s: float = DEFAULT_LEASE_S
     max_in_flight: int = 256
@@ -68,8 +70,19 @@ class WorkerSettings:
             (self.grace_s >= 0, "grace_s must be >= 0"),
             (self.read_block_ms >= 1, "read_block_ms must be >= 1"),
             (self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0"),
-            (bool(self.name) and ":" not in self.name, "name must be non-empty, without ':'"),
+            (
+                bool(self.name) and not set(self.name) & set(":{}"),
+                "name must be non-empty, without ':', '{' or '}'",
+            ),
             (bool(self.prefix), "prefix must be non-empty"),
+            (
+                not (self.redis_cluster and set(self.prefix) & set("{}")),
+                "prefix must not hold '{' or '}' on a Redis Cluster (it would be every key's hash tag)",
+            ),
+            (
+                1 <= self.num_shards <= MAX_SHARDS,
+                f"shards must be 1..{MAX_SHARDS}, got {self.num_shards}",
+            ),
             (0 <= self.metrics_port <= 65535, "metrics_port must be 0..65535 (0: off)"),
             (self.steal_after_ms >= 0, "steal_after_ms must be >= 0"),
             (self.prefix_ttl_s >= 1, "prefix_ttl_s must be >= 1"),
@@ -92,8 +105,10 @@ class WorkerSettings:
         """From the flags of ``pagestream worker``; ``max_in_flight`` defaults to ``max_seqs``."""
         return cls(
             redis_url=args.redis_url,
+            redis_cluster=args.redis_cluster,
             name=args.name or default_worker_name(),
             prefix=args.prefix,
+            num_shards=args.shards,
             max_deliveries=args.max_deliveries,
             lease_s=args.lease_s,
             max_in_flight=args.max_in_flight or max_seqs,

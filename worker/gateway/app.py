@@ -50,8 +50,10 @@ class Gateway:
         """The Redis client lives in the server's event loop."""
         settings = self.settings
         self.client = AsyncClient(
-            settings.redis_url, prefix=settings.prefix, redis=self._redis, routing=settings.routing
-        )
+            settings.redis_url, prefix=settings.prefix, redis=self._redis,
+            routing=settings.routing, shards=settings.num_shards,
+            cluster=settings.redis_cluster,
+        )  # fmt: skip
         self.directory = WorkerDirectory(self.client.redis, Keys(settings.prefix),
                                          settings.workers_cache_s)  # fmt: skip
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clients.protocol import DEFAULT_PREFIX
+from clients.protocol import DEFAULT_PREFIX, MAX_SHARDS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -43,7 +43,9 @@ class GatewaySettings:
         return chosen[0], chosen[1]
 
     redis_url: str = "redis://localhost:6379/0"
+    redis_cluster: bool = False  # redis_url names a node of a Redis Cluster
     prefix: str = DEFAULT_PREFIX
+    num_shards: int = 1  # the deployment's request streams (the workers' --shards)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_keys: tuple[str, ...] = ()
@@ -58,6 +60,10 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         checks = [
             (0 <= self.port <= 65535, f"port must be 0..65535, got {self.port}"),
+            (
+                1 <= self.num_shards <= MAX_SHARDS,
+                f"shards must be 1..{MAX_SHARDS}, got {self.num_shards}",
+            ),
             (self.max_body_bytes > 0, "max_body_bytes must be > 0"),
             (self.timeout_s > 0, "timeout_s must be > 0"),
             (self.chat_max_tokens > 0, "chat_max_tokens must be > 0"),

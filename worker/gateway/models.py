@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from clients.connect import get_many
 from clients.protocol import HEARTBEAT_TTL_S, Keys, WorkerStatus, decode_struct
 from worker.gateway.errors import OpenAIError, no_workers
 
@@ -40,7 +41,7 @@ class WorkerDirectory:
 
     async def _read(self) -> list[WorkerStatus]:
         keys = [key async for key in self.redis.scan_iter(self.keys.worker_pattern(), count=1000)]
-        values = await self.redis.mget(keys) if keys else []
+        values = await get_many(self.redis, keys)
         oldest_ms = (time.time() - HEARTBEAT_TTL_S) * 1000
         statuses = []
         for value in values:

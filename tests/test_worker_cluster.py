@@ -1,0 +1,136 @@
+"""Sharded request streams, and the whole service on a real 3-primary Redis Cluster.
+
+The cluster (``tests/redis_cluster.py``) refuses any command or script whose keys lie in
+different hash slots, so these tests fail on any call that would not run on a cluster; the
+worker reads K = 3 shards, one per primary.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from clients import Client, DoneEvent, FinishReason, RestartEvent, TokenEvent, protocol
+from clients.protocol import CLUSTER_SLOTS, Keys, key_slot
+from tests.redis_cluster import RedisCluster
+from tests.service_fixtures import FAST, InProcessWorker
+from worker.settings import WorkerSettings
+
+NUM_SHARDS = 3
+KEYS = Keys(num_shards=NUM_SHARDS)
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def test_shard_keys_lie_in_their_own_third_of_the_slots_and_one_shard_is_the_old_stream() -> None:
+    assert Keys().shards == ["pagestream:requests"] and Keys().shard_for("any") == Keys().requests
+    slots = [key_slot(key) for key in KEYS.shards]
+    assert [slot * NUM_SHARDS // CLUSTER_SLOTS for slot in slots] == [0, 1, 2]
+    assert len(set(KEYS.shards)) == NUM_SHARDS and all(
+        k.startswith("pagestream:requests:{") for k in KEYS.shards
+    )
+    # by id, else by session: a conversation's turns share a shard
+    placed = {KEYS.shard_for(f"r{i}") for i in range(30)}
+    assert placed == set(KEYS.shards)
+    assert len({KEYS.shard_for(f"r{i}", session="chat-1") for i in range(30)}) == 1
+    with pytest.raises(ValueError, match=r"number of shards must be 1\.\.256, got 0"):
+        Keys(num_shards=0)
+
+
+def ids_on_every_shard(per_shard: int) -> list[str]:
+    """Request ids, ``per_shard`` of them placed on each shard."""
+    chosen: dict[str, list[str]] = {shard: [] for shard in KEYS.shards}
+    for i in range(1000):
+        bucket = chosen[KEYS.shard_for(f"c{i}")]
+        if len(bucket) < per_shard:
+            bucket.append(f"c{i}")
+    return [request_id for ids in chosen.values() for request_id in ids]
+
+
+def cluster_worker(cluster: RedisCluster, model_dir: Path, name: str) -> InProcessWorker:
+    settings = WorkerSettings(
+        redis_url=cluster.url, redis_cluster=True, num_shards=NUM_SHARDS, name=name, **FAST
+    )
+    return InProcessWorker(model_dir, settings).start()
+
+
+def terminal_events(r: Any, request_id: str) -> list[protocol.Event]:
+    events = [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(KEYS.out(request_id))]
+    return [e for e in events if isinstance(e, protocol.TERMINAL_EVENTS)]
+
+
+@pytest.mark.timeout(60)
+def test_requests_on_every_shard_of_a_cluster_are_answered_once(
+    redis_cluster: RedisCluster,
+    text_model_dir: Path,
+) -> None:
+    worker = cluster_worker(redis_cluster, text_model_dir, "w1")
+    request_ids = ids_on_every_shard(2)
+    try:
+        with Client(redis_cluster.url, cluster=True, shards=NUM_SHARDS, timeout_s=30) as client:
+            for i, request_id in enumerate(request_ids):
+                client.submit("w5 w6 w7", request_id=request_id, max_tokens=4 + i, **GREEDY)
+            completions = [client.result(request_id) for request_id in request_ids]
+            streamed = list(client.stream("w8 w9", max_tokens=3, **GREEDY))
+            client.cancel("cancelled")  # before it is sent: the worker finds the key
+            client.submit("w5", request_id="cancelled", max_tokens=200, **GREEDY)
+            stopped = client.result("cancelled")
+    finally:
+        worker.stop()
+    assert [len(c.token_ids) for c in completions] == [4 + i for i in range(len(request_ids))]
+    assert all(c.finish_reason is FinishReason.LENGTH and c.worker == "w1" for c in completions)
+    assert (
+        isinstance(streamed[-1], DoneEvent)
+        and sum(len(e.token_ids) for e in streamed if isinstance(e, TokenEvent)) == 3
+    )
+    assert stopped.finish_reason is FinishReason.CANCELLED
+    r = redis.RedisCluster.from_url(redis_cluster.url)
+    try:
+        assert [r.xlen(shard) for shard in KEYS.shards] == [0, 0, 0]  # acknowledged, deleted
+        assert all(len(terminal_events(r, request_id)) == 1 for request_id in request_ids)
+        nodes = {r.get_node_from_key(shard).port for shard in KEYS.shards}
+        assert nodes == set(redis_cluster.ports)  # one shard on each primary
+    finally:
+        r.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_workers_entry_on_a_shard_is_taken_over_and_answered_once(
+    redis_cluster: RedisCluster,
+    text_model_dir: Path,
+) -> None:
+    """A worker reads a request from shard 2, streams a token and dies; a live worker takes
+    the entry over when its lease expires: one ``restart``, then the whole answer, once."""
+    request_id = next(i for i in ids_on_every_shard(1) if KEYS.shard_for(i) == KEYS.shards[2])
+    r = redis.RedisCluster.from_url(redis_cluster.url)
+    with Client(redis_cluster.url, cluster=True, shards=NUM_SHARDS) as client:
+        reference = None
+        client.submit("w5 w6 w7", request_id=request_id, max_tokens=6, **GREEDY)
+        shard = KEYS.shards[2]
+        r.xgroup_create(shard, KEYS.group, "0", mkstream=True)
+        ((_, ((entry_id, _),)),) = r.xreadgroup(KEYS.group, "ghost", {shard: ">"})
+        r.set(KEYS.claim(request_id), f"{entry_id.decode()} {shard} ghost")
+        partial = protocol.TokenEvent(seq=0, text="w99", token_ids=[99])
+        r.xadd(KEYS.out(request_id), {"msg": protocol.encode(partial)})
+        started_s = time.monotonic()
+        worker = cluster_worker(redis_cluster, text_model_dir, "w2")
+        try:
+            events = list(client.resume(request_id, timeout_s=30))
+            reference = client.complete("w5 w6 w7", max_tokens=6, **GREEDY)
+        finally:
+            worker.stop()
+    restarts = [e for e in events if isinstance(e, RestartEvent)]
+    assert len(restarts) == 1 and restarts[0].worker == "w2"
+    after = events[events.index(restarts[0]) + 1 :]
+    assert [
+        t for e in after if isinstance(e, TokenEvent) for t in e.token_ids
+    ] == reference.token_ids
+    assert time.monotonic() - started_s >= FAST["lease_s"]  # taken over once the lease ran out
+    try:
+        assert len(terminal_events(r, request_id)) == 1 and r.xlen(shard) == 0
+        assert r.get(KEYS.claim(request_id)).decode() == f"{entry_id.decode()} {shard} w2"
+    finally:
+        r.close()
