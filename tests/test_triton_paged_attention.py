@@ -6,6 +6,7 @@ TRITON_INTERPRET is set); ``gpu``-marked tests run real sizes and a CUDA-graph c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -72,8 +73,10 @@ def make_batch(
     dtype: torch.dtype = torch.bfloat16,
     cache_dtype: torch.dtype | None = None,
     seed: int = 0,
+    write: Callable[..., None] = write_kv,
 ) -> Batch:
-    """Random K/V written through the Triton write_kv into pages scattered over the pool."""
+    """Random K/V written into pages scattered over the pool, through the Triton write_kv
+    (``write``: e.g. the reference, for tests of attention alone)."""
     torch.manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
     pages_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -92,7 +95,7 @@ def make_batch(
         k, v = torch.randn(2, seq_len, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
         slots = [pages[t // block_size] * block_size + t % block_size for t in range(seq_len)]
         slot_mapping = torch.tensor(slots, device=DEVICE)
-        write_kv(k, v, pool[1, 0], pool[1, 1], slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        write(k, v, pool[1, 0], pool[1, 1], slot_mapping, k_scale=k_scale, v_scale=v_scale)
     width = max(pages_per_seq)
     block_tables = torch.tensor(
         [t + [num_blocks - 1] * (width - len(t)) for t in tables],

@@ -35,6 +35,7 @@ from kernels.attention.paged_attention_common import (
     pow2_at_least,
 )
 from kernels.attention.paged_attention_prefill_triton import launch_prefill
+from kernels.attention.prefill_tuning import PrefillConfig
 from kernels.pdl import pdl_launch, wait_for_producers
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the head group is padded to this
@@ -183,6 +184,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    prefill_config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed batch over the page pool; matches ``paged_attention_ref``.
 
@@ -193,7 +195,9 @@ def paged_attention(
     ``k_scale, v_scale: [NB, BS, Hkv]`` float32 when the pool is ``float8_e4m3fn``.
     Host ints: ``max_query_len`` (1 = decode only), ``num_decodes`` (the leading sequences
     with exactly one new token), ``num_kv_splits`` (decode split-KV; default from B, Hkv, the
-    SM count and ``max_seq_len``, a bound on ``seq_lens`` if known). Nothing syncs with the
+    SM count and ``max_seq_len``, a bound on ``seq_lens`` if known). ``prefill_config``: the
+    prefill kernel's tile and launch shape (default: ``prefill_tuning.config_for``, the measured
+    table or the GPU's default); the bench and the tests set it. Nothing syncs with the
     host; grids follow shapes and host ints only, so a fixed-shape call can be captured in a
     CUDA graph (the split scratch is allocated inside).
     """
@@ -208,6 +212,8 @@ def paged_attention(
             f"need max_query_len >= 1 and 0 <= num_decodes <= B={num_seqs}, got "
             f"{max_query_len} and {num_decodes}"
         )
+    if not scale > 0:
+        raise ValueError(f"scale must be positive (it multiplies q.k), got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
     if num_kv_splits is None:
@@ -229,7 +235,7 @@ def paged_attention(
         launch_prefill(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, query_start_loc, out,
             scale=scale, first_seq=num_decodes, max_query_len=max_query_len,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, config=prefill_config,
         )  # fmt: skip
     return out
 
