@@ -131,6 +131,7 @@ def test_a_dead_workers_entry_on_a_shard_is_taken_over_and_answered_once(
     assert time.monotonic() - started_s >= FAST["lease_s"]  # taken over once the lease ran out
     try:
         assert len(terminal_events(r, request_id)) == 1 and r.xlen(shard) == 0
-        assert r.get(KEYS.claim(request_id)).decode() == f"{entry_id.decode()} {shard} w2"
+        # the new owner's, marked finished by its terminal event
+        assert r.get(KEYS.claim(request_id)).decode() == f"{entry_id.decode()} {shard} w2 done"
     finally:
         r.close()

@@ -318,3 +318,39 @@ def test_a_worker_whose_lease_was_taken_over_writes_and_acknowledges_nothing(
         await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_write_sent_again_after_its_reply_was_lost_writes_no_second_end(
+    redis_server: RedisServer,
+) -> None:
+    """Redis killed after it ran a write but before the reply came back (or the
+    acknowledgement after it failed): the worker sends the same call again. The terminal
+    event's mark on the claim keeps the resend from writing a second end (the chaos run saw
+    two ``done`` events), and the entry is still this worker's to acknowledge."""
+
+    async def scenario() -> None:
+        r = aioredis.Redis.from_url(redis_server.url)
+        worker = RequestStream(r, KEYS, "w")
+        await worker.ensure_group()
+        entry_id = (await r.xadd(KEYS.requests, {"msg": b"x"})).decode()
+        await r.xreadgroup(KEYS.group, "w", {KEYS.requests: ">"}, count=1)
+        assert await worker.own("twice", Entry(entry_id, {})) is Ownership.NEW
+        events = [
+            OutEvent("twice", entry_id, b"token", True),
+            OutEvent("twice", entry_id, b"done", True, terminal=True),
+        ]
+        first = await worker.publish(events, acks=[])  # the reply "lost": no ack yet
+        assert (first.lost, first.unwritten) == ([], [])
+        again = await worker.publish(events, acks=[entry_id])
+        assert (again.lost, again.unwritten) == ([], [])
+        assert [m[b"msg"] for _, m in await r.xrange(KEYS.out("twice"))] == [b"token", b"done"]
+        assert await r.xpending(KEYS.requests, KEYS.group) == {
+            "pending": 0, "min": None, "max": None, "consumers": []
+        }  # fmt: skip
+        # a takeover of the finished entry still counts as a retry (and finds the end written)
+        assert await RequestStream(r, KEYS, "v").own("twice", Entry(entry_id, {})) is (
+            Ownership.RETRY
+        )
+        await r.aclose()
+
+    asyncio.run(scenario())

@@ -62,36 +62,50 @@ return 'duplicate'
 # Events in one call: append each to its request's out stream (refreshing the TTL where asked).
 # Fenced: an event is written only while its request's claim names this owner, so a worker
 # whose entry another worker took over (it stalled, or Redis was down longer than the lease)
-# cannot write after the new owner's `restart`; the entries it lost are returned. Every key
-# of one request shares its hash slot; a Redis Cluster gets one call per slot, a single Redis
-# one call for all (one command to encode where a pipeline has hundreds: the event loop shares
-# the GIL with the engine thread). A write Redis refuses for its key (an out key that is not a
-# stream) is reported, not retried, and does not stop the others. A full Redis (OOM, under
-# `maxmemory` with `noeviction`) stops the call where it is: the caller retries the rest later.
+# cannot write after the new owner's `restart`; the entries it lost are returned. Once a
+# terminal event is written the claim says so (OWNER + " done"), so that the same call sent
+# again (its reply was lost when Redis died, or the acknowledgement after it failed) writes no
+# second terminal event and does not count the entry as lost. Every key of one request shares
+# its hash slot; a Redis Cluster gets one call per slot, a single Redis one call for all (one
+# command to encode where a pipeline has hundreds: the event loop shares the GIL with the
+# engine thread). A write Redis refuses for its key (an out key that is not a stream) is
+# reported, not retried, and does not stop the others. A full Redis (OOM, under `maxmemory`
+# with `noeviction`) stops the call where it is: the caller retries the rest later.
 # KEYS: per event its out stream and its claim. ARGV: TTL s, then per event its payload, TTL
-# flag ('1' = refresh), owner value (the claim it needs) and entry id. Returns {events done (n
-# unless Redis is full), refusals as "key: error", entry ids no longer this owner's}.
+# flag ('1' = refresh), owner value (the claim it needs), entry id and terminal flag ('1').
+# Returns {events done (n unless Redis is full), refusals as "key: error", entry ids no longer
+# this owner's}.
 WRITE_SCRIPT = """
 local n = #KEYS / 2
-local owned = {}
+local state = {}  -- per claim: 'own', 'done' (its terminal event is written) or 'lost'
 local lost = {}
 local refused = {}
 for i = 1, n do
   local key, claim = KEYS[2 * i - 1], KEYS[2 * i]
-  local payload, refresh, owner, entry_id = ARGV[4 * i - 2], ARGV[4 * i - 1], ARGV[4 * i], ARGV[4 * i + 1]
-  if owned[claim] == nil then
-    owned[claim] = redis.call('GET', claim) == owner
-    if not owned[claim] then table.insert(lost, entry_id) end
+  local a = 5 * i - 3
+  local payload, refresh, owner, entry_id, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+  if state[claim] == nil then
+    local v = redis.call('GET', claim)
+    if v == owner then state[claim] = 'own'
+    elseif v == owner .. ' done' then state[claim] = 'done'
+    else
+      state[claim] = 'lost'
+      table.insert(lost, entry_id)
+    end
   end
-  if owned[claim] then
+  if state[claim] == 'own' then
     local reply = redis.pcall('XADD', key, '*', 'msg', payload)
     if type(reply) == 'table' and reply.err then
       if string.find(reply.err, 'OOM', 1, true) then  -- '-OOM command not allowed ...'
         return {i - 1, refused, lost}
       end
       table.insert(refused, key .. ': ' .. reply.err)
-    elseif refresh == '1' then
-      redis.call('EXPIRE', key, ARGV[1])
+    else
+      if refresh == '1' then redis.call('EXPIRE', key, ARGV[1]) end
+      if terminal == '1' then
+        redis.call('SET', claim, owner .. ' done', 'KEEPTTL')
+        state[claim] = 'done'
+      end
     end
   end
 end
@@ -134,6 +148,7 @@ class OutEvent:
     entry_id: str  # the request-stream entry it answers: written only while this worker owns it
     payload: bytes
     refresh_ttl: bool  # set the stream's TTL again with this write
+    terminal: bool = False  # done or error: the request's last event (the claim records it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +341,7 @@ class RequestStream:
             keys += [self.keys.out(event.request_id), self.keys.claim(event.request_id)]
             args += [event.payload, "1" if event.refresh_ttl else "0"]
             args += [self.owner(event.entry_id, stream), event.entry_id]
+            args.append("1" if event.terminal else "0")
         return await self._write(keys=keys, args=args)
 
     async def dead_letter(self, entry: Entry, letter: DeadLetter) -> None:

@@ -198,7 +198,8 @@ class RequestHandler:
     ) -> None:
         """Write one event outside the engine's steps (fenced by the claim, as they are), and
         acknowledge ``entry`` after it when ``ack``."""
-        out = OutEvent(request_id, entry.entry_id, protocol.encode(event), True)
+        terminal = isinstance(event, protocol.TERMINAL_EVENTS)
+        out = OutEvent(request_id, entry.entry_id, protocol.encode(event), True, terminal)
         acks = [entry.entry_id] if ack else []
 
         async def execute() -> None:
@@ -327,7 +328,7 @@ class RequestHandler:
                 events.append(OutEvent(flight.request_id, entry_id, event, flight.ttl_due(now_s)))
             if out.finished:  # the terminal event gets a full TTL after the end
                 done = protocol.encode(flight.done_event(out, self.service.settings.name))
-                events.append(OutEvent(flight.request_id, entry_id, done, True))
+                events.append(OutEvent(flight.request_id, entry_id, done, True, terminal=True))
                 finished.append((flight, out))
         return events, owners, finished
 
