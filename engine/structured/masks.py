@@ -55,9 +55,12 @@ def has_grammar(entries: list[ScheduledSeq]) -> bool:
 class GrammarMasks:
     """Fills and applies the bitmasks of a step's constrained rows."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device, num_threads: int | None = None
+    ) -> None:
         self.num_words = num_mask_words(vocab_size)
         self.device = device
+        self.num_threads = num_threads or default_fill_threads()
         self._executor: Any = None
         # host time spent filling masks, and how many steps needed them (benchmarks read it)
         self.fill_s = 0.0
@@ -125,8 +128,12 @@ class GrammarMasks:
         import llguidance
 
         if self._executor is None:
-            # half the cores: on a 16-core H200 host 14 threads filled 256 masks no faster
-            # (8.9 ms a step) than 8 did (8.0 ms)
-            num_threads = max(1, min(MAX_FILL_THREADS, (os.cpu_count() or 2) // 2))
-            self._executor = llguidance.LLExecutor(num_threads)
+            self._executor = llguidance.LLExecutor(self.num_threads)
         return self._executor
+
+
+def default_fill_threads() -> int:
+    """Three cores in four, at most ``MAX_FILL_THREADS``; the rest stay with the engine's and
+    the worker's threads. With a lexer per matcher the fill scales: 256 masks took 32 ms on
+    one thread of a 32-core Xeon, 5.2 on 8, 4.1 on 12, 3.2 on 16 (bench/mask_fill.py)."""
+    return max(1, min(MAX_FILL_THREADS, (os.cpu_count() or 2) * 3 // 4))
