@@ -209,9 +209,13 @@ def test_asynchronous_scheduling_gives_the_same_outputs(
     smollm2_vocab_model: Path, llm: LLM
 ) -> None:
     sampling = params(structured(json_schema=SCHEMA), len(PROMPTS))
-    texts, _ = run_engine(smollm2_vocab_model, PROMPTS, sampling, async_scheduling=True, **SETTINGS)
+    texts, engine = run_engine(
+        smollm2_vocab_model, PROMPTS, sampling, async_scheduling=True, **SETTINGS
+    )
     sync = llm.generate(PROMPTS, sampling, use_tqdm=False)
     assert texts == [o.text for o in sync]  # seeded rows too: same draws, same masks
+    # the masks were filled on their thread while the step before was taken in
+    assert engine.runner.grammar_masks.num_started > 0
 
 
 def test_speculative_drafts_are_checked_against_the_grammar(
