@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -303,10 +304,13 @@ class LLMEngine:
             while_gpu_busy()
         self._advance(batch)
         previous, self._in_flight = self._in_flight, launched
-        if previous is not None:
-            outputs += self._process(previous)
+        constrained = None  # launched, its sampling deferred until its grammars are ready
         if launched is not None and launched.unsampled_logits is not None:
-            self.runner.sample_constrained(launched)  # every grammar has its tokens by now
+            constrained = launched
+        if previous is not None:  # its tokens advance the grammars, then constrained's masks
+            outputs += self._process(previous, constrained)  # fill beside the rest of it
+        if constrained is not None:
+            self.runner.sample_constrained(constrained)  # every grammar has its tokens by now
         if not self.async_scheduling and self._in_flight is not None:
             outputs += self._process(self._take_in_flight())
         if self._groups:
@@ -362,16 +366,21 @@ class LLMEngine:
             sample.output_token_ids.append(PENDING_TOKEN)
             sample.num_pending_tokens += 1
 
-    def _process(self, launched: LaunchedStep) -> list[StepOutput]:
-        """Take in a launched step's picks: tokens, stop checks, prefix-cache blocks."""
+    def _process(
+        self, launched: LaunchedStep, constrained: LaunchedStep | None = None
+    ) -> list[StepOutput]:
+        """Take in a launched step's picks: tokens, stop checks, prefix-cache blocks. Once
+        its tokens have advanced the grammars, the masks of ``constrained`` (the next step,
+        launched, with grammars) start filling on another thread."""
         wait_start_s = time.perf_counter()
         tokens = launched.resolve()  # waits for the device's picks
         self.step_profiler.add_wait(time.perf_counter() - wait_start_s)
         if self.proposer is not None:
             self._count_drafts(launched, tokens)
-        outputs = [
-            self.outputs.append_sampled(token) for token in tokens if not token.seq.is_finished
-        ]
+        start_fill = None
+        if constrained is not None:
+            start_fill = functools.partial(self.runner.start_mask_fill, constrained)
+        outputs = self.outputs.append_all(tokens, start_fill)
         bm = self.block_manager
         for entry in launched.scheduled:
             seq = entry.seq

@@ -127,6 +127,11 @@ class ModelRunner:
         self._sample(launched)
         return launched
 
+    def start_mask_fill(self, launched: LaunchedStep) -> None:
+        """Begin filling the bitmasks of a launched step with grammars on another thread, once
+        each grammar has taken every token before this step; ``sample_constrained`` waits."""
+        self.grammar_masks.start(launched.sampling_entries, launched.draft_entries)
+
     @torch.inference_mode()
     def sample_constrained(self, launched: LaunchedStep) -> None:
         """Sample a launched step whose rows have grammars, once each grammar has taken every

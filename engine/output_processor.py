@@ -26,9 +26,25 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.on_finished = on_finished
 
-    def append_sampled(self, sampled: SampledToken) -> StepOutput:
+    def append_all(
+        self, tokens: list[SampledToken], on_grammars_advanced: Callable[[], None] | None = None
+    ) -> list[StepOutput]:
+        """Append each row's tokens, rows of ended sequences left out. Every grammar takes its
+        row's tokens first; then ``on_grammars_advanced`` runs (the engine starts filling the
+        next step's masks there, on another thread) and the rest (text, stop checks) follows."""
+        tokens = [token for token in tokens if not token.seq.is_finished]
+        grammar_ends = [_grammar_end(token) for token in tokens]
+        if on_grammars_advanced is not None:
+            on_grammars_advanced()
+        return [
+            self._append_sampled(token, end)
+            for token, end in zip(tokens, grammar_ends, strict=True)
+        ]
+
+    def _append_sampled(self, sampled: SampledToken, grammar_end: int | None) -> StepOutput:
         """Append a row's accepted drafts and its sampled token, stopping at the first that
-        ends the sequence; the tokens after it were never produced."""
+        ends the sequence (``grammar_end``: the index of the one that ends its grammar); the
+        tokens after it were never produced."""
         seq = sampled.seq
         new_token_ids = [*sampled.accepted_draft_ids, sampled.token_id]
         logprobs = [*sampled.draft_logprobs, sampled.logprobs]
@@ -38,7 +54,8 @@ class OutputProcessor:
                 seq.num_computed_tokens += 1
                 seq.output_token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
-            text_delta += self._append_token(seq, token_id, logprobs[index])
+            ends_grammar = index == grammar_end
+            text_delta += self._append_token(seq, token_id, logprobs[index], ends_grammar)
             if seq.is_finished:
                 del new_token_ids[index + 1 :], logprobs[index + 1 :]
                 break
@@ -55,7 +72,9 @@ class OutputProcessor:
             index=seq.sample_index,
         )
 
-    def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> str:
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None, ends_grammar: bool
+    ) -> str:
         """Fill ``seq``'s oldest pending token and check its stop conditions; the text delta."""
         index = len(seq.output_token_ids) - seq.num_pending_tokens  # its oldest pending token
         seq.output_token_ids[index] = token_id
@@ -72,7 +91,7 @@ class OutputProcessor:
             reason = self._stop_reason(seq, token_id, num_output=index + 1)
             if reason is not None:
                 text_delta += self._finish(seq, reason)
-        if seq.grammar is not None and not seq.is_finished and _grammar_ends(seq, token_id):
+        if ends_grammar and not seq.is_finished:
             text_delta += self._finish(seq, FinishReason.STOP)
         return text_delta
 
@@ -117,17 +136,26 @@ class OutputProcessor:
         )
 
 
-def _grammar_ends(seq: Sequence, token_id: int) -> bool:
-    """Advance ``seq``'s grammar past ``token_id``; whether the output is complete with it and
-    nothing but EOS may follow. A token the grammar refuses (its mask allowed it, so this is
-    a bug) ends the sequence rather than produce output that does not parse."""
-    assert seq.grammar is not None
-    if not seq.grammar.accept(token_id):
-        logger.error(
-            "request %s: token %d is outside its grammar; ending it", seq.request_id, token_id
-        )
-        return True
-    return seq.grammar.is_terminated
+def _grammar_end(sampled: SampledToken) -> int | None:
+    """Advance the row's grammar past its tokens (accepted drafts, then the sampled one); the
+    index of the token that ends the output: it is complete with it and nothing but EOS may
+    follow, or the grammar refuses it (its mask allowed it, so this is a bug: the sequence
+    ends rather than put out text that does not parse). A token after a stop the grammar
+    also takes: that sequence ends, and its grammar is not asked again."""
+    grammar = sampled.seq.grammar
+    if grammar is None:
+        return None
+    for index, token_id in enumerate([*sampled.accepted_draft_ids, sampled.token_id]):
+        if not grammar.accept(token_id):
+            logger.error(
+                "request %s: token %d is outside its grammar; ending it",
+                sampled.seq.request_id,
+                token_id,
+            )
+            return index
+        if grammar.is_terminated:
+            return index
+    return None
 
 
 def _drop_pending(seq: Sequence) -> None:

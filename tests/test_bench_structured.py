@@ -21,3 +21,4 @@ def test_the_constrained_run_finds_nothing_of_the_free_run_in_the_cache(
     assert free["output_tokens"] == constrained["output_tokens"] == 18
     assert constrained["prefix_hit_rate"] == 0.0
     assert constrained["mask_fill_ms_per_step"] > 0
+    assert constrained["mask_wait_ms_per_step"] > 0

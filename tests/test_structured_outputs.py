@@ -209,9 +209,13 @@ def test_asynchronous_scheduling_gives_the_same_outputs(
     smollm2_vocab_model: Path, llm: LLM
 ) -> None:
     sampling = params(structured(json_schema=SCHEMA), len(PROMPTS))
-    texts, _ = run_engine(smollm2_vocab_model, PROMPTS, sampling, async_scheduling=True, **SETTINGS)
+    texts, engine = run_engine(
+        smollm2_vocab_model, PROMPTS, sampling, async_scheduling=True, **SETTINGS
+    )
     sync = llm.generate(PROMPTS, sampling, use_tqdm=False)
     assert texts == [o.text for o in sync]  # seeded rows too: same draws, same masks
+    # the masks were filled on their thread while the step before was taken in
+    assert engine.runner.grammar_masks.num_started > 0
 
 
 def test_speculative_drafts_are_checked_against_the_grammar(
@@ -252,6 +256,33 @@ def test_a_steps_masks_allow_exactly_what_the_grammar_accepts(llm: LLM) -> None:
             accepted = drafted.num_valid([*drafts[:position], token]) == position + 1
             assert bool(allowed[1 + position, token]) == accepted, (position, token)
     assert torch.equal(allowed[0], allowed[1])  # both at the start of the same schema
+
+
+def test_a_fill_started_for_another_step_is_dropped_and_the_masks_filled_anew(llm: LLM) -> None:
+    from engine.scheduler import ScheduledSeq
+    from engine.sequence import Sequence
+    from engine.structured.masks import GrammarMasks
+
+    grammars, tokenizer = llm.engine.grammars, llm.engine.tokenizer
+    vocab_size = llm.engine.loaded.arch.vocab_size
+
+    def entries(prefix: str) -> list[ScheduledSeq]:
+        grammar = grammars.matcher_for(structured(json_schema=SCHEMA))
+        for token in tokenizer.encode(prefix, add_special_tokens=False):
+            assert grammar.accept(token)
+        seq = Sequence("r", [1], SamplingParams(), 0.0, grammar=grammar)
+        return [ScheduledSeq(seq, 1)]
+
+    started, applied = entries(""), entries('{"name":"')
+    masks = GrammarMasks(vocab_size, torch.device("cpu"), num_threads=2)
+    masks.start(started, [])  # a step that then failed before its sampling
+    logits = torch.zeros(1, vocab_size)
+    masks.apply(logits, applied, [])
+    expected = torch.zeros(1, vocab_size)
+    GrammarMasks(vocab_size, torch.device("cpu")).apply(expected, applied, [])
+    assert torch.equal(logits, expected) and logits.isinf().any()
+    assert masks.num_started == 1 and masks.num_fills == 1
+    assert started[0].seq.grammar is not None and started[0].seq.grammar.is_usable  # let go
 
 
 @pytest.fixture(scope="module")

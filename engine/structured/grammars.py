@@ -1,8 +1,9 @@
-"""Grammars for one tokenizer: compiled once per constraint (LRU-cached), one matcher per
+"""Grammars for one tokenizer: each constraint's grammar made once (LRU-cached), one matcher per
 sequence that advances with each accepted token.
 
-Built on llguidance (docs/structured-outputs.md says why): making a matcher is the compile
-(about a millisecond for a typical JSON schema); a cached one is copied for each request.
+Built on llguidance (docs/structured-outputs.md says why): a constraint's grammar text is made
+once and cached; each request compiles its own matcher from it (about half a millisecond for
+a typical JSON schema).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class GrammarCompiler:
 
     Thread-safe: the engine calls ``matcher_for`` from ``add_request`` (on the caller's
     thread, off the step's path). The tokenizer's grammar view is built on first use (~1 s).
+
+    Each matcher is built from the constraint's grammar (cached) with a lexer of its own:
+    llguidance's ``LLMatcher.deep_copy`` shares the lexer with the original, behind a mutex
+    that computing a mask holds, so copies of one matcher fill their masks one at a time
+    however many threads fill them (docs/structured-outputs.md, "Why the fill did not scale").
     """
 
     def __init__(
@@ -82,25 +88,29 @@ class GrammarCompiler:
         self.max_cached = max_cached
         self._lock = threading.Lock()
         self._tokenizer: Any = None
-        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # the grammar text of each constraint that compiled
+        self._compiled: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.num_compiled = 0  # cache misses, for tests and stats
 
     def matcher_for(self, structured: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher; raises ``InvalidRequestError`` when the constraint cannot be
-        compiled (the message is the library's)."""
+        compiled (the message is the library's). About half a millisecond for a JSON schema,
+        with the GIL released; a constraint seen before skips the conversion to a grammar."""
         key = structured.cache_key
         with self._lock:
-            template = self._compiled.get(key)
-            if template is not None:
+            grammar = self._compiled.get(key)
+            if grammar is not None:
                 self._compiled.move_to_end(key)
-                return GrammarMatcher(template.deep_copy())
-        template = self._compile(structured)  # outside the lock: other requests go on
+        if grammar is not None:
+            return GrammarMatcher(self._new_matcher(structured, grammar))
+        grammar = self._grammar(structured)  # outside the lock: other requests go on
+        matcher = self._new_matcher(structured, grammar)
         with self._lock:
-            self._compiled[key] = template
+            self._compiled[key] = grammar
             self.num_compiled += 1
             while len(self._compiled) > self.max_cached:
                 self._compiled.popitem(last=False)
-        return GrammarMatcher(template.deep_copy())
+        return GrammarMatcher(matcher)
 
     def tokenizer(self) -> Any:
         """The ``llguidance.LLTokenizer`` of the model (built once)."""
@@ -111,14 +121,17 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
-    def _compile(self, structured: StructuredOutputs) -> Any:
+    def _grammar(self, structured: StructuredOutputs) -> str:
+        try:
+            return _grammar_text(structured)
+        except ValueError as exc:
+            kind = structured.kind
+            raise InvalidRequestError(f"{FIELD}.{kind}", f"cannot be compiled: {exc}") from None
+
+    def _new_matcher(self, structured: StructuredOutputs, grammar: str) -> Any:
+        """An ``llguidance.LLMatcher`` of ``grammar``, its lexer its own."""
         import llguidance
 
-        kind = structured.kind
-        try:
-            grammar = _grammar_text(structured)
-        except ValueError as exc:
-            raise InvalidRequestError(f"{FIELD}.{kind}", f"cannot be compiled: {exc}") from None
         try:
             tokenizer = self.tokenizer()
         except ConfigError as exc:  # the model's, not the request's fault; still its error
@@ -126,7 +139,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(
-                f"{FIELD}.{kind}", f"cannot be compiled: {matcher.get_error()}"
+                f"{FIELD}.{structured.kind}", f"cannot be compiled: {matcher.get_error()}"
             )
         return matcher
 
