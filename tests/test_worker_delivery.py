@@ -354,3 +354,26 @@ def test_a_write_sent_again_after_its_reply_was_lost_writes_no_second_end(
         await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_entry_dead_lettered_twice_has_one_letter(redis_server: RedisServer) -> None:
+    """The chaos run's hostile entries: the letter's call sent again after Redis died, or
+    a redelivery of an entry already dead-lettered, leaves one letter (and the entry gone)."""
+
+    async def scenario() -> None:
+        r = aioredis.Redis.from_url(redis_server.url)
+        worker = RequestStream(r, KEYS, "w")
+        await worker.ensure_group()
+        entry_id = (await r.xadd(KEYS.requests, {"msg": b"junk"})).decode()
+        await r.xreadgroup(KEYS.group, "w", {KEYS.requests: ">"}, count=1)
+        letter = protocol.DeadLetter(
+            entry_id=entry_id, code=ErrorCode.INVALID_REQUEST, message="bad", worker="w",
+            payload=b"junk",
+        )  # fmt: skip
+        await worker.dead_letter(Entry(entry_id, {}), letter)
+        await worker.dead_letter(Entry(entry_id, {}), letter)
+        assert await r.xlen(KEYS.dead) == 1
+        assert await r.xlen(KEYS.requests) == 0
+        await r.aclose()
+
+    asyncio.run(scenario())

@@ -130,6 +130,21 @@ end
 return lost
 """
 
+# Dead-letter one entry: append its letter to the dead stream, then acknowledge and delete it,
+# in one atomic call, and only while the entry is still pending under this consumer, so that
+# the same call sent again (its reply lost when Redis died) or a redelivery of an entry already
+# dead-lettered writes no second letter. A single Redis only: in a Redis Cluster the dead
+# stream and a request stream sit in different slots (see ``RequestStream.dead_letter``).
+# KEYS: the dead stream, the request stream. ARGV: group, consumer, entry id, letter, maxlen.
+DEAD_LETTER_SCRIPT = """
+local p = redis.call('XPENDING', KEYS[2], ARGV[1], ARGV[3], ARGV[3], 1)
+if not (p[1] and p[1][2] == ARGV[2]) then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[5], '*', 'msg', ARGV[4])
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[2], ARGV[3])
+return 1
+"""
+
 # Errors that mean "Redis is unreachable right now": back off and retry, never give up.
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -189,6 +204,7 @@ class RequestStream:
         self._own = redis.register_script(OWN_SCRIPT)
         self._write = redis.register_script(WRITE_SCRIPT)
         self._ack = redis.register_script(ACK_SCRIPT)
+        self._dead_letter = redis.register_script(DEAD_LETTER_SCRIPT)
 
     async def ensure_group(self, stream: str = "") -> None:
         """Create ``stream`` ("" is the shared one) and its group if missing (e.g. Redis
@@ -346,10 +362,22 @@ class RequestStream:
 
     async def dead_letter(self, entry: Entry, letter: DeadLetter) -> None:
         """Move ``entry`` to the dead stream and acknowledge it (its error event, if any, is
-        already written: a redelivery finds it and writes no second one)."""
+        already written: a redelivery finds it and writes no second one). On a single Redis
+        one atomic call (``DEAD_LETTER_SCRIPT``): one letter per entry, however often it is
+        sent or redelivered. In a Redis Cluster two calls, the letter first: a worker that
+        dies between them leaves its entry to be dead-lettered again (a second letter, never
+        none)."""
+        payload = protocol.encode(letter)
+        if not self.cluster:
+            await self._dead_letter(
+                keys=[self.keys.dead, self.key(entry.stream)],
+                args=[self.keys.group, self.consumer, entry.entry_id, payload,
+                      protocol.DEAD_MAXLEN],
+            )  # fmt: skip
+            return
         await self.redis.xadd(
             self.keys.dead,
-            {protocol.PAYLOAD_FIELD: protocol.encode(letter)},
+            {protocol.PAYLOAD_FIELD: payload},
             maxlen=protocol.DEAD_MAXLEN,
             approximate=True,
         )
