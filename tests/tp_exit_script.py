@@ -42,14 +42,11 @@ def main(argv: list[str] | None = None) -> LLM:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank 0 %(name)s: %(message)s")
-    llm = LLM(
-        args.model,
-        device=args.device,
-        tensor_parallel_size=2,
-        pa_memory_mb=16,
-        max_seqs=8,  # few graphs to capture
-        max_batched_tokens=512,
+    # on a GPU, a small engine: few CUDA graphs to capture on each rank (a minute otherwise)
+    small: dict[str, Any] = (
+        {"max_seqs": 8, "max_batched_tokens": 512} if args.device == "cuda" else {}
     )
+    llm = LLM(args.model, device=args.device, tensor_parallel_size=2, pa_memory_mb=16, **small)
     assert llm.engine.ranks is not None
     print("ranks", *(child.pid for child in llm.engine.ranks.children), flush=True)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
