@@ -135,3 +135,47 @@ def test_a_dead_workers_entry_on_a_shard_is_taken_over_and_answered_once(
         assert r.get(KEYS.claim(request_id)).decode() == f"{entry_id.decode()} {shard} w2 done"
     finally:
         r.close()
+
+
+@pytest.mark.timeout(60)
+def test_routing_on_a_cluster_keeps_a_conversation_on_its_worker(
+    redis_cluster: RedisCluster,
+    text_model_dir: Path,
+) -> None:
+    """Prefix-aware routing's scripts (enqueue, peek, prune) each touch one slot: on a
+    cluster, a conversation's turns go to the worker that holds its history, each answered
+    once, and every stream is empty after."""
+    workers = [
+        InProcessWorker(
+            text_model_dir,
+            WorkerSettings(
+                redis_url=redis_cluster.url, redis_cluster=True, num_shards=NUM_SHARDS,
+                name=name, routing=True, **FAST,
+            ),
+        ).start()
+        for name in ("w1", "w2")
+    ]  # fmt: skip
+    history = [5 + (i * 37) % 190 for i in range(100)]
+    served_by, cached, request_ids = [], [], []
+    try:
+        with Client(
+            redis_cluster.url, cluster=True, shards=NUM_SHARDS, routing=True, timeout_s=30
+        ) as client:
+            for turn in range(3):
+                done = client.complete(token_ids=history, max_tokens=4, **GREEDY)
+                served_by.append(done.worker)
+                cached.append(done.usage.cached_prompt_tokens if done.usage else 0)
+                request_ids.append(done.request_id)
+                history = history + done.token_ids + [7 + turn] * 6
+    finally:
+        for worker in workers:
+            worker.stop()
+    assert len(set(served_by)) == 1, served_by  # where the history's pages are
+    assert all(count >= 64 for count in cached[1:]), cached
+    r = redis.RedisCluster.from_url(redis_cluster.url)
+    try:
+        assert all(len(terminal_events(r, request_id)) == 1 for request_id in request_ids)
+        streams = [*KEYS.shards, *(KEYS.routed(name) for name in ("w1", "w2"))]
+        assert [r.xlen(stream) for stream in streams] == [0] * len(streams)
+    finally:
+        r.close()
