@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> LLM:
     parser.add_argument("--model", default="dummy:tiny")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    # Ctrl-C as at a terminal: a suite started in the background by a non-interactive shell
+    # (as `.ci/run &` is) hands its children SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: the Ctrl-C scenarios would decode forever
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank 0 %(name)s: %(message)s")
     # on a GPU, a small engine: few CUDA graphs to capture on each rank (a minute otherwise)
     small: dict[str, Any] = (
