@@ -127,7 +127,9 @@ class LLMEngine:
         self.pool_source = runtime.plan.source
         self.scheduler = Scheduler(config, self.block_manager, self.host_pool)
         self._inbox = _Inbox()
-        self.outputs = OutputProcessor(self.scheduler, self._forget)
+        self.outputs = OutputProcessor(
+            self.scheduler, self._forget, self.runner.grammar_masks.accept_tokens
+        )
         self.async_scheduling = config.async_scheduling_wanted(self.device.type)
         self.proposer = runtime.proposer
         self._num_draft_tokens = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine.outputs import StepOutput
 from engine.sampler import TokenLogprobs
@@ -13,7 +14,12 @@ from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence
 from engine.step_types import SampledToken
 
+if TYPE_CHECKING:
+    from engine.structured.grammars import GrammarMatcher
+
 logger = logging.getLogger("pagestream.engine")
+# grammars taking one token each: whether each took it
+AcceptTokens = Callable[[list[tuple["GrammarMatcher", int]]], list[bool]]
 
 
 class OutputProcessor:
@@ -22,9 +28,16 @@ class OutputProcessor:
     ``on_finished`` is told of every sequence that ends here (the engine forgets its id).
     """
 
-    def __init__(self, scheduler: Scheduler, on_finished: Callable[[Sequence], None]) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        on_finished: Callable[[Sequence], None],
+        accept_tokens: AcceptTokens | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.on_finished = on_finished
+        # grammars taking one token each, together (GrammarMasks.accept_tokens: in parallel)
+        self.accept_tokens: AcceptTokens = accept_tokens or _accept_one_by_one
 
     def append_all(
         self, tokens: list[SampledToken], on_grammars_advanced: Callable[[], None] | None = None
@@ -33,13 +46,32 @@ class OutputProcessor:
         row's tokens first; then ``on_grammars_advanced`` runs (the engine starts filling the
         next step's masks there, on another thread) and the rest (text, stop checks) follows."""
         tokens = [token for token in tokens if not token.seq.is_finished]
-        grammar_ends = [_grammar_end(token) for token in tokens]
+        grammar_ends = self._grammar_ends(tokens)
         if on_grammars_advanced is not None:
             on_grammars_advanced()
         return [
             self._append_sampled(token, end)
             for token, end in zip(tokens, grammar_ends, strict=True)
         ]
+
+    def _grammar_ends(self, tokens: list[SampledToken]) -> list[int | None]:
+        """``_grammar_end`` of each row: the rows with one token (no drafts) take theirs in
+        one ``accept_tokens`` call, the others one token at a time."""
+        ends: list[int | None] = [None] * len(tokens)
+        single = []  # (row, grammar, token): one token to take
+        for row, token in enumerate(tokens):
+            grammar = token.seq.grammar
+            if grammar is None:
+                continue
+            if token.accepted_draft_ids:
+                ends[row] = _grammar_end(token)
+            else:
+                single.append((row, grammar, token.token_id))
+        if single:
+            taken = self.accept_tokens([(grammar, token_id) for _, grammar, token_id in single])
+            for (row, grammar, token_id), ok in zip(single, taken, strict=True):
+                ends[row] = _end_after(tokens[row].seq, grammar, token_id, 0, ok)
+        return ends
 
     def _append_sampled(self, sampled: SampledToken, grammar_end: int | None) -> StepOutput:
         """Append a row's accepted drafts and its sampled token, stopping at the first that
@@ -146,16 +178,26 @@ def _grammar_end(sampled: SampledToken) -> int | None:
     if grammar is None:
         return None
     for index, token_id in enumerate([*sampled.accepted_draft_ids, sampled.token_id]):
-        if not grammar.accept(token_id):
-            logger.error(
-                "request %s: token %d is outside its grammar; ending it",
-                sampled.seq.request_id,
-                token_id,
-            )
-            return index
-        if grammar.is_terminated:
-            return index
+        end = _end_after(sampled.seq, grammar, token_id, index, grammar.accept(token_id))
+        if end is not None:
+            return end
     return None
+
+
+def _end_after(
+    seq: Sequence, grammar: GrammarMatcher, token_id: int, index: int, accepted: bool
+) -> int | None:
+    """``index`` if the token there (which the grammar took, or refused) ends the output."""
+    if not accepted:
+        logger.error(
+            "request %s: token %d is outside its grammar; ending it", seq.request_id, token_id
+        )
+        return index
+    return index if grammar.is_terminated else None
+
+
+def _accept_one_by_one(pairs: list[tuple[GrammarMatcher, int]]) -> list[bool]:
+    return [grammar.accept(token_id) for grammar, token_id in pairs]
 
 
 def _drop_pending(seq: Sequence) -> None:

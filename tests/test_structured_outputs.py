@@ -336,3 +336,30 @@ def test_the_grammar_cache_drops_the_least_recently_used(llm: LLM) -> None:
     matcher = compiler.matcher_for(third)  # a fresh copy: at the start of its grammar
     digits = engine.tokenizer.encode("123", add_special_tokens=False)
     assert matcher.num_valid(digits) == len(digits)
+
+
+def test_many_rows_take_their_tokens_together_as_one_by_one(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From PAR_ACCEPT_MIN_ROWS rows a step's grammars take their tokens in one call on
+    llguidance's pool: the same outputs as taking them one call a row."""
+    from engine.output_processor import _accept_one_by_one
+    from engine.structured.masks import PAR_ACCEPT_MIN_ROWS
+
+    prompts = (PROMPTS * 5)[:20]
+    sampling = params(structured(json_schema=SCHEMA), len(prompts))
+    outputs = llm.engine.outputs
+    together = outputs.accept_tokens
+    batch_sizes: list[int] = []
+
+    def recorded(pairs: list[Any]) -> list[bool]:
+        batch_sizes.append(len(pairs))
+        return together(pairs)
+
+    monkeypatch.setattr(outputs, "accept_tokens", recorded)
+    pooled = [out.text for out in llm.generate(prompts, sampling, use_tqdm=False)]
+    assert max(batch_sizes) >= PAR_ACCEPT_MIN_ROWS  # the pool's path ran
+    monkeypatch.setattr(outputs, "accept_tokens", _accept_one_by_one)
+    assert pooled == [out.text for out in llm.generate(prompts, sampling, use_tqdm=False)]
+    for text in pooled:
+        check_json(text)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from engine.structured.grammars import GrammarMatcher
 
 MAX_FILL_THREADS = 16  # llguidance's threads filling a step's masks in parallel
+PAR_ACCEPT_MIN_ROWS = 16  # fewer rows take their tokens one call each (no pool hand-off)
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,15 @@ class GrammarMasks:
             )
         self.fill_s += time.perf_counter() - start_s
         return job
+
+    def accept_tokens(self, pairs: list[tuple[GrammarMatcher, int]]) -> list[bool]:
+        """Each grammar takes its token (False: it refused it), on llguidance's pool without
+        the GIL when there are ``PAR_ACCEPT_MIN_ROWS`` or more: one call a row took 0.8-1.6
+        ms of the step's path at 256 rows."""
+        if len(pairs) < PAR_ACCEPT_MIN_ROWS:
+            return [grammar.accept(token_id) for grammar, token_id in pairs]
+        matchers = [(grammar.matcher, token_id) for grammar, token_id in pairs]
+        return [bool(ok) for ok in self._get_executor().consume_token_par(matchers)]
 
     def _get_executor(self) -> Any:
         import llguidance
