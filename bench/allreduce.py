@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.records import machine_info, save
+from bench.records import machine_info, save, utc_now
 from engine.distributed.group import NO_MULTICAST_ENV
 from engine.distributed.peer_allreduce import MAX_PEER_BYTES, PeerAllReduce
 
@@ -144,7 +143,7 @@ def run(world: int, sizes: list[int] | None = None) -> dict[str, Any]:
         proc.join(60)
     return {
         "kind": "allreduce",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info("cuda"),
         "settings": {
             "world_size": world,

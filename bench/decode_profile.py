@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.records import machine_info, save
+from bench.records import machine_info, save, utc_now
 from bench.workloads import ThroughputWorkload, make_random_prompts
 from engine import LLM, SamplingParams
 
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     record = {
         "kind": "decode-profile",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info("cuda" if on_cuda else "cpu"),
         "settings": {k: v for k, v in vars(args).items() if k not in ("output_json", "trace")},
         "results": results,

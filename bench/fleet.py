@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import dataclasses
 import os
-from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -221,12 +220,12 @@ def _record(
     device_type: str,
     num_cores: int,
 ) -> dict[str, Any]:
-    from bench.records import machine_info
+    from bench.records import machine_info, utc_now
 
     settings = {k: v for k, v in vars(args).items() if k != "handler"}
     return {
         "kind": "serve-fleet",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": {**machine_info(device_type), "cores_available": num_cores},
         "settings": {
             **settings,

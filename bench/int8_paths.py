@@ -27,14 +27,13 @@ import argparse
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
 from bench.kernels import measure_copy_bandwidth
 from bench.latency import LatencyWorkload, run_latency
-from bench.records import machine_info, save
+from bench.records import machine_info, save, utc_now
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -114,7 +113,7 @@ def measure_paths(
     }
     return {
         "kind": "int8_paths",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": record.get("machine") or machine_info(),
         "settings": settings,
         "copy_bytes_per_s": copy_bytes_per_s,

@@ -12,13 +12,12 @@ Two measures, both on the same prompts:
 from __future__ import annotations
 
 import statistics
-from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 import torch
 
-from bench.records import machine_info
+from bench.records import machine_info, utc_now
 from engine.llm import LLM
 from engine.memory import release_device_memory
 from engine.sampling_params import SamplingParams
@@ -63,7 +62,7 @@ def measure_kv_quality(
     release_device_memory()
     return {
         "kind": "kv_quality",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info(device),
         "settings": {
             "model": model,

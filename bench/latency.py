@@ -14,7 +14,6 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.peers import load_hf_model, run_hf_generate
-from bench.records import machine_info, speculative_counts
+from bench.records import machine_info, speculative_counts, utc_now
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.memory import release_device_memory
@@ -69,7 +68,7 @@ def run_latency(
         results.append(result)
     return {
         "kind": "latency",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info(engine.device),
         "settings": {
             **dataclasses.asdict(engine.config),

@@ -26,14 +26,13 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.records import machine_info
+from bench.records import machine_info, utc_now
 from bench.structured import LONG_SCHEMA
 from engine.structured.grammars import GrammarCompiler, GrammarMatcher
 from engine.structured.masks import GrammarMasks, MaskedRow
@@ -163,7 +162,7 @@ def run(
     ]
     return {
         "kind": "mask-fill",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info("cpu"),
         "settings": {
             "num_rows": num_rows,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +25,12 @@ from bench.matrix_workloads import (
     row_target,
 )
 from bench.peer_process import write_json_atomically
-from bench.records import machine_info
+from bench.records import machine_info, utc_now
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 
 ENGINE = "pagestream"
 FIGURE_SUFFIX = {"output_tok_s": "tok_s", "tpot_s": "tpot_s"}
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _engine_settings(config: EngineConfig) -> dict[str, Any]:
@@ -50,8 +45,8 @@ def _device(config: EngineConfig) -> str | None:
 def new_record(config: EngineConfig, peer: str | None, scale: float) -> dict[str, Any]:
     return {
         "kind": "matrix",
-        "created_utc": _now(),
-        "updated_utc": _now(),
+        "created_utc": utc_now(),
+        "updated_utc": utc_now(),
         "machine": machine_info(_device(config)),
         "peer": peer,
         "scale": scale,
@@ -119,9 +114,9 @@ def add_result(
 ) -> dict[str, Any]:
     """Put one side's result in its row (made if new) and work out the row's figures."""
     row = _find_or_add_row(record, label, run_as, workload)
-    row[side] = {**result, "measured_utc": _now()}
+    row[side] = {**result, "measured_utc": utc_now()}
     _update_figures(row, record["peer"])
-    record["updated_utc"] = _now()
+    record["updated_utc"] = utc_now()
     return row
 
 

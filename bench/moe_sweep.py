@@ -28,7 +28,6 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import triton
 
-from bench.records import machine_info, write_record
+from bench.records import machine_info, utc_now, write_record
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
 from kernels.moe.align_triton import MoeAlignment, align_pairs
@@ -270,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     record = {
         "kind": "moe-sweep",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info("cuda"),
         "entries": entries,
     }

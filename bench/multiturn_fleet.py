@@ -19,12 +19,11 @@ import copy
 import os
 import time
 from collections import Counter, deque
-from datetime import datetime, timezone
 from typing import Any
 
 from bench.fleet import WORKER_FLAGS, _memory_fractions, available_cores, worker_gpus
 from bench.multiturn import MultiTurnWorkload, Session, make_sessions
-from bench.records import machine_info, percentiles
+from bench.records import machine_info, percentiles, utc_now
 from clients import AsyncClient, DoneEvent, TokenEvent
 from worker.local_stack import WorkerProcess, embedded_redis, engine_flags, running_workers
 
@@ -46,7 +45,7 @@ def run_multiturn_fleet(
             rows.append(row)
     return {
         "benchmark": "multiturn-fleet",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": machine_info(),
         "settings": {
             "model": args.model,

@@ -24,14 +24,13 @@ import functools
 import itertools
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.prefill_problem import PrefillProblem, PrefillShape, sdpa_flash_ms, time_ms
-from bench.records import machine_info, write_record
+from bench.records import machine_info, utc_now, write_record
 from kernels.attention.prefill_tuning import FALLBACK, PrefillConfig
 
 MODELS = ("qwen3-0.6b", "llama3-8b")
@@ -110,7 +109,7 @@ def run(
             results.append(measure(shape, finalists, device, clock))
     return {
         "kind": "prefill_attention",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info(device),
         "settings": {"candidates": [c.key for c in candidates], "top": top,
                      "sweep_shapes": [s.name for s in sweep_shapes]},

@@ -19,14 +19,13 @@ The reference itself gets the speed rows too, so every ratio comes from one run.
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
 from bench.kv_quality import greedy_agreement, logit_error, quality_prompts
 from bench.latency import LatencyWorkload, run_latency
-from bench.records import machine_info, save
+from bench.records import machine_info, save, utc_now
 from bench.throughput import run_throughput
 from bench.workloads import ThroughputWorkload
 from engine.llm import LLM
@@ -77,7 +76,7 @@ def measure_quant(
            "input_len": input_len, "output_len": output_len, "seed": seed}  # fmt: skip
     return {
         "kind": "quant",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info(device),
         "settings": {**run, "reference": REFERENCE, **settings},
         "copy_bytes_per_s": copy_bytes_per_s,

@@ -11,7 +11,7 @@ import re
 import socket
 import subprocess
 import sys
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,11 @@ def speculative_counts(before: EngineStats, after: EngineStats) -> dict[str, Any
         "num_accepted_tokens": num_accepted,
         "acceptance_rate": num_accepted / num_draft if num_draft else None,
     }
+
+
+def utc_now() -> str:
+    """A record's timestamp: UTC, to the second (``created_utc``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from typing import Any
 
 from bench.streams import run_load
@@ -175,7 +174,7 @@ def _worker(args: argparse.Namespace, redis_url: str) -> Iterator[None]:
 def _record(
     args: argparse.Namespace, workload: Any, results: dict[str, Any], offline: dict[str, Any] | None
 ) -> dict[str, Any]:
-    from bench.records import machine_info
+    from bench.records import machine_info, utc_now
 
     if offline is not None:
         results["ratio_to_offline"] = results["output_tok_s"] / offline["output_tok_s"]
@@ -194,7 +193,7 @@ def _record(
     engine_settings = {k: v for k, v in vars(args).items() if k not in ("handler",)}
     return {
         "kind": "serve",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info(args.device if args.device != "auto" else None),
         "settings": {
             **engine_settings,

@@ -25,11 +25,10 @@ import argparse
 import dataclasses
 import json
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.records import machine_info
+from bench.records import machine_info, utc_now
 from bench.throughput import _measure, resolved_settings
 from bench.workloads import BenchPrompt, ThroughputWorkload, make_random_prompts
 from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputs
@@ -90,7 +89,7 @@ def main() -> None:
     )
     record: dict[str, Any] = {
         "kind": "structured",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": machine_info(engine.device),
         "settings": {
             **dataclasses.asdict(engine.config),

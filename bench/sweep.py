@@ -10,10 +10,9 @@ running decodes. ``hold_ratio`` is the rate at the largest count over the rate a
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timezone
 from typing import Any
 
-from bench.records import machine_info
+from bench.records import machine_info, utc_now
 from bench.throughput import run_throughput
 from bench.vllm_peer import run_vllm_peer, throughput_peer_args
 from bench.workloads import ThroughputWorkload
@@ -36,7 +35,7 @@ def run_sweep(
     if compare_vllm:  # first, on an empty GPU; its process is gone before the engine loads
         peer = run_vllm_peer("throughput", throughput_peer_args(config, workloads))
     engine = LLMEngine(config)
-    created_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    created_utc = utc_now()
     runs = [run_throughput(engine, w, use_tqdm=use_tqdm)["results"] for w in workloads]
     machine = machine_info(engine.device)
     engine.shutdown()

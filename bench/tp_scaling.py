@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.records import save
+from bench.records import save, utc_now
 from engine.errors import ConfigError
 
 
@@ -35,7 +34,7 @@ def scaling_record(latency_records: list[dict[str, Any]]) -> dict[str, Any]:
     first = latency_records[0]
     return {
         "kind": "tp-scaling",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": utc_now(),
         "machine": first["machine"],
         "settings": {
             "model": ", ".join(sorted({row["model"] for row in rows})),
