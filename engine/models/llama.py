@@ -59,16 +59,27 @@ def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
     )
 
 
+def gemv_config(
+    x: torch.Tensor | Int8Rows, linear: nn.Module, silu_mul: bool, default: GemvConfig | None
+) -> GemvConfig | None:
+    """The GEMV launch shape that runs ``linear(x)`` (``silu_mul``: x is a gate_up row),
+    or None for cuBLAS: where ``x`` takes the GEMV at all, the tuned table's choice for this
+    GPU and shape (``bench.gemv --install``), else ``default``."""
+    if not (isinstance(x, torch.Tensor) and takes_gemv(x, linear)):
+        return None
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
+    return tuned_config(weight, x.shape[0], silu_mul, default)
+
+
 def input_linear(x: torch.Tensor | Int8Rows, linear: nn.Module) -> torch.Tensor:
     """``linear(x)`` for qkv and gate_up: cuBLAS, or the GEMV where ``bench.gemv --install``
     measured a launch shape of it faster than cuBLAS on this GPU (one rank's shard of a
     tensor-parallel layer is a narrower matrix, which cuBLAS streams less well)."""
-    if isinstance(x, torch.Tensor) and takes_gemv(x, linear):
-        weight = linear.weight
-        assert isinstance(weight, torch.Tensor)
-        config = tuned_config(weight, x.shape[0], False, None)
-        if config is not None:
-            return gemv(x, weight, config=config)
+    config = gemv_config(x, linear, False, None)
+    if config is not None:
+        assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
+        return gemv(x, linear.weight, config=config)
     result: torch.Tensor = linear(x)
     return result
 
@@ -152,11 +163,9 @@ class Attention(nn.Module):
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:  # [T, Hq * D] -> [T, hidden]
         """o_proj, summed over the ranks' heads."""
-        if takes_gemv(attn, self.o_proj):
-            weight = self.o_proj.weight
-            config = tuned_config(weight, attn.shape[0], False, LAYER_GEMV_CONFIG)
-            if config is not None:  # None: cuBLAS measured faster on this GPU
-                return self.group.all_reduce(gemv(attn, weight, config=config))
+        config = gemv_config(attn, self.o_proj, False, LAYER_GEMV_CONFIG)
+        if config is not None:  # None: cuBLAS (more rows, or measured faster on this GPU)
+            return self.group.all_reduce(gemv(attn, self.o_proj.weight, config=config))
         return self.group.all_reduce(self.o_proj(attn))
 
     def project(
@@ -212,9 +221,7 @@ class MLP(nn.Module):
     ) -> torch.Tensor:
         gate_up = input_linear(x, self.gate_up_proj)
         rounding = self.ops.silu_and_mul_int8
-        config = None
-        if takes_gemv(gate_up, self.down_proj):  # None: cuBLAS measured faster on this GPU
-            config = tuned_config(self.down_proj.weight, gate_up.shape[0], True, LAYER_GEMV_CONFIG)
+        config = gemv_config(gate_up, self.down_proj, True, LAYER_GEMV_CONFIG)
         if config is not None:  # the activation in the GEMV's prologue
             down = gemv(gate_up, self.down_proj.weight, silu_mul=True, config=config)
         elif rounding is not None and takes_int8_rows(gate_up, self.down_proj):
@@ -372,13 +379,12 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.lm_head, QuantizedLinear):
             return self.lm_head(hidden, out=out)
         weight = self.lm_head.weight
-        if takes_gemv(hidden, self.lm_head):
-            # batch-1 decode: the LM head is the largest single read of the step, and the GEMV
-            # streams it at the bandwidth limit where cuBLAS reached 0.93 of it (H100, bf16);
-            # on GPUs where the table measured cuBLAS faster (None), cuBLAS
-            config = tuned_config(weight, 1, False, default_config(*weight.shape))
-            if config is not None:
-                return gemv(hidden, weight, out=out, config=config)
+        # batch-1 decode: the LM head is the largest single read of the step, and the GEMV
+        # streams it at the bandwidth limit where cuBLAS reached 0.93 of it (H100, bf16); on
+        # GPUs where the table measured cuBLAS faster (None), cuBLAS
+        config = gemv_config(hidden, self.lm_head, False, default_config(*weight.shape))
+        if config is not None:
+            return gemv(hidden, weight, out=out, config=config)
         if out is None:
             return self.lm_head(hidden)
         # into a caller's buffer (a CUDA graph's one static logits tensor); lm_head has no bias
