@@ -13,6 +13,7 @@ from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, FinishReason, Sequence
 from engine.step_types import SampledToken
+from engine.structured.grammars import accept_one_by_one
 
 if TYPE_CHECKING:
     from engine.structured.grammars import GrammarMatcher
@@ -37,7 +38,7 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.on_finished = on_finished
         # grammars taking one token each, together (GrammarMasks.accept_tokens: in parallel)
-        self.accept_tokens: AcceptTokens = accept_tokens or _accept_one_by_one
+        self.accept_tokens: AcceptTokens = accept_tokens or accept_one_by_one
 
     def append_all(
         self, tokens: list[SampledToken], on_grammars_advanced: Callable[[], None] | None = None
@@ -194,10 +195,6 @@ def _end_after(
         )
         return index
     return index if grammar.is_terminated else None
-
-
-def _accept_one_by_one(pairs: list[tuple[GrammarMatcher, int]]) -> list[bool]:
-    return [grammar.accept(token_id) for grammar, token_id in pairs]
 
 
 def _drop_pending(seq: Sequence) -> None:

@@ -343,7 +343,7 @@ def test_many_rows_take_their_tokens_together_as_one_by_one(
 ) -> None:
     """From PAR_ACCEPT_MIN_ROWS rows a step's grammars take their tokens in one call on
     llguidance's pool: the same outputs as taking them one call a row."""
-    from engine.output_processor import _accept_one_by_one
+    from engine.structured.grammars import accept_one_by_one
     from engine.structured.masks import PAR_ACCEPT_MIN_ROWS
 
     prompts = (PROMPTS * 5)[:20]
@@ -359,7 +359,7 @@ def test_many_rows_take_their_tokens_together_as_one_by_one(
     monkeypatch.setattr(outputs, "accept_tokens", recorded)
     pooled = [out.text for out in llm.generate(prompts, sampling, use_tqdm=False)]
     assert max(batch_sizes) >= PAR_ACCEPT_MIN_ROWS  # the pool's path ran
-    monkeypatch.setattr(outputs, "accept_tokens", _accept_one_by_one)
+    monkeypatch.setattr(outputs, "accept_tokens", accept_one_by_one)
     assert pooled == [out.text for out in llm.generate(prompts, sampling, use_tqdm=False)]
     for text in pooled:
         check_json(text)

@@ -63,6 +63,11 @@ class GrammarMatcher:
             self.matcher.rollback(num_tokens)
 
 
+def accept_one_by_one(pairs: list[tuple[GrammarMatcher, int]]) -> list[bool]:
+    """Each grammar takes its token, one call each (False: it refused it)."""
+    return [grammar.accept(token_id) for grammar, token_id in pairs]
+
+
 class GrammarCompiler:
     """Turns ``StructuredOutputs`` into ``GrammarMatcher``s for one model's tokenizer.
 

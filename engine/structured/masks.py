@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.structured.grammars import accept_one_by_one
 from kernels.sampling.token_bitmask import apply_token_bitmask_ref, num_mask_words
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class GrammarMasks:
         the GIL when there are ``PAR_ACCEPT_MIN_ROWS`` or more: one call a row took 0.8-1.6
         ms of the step's path at 256 rows."""
         if len(pairs) < PAR_ACCEPT_MIN_ROWS:
-            return [grammar.accept(token_id) for grammar, token_id in pairs]
+            return accept_one_by_one(pairs)
         matchers = [(grammar.matcher, token_id) for grammar, token_id in pairs]
         return [bool(ok) for ok in self._get_executor().consume_token_par(matchers)]
 
