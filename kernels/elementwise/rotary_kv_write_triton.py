@@ -13,11 +13,12 @@ With ``head_norms`` (Qwen3) each q and k head is RMS-normed first, from the same
 statistics in fp32 over the whole head, the normed row cast to the input dtype, then times
 the weight and cast again, as ``rms_norm_ref`` (HF's Qwen3RMSNorm) does. The unfused norm
 kernel sums the squares in another order, so its output may differ from this one's by the
-last bit of a value; both match the reference within one rounding step.
+last bit of a value; both stay within the tests' tolerance of the reference.
 
-The math is ``rotary_triton``'s and ``kv_write_triton``'s, through their helpers: the pool
-receives bit for bit what ``rotary`` followed by ``write_kv`` stores (fp8 scales included),
-and the reference is ``rotary_ref`` then ``write_kv_ref`` (``rotary_write_kv_ref``).
+The math is ``rotary_triton``'s and ``kv_write_triton``'s, through their helpers: without
+norms the pool receives bit for bit what ``rotary`` followed by ``write_kv`` stores (fp8
+scales included), and the reference is (``rms_norm_ref``,) ``rotary_ref`` then
+``write_kv_ref`` (``rotary_write_kv_ref``).
 """
 
 from __future__ import annotations
@@ -222,7 +223,9 @@ def rotary_write_kv(
 
     Equal to ``rotary(q, k, ...)`` then ``write_kv(k, v, ...)``, except that k itself is left
     as it was. With ``head_norms`` (Qwen3's q and k norms; weights ``[D]`` of q's dtype), q
-    and k are RMS-normed per head first, as ``rms_norm`` of each would (q in place too). Shapes: ``q: [T, Hq, D]``, ``k: [T, Hkv, D]`` (same dtype, last stride 1,
+    and k are RMS-normed per head first, as ``rms_norm`` of each would (q in place too).
+
+    Shapes: ``q: [T, Hq, D]``, ``k: [T, Hkv, D]`` (same dtype, last stride 1,
     other strides free: views into a fused qkv output); ``v: [T, Hkv, D]`` (any strides);
     ``positions: [T]`` int; ``cos_cache, sin_cache: [max_pos, D]`` float32;
     ``k_cache, v_cache: [NB, BS, Hkv, D]`` of k's dtype or fp8, then with
