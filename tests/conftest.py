@@ -102,6 +102,8 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.25 if "embed" in name else 0.12)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)  # Qwen3's per-head norms: a weight left out shows
     model.save_pretrained(directory)
     return directory
 

@@ -1,7 +1,7 @@
 """The fused rotary + KV-write kernel against the two kernels it replaces and the reference.
 
 CPU runs go through Triton's interpreter at small sizes (see test_triton_kernels.py for how
-TRITON_INTERPRET is set); the ``gpu``-marked test runs llama3-8b's head shapes.
+TRITON_INTERPRET is set); the ``gpu``-marked tests run llama3-8b's and Qwen3-8B's head shapes.
 """
 
 from __future__ import annotations
@@ -12,15 +12,21 @@ import pytest
 import torch
 
 from kernels.attention.paged_attention import FP8_DTYPE, dequantize_fp8
+from kernels.elementwise.norm import HeadNorms
 from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
 from kernels.elementwise.rotary_kv_write import rotary_write_kv_ref
-from tests.test_triton_kernels import DEVICE, DTYPES, KERNELS, TOLERANCE, assert_close
+from tests.test_triton_kernels import CUDA, DEVICE, DTYPES, KERNELS, TOLERANCE, assert_close
 
 rotary_write_kv = KERNELS["rotary_kv_write_triton"].rotary_write_kv
 rotary = KERNELS["rotary_triton"].rotary
 write_kv = KERNELS["kv_write_triton"].write_kv
+rms_norm = KERNELS["norm_triton"].rms_norm
 MAX_POSITIONS = 256
 FP8_STEP = 2.0**-3  # e4m3's spacing relative to a normal value; 2^-9 of the scale below
+# The interpreter truncates fp32 -> bf16 casts (Triton 3.9; see test_triton_kernels.py): with
+# the norm's two roundings before rotary's four, a bf16 value may end up a few ulps below the
+# reference's (on CUDA, which rounds to nearest, one tolerance holds).
+INTERPRETED_BF16_NORM_SLACK = 4.0
 
 
 @dataclass
@@ -105,10 +111,9 @@ def _rope(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cos.to(DEVICE), sin.to(DEVICE)
 
 
-def _assert_fp8_pools_close(actual: Step, expected: Step, dtype: torch.dtype) -> None:
+def _assert_fp8_pools_close(actual: Step, expected: Step, tol: float) -> None:
     """Scales within rotary's tolerance (the two sides rotate k a few ulps apart), values
     within that tolerance plus one e4m3 step."""
-    tol = TOLERANCE[dtype]
     torch.testing.assert_close(actual.scales, expected.scales, rtol=tol, atol=0)
     a, b = actual.dequantized_pool(), expected.dequantized_pool()
     subnormal_step = expected.scales[..., None] * 2.0**-9
@@ -118,38 +123,67 @@ def _assert_fp8_pools_close(actual: Step, expected: Step, dtype: torch.dtype) ->
     )
 
 
-def _check_fused(step: Step, dtype: torch.dtype) -> None:
-    """Fused == rotary then write_kv bit for bit; both equal the reference within tolerance."""
+def _run_unfused(step: Step, cos: torch.Tensor, sin: torch.Tensor, norms: HeadNorms | None) -> None:
+    """What the fused kernel replaces: the norm kernel on q and on k (into new tensors, as the
+    model's q_norm and k_norm), rotary, then write_kv."""
+    if norms is not None:
+        step.q = rms_norm(step.q, norms.q_weight, norms.eps)
+        step.k = rms_norm(step.k, norms.k_weight, norms.eps)
+    rotary(step.q, step.k, step.positions, cos, sin)
+    write_kv(step.k, step.v, slot_mapping=step.slots, **step.pool_args())
+
+
+def _check_fused(step: Step, dtype: torch.dtype, norms: HeadNorms | None = None) -> None:
+    """Fused == the kernels it replaces (bit for bit without norms); both equal the reference
+    within tolerance."""
     cos, sin = _rope(step.q.shape[2])
     fused, unfused, reference = step.clone(), step.clone(), step.clone()
     out = rotary_write_kv(
         fused.q, fused.k, fused.v, step.positions, cos, sin, slot_mapping=step.slots,
-        **fused.pool_args(),
+        head_norms=norms, **fused.pool_args(),
     )  # fmt: skip
-    assert out.data_ptr() == fused.q.data_ptr()  # q rotated in place
-    rotary(unfused.q, unfused.k, step.positions, cos, sin)
-    write_kv(unfused.k, unfused.v, slot_mapping=step.slots, **unfused.pool_args())
+    assert out.data_ptr() == fused.q.data_ptr()  # q normed and rotated in place
+    _run_unfused(unfused, cos, sin, norms)
     expected_q = rotary_write_kv_ref(
         reference.q, reference.k, reference.v, step.positions, cos, sin,
-        slot_mapping=step.slots, **reference.pool_args(),
+        slot_mapping=step.slots, head_norms=norms, **reference.pool_args(),
     )  # fmt: skip
-    # 1. the engine's numbers do not move: the same q and pages as the two kernels
-    assert torch.equal(fused.q, unfused.q)
-    assert torch.equal(fused.pool.view(torch.uint8), unfused.pool.view(torch.uint8))
-    assert torch.equal(fused.scales, unfused.scales)
+    # 1. the engine's numbers do not move: the same q and pages as the kernels it replaces
+    # (the norm kernel sums the squares in another order: a last-bit difference at most)
+    if norms is None:
+        assert torch.equal(fused.q, unfused.q)
+        assert torch.equal(fused.pool.view(torch.uint8), unfused.pool.view(torch.uint8))
+        assert torch.equal(fused.scales, unfused.scales)
+    else:
+        assert_close(fused.q, unfused.q, dtype)
+        _assert_pools_close(fused, unfused, TOLERANCE[dtype])
     # 2. k and v stay as they came: the rotated k goes to the pages only
     assert torch.equal(fused.k, step.k) and torch.equal(fused.v, step.v)
-    # 3. the reference: rotary_ref then write_kv_ref
-    assert_close(fused.q, expected_q, dtype)
-    if step.pool.dtype == FP8_DTYPE:
-        _assert_fp8_pools_close(fused, reference, dtype)
-    else:
-        assert_close(fused.pool, reference.pool, dtype)
+    # 3. the reference: (rms_norm_ref,) rotary_ref then write_kv_ref
+    tol = TOLERANCE[dtype]
+    if norms is not None and dtype == torch.bfloat16 and not CUDA:
+        tol *= INTERPRETED_BF16_NORM_SLACK
+    torch.testing.assert_close(fused.q, expected_q, atol=tol, rtol=tol)
+    _assert_pools_close(fused, reference, tol)
     written = (fused.pool.view(torch.uint8) != 0).flatten(4).any(-1)  # [L, 2, NB, BS]
     expected_written = (reference.pool.view(torch.uint8) != 0).flatten(4).any(-1)
     assert torch.equal(written, expected_written)
     num_stored = int((step.slots >= 0).sum())
     assert int(written[1].sum()) == 2 * num_stored and not written[0].any()  # layer 1 only
+
+
+def _assert_pools_close(actual: Step, expected: Step, tol: float) -> None:
+    if expected.pool.dtype == FP8_DTYPE:
+        _assert_fp8_pools_close(actual, expected, tol)
+    else:
+        torch.testing.assert_close(actual.pool, expected.pool, atol=tol, rtol=tol)
+
+
+def _head_norms(dtype: torch.dtype, head_dim: int, seed: int) -> HeadNorms:
+    """Weights about 1 as trained Qwen3 norms have, eps as its config's."""
+    generator = torch.Generator().manual_seed(seed)
+    q_weight, k_weight = (1 + 0.5 * torch.randn(2, head_dim, generator=generator)).to(dtype)
+    return HeadNorms(q_weight.to(DEVICE), k_weight.to(DEVICE), eps=1e-6)
 
 
 HEADS = [(4, 2, 32), (3, 1, 20)]  # (Hq, Hkv, D): GQA, and a D whose half is no power of 2
@@ -164,6 +198,26 @@ def test_rotary_write_kv_matches_two_kernels_and_reference(
     step = Step.random(dtype, FP8_DTYPE if fp8 else dtype, heads, seed=sum(heads))
     step.k[0, 0, 3] = 300.0  # an outlier: the rest of that fp8 vector lands in subnormals
     _check_fused(step, dtype)
+
+
+# (Hq, Hkv, D), dtype, fp8 pool: Qwen3's head dims (GQA), and a D whose half is no power of
+# 2; every dtype and both pools, not all combinations (the interpreter is slow)
+HEAD_NORM_CASES = [
+    ((4, 2, 64), torch.bfloat16, False),
+    ((4, 2, 64), torch.float16, True),
+    ((2, 1, 128), torch.float32, False),
+    ((2, 1, 128), torch.bfloat16, True),
+    ((3, 1, 20), torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize(("heads", "dtype", "fp8"), HEAD_NORM_CASES)
+def test_rotary_write_kv_with_head_norms_matches_norm_kernels_and_reference(
+    heads: tuple[int, int, int], dtype: torch.dtype, fp8: bool
+) -> None:
+    step = Step.random(dtype, FP8_DTYPE if fp8 else dtype, heads, seed=sum(heads))
+    step.k[0, 0, 3] = 300.0  # a norm divides the outlier down; still the largest of its head
+    _check_fused(step, dtype, _head_norms(dtype, heads[2], seed=heads[2]))
 
 
 def test_rotary_write_kv_with_compact_k_and_no_tokens() -> None:
@@ -191,6 +245,16 @@ def test_rotary_write_kv_at_llama3_8b_sizes(num_tokens: int, fp8: bool) -> None:
     _check_fused(step, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rotary_write_kv_with_head_norms_at_qwen3_8b_sizes(num_tokens: int, fp8: bool) -> None:
+    cache_dtype = FP8_DTYPE if fp8 else torch.bfloat16
+    heads = (32, 8, 128)
+    step = Step.random(torch.bfloat16, cache_dtype, heads, 13, num_tokens, block_size=16)
+    _check_fused(step, torch.bfloat16, _head_norms(torch.bfloat16, 128, seed=3))
+
+
 def test_rotary_write_kv_rejects_bad_arguments() -> None:
     step = Step.random(torch.float32, FP8_DTYPE, (4, 2, 32), seed=1)
     cos, sin = _rope(32)
@@ -209,3 +273,10 @@ def test_rotary_write_kv_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="last stride 1"):
         k_t = step.k.transpose(1, 2).contiguous().transpose(1, 2)
         rotary_write_kv(step.q, k_t, *args[2:], slot_mapping=step.slots, **pool)
+    norms = _head_norms(torch.float32, 32, seed=0)
+    with pytest.raises(ValueError, match=r"head_norms\.k_weight must be a contiguous"):
+        bad = HeadNorms(norms.q_weight, norms.k_weight[:16], norms.eps)
+        rotary_write_kv(*args, slot_mapping=step.slots, head_norms=bad, **pool)
+    with pytest.raises(ValueError, match=r"head_norms\.q_weight must be torch\.float32"):
+        bad = HeadNorms(norms.q_weight.bfloat16(), norms.k_weight, norms.eps)
+        rotary_write_kv(*args, slot_mapping=step.slots, head_norms=bad, **pool)

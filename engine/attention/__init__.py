@@ -8,10 +8,12 @@ from engine.attention.backend import (
     RopeInputs,
     get_attention_backend,
 )
+from kernels.elementwise.norm import HeadNorms
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "HeadNorms",
     "LayerCache",
     "LayerOps",
     "RopeInputs",

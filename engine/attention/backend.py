@@ -16,7 +16,7 @@ import torch
 
 from kernels.attention.paged_attention import paged_attention_ref
 from kernels.elementwise.activation import silu_and_mul_ref
-from kernels.elementwise.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.elementwise.norm import HeadNorms, fused_add_rms_norm_ref, rms_norm_ref
 from kernels.elementwise.rotary_kv_write import rotary_write_kv_ref
 from kernels.moe.moe import fused_moe_ref
 
@@ -95,9 +95,9 @@ class LayerOps:
 
 
 class AttentionBackend(Protocol):
-    """Rotates the new q and k, writes K/V into the pool, then attends each new query over
-    its context. Rotary lives here, not among the layer's ops, so that the Triton backend
-    launches one kernel for rotary and the KV write."""
+    """Norms (Qwen3) and rotates the new q and k, writes K/V into the pool, then attends each
+    new query over its context. The q/k norms and rotary live here, not among the layer's
+    ops, so that the Triton backend launches one kernel for them and the KV write."""
 
     name: str
     ops: LayerOps
@@ -115,6 +115,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        head_norms: HeadNorms | None = None,  # Qwen3: RMSNorm each q and k head before rotary
         out: torch.Tensor | None = None,  # [T, Hq, D]: where to write, else a new tensor
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
@@ -157,11 +158,12 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        head_norms: HeadNorms | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = rotary_write_kv_ref(
             q, k, v, rope.positions, rope.cos, rope.sin, cache.k, cache.v, meta.slot_mapping,
-            k_scale=cache.k_scale, v_scale=cache.v_scale,
+            k_scale=cache.k_scale, v_scale=cache.v_scale, head_norms=head_norms,
         )  # fmt: skip
         result = paged_attention_ref(
             q,
@@ -225,12 +227,13 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        head_norms: HeadNorms | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # one launch: q rotated in place, k rotated into the pages beside v
+        # one launch: q normed (Qwen3) and rotated in place, k into the pages beside v
         self._rotary_write_kv(
             q, k, v, rope.positions, rope.cos, rope.sin, cache.k, cache.v, meta.slot_mapping,
-            k_scale=cache.k_scale, v_scale=cache.v_scale,
+            k_scale=cache.k_scale, v_scale=cache.v_scale, head_norms=head_norms,
         )  # fmt: skip
         return self._paged_attention(
             q,

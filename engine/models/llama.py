@@ -19,6 +19,7 @@ from torch import nn
 from engine.attention import (
     AttentionBackend,
     AttentionMetadata,
+    HeadNorms,
     LayerCache,
     LayerOps,
     RopeInputs,
@@ -144,6 +145,8 @@ class Attention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, arch.o_bias)
+        # Qwen3's per-head norms: their weights load as any module's; attention applies them
+        # with rotary (``head_norms``), in the Triton backend's one kernel with the KV write
         ops = backend.ops
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
@@ -172,8 +175,9 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where qkv_proj takes int8 rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
-        """The new tokens' queries, keys and values, not yet rotated: attention rotates q and
-        k, fused with the KV write (one kernel launch where rotary and the write were two)."""
+        """The new tokens' queries, keys and values, not yet normed (Qwen3) nor rotated:
+        attention does both to q and k, fused with the KV write (one kernel launch where the
+        two norms, rotary and the write were four)."""
         num_tokens = x.shape[0]
         q, k, v = input_linear(x, self.qkv_proj).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1
@@ -181,9 +185,13 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm pre-rope
-            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
+
+    def head_norms(self) -> HeadNorms | None:
+        """Qwen3's q_norm and k_norm, for attention to apply before rotary; None without."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def attend(
         self,
@@ -195,10 +203,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,  # [T, Hq, D]
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Rotate q and k, store the new K/V in the pages, attend each query over its context."""
+        """Norm (Qwen3) and rotate q and k, store the new K/V in the pages, attend each query
+        over its context."""
         return self.backend.forward(
-            q, k, v, rope, kv_cache, meta, self.scale, self.sliding_window, out=out
-        )
+            q, k, v, rope, kv_cache, meta, self.scale, self.sliding_window,
+            head_norms=self.head_norms(), out=out,
+        )  # fmt: skip
 
 
 class MLP(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -18,3 +20,20 @@ def fused_add_rms_norm_ref(
     """``residual += x`` then RMSNorm of the sum; returns (normed, new residual)."""
     summed = x + residual
     return rms_norm_ref(summed, weight, eps), summed
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """RMSNorms of each q and k head before rotary (Qwen3's q_norm and k_norm): one weight
+    over the head dim for all q heads, one for all k heads, one eps."""
+
+    q_weight: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D]
+    eps: float
+
+    def apply_ref(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # new tensors, q and k normed
+        return rms_norm_ref(q, self.q_weight, self.eps), rms_norm_ref(k, self.k_weight, self.eps)

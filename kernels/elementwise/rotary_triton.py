@@ -25,6 +25,45 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_halves(
+    x_ptr,  # this token's [H, D]
+    stride_xh,
+    offs_h,  # [BLOCK_H]
+    offs_d,  # [BLOCK_HALF]
+    mask,  # [BLOCK_H, BLOCK_HALF]
+    HALF: tl.constexpr,
+):
+    """The heads' halves ``(x1, x2)`` [BLOCK_H, BLOCK_HALF] in fp32; masked lanes are 0."""
+    lo_ptrs = x_ptr + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(lo_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(lo_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rotate_halves(
+    x1,  # [BLOCK_H, BLOCK_HALF] fp32, values of DTYPE
+    x2,
+    cos_ptr,  # this position's cos/sin rows [D]
+    sin_ptr,
+    offs_d,  # [BLOCK_HALF]
+    HALF: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """``[x1, x2]`` rotated, in fp32, each value rounded to DTYPE as the reference's is."""
+    mask_d = offs_d < HALF
+    # 1. cos/sin of each half, in the input dtype as the reference casts them
+    cos_lo = _rounded(tl.load(cos_ptr + offs_d, mask=mask_d, other=0.0), DTYPE)[None, :]
+    cos_hi = _rounded(tl.load(cos_ptr + HALF + offs_d, mask=mask_d, other=0.0), DTYPE)[None, :]
+    sin_lo = _rounded(tl.load(sin_ptr + offs_d, mask=mask_d, other=0.0), DTYPE)[None, :]
+    sin_hi = _rounded(tl.load(sin_ptr + HALF + offs_d, mask=mask_d, other=0.0), DTYPE)[None, :]
+    # 2. x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], rounding each product and sum
+    lo = _rounded(x1 * cos_lo, DTYPE) + _rounded(-x2 * sin_lo, DTYPE)
+    hi = _rounded(x2 * cos_hi, DTYPE) + _rounded(x1 * sin_hi, DTYPE)
+    return _rounded(lo, DTYPE), _rounded(hi, DTYPE)
+
+
+@triton.jit
 def _rotated_halves(
     x_ptr,  # this token's [H, D]
     cos_ptr,  # this position's cos/sin rows [D]
@@ -37,20 +76,8 @@ def _rotated_halves(
 ):
     """The heads' rotated halves ``(lo, hi)`` [BLOCK_H, BLOCK_HALF] in fp32, each value
     rounded to x's dtype as the reference's result is; masked lanes are 0."""
-    mask_d = offs_d < HALF
-    dtype = x_ptr.dtype.element_ty
-    # 1. cos/sin of each half, in the input dtype as the reference casts them
-    cos_lo = _rounded(tl.load(cos_ptr + offs_d, mask=mask_d, other=0.0), dtype)[None, :]
-    cos_hi = _rounded(tl.load(cos_ptr + HALF + offs_d, mask=mask_d, other=0.0), dtype)[None, :]
-    sin_lo = _rounded(tl.load(sin_ptr + offs_d, mask=mask_d, other=0.0), dtype)[None, :]
-    sin_hi = _rounded(tl.load(sin_ptr + HALF + offs_d, mask=mask_d, other=0.0), dtype)[None, :]
-    # 2. x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], rounding each product and sum
-    lo_ptrs = x_ptr + offs_h[:, None] * stride_xh + offs_d[None, :]
-    x1 = tl.load(lo_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
-    x2 = tl.load(lo_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    lo = _rounded(x1 * cos_lo, dtype) + _rounded(-x2 * sin_lo, dtype)
-    hi = _rounded(x2 * cos_hi, dtype) + _rounded(x1 * sin_hi, dtype)
-    return _rounded(lo, dtype), _rounded(hi, dtype)
+    x1, x2 = _load_halves(x_ptr, stride_xh, offs_h, offs_d, mask, HALF)
+    return _rotate_halves(x1, x2, cos_ptr, sin_ptr, offs_d, HALF, x_ptr.dtype.element_ty)
 
 
 @triton.jit
