@@ -5,6 +5,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT ?= The capital of France is
+# Test processes: most tests wait on Redis, subprocesses or the Triton interpreter, so two
+# share a 2-core machine well (0: one process, no xdist)
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup up generate test lint typecheck pytest clean
 
@@ -36,7 +39,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra -n $(PYTEST_WORKERS)
 
 test: lint typecheck pytest
 

@@ -17,6 +17,11 @@ os.environ.setdefault("PAGESTREAM_DEVICE", "cpu")
 # reads this when a kernel module is imported, which is after conftest.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist each test process takes its share of the cores for torch's intra-op
+# threads: two processes of two threads each on two cores spin against each other.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    num_test_processes = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_test_processes))
 pytest_plugins = [
     "tests.redis_server",
     "tests.redis_cluster",
