@@ -3,7 +3,9 @@
 Two process groups and a peer buffer: the device group (NCCL on CUDA, gloo on the CPU) carries the model's
 all-reduces and gathers, also inside CUDA graphs; the control group (always gloo, without a
 timeout) carries rank 0's step messages, which are Python objects on the host. On CUDA, small all-reduces (decode's)
-take ``peer_allreduce.PeerAllReduce`` over peer-mapped buffers instead of NCCL.
+take ``peer_allreduce.PeerAllReduce`` over peer-mapped buffers instead of NCCL, and a sum
+that a residual add and RMSNorm read next may be left to the norm (``PartialSum``), which
+then sums, adds and normalizes in one kernel (``peer_norm``).
 
 A rank leaves by aborting its communicators, which waits for no one: NCCL's
 ``destroy_process_group`` flushes and finalizes them, a wait on the other ranks that never ends
@@ -108,6 +110,13 @@ class TensorParallelGroup:
 
     # -- the model's collectives -------------------------------------------------------------
 
+    def all_reduce_for_norm(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
+        """``all_reduce(x)`` for a sum that a residual add and RMSNorm read next (o_proj's,
+        down's): where one kernel can do the three, ``x`` unsummed, for the norm to sum."""
+        if self.peer is not None and self.peer.fuses_norm(x):
+            return PartialSum(x, self)
+        return self.all_reduce(x)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's ``x``: ``x`` itself, summed in place, or a new tensor (use the
         result, not ``x``)."""
@@ -118,6 +127,15 @@ class TensorParallelGroup:
             return self.peer.all_reduce(x, method)
         dist.all_reduce(x, group=self.device_group)
         return x
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, hidden], the new residual
+        """RMSNorm of ``residual`` (summed into in place; None: zeros) plus the sum of every
+        rank's ``x``, in one kernel: only for an ``x`` that ``all_reduce_for_norm`` left."""
+        norm = None if self.peer is None else self.peer.norm
+        assert norm is not None, "all_reduce_add_rms_norm without the fused peer path"
+        return norm(x, residual, weight, eps)
 
     def gather_vocab(
         self, local: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None
@@ -168,3 +186,28 @@ class TensorParallelGroup:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.control_group)
         return out
+
+
+@dataclass(frozen=True)
+class PartialSum:
+    """This rank's share of a sum over the group's ranks, not yet summed: the norm that reads
+    it next sums it, adds the residual and normalizes in one kernel (``add_rms_norm``). Made by
+    ``TensorParallelGroup.all_reduce_for_norm``."""
+
+    local: torch.Tensor  # [T, hidden]
+    group: TensorParallelGroup
+
+    def total(self) -> torch.Tensor:  # [T, hidden]
+        """The sum itself, for a consumer that cannot fuse it (a norm that rounds to int8)."""
+        return self.group.all_reduce(self.local)
+
+    def add_rms_norm(
+        self, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, hidden], the new residual
+        """As ``fused_add_rms_norm(total(), residual, weight, eps)``, in one kernel."""
+        return self.group.all_reduce_add_rms_norm(self.local, residual, weight, eps)
+
+
+def summed(x: torch.Tensor | PartialSum) -> torch.Tensor:
+    """``x``, summed over the ranks if it is still a ``PartialSum``."""
+    return x.total() if isinstance(x, PartialSum) else x
