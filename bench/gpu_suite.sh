@@ -155,6 +155,8 @@ card() { python -c "import torch; print(torch.cuda.get_device_name().split()[1].
 allreduce() {  # two GPUs: NCCL against the peer-buffer sums, by message size
     log all-reduce paths by size: allreduce-CARD.json
     python -m bench.allreduce --world-size 2 --output-json "$OUT/allreduce-$(card).json"
+    log the sum + residual add + RMSNorm, unfused against fused: allreduce-norm-CARD.json
+    python -m bench.allreduce --world-size 2 --norm --output-json "$OUT/allreduce-norm-$(card).json"
 }
 
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)

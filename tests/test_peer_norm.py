@@ -147,3 +147,16 @@ def test_the_fused_norm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FUSED_NORM_ENV, "off")
     with pytest.raises(ConfigError, match="PAGESTREAM_TP_FUSED_NORM='off': expected 1"):
         fused_norm_requested()
+
+
+def test_the_bench_compares_the_fused_kernel_with_the_faster_unfused_path() -> None:
+    from bench.allreduce_norm import fused_speedups, shapes
+
+    assert (128, 4096) in shapes() and (64, 8192) in shapes() and (128, 8192) not in shapes()
+    results = [
+        {"rows": 1, "hidden": 4096, "path": path, "us": us}
+        for path, us in (("nccl+norm", 9.0), ("one-shot+norm", 10.0), ("fused", 4.5))
+    ]
+    assert fused_speedups(results) == [
+        {"rows": 1, "hidden": 4096, "fused_us": 4.5, "unfused_us": 9.0, "speedup": 2.0}
+    ]
