@@ -26,6 +26,7 @@ FUSED_NORM_ENV = "PAGESTREAM_TP_FUSED_NORM"
 # Each rank maps two of them (``allreduce_norm_triton.NUM_SLOTS``).
 FUSED_SLOT_BYTES = 2**20
 ALIGNMENT_BYTES = 16  # the kernel's vector loads and stores
+DEFAULT_SIGNAL_PAD_BYTES = 2048  # torch releases without ``signal_pad_size`` (newer: larger)
 
 
 def fused_norm_requested() -> bool:
@@ -47,6 +48,7 @@ class PeerAllReduceNorm:
         # Triton: imported where it runs (a CPU-only install never imports it)
         from kernels.collective.allreduce_norm_triton import (
             NUM_SLOTS,
+            SIGNAL_PAD_BYTES_PER_RANK,
             PeerBuffers,
             allreduce_add_rms_norm,
         )
@@ -54,6 +56,9 @@ class PeerAllReduceNorm:
         self.kernel = allreduce_add_rms_norm
         self.buffer = symm_mem.empty(NUM_SLOTS * FUSED_SLOT_BYTES, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        pad_bytes = getattr(type(handle), "signal_pad_size", DEFAULT_SIGNAL_PAD_BYTES)
+        if SIGNAL_PAD_BYTES_PER_RANK * len(handle.buffer_ptrs) > pad_bytes:
+            raise RuntimeError(f"a signal pad of {pad_bytes} bytes is too small for the group")
         self.peers = PeerBuffers(
             buffer_ptrs=_as_device_array(_buffer_ptrs(handle, self.buffer, rank), device),
             signal_pad_ptrs=_as_device_array(list(handle.signal_pad_ptrs), device),

@@ -38,9 +38,13 @@ from kernels.pdl import pdl_launch, wait_for_producers
 
 NUM_SLOTS = 2
 _NUM_SLOTS = tl.constexpr(NUM_SLOTS)  # globals a kernel reads must be constexpr
-# Programs of one call: each meets its peers on WORLD_SIZE signal slots, and 32 x 8 ranks x
-# 4 bytes fit in the smallest signal pad torch has had (2 KiB); more rows loop in a program.
+# Programs of one call (more rows loop in a program). Program p meets its peers on signal
+# slots [(MAX_PROGRAMS + p) * WORLD_SIZE, ...): past those of torch's own kernels (at most 32
+# blocks, the same layout), should its symmetric tensors share our allocation's pad; 2 x 32
+# x 8 ranks x 4 bytes fill the smallest signal pad torch has had (2 KiB).
 MAX_PROGRAMS = 32
+_MAX_PROGRAMS = tl.constexpr(MAX_PROGRAMS)
+SIGNAL_PAD_BYTES_PER_RANK = 2 * MAX_PROGRAMS * 4  # the pad a group needs, per rank in it
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def _allreduce_add_rms_norm_kernel(
         tl.store(own + row * N + offs_n, x, mask=mask)
     # 2. the same program of every rank has done the same
     if BARRIER:
-        peer_barrier(signal_pad_ptrs, pid, RANK, WORLD_SIZE)
+        peer_barrier(signal_pad_ptrs, _MAX_PROGRAMS + pid, RANK, WORLD_SIZE)
     for row in range(pid, num_rows, num_programs):
         # 3. the sum (plus the residual), stored as the new residual ...
         total = _sum_row(buffer_ptrs, slot, row, offs_n, mask, N, BLOCK_N, WORLD_SIZE, IN_DTYPE)
