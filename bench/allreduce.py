@@ -3,9 +3,9 @@ one-shot and two-shot sums (``engine.distributed.peer_allreduce``), each checked
 fp32 sum and timed inside a CUDA graph as the decode graphs run them.
 
 ``python -m bench.allreduce --world-size 2 --output-json OUT.json`` (a record of kind
-``allreduce``: one row per size and path, and the size table the timings suggest). With
-``--norm``, the sum with the residual add and RMSNorm after it instead: unfused against the
-fused kernel (``bench/allreduce_norm.py``, a record of kind ``allreduce-norm``).
+``allreduce``: one row per size and path, and the size table the timings suggest). The sum
+with the residual add and RMSNorm after it, unfused against the fused kernel:
+``bench/allreduce_norm.py``.
 """
 
 from __future__ import annotations
@@ -180,16 +180,8 @@ def run(world: int, sizes: list[int] | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument(
-        "--norm", action="store_true", help="time the sum with the residual add + RMSNorm after it"
-    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
-    if args.norm:
-        from bench import allreduce_norm
-
-        allreduce_norm.main(args.world_size, args.output_json)
-        return
     record = run(args.world_size)
     for row in record["results"]:
         print(

@@ -8,13 +8,14 @@ normed rows are the next call's share):
   then the norm;
 - ``fused``: one kernel for the three (``engine.distributed.peer_norm``).
 
-``python -m bench.allreduce --norm --world-size 2 --output-json OUT.json`` (a record of kind
+``python -m bench.allreduce_norm --world-size 2 --output-json OUT.json`` (a record of kind
 ``allreduce-norm``: one row per shape and path, with its largest difference from
 ``nccl+norm``'s normed rows on the same inputs, and the fused kernel's speedup by shape).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 from typing import Any
@@ -143,8 +144,12 @@ def run(world: int, sizes: list[tuple[int, int]] | None = None) -> dict[str, Any
     }
 
 
-def main(world: int, output_json: str | None) -> None:
-    record = run(world)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args(argv)
+    record = run(args.world_size)
     for row in record["results"]:
         print(
             f"{row['rows']:>4} x {row['hidden']:<5} {row['path']:>14}  {row['us']:7.2f} us"
@@ -152,4 +157,8 @@ def main(world: int, output_json: str | None) -> None:
         )
     for row in record["fused_speedups"]:
         print(f"{row['rows']:>4} x {row['hidden']:<5} fused {row['speedup']:.2f}x the unfused")
-    save(record, output_json)
+    save(record, args.output_json)
+
+
+if __name__ == "__main__":
+    main()

@@ -156,7 +156,7 @@ allreduce() {  # two GPUs: NCCL against the peer-buffer sums, by message size
     log all-reduce paths by size: allreduce-CARD.json
     python -m bench.allreduce --world-size 2 --output-json "$OUT/allreduce-$(card).json"
     log the sum + residual add + RMSNorm, unfused against fused: allreduce-norm-CARD.json
-    python -m bench.allreduce --world-size 2 --norm --output-json "$OUT/allreduce-norm-$(card).json"
+    python -m bench.allreduce_norm --world-size 2 --output-json "$OUT/allreduce-norm-$(card).json"
 }
 
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)

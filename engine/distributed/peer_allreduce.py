@@ -52,7 +52,7 @@ class SizeTable:
     increasing order, the first band that holds ``n`` wins; past the last band, NCCL.
     Measured with ``bench/allreduce.py`` (records ``bench/results/allreduce-<card>.json``).
     A sum that a residual add + RMSNorm reads next, of up to ``fused_max_bytes``, takes the
-    fused kernel instead (``peer_norm``; ``bench.allreduce --norm`` compares the two)."""
+    fused kernel instead (``peer_norm``; ``bench.allreduce_norm`` compares the two)."""
 
     bands: tuple[tuple[int, str], ...]
     fused_max_bytes: int = 0
@@ -69,7 +69,7 @@ class SizeTable:
 # two-shot's 10.2; from 2 MiB two-shot leads (19.4 against NCCL's 26.9 us; 42.4 against 46.3
 # at 8 MiB). Larger groups keep NCCL until measured. Fused with the norm: every size the
 # kernel holds (1 MiB, 128 rows of 4096 bf16) at two ranks, not yet measured against NCCL's
-# all-reduce + the norm kernel (``bench.allreduce --norm``).
+# all-reduce + the norm kernel (``bench.allreduce_norm``).
 SIZE_TABLES = {
     2: SizeTable(
         bands=((2**20, "nccl"), (MAX_PEER_BYTES, "two-shot")), fused_max_bytes=FUSED_SLOT_BYTES
