@@ -76,8 +76,11 @@ class TensorParallelGroup:
         peer = PeerAllReduce.create(dist.group.WORLD, device, rank)
         if rank == 0:
             logger.info(
-                "tensor parallel: all-reduce on %s",
+                "tensor parallel: all-reduce on %s%s",
                 "NCCL" if peer is None else f"peer buffers ({peer.method}) and NCCL",
+                ""
+                if peer is None or peer.norm is None
+                else f"; fused with the norm up to {peer.fused_max_bytes} bytes",
             )
         return cls(rank, size, dist.group.WORLD, control, peer)
 
