@@ -1,7 +1,7 @@
 """The all-reduce + residual add + RMSNorm kernel against its torch reference, in one process:
 the other ranks' buffers are faked (filled here, the barrier skipped), which tests the sum, the
-norm, the slots and the epoch. Across two real GPUs, barrier included:
-tests/test_gpu_allreduce_norm.py.
+norm, the slots and the epoch; and the barrier's signals, the other rank's arrival faked in
+this rank's pad, or an abort. Across two real GPUs: tests/test_gpu_allreduce_norm.py.
 
 Without CUDA the kernel runs on the CPU through Triton's interpreter, at small sizes.
 """
@@ -37,17 +37,27 @@ TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 class FakePeers:
     """Every rank's two-slot buffer in one tensor; this process is rank ``rank``."""
 
-    def __init__(self, world_size: int, rank: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, world_size: int, rank: int, dtype: torch.dtype, barrier: bool = False
+    ) -> None:
         numel = SLOT_BYTES // dtype.itemsize
         self.buffers = torch.zeros(world_size, 2, numel, dtype=dtype, device=DEVICE)
+        num_slots = 2 * allreduce_norm_triton.MAX_PROGRAMS * world_size
+        self.pads = torch.zeros(world_size, num_slots, dtype=torch.int32, device=DEVICE)
         self.peers = PeerBuffers(
             buffer_ptrs=torch.tensor([b.data_ptr() for b in self.buffers], device=DEVICE),
-            signal_pad_ptrs=torch.zeros(world_size, dtype=torch.int64, device=DEVICE),
+            signal_pad_ptrs=torch.tensor([p.data_ptr() for p in self.pads], device=DEVICE),
             epoch=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+            abort=torch.zeros(1, dtype=torch.int32, device=DEVICE),
             rank=rank,
             slot_bytes=SLOT_BYTES,
-            barrier=False,
+            barrier=barrier,
         )
+
+    def signal_slot(self, program: int, rank: int) -> int:
+        """Where ``rank``'s arrival for ``program`` goes in every pad."""
+        offset = allreduce_norm_triton.MAX_PROGRAMS  # past torch's own kernels' slots
+        return (offset + program) * self.peers.world_size + rank
 
     def post(self, partials: torch.Tensor, slot: int) -> None:  # partials [world, T, N]
         """What the other ranks would have copied into their slot ``slot``."""
@@ -139,3 +149,34 @@ def test_a_message_larger_than_a_slot_is_refused() -> None:
     weight = torch.ones(64, device=DEVICE)
     with pytest.raises(ValueError, match=f"at most {SLOT_BYTES} bytes"):
         allreduce_norm_triton.allreduce_add_rms_norm(x, x.clone(), weight, EPS, fake.peers)
+
+
+def test_the_barrier_takes_the_other_ranks_arrival_and_leaves_its_own() -> None:
+    """Rank 0 of two, rank 1's arrival already in its pad for each program: each program
+    takes it (back to 0, ready for the next call) and leaves its own in rank 1's pad."""
+    rows = 3
+    partials, residual, weight = _inputs(2, rows, 32, torch.float32, seed=5)
+    fake = FakePeers(2, 0, torch.float32, barrier=True)
+    fake.post(partials, slot=0)
+    for program in range(rows):
+        fake.pads[0, fake.signal_slot(program, rank=1)] = 1
+    expected_normed, expected_sum = allreduce_add_rms_norm_ref(
+        partials.cpu(), residual.cpu(), weight.cpu(), EPS
+    )
+    normed, total = allreduce_norm_triton.allreduce_add_rms_norm(
+        partials[0], residual, weight, EPS, fake.peers
+    )
+    assert torch.equal(total.cpu(), expected_sum)
+    torch.testing.assert_close(normed.cpu(), expected_normed, atol=2e-5, rtol=2e-5)
+    assert not fake.pads[0].any()
+    arrivals = [fake.signal_slot(program, rank=0) for program in range(rows)]
+    assert fake.pads[1].nonzero().flatten().tolist() == arrivals
+
+
+def test_an_abort_ends_the_wait_for_a_rank_that_never_arrives() -> None:
+    partials, residual, weight = _inputs(2, 1, 32, torch.float32, seed=6)
+    fake = FakePeers(2, 1, torch.float32, barrier=True)
+    fake.peers.abort.fill_(1)  # set by the host once rank 0 is gone
+    allreduce_norm_triton.allreduce_add_rms_norm(partials[1], residual, weight, EPS, fake.peers)
+    assert fake.pads[0, fake.signal_slot(0, rank=1)] == 1  # arrived; nobody took it
+    assert fake.peers.epoch.tolist() == [1, 0]  # the call ended as calls do

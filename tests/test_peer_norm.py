@@ -42,6 +42,7 @@ class OneRankNorm:
             buffer_ptrs=torch.tensor([buffer.data_ptr()], device=DEVICE),
             signal_pad_ptrs=torch.zeros(1, dtype=torch.int64, device=DEVICE),
             epoch=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+            abort=torch.zeros(1, dtype=torch.int32, device=DEVICE),
             rank=0,
             slot_bytes=SLOT_BYTES,
             barrier=False,

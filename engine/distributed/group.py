@@ -106,7 +106,10 @@ class TensorParallelGroup:
     def interrupt(self) -> None:
         """Abort the device group's communicators, from any thread: a collective waiting for
         a rank that is gone returns (NCCL's would wait until its timeout). The group is
-        unusable afterwards; ``leave`` still cleans up."""
+        unusable afterwards; ``leave`` still cleans up. The fused sums' barriers stop waiting
+        too (``PeerAllReduce.abort``)."""
+        if self.peer is not None:
+            self.peer.abort()
         abort = getattr(self.device_group, "abort", None)  # absent in older torch
         if abort is not None:
             abort()

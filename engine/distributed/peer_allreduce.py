@@ -161,6 +161,12 @@ class PeerAllReduce:
             and num_bytes <= self.fused_max_bytes
         )
 
+    def abort(self) -> None:
+        """From any thread, once a rank is gone: the fused sums stop waiting for it (torch's
+        one-shot and two-shot kernels cannot be told)."""
+        if self.norm is not None:
+            self.norm.abort()
+
     def all_reduce(self, x: torch.Tensor, method: str) -> torch.Tensor:
         """The sum of every rank's ``x`` by ``method`` (``method_for``'s answer): a new tensor,
         ``x`` is left as it was."""

@@ -63,9 +63,14 @@ class PeerAllReduceNorm:
             buffer_ptrs=_as_device_array(_buffer_ptrs(handle, self.buffer, rank), device),
             signal_pad_ptrs=_as_device_array(list(handle.signal_pad_ptrs), device),
             epoch=torch.zeros(2, dtype=torch.int32, device=device),
+            abort=torch.zeros(1, dtype=torch.int32, device=device),
             rank=rank,
             slot_bytes=FUSED_SLOT_BYTES,
         )
+        # what ``abort`` copies, on a stream of its own: a DMA, which neither waits for the
+        # step's stream nor needs an SM
+        self.abort_stream = torch.cuda.Stream(device)
+        self.abort_value = torch.ones(1, dtype=torch.int32).pin_memory()
 
     def __call__(
         self,
@@ -75,6 +80,14 @@ class PeerAllReduceNorm:
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, hidden], the new residual
         return self.kernel(x, residual, weight, eps, self.peers)
+
+    def abort(self) -> None:
+        """From any thread, once a rank is gone: the fused calls waiting for it at their
+        barrier, and all later ones, go on without it (their results are garbage). Returns
+        without waiting for the flag to land."""
+        device = self.peers.abort.device
+        with torch.cuda.device(device), torch.cuda.stream(self.abort_stream):
+            self.peers.abort.copy_(self.abort_value, non_blocking=True)
 
 
 def _buffer_ptrs(handle: Any, buffer: torch.Tensor, rank: int) -> list[int]:

@@ -55,6 +55,7 @@ class PeerBuffers:
     buffer_ptrs: torch.Tensor  # [world] int64: each rank's buffer of NUM_SLOTS slots
     signal_pad_ptrs: torch.Tensor  # [world] int64: each rank's pad of uint32 slots
     epoch: torch.Tensor  # [2] int32: calls made (its parity picks the slot), programs done
+    abort: torch.Tensor  # [1] int32: nonzero ends every wait at the barrier (a rank is gone)
     rank: int
     slot_bytes: int  # one slot of a buffer: the largest message
     barrier: bool = True  # False: the caller filled the other ranks' slots (one process)
@@ -90,7 +91,7 @@ def _sum_row(
 @triton.jit
 def _allreduce_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
-    buffer_ptrs, signal_pad_ptrs, epoch_ptr,
+    buffer_ptrs, signal_pad_ptrs, epoch_ptr, abort_ptr,
     num_rows, eps,
     stride_xt, stride_rt, stride_ot, stride_ut,  # x, residual, out, sum: [T, N], last stride 1
     SLOT_NUMEL: tl.constexpr,  # elements of IN_DTYPE in one slot
@@ -118,7 +119,7 @@ def _allreduce_add_rms_norm_kernel(
         tl.store(own + row * N + offs_n, x, mask=mask)
     # 2. the same program of every rank has done the same
     if BARRIER:
-        peer_barrier(signal_pad_ptrs, _MAX_PROGRAMS + pid, RANK, WORLD_SIZE)
+        peer_barrier(signal_pad_ptrs, _MAX_PROGRAMS + pid, abort_ptr, RANK, WORLD_SIZE)
     for row in range(pid, num_rows, num_programs):
         # 3. the sum (plus the residual), stored as the new residual ...
         total = _sum_row(buffer_ptrs, slot, row, offs_n, mask, N, BLOCK_N, WORLD_SIZE, IN_DTYPE)
@@ -169,7 +170,7 @@ def allreduce_add_rms_norm(
         return out, total
     _allreduce_add_rms_norm_kernel[(min(num_rows, MAX_PROGRAMS),)](
         x, total, weight, out, total,
-        peers.buffer_ptrs, peers.signal_pad_ptrs, peers.epoch,
+        peers.buffer_ptrs, peers.signal_pad_ptrs, peers.epoch, peers.abort,
         num_rows, eps,
         x.stride(0), total.stride(0), out.stride(0), total.stride(0),
         SLOT_NUMEL=peers.slot_bytes // x.element_size(),

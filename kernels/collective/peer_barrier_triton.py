@@ -18,8 +18,13 @@ calls. torch's own symmetric-memory kernels use the same protocol (put 0 -> 1, w
 so sharing a pad with them is safe as long as every rank calls them in the same order, which
 collectives do anyway.
 
-A scalar atomic runs on one thread of the program; the CTA barriers around the signals order
-the other threads' memory operations with them (the release and acquire are cumulative).
+A scalar atomic runs on one thread of the program, its result shared with the others; the CTA
+barriers around the signals order the other threads' memory operations with them (the release
+and acquire are cumulative).
+
+A rank that dies leaves the others spinning: a nonzero ``abort`` flag (set from the host,
+``PeerAllReduceNorm.abort``) ends every spin, and the barrier returns as if all had arrived
+(the results are garbage; the engine is dead by then). It is read only while a spin repeats.
 """
 
 from __future__ import annotations
@@ -29,10 +34,17 @@ import triton.language as tl
 
 
 @triton.jit
-def peer_barrier(signal_pad_ptrs, slot, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    """Return once program ``slot`` of every rank has called it. ``signal_pad_ptrs``: [WORLD_SIZE]
-    int64, each rank's pad as mapped here; slots ``[slot * WORLD_SIZE, (slot + 1) * WORLD_SIZE)``
-    of every pad are this program's."""
+def _aborted(abort_ptr):
+    """The abort flag, read by an atomic: one thread reads it and all get its value (a plain
+    load in every thread could see the flag change between threads and split the loop)."""
+    return tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def peer_barrier(signal_pad_ptrs, slot, abort_ptr, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """Return once program ``slot`` of every rank has called it (or ``abort_ptr``'s int32 is
+    set). ``signal_pad_ptrs``: [WORLD_SIZE] int64, each rank's pad as mapped here; slots
+    ``[slot * WORLD_SIZE, (slot + 1) * WORLD_SIZE)`` of every pad are this program's."""
     tl.debug_barrier()  # every thread's writes before the arrival
     own_pad = tl.load(signal_pad_ptrs + RANK).to(tl.pointer_type(tl.int32))
     # 1. arrive at every other rank (spin while it still holds our previous signal)
@@ -40,12 +52,18 @@ def peer_barrier(signal_pad_ptrs, slot, RANK: tl.constexpr, WORLD_SIZE: tl.const
         if peer != RANK:
             peer_pad = tl.load(signal_pad_ptrs + peer).to(tl.pointer_type(tl.int32))
             arrive = peer_pad + slot * WORLD_SIZE + RANK
-            while tl.atomic_cas(arrive, 0, 1, sem="release", scope="sys") != 0:
-                pass
+            spinning = tl.atomic_cas(arrive, 0, 1, sem="release", scope="sys") != 0
+            while spinning:
+                spinning = (tl.atomic_cas(arrive, 0, 1, sem="release", scope="sys") != 0) & (
+                    _aborted(abort_ptr) == 0
+                )
     # 2. wait for every other rank's arrival, taking it back to 0
     for peer in tl.static_range(WORLD_SIZE):
         if peer != RANK:
             arrived = own_pad + slot * WORLD_SIZE + peer
-            while tl.atomic_cas(arrived, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+            spinning = tl.atomic_cas(arrived, 1, 0, sem="acquire", scope="sys") != 1
+            while spinning:
+                spinning = (tl.atomic_cas(arrived, 1, 0, sem="acquire", scope="sys") != 1) & (
+                    _aborted(abort_ptr) == 0
+                )
     tl.debug_barrier()  # every thread's reads after the acquires
