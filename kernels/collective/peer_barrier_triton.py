@@ -24,7 +24,8 @@ and acquire are cumulative).
 
 A rank that dies leaves the others spinning: a nonzero ``abort`` flag (set from the host,
 ``PeerAllReduceNorm.abort``) ends every spin, and the barrier returns as if all had arrived
-(the results are garbage; the engine is dead by then). It is read only while a spin repeats.
+(the results are garbage; the engine is dead by then). A spin reads it once every
+ABORT_POLL_SPINS tries, so that waiting for a live rank costs one atomic a try.
 """
 
 from __future__ import annotations
@@ -32,12 +33,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+ABORT_POLL_SPINS = tl.constexpr(64)  # tries between two reads of the flag: microseconds
+
 
 @triton.jit
-def _aborted(abort_ptr):
-    """The abort flag, read by an atomic: one thread reads it and all get its value (a plain
-    load in every thread could see the flag change between threads and split the loop)."""
-    return tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="sys")
+def _unless_aborted(spinning, spins, abort_ptr):
+    """``(spinning, spins + 1)``, spinning cleared every ABORT_POLL_SPINS tries if the abort
+    flag is set. The flag is read by an atomic: one thread reads it and all get its value (a
+    plain load in every thread could see it change between threads and split the loop)."""
+    spins += 1
+    if spins % ABORT_POLL_SPINS == 0:
+        spinning = spinning & (tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="sys") == 0)
+    return spinning, spins
 
 
 @triton.jit
@@ -53,17 +60,17 @@ def peer_barrier(signal_pad_ptrs, slot, abort_ptr, RANK: tl.constexpr, WORLD_SIZ
             peer_pad = tl.load(signal_pad_ptrs + peer).to(tl.pointer_type(tl.int32))
             arrive = peer_pad + slot * WORLD_SIZE + RANK
             spinning = tl.atomic_cas(arrive, 0, 1, sem="release", scope="sys") != 0
+            spins = 0
             while spinning:
-                spinning = (tl.atomic_cas(arrive, 0, 1, sem="release", scope="sys") != 0) & (
-                    _aborted(abort_ptr) == 0
-                )
+                spinning = tl.atomic_cas(arrive, 0, 1, sem="release", scope="sys") != 0
+                spinning, spins = _unless_aborted(spinning, spins, abort_ptr)
     # 2. wait for every other rank's arrival, taking it back to 0
     for peer in tl.static_range(WORLD_SIZE):
         if peer != RANK:
             arrived = own_pad + slot * WORLD_SIZE + peer
             spinning = tl.atomic_cas(arrived, 1, 0, sem="acquire", scope="sys") != 1
+            spins = 0
             while spinning:
-                spinning = (tl.atomic_cas(arrived, 1, 0, sem="acquire", scope="sys") != 1) & (
-                    _aborted(abort_ptr) == 0
-                )
+                spinning = tl.atomic_cas(arrived, 1, 0, sem="acquire", scope="sys") != 1
+                spinning, spins = _unless_aborted(spinning, spins, abort_ptr)
     tl.debug_barrier()  # every thread's reads after the acquires
