@@ -12,7 +12,8 @@ takes rows ``pid, pid + num_programs, ...``:
 3. for each row it sums every rank's slot in rank order in fp32 (so every rank gets the same
    bits), rounds the sum to the input dtype as the all-reduce would, adds the residual
    (stored back: the new residual), and normalizes as ``norm_triton`` does;
-4. the last program to finish advances the epoch: the next call works in the other slot.
+4. the last program to finish advances the epoch (calls made, mod 2): the next call works in
+   the other slot.
 
 Why two slots and no barrier at the end: a rank may start call k+1 while another still reads
 its slot of call k, so call k+1 writes the other slot. Its slot of call k is written again in
@@ -54,7 +55,7 @@ class PeerBuffers:
 
     buffer_ptrs: torch.Tensor  # [world] int64: each rank's buffer of NUM_SLOTS slots
     signal_pad_ptrs: torch.Tensor  # [world] int64: each rank's pad of uint32 slots
-    epoch: torch.Tensor  # [2] int32: calls made (its parity picks the slot), programs done
+    epoch: torch.Tensor  # [2] int32: the next call's slot (calls made mod 2), programs done
     abort: torch.Tensor  # [1] int32: nonzero ends every wait at the barrier (a rank is gone)
     rank: int
     slot_bytes: int  # one slot of a buffer: the largest message
@@ -111,7 +112,7 @@ def _allreduce_add_rms_norm_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mask = offs_n < N
     epoch = tl.load(epoch_ptr)
-    slot = (epoch % _NUM_SLOTS) * SLOT_NUMEL
+    slot = epoch * SLOT_NUMEL
     own = _slot_start(buffer_ptrs, RANK, slot, IN_DTYPE)
     # 1. this program's rows of x into this rank's slot
     for row in range(pid, num_rows, num_programs):
@@ -138,7 +139,7 @@ def _allreduce_add_rms_norm_kernel(
     done = tl.atomic_add(epoch_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if done == num_programs - 1:
         tl.store(epoch_ptr + 1, 0)
-        tl.store(epoch_ptr, epoch + 1)
+        tl.store(epoch_ptr, (epoch + 1) % _NUM_SLOTS)  # kept small: a count would wrap
 
 
 def allreduce_add_rms_norm(
