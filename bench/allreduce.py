@@ -3,14 +3,18 @@ one-shot and two-shot sums (``engine.distributed.peer_allreduce``), each checked
 fp32 sum and timed inside a CUDA graph as the decode graphs run them.
 
 ``python -m bench.allreduce --world-size 2 --output-json OUT.json`` (a record of kind
-``allreduce``: one row per size and path, and the size table the timings suggest).
+``allreduce``: one row per size and path, and the size table the timings suggest). The sum
+with the residual add and RMSNorm after it, unfused against the fused kernel:
+``bench/allreduce_norm.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,7 +71,7 @@ def _time_in_graph(numel: int, method: str, peer: PeerAllReduce) -> float:
         for _ in range(CALLS_PER_GRAPH):
             y = _sum(y, method, peer) * 0.5  # keeps values bounded; a dependent chain
     dist.barrier()
-    return _replay_us(graph)
+    return replay_us(graph)
 
 
 def _scale_us(numel: int) -> float:
@@ -77,10 +81,10 @@ def _scale_us(numel: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS_PER_GRAPH):
             x = x * 0.5
-    return _replay_us(graph)
+    return replay_us(graph)
 
 
-def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
+def replay_us(graph: torch.cuda.CUDAGraph) -> float:
     """Microseconds per captured call: one untimed replay, then ``REPLAYS`` timed ones."""
     graph.replay()
     torch.cuda.synchronize()
@@ -93,13 +97,9 @@ def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
     return start.elapsed_time(end) * 1000 / (REPLAYS * CALLS_PER_GRAPH)
 
 
-def _rank(rank: int, world: int, port: int, sizes: list[int], queue: Any) -> None:
-    os.environ.update(NO_MULTICAST_ENV)
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "one-shot")
+def _measure_sums(
+    sizes: list[int], peer: PeerAllReduce, rank: int, world: int
+) -> list[dict[str, Any]]:
     rows = []
     for numel in sizes:
         overhead_us = _scale_us(numel)
@@ -107,10 +107,41 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], queue: Any) -> Non
             error = _check(numel, method, peer, rank, world)
             us = _time_in_graph(numel, method, peer) - overhead_us
             rows.append({"bytes": 2 * numel, "method": method, "us": us, "max_abs_err": error})
+    return rows
+
+
+Measure = Callable[[PeerAllReduce, int, int], list[dict[str, Any]]]  # (peer, rank, world)
+
+
+def _rank(rank: int, world: int, port: int, measure: Measure, queue: Any) -> None:
+    os.environ.update(NO_MULTICAST_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "one-shot")
+    rows = measure(peer, rank, world)
     if rank == 0:
         queue.put(rows)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def spawn_ranks(world: int, measure: Measure) -> list[dict[str, Any]]:
+    """Rank 0's rows of ``measure`` (a picklable function), run by one process per GPU
+    0..world-1 with the peer buffers mapped (one-shot, and the fused norm's)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, measure, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    rows: list[dict[str, Any]] = queue.get()
+    for proc in procs:
+        proc.join(60)
+    return rows
 
 
 def suggested_bands(rows: list[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -129,18 +160,7 @@ def suggested_bands(rows: list[dict[str, Any]]) -> list[tuple[int, str]]:
 def run(world: int, sizes: list[int] | None = None) -> dict[str, Any]:
     """Every path at every size (bf16 element counts; default ``message_sizes()``) on GPUs
     0..world-1: the record."""
-    sizes = sizes or message_sizes()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, sizes, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    rows = queue.get()
-    for proc in procs:
-        proc.join(60)
+    rows = spawn_ranks(world, functools.partial(_measure_sums, sizes or message_sizes()))
     return {
         "kind": "allreduce",
         "created_utc": utc_now(),

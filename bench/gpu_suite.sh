@@ -155,18 +155,22 @@ card() { python -c "import torch; print(torch.cuda.get_device_name().split()[1].
 allreduce() {  # two GPUs: NCCL against the peer-buffer sums, by message size
     log all-reduce paths by size: allreduce-CARD.json
     python -m bench.allreduce --world-size 2 --output-json "$OUT/allreduce-$(card).json"
+    log the sum + residual add + RMSNorm, unfused against fused: allreduce-norm-CARD.json
+    python -m bench.allreduce_norm --world-size 2 --output-json "$OUT/allreduce-norm-$(card).json"
 }
 
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
     log gpu tests, tensor parallel
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tensor_parallel.py || return 1
-    log latency llama3-8b on one GPU, on two with NCCL only, on two: tp-scaling-CARD.json
+    log latency llama3-8b on one GPU, on two with NCCL only, on two, unfused norm: tp-scaling-CARD.json
     local latency=("${PS[@]}" bench latency --batch-sizes 1,8,64 --max-model-len 4096 --no-progress)
     "${latency[@]}" --model dummy:llama3-8b --output-json "$OUT/latency-llama3-8b-tp1.json"
     PAGESTREAM_TP_ALLREDUCE=nccl "${latency[@]}" --model dummy:llama3-8b --tensor-parallel-size 2 \
         --output-json "$OUT/latency-llama3-8b-tp2-nccl.json"
     "${latency[@]}" --model dummy:llama3-8b --tensor-parallel-size 2 \
         --output-json "$OUT/latency-llama3-8b-tp2.json"
+    PAGESTREAM_TP_FUSED_NORM=0 "${latency[@]}" --model dummy:llama3-8b --tensor-parallel-size 2 \
+        --output-json "$OUT/latency-llama3-8b-tp2-unfused-norm.json"
     "${latency[@]}" --model dummy:llama3-70b --tensor-parallel-size 2 \
         --output-json "$OUT/latency-llama3-70b-tp2.json"
     python -m bench.tp_scaling "$OUT/tp-scaling-$(card).json" "$OUT/latency-llama3-8b-tp1.json" \

@@ -30,6 +30,7 @@ import torch
 
 from engine.attention import AttentionMetadata, LayerCache
 from engine.cuda_graphs import capture_mode
+from engine.distributed.group import PartialSum
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class PiecewiseGraphs:
     def _run_piece(self, piece: int, bucket: int) -> None:
         """Piece ``piece`` on the first ``bucket`` rows of the static buffers."""
         act, model, rows = self.act, self.model, slice(0, bucket)
+        x: torch.Tensor | PartialSum  # the norm after it may sum it (peer_norm)
         residual: torch.Tensor | None = None
         if piece == 0:
             x = model.embed_tokens(act.input_ids[rows])

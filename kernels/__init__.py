@@ -4,6 +4,8 @@ The references are the CPU path of the engine and the ground truth that the Trit
 are tested against. A folder per family, each reference beside its kernels:
 
     attention/    paged attention (decode, prefill) over the page pool, and the KV write
+    collective/   ops that read the other tensor-parallel ranks' buffers: the all-reduce
+                  fused with the residual add and RMSNorm after it
     elementwise/  per-token ops around them: RMSNorm, rotary embedding, SiLU-and-mul, and
                   rotary fused with the KV write
     linear/       matmuls against a layer's weight: the dense GEMV, the quantized formats

@@ -66,6 +66,28 @@ def test_each_all_reduce_path_gives_the_tokens_of_one_gpu(
     assert _tokens(model, tensor_parallel_size=2, **settings) == (expected, True)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "fused"), [("float32", "1"), ("bfloat16", "1"), ("bfloat16", "0")]
+)
+def test_sums_fused_with_the_norm_give_the_unfused_tokens(
+    fused: str, dtype: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """o_proj's and down's sums in one kernel with the residual add and RMSNorm after them
+    (``auto`` fuses every decode-size sum at two ranks), in the decode graphs and the
+    piecewise ones, or turned off (``fused`` 0). fp32: TP1's tokens; bf16: those of TP2 on
+    NCCL, since the fused path rounds where the unfused one does."""
+    monkeypatch.setenv("PAGESTREAM_TP_FUSED_NORM", fused)
+    model = str(tiny_model_dirs["llama"])
+    settings = dict(dtype=dtype, pa_block_size=16, pa_context_len=160, max_model_len=160)
+    if dtype == "float32":
+        expected, _ = _tokens(model, **settings)
+    else:
+        monkeypatch.setenv("PAGESTREAM_TP_ALLREDUCE", "nccl")
+        expected, _ = _tokens(model, tensor_parallel_size=2, **settings)
+        monkeypatch.setenv("PAGESTREAM_TP_ALLREDUCE", "auto")
+    assert _tokens(model, tensor_parallel_size=2, **settings) == (expected, True)
+
+
 def test_peer_sums_equal_the_fp32_sum_at_every_size() -> None:
     """The bench's own check: bf16 sums of random inputs, every path, small to 4 MiB."""
     from bench.allreduce import METHODS, run

@@ -3,7 +3,9 @@
 Two process groups and a peer buffer: the device group (NCCL on CUDA, gloo on the CPU) carries the model's
 all-reduces and gathers, also inside CUDA graphs; the control group (always gloo, without a
 timeout) carries rank 0's step messages, which are Python objects on the host. On CUDA, small all-reduces (decode's)
-take ``peer_allreduce.PeerAllReduce`` over peer-mapped buffers instead of NCCL.
+take ``peer_allreduce.PeerAllReduce`` over peer-mapped buffers instead of NCCL, and a sum
+that a residual add and RMSNorm read next may be left to the norm (``PartialSum``), which
+then sums, adds and normalizes in one kernel (``peer_norm``).
 
 A rank leaves by aborting its communicators, which waits for no one: NCCL's
 ``destroy_process_group`` flushes and finalizes them, a wait on the other ranks that never ends
@@ -74,8 +76,11 @@ class TensorParallelGroup:
         peer = PeerAllReduce.create(dist.group.WORLD, device, rank)
         if rank == 0:
             logger.info(
-                "tensor parallel: all-reduce on %s",
+                "tensor parallel: all-reduce on %s%s",
                 "NCCL" if peer is None else f"peer buffers ({peer.method}) and NCCL",
+                ""
+                if peer is None or peer.norm is None
+                else f"; fused with the norm up to {peer.fused_max_bytes} bytes",
             )
         return cls(rank, size, dist.group.WORLD, control, peer)
 
@@ -101,12 +106,22 @@ class TensorParallelGroup:
     def interrupt(self) -> None:
         """Abort the device group's communicators, from any thread: a collective waiting for
         a rank that is gone returns (NCCL's would wait until its timeout). The group is
-        unusable afterwards; ``leave`` still cleans up."""
+        unusable afterwards; ``leave`` still cleans up. The fused sums' barriers stop waiting
+        too (``PeerAllReduce.abort``)."""
+        if self.peer is not None:
+            self.peer.abort()
         abort = getattr(self.device_group, "abort", None)  # absent in older torch
         if abort is not None:
             abort()
 
     # -- the model's collectives -------------------------------------------------------------
+
+    def all_reduce_for_norm(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
+        """``all_reduce(x)`` for a sum that a residual add and RMSNorm read next (o_proj's,
+        down's): where one kernel can do the three, ``x`` unsummed, for the norm to sum."""
+        if self.peer is not None and self.peer.fuses_norm(x):
+            return PartialSum(x, self)
+        return self.all_reduce(x)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's ``x``: ``x`` itself, summed in place, or a new tensor (use the
@@ -118,6 +133,15 @@ class TensorParallelGroup:
             return self.peer.all_reduce(x, method)
         dist.all_reduce(x, group=self.device_group)
         return x
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, hidden], the new residual
+        """RMSNorm of ``residual`` (summed into in place; None: zeros) plus the sum of every
+        rank's ``x``, in one kernel: only for an ``x`` that ``all_reduce_for_norm`` left."""
+        norm = None if self.peer is None else self.peer.norm
+        assert norm is not None, "all_reduce_add_rms_norm without the fused peer path"
+        return norm(x, residual, weight, eps)
 
     def gather_vocab(
         self, local: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None
@@ -168,3 +192,28 @@ class TensorParallelGroup:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.control_group)
         return out
+
+
+@dataclass(frozen=True)
+class PartialSum:
+    """This rank's share of a sum over the group's ranks, not yet summed: the norm that reads
+    it next sums it, adds the residual and normalizes in one kernel (``add_rms_norm``). Made by
+    ``TensorParallelGroup.all_reduce_for_norm``."""
+
+    local: torch.Tensor  # [T, hidden]
+    group: TensorParallelGroup
+
+    def total(self) -> torch.Tensor:  # [T, hidden]
+        """The sum itself, for a consumer that cannot fuse it (a norm that rounds to int8)."""
+        return self.group.all_reduce(self.local)
+
+    def add_rms_norm(
+        self, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, hidden], the new residual
+        """As ``fused_add_rms_norm(total(), residual, weight, eps)``, in one kernel."""
+        return self.group.all_reduce_add_rms_norm(self.local, residual, weight, eps)
+
+
+def summed(x: torch.Tensor | PartialSum) -> torch.Tensor:
+    """``x``, summed over the ranks if it is still a ``PartialSum``."""
+    return x.total() if isinstance(x, PartialSum) else x

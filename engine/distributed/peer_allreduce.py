@@ -17,6 +17,11 @@ one-shot and two-shot need only peer access.
 
 ``PAGESTREAM_TP_ALLREDUCE`` picks the path: ``auto`` (the size table below), ``nccl`` (never
 this module), ``one-shot`` or ``two-shot`` (that one for every message that fits).
+
+A sum that a residual add and RMSNorm read next (o_proj's and down's in a decoder layer) may
+instead take one kernel for all three (``peer_norm``, a one-shot sum): under ``auto`` up to
+the table's ``fused_max_bytes``, under ``one-shot`` wherever it fits; never under ``two-shot``
+or ``nccl``, nor with ``PAGESTREAM_TP_FUSED_NORM=0``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.distributed.peer_norm import FUSED_SLOT_BYTES, PeerAllReduceNorm, fused_norm_requested
 from engine.errors import ConfigError
 
 logger = logging.getLogger("pagestream.engine")
@@ -44,9 +50,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class SizeTable:
     """Which path sums a message of ``n`` bytes: ``bands`` are ``(max_bytes, method)`` in
     increasing order, the first band that holds ``n`` wins; past the last band, NCCL.
-    Measured with ``bench/allreduce.py`` (records ``bench/results/allreduce-<card>.json``)."""
+    Measured with ``bench/allreduce.py`` (records ``bench/results/allreduce-<card>.json``).
+    A sum that a residual add + RMSNorm reads next, of up to ``fused_max_bytes``, takes the
+    fused kernel instead (``peer_norm``; ``bench.allreduce_norm`` compares the two)."""
 
     bands: tuple[tuple[int, str], ...]
+    fused_max_bytes: int = 0
 
     def method_for(self, num_bytes: int) -> str:
         for max_bytes, method in self.bands:
@@ -58,9 +67,13 @@ class SizeTable:
 # By group size (a size not listed takes the largest listed below it). Two H200s
 # (allreduce-h200.json, in CUDA graphs): NCCL 7.0 us at 8 KiB against one-shot's 7.6 and
 # two-shot's 10.2; from 2 MiB two-shot leads (19.4 against NCCL's 26.9 us; 42.4 against 46.3
-# at 8 MiB). Larger groups keep NCCL until measured.
+# at 8 MiB). Larger groups keep NCCL until measured. Fused with the norm: every size the
+# kernel holds (1 MiB, 128 rows of 4096 bf16) at two ranks, not yet measured against NCCL's
+# all-reduce + the norm kernel (``bench.allreduce_norm``).
 SIZE_TABLES = {
-    2: SizeTable(bands=((2**20, "nccl"), (MAX_PEER_BYTES, "two-shot"))),
+    2: SizeTable(
+        bands=((2**20, "nccl"), (MAX_PEER_BYTES, "two-shot")), fused_max_bytes=FUSED_SLOT_BYTES
+    ),
     4: SizeTable(bands=()),
 }
 
@@ -84,38 +97,46 @@ class PeerAllReduce:
     since the buffer exchange is a collective.
     """
 
-    def __init__(self, group: Any, device: torch.device, method: str) -> None:
+    def __init__(
+        self, group: Any, device: torch.device, method: str, fuse_norm: bool = True
+    ) -> None:
         from torch.distributed import _symmetric_memory as symm_mem  # CUDA builds only
 
         self.group_name: str = group.group_name
         self.world_size = dist.get_world_size(group)
         self.method = method
         self.table = size_table(self.world_size)
+        self.fused_max_bytes = _fused_max_bytes(method, self.table) if fuse_norm else 0
         # one byte buffer; each message views its prefix in its own dtype
         self.buffer = symm_mem.empty(MAX_PEER_BYTES, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.ops = torch.ops.symm_mem
         # both ops exist in the torch releases this runs on; check at once, not mid-capture
         self.ops.one_shot_all_reduce_out, self.ops.two_shot_all_reduce_out  # noqa: B018
+        self.norm: PeerAllReduceNorm | None = None  # the sum fused with residual add + RMSNorm
+        if self.fused_max_bytes > 0:
+            self.norm = PeerAllReduceNorm(group, device, dist.get_rank(group))
 
     @classmethod
     def create(cls, group: Any, device: torch.device, rank: int) -> PeerAllReduce | None:
         """The peer all-reduce for ``group`` on ``device`` (rank ``rank``'s), or None: not
         CUDA, NCCL asked for, more ranks than one host's NVLink domain, or a peer this device
         cannot map. Every rank gets the same answer (the devices are one host's)."""
-        method = requested_method()
+        method, fuse_norm = requested_method(), fused_norm_requested()
         if device.type != "cuda" or method == "nccl":
             return None
         world_size = dist.get_world_size(group)
         if not 2 <= world_size <= MAX_RANKS:
             return None
-        if method == "auto" and all(m == "nccl" for _, m in size_table(world_size).bands):
+        table = size_table(world_size)
+        fuses = fuse_norm and _fused_max_bytes(method, table) > 0
+        if method == "auto" and all(m == "nccl" for _, m in table.bands) and not fuses:
             return None  # NCCL is the fastest at every size measured: no buffer to map
         if not _peers_reachable(device, rank, world_size):
             logger.info("tensor parallel: no peer access between the GPUs; all-reduce on NCCL")
             return None
         try:
-            return cls(group, device, method)
+            return cls(group, device, method, fuse_norm)
         except (RuntimeError, ImportError, AttributeError) as exc:  # torch without the ops
             logger.warning("tensor parallel: peer all-reduce unavailable (%s); using NCCL", exc)
             return None
@@ -127,6 +148,24 @@ class PeerAllReduce:
             return None
         method = self.method if self.method != "auto" else self.table.method_for(num_bytes)
         return None if method == "nccl" else method
+
+    def fuses_norm(self, x: torch.Tensor) -> bool:
+        """Whether the sum of ``x`` ([T, hidden]) and the residual add + RMSNorm after it run
+        as one kernel (``norm``): a contiguous float message of at most ``fused_max_bytes``."""
+        num_bytes = x.numel() * x.element_size()
+        return (
+            self.norm is not None
+            and x.dim() == 2
+            and x.dtype in DTYPES
+            and x.is_contiguous()
+            and num_bytes <= self.fused_max_bytes
+        )
+
+    def abort(self) -> None:
+        """From any thread, once a rank is gone: the fused sums stop waiting for it (torch's
+        one-shot and two-shot kernels cannot be told)."""
+        if self.norm is not None:
+            self.norm.abort()
 
     def all_reduce(self, x: torch.Tensor, method: str) -> torch.Tensor:
         """The sum of every rank's ``x`` by ``method`` (``method_for``'s answer): a new tensor,
@@ -140,6 +179,14 @@ class PeerAllReduce:
         else:
             self.ops.two_shot_all_reduce_out(staged, "sum", self.group_name, out.view(-1))
         return out
+
+
+def _fused_max_bytes(method: str, table: SizeTable) -> int:
+    """The largest sum fused with its norm under ``PAGESTREAM_TP_ALLREDUCE=method``: the
+    fused kernel is a one-shot sum, so never where two-shot is asked for."""
+    if method == "auto":
+        return min(table.fused_max_bytes, FUSED_SLOT_BYTES)
+    return FUSED_SLOT_BYTES if method == "one-shot" else 0
 
 
 def _peers_reachable(device: torch.device, rank: int, world_size: int) -> bool:

@@ -6,7 +6,9 @@ are fused into one matmul each; weights are loaded from HF names into the fused 
 
 Under tensor parallelism each rank builds its shard (``ShardPlan``): its heads and MLP
 columns, its slice of the vocabulary; o_proj, down_proj and the embedding end in an
-all-reduce, and the logits are gathered so that every rank holds the whole row.
+all-reduce, and the logits are gathered so that every rank holds the whole row. Where o_proj's
+and down's sums can run in one kernel with the residual add and RMSNorm after them, the layer
+hands the norm this rank's share unsummed (``PartialSum``), and the norm sums it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from engine.attention import (
     LayerOps,
     RopeInputs,
 )
-from engine.distributed.group import TensorParallelGroup
+from engine.distributed.group import PartialSum, TensorParallelGroup, summed
 from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
@@ -104,8 +106,12 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self,
+        x: torch.Tensor | PartialSum,  # [T, hidden]; a PartialSum is summed in the same kernel
+        residual: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, PartialSum):
+            return x.add_rms_norm(residual, self.weight, self.eps)
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def norm_for(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor | Int8Rows:
@@ -116,12 +122,14 @@ class RMSNorm(nn.Module):
         return self.forward(x)
 
     def add_and_norm_for(
-        self, x: torch.Tensor, residual: torch.Tensor, linear: nn.Module
+        self, x: torch.Tensor | PartialSum, residual: torch.Tensor, linear: nn.Module
     ) -> tuple[torch.Tensor | Int8Rows, torch.Tensor]:
-        """``add_and_norm``, the normed rows rounded to int8 blocks where ``linear`` takes them."""
+        """``add_and_norm``, the normed rows rounded to int8 blocks where ``linear`` takes them
+        (after a sum of its own: the fused sum has no int8 variant)."""
         rounding = self.ops.fused_add_rms_norm_int8
-        if rounding is not None and takes_int8_rows(x, linear):
-            return rounding(x, residual, self.weight, self.eps)
+        rows = x.local if isinstance(x, PartialSum) else x
+        if rounding is not None and takes_int8_rows(rows, linear):
+            return rounding(summed(x), residual, self.weight, self.eps)
         return self.add_and_norm(x, residual)
 
 
@@ -160,16 +168,16 @@ class Attention(nn.Module):
         rope: RopeInputs,
         kv_cache: LayerCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | PartialSum:
         q, k, v = self.project(x)
         return self.output(self.attend(q, k, v, rope, kv_cache, meta).flatten(1))
 
-    def output(self, attn: torch.Tensor) -> torch.Tensor:  # [T, Hq * D] -> [T, hidden]
-        """o_proj, summed over the ranks' heads."""
+    def output(self, attn: torch.Tensor) -> torch.Tensor | PartialSum:  # [T, Hq * D] -> [T, H]
+        """o_proj, summed over the ranks' heads (or left for the norm after it to sum)."""
         config = gemv_config(attn, self.o_proj, False, LAYER_GEMV_CONFIG)
         if config is not None:  # None: cuBLAS (more rows, or measured faster on this GPU)
-            return self.group.all_reduce(gemv(attn, self.o_proj.weight, config=config))
-        return self.group.all_reduce(self.o_proj(attn))
+            return self.group.all_reduce_for_norm(gemv(attn, self.o_proj.weight, config=config))
+        return self.group.all_reduce_for_norm(self.o_proj(attn))
 
     def project(
         self,
@@ -228,7 +236,7 @@ class MLP(nn.Module):
     def forward(
         self,
         x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where gate_up_proj takes int8 rows
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | PartialSum:  # [T, hidden], summed over the ranks or left to the norm
         gate_up = input_linear(x, self.gate_up_proj)
         rounding = self.ops.silu_and_mul_int8
         config = gemv_config(gate_up, self.down_proj, True, LAYER_GEMV_CONFIG)
@@ -238,7 +246,7 @@ class MLP(nn.Module):
             down = self.down_proj(rounding(gate_up))  # the activation rounds for the int8 kernel
         else:
             down = self.down_proj(self.ops.silu_and_mul(gate_up))
-        return self.group.all_reduce(down)
+        return self.group.all_reduce_for_norm(down)
 
 
 class DecoderLayer(nn.Module):
@@ -262,12 +270,12 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | PartialSum,
         residual: torch.Tensor | None,
         rope: RopeInputs,
         kv_cache: LayerCache,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | PartialSum, torch.Tensor]:
         q, k, v, residual = self.pre_attention(x, residual)
         attn = self.self_attn.attend(q, k, v, rope, kv_cache, meta)
         return self.post_attention(attn.flatten(1), residual)
@@ -276,13 +284,14 @@ class DecoderLayer(nn.Module):
 
     def pre_attention(
         self,
-        x: torch.Tensor,  # [T, hidden]: the previous layer's output, or the embeddings
+        x: torch.Tensor | PartialSum,  # [T, hidden]: the last layer's output, or the embeddings
         residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
         qkv_proj = self.self_attn.qkv_proj
         normed: torch.Tensor | Int8Rows
-        if residual is None:
-            residual, normed = x, self.input_layernorm.norm_for(x, qkv_proj)
+        if residual is None:  # the embeddings: summed by their own all-reduce
+            residual = summed(x)
+            normed = self.input_layernorm.norm_for(residual, qkv_proj)
         else:
             normed, residual = self.input_layernorm.add_and_norm_for(x, residual, qkv_proj)
         return (*self.self_attn.project(normed), residual)
@@ -291,7 +300,7 @@ class DecoderLayer(nn.Module):
         self,
         attn: torch.Tensor,  # [T, Hq * D]
         residual: torch.Tensor,  # [T, hidden]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output and the new residual
+    ) -> tuple[torch.Tensor | PartialSum, torch.Tensor]:  # the layer's output, the new residual
         x, residual = self.post_attention_layernorm.add_and_norm_for(
             self.self_attn.output(attn), residual, self.mlp.input_linear
         )
@@ -366,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x: torch.Tensor | PartialSum = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         rope = self.rope_inputs(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.attention import LayerOps
-from engine.distributed.group import TensorParallelGroup
+from engine.distributed.group import PartialSum, TensorParallelGroup
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
 from engine.quant.linear import PackedWeight
@@ -121,7 +121,7 @@ class SparseMoeBlock(nn.Module):
         """The first linear to read the block's input (the router)."""
         return self.gate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:  # [T, hidden]
         router_logits = self.gate(x)  # [T, E], in the model's dtype (as HF computes them)
         out = self.ops.fused_moe(
             x, self.w13.weight, self.w2.weight, router_logits, self.top_k, self.renormalize,
@@ -129,7 +129,7 @@ class SparseMoeBlock(nn.Module):
         )  # fmt: skip
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.group.all_reduce(out)
+        return self.group.all_reduce_for_norm(out)  # summed, or left to the norm after it
 
 
 def expert_target(name: str, arch: ModelArch) -> tuple[str, tuple[int, int]] | None:
