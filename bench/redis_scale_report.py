@@ -49,7 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--output-json", metavar="PATH",
                       help="where to write the record "
                       "(default bench/results/redis-scale-<host>.json)")  # fmt: skip
-    parser.set_defaults(handler=run_command)
+    parser.set_defaults(handler=run_command, command_prog=parser.prog)
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -55,3 +55,10 @@ def test_placement_pins_each_primary_alone_and_splits_the_rest(
     assert few.redis_cores == [] and (few.num_producers, few.num_readers) == (2, 2)
     with pytest.raises(CommandError, match="cannot hold"):
         plan_placement(ScaleSettings(num_primaries=3, pin="on"), [0, 1, 2])
+
+
+def test_a_bad_setting_is_refused_before_any_redis_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "redis-scale", "--primaries", "1"]) != 0
+    assert "--primaries must be >= 2" in capsys.readouterr().err
