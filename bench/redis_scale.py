@@ -129,6 +129,7 @@ def _siblings(core: int) -> set[int]:
 
 def run_scale(settings: ScaleSettings) -> dict[str, Any]:
     """Both setups in turn; the record."""
+    raise_open_files_limit()
     placement = plan_placement(settings, available_cores())
     _say(f"{len(available_cores())} cores; primaries on {placement.redis_cores or 'any core'}, "
          f"{placement.num_producers} producers and {placement.num_readers} readers on "
@@ -136,6 +137,17 @@ def run_scale(settings: ScaleSettings) -> dict[str, Any]:
     rows = [run_setup(settings, placement, cluster=False),
             run_setup(settings, placement, cluster=True)]  # fmt: skip
     return make_record(settings, placement, rows)
+
+
+def raise_open_files_limit() -> None:
+    """Open files up to the hard limit, for this process and what it starts: a cluster's
+    clients hold a connection per stream and per concurrent script call, thousands per
+    primary on a large host, and a redis-server caps its clients at its own limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def run_setup(settings: ScaleSettings, placement: Placement, *, cluster: bool) -> dict[str, Any]:
