@@ -24,7 +24,7 @@ import os
 import queue
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,8 @@ def run_scale(settings: ScaleSettings) -> dict[str, Any]:
          f"{placement.load_cores or 'any core'}")  # fmt: skip
     rows = [run_setup(settings, placement, cluster=False),
             run_setup(settings, placement, cluster=True)]  # fmt: skip
-    return make_record(settings, placement, rows)
+    return make_record({**asdict(settings), **asdict(placement)}, rows,
+                       num_primaries=settings.num_primaries, num_cores=len(available_cores()))  # fmt: skip
 
 
 def raise_open_files_limit() -> None:

@@ -120,7 +120,7 @@ def _configure_bench_matrix(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_bench_redis_scale(parser: argparse.ArgumentParser) -> None:
-    from bench.redis_scale_report import configure
+    from bench.redis_scale_cli import configure
 
     configure(parser)
 
