@@ -3,6 +3,11 @@
 A cluster client (``redis.asyncio.cluster.RedisCluster``) sends each command to the primary
 that holds its keys' hash slot; a command or script whose keys lie in different slots is
 refused, so pagestream keeps every call to one slot (docs/operations.md#redis-cluster).
+
+redis-py's cluster client finds the slot of most commands from their arguments, but for
+commands whose keys move (``XREAD``, ``XREADGROUP``) it first asks a server (``COMMAND
+GETKEYS``): a second round trip, and as much Redis CPU again, for every read. ``read_streams``
+and ``read_group`` compute the slot here and send the command to its primary directly.
 """
 
 from __future__ import annotations
@@ -32,6 +37,51 @@ def connect(redis_url: str, *, cluster: bool = False) -> Any:
 def is_cluster(redis: Any) -> bool:
     """Whether ``redis`` is a Redis Cluster client (the keys of one call must share a slot)."""
     return isinstance(redis, RedisCluster)
+
+
+async def _node_of(redis: Any, key: str) -> Any:
+    """The primary that holds ``key``'s slot (the slot table loaded first, if not yet)."""
+    await redis.initialize()  # at once when already done
+    return redis.get_node_from_key(key)
+
+
+async def read_streams(
+    redis: Any, streams: dict[str, str], *, count: int, block_ms: int | None
+) -> Any:
+    """``XREAD COUNT count [BLOCK block_ms] STREAMS ...`` of ``streams`` (key -> the id to read
+    after); on a cluster every key must share one slot, and the command goes straight to its
+    primary (no ``COMMAND GETKEYS``). The reply is redis-py's ``xread``'s."""
+    if not is_cluster(redis):
+        return await redis.xread(streams, count=count, block=block_ms)
+    args: list[Any] = ["XREAD", "COUNT", count]
+    if block_ms is not None:
+        args += ["BLOCK", block_ms]
+    args += ["STREAMS", *streams, *streams.values()]
+    return await redis.execute_command(
+        *args, target_nodes=await _node_of(redis, next(iter(streams)))
+    )
+
+
+async def read_group(
+    redis: Any,
+    group: str,
+    consumer: str,
+    streams: dict[str, str],
+    *,
+    count: int,
+    block_ms: int | None,
+) -> Any:
+    """``XREADGROUP`` of ``streams`` for ``consumer`` of ``group``, sent as ``read_streams``
+    sends ``XREAD``. The reply is redis-py's ``xreadgroup``'s."""
+    if not is_cluster(redis):
+        return await redis.xreadgroup(group, consumer, streams, count=count, block=block_ms)
+    args: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
+    if block_ms is not None:
+        args += ["BLOCK", block_ms]
+    args += ["STREAMS", *streams, *streams.values()]
+    return await redis.execute_command(
+        *args, target_nodes=await _node_of(redis, next(iter(streams)))
+    )
 
 
 async def get_many(redis: Any, keys: list[str]) -> list[Any]:
