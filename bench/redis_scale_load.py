@@ -5,11 +5,11 @@ engine behind it, so that Redis, not a model, is what limits the tokens/s.
   shard (``XREADGROUP``), claims each (``OWN_SCRIPT``), checks its cancel key, and every
   "step" gives each request in flight ``steps_per_write`` tokens, written through the worker's
   own write path (``RequestHandler.write_outputs``: coalescing, ``token``/``done`` events,
-  the TTL cadence, the fenced ``WRITE_SCRIPT`` per hash slot, the acknowledgement). The next
+  the TTL cadence, the fenced ``WRITE_SCRIPT`` per hash slot: per shard on a cluster, the acknowledgement). The next
   step starts when the write returns: an engine that is always ready, never ahead.
 - A **reader** is a client (``clients.AsyncClient``): ``streams`` tasks that each submit a
   request and read its events with the client's own reader (one ``XREAD`` for every stream on
-  one Redis, one per stream on a cluster) until ``done``, then submit the next, until the
+  one Redis, one per shard on a cluster) until ``done``, then submit the next, until the
   run's time is up.
 
 Each process runs one asyncio loop, pinned to the generator cores when given, and reports
