@@ -39,12 +39,6 @@ def is_cluster(redis: Any) -> bool:
     return isinstance(redis, RedisCluster)
 
 
-async def _node_of(redis: Any, key: str) -> Any:
-    """The primary that holds ``key``'s slot (the slot table loaded first, if not yet)."""
-    await redis.initialize()  # at once when already done
-    return redis.get_node_from_key(key)
-
-
 async def read_streams(
     redis: Any, streams: dict[str, str], *, count: int, block_ms: int | None
 ) -> Any:
@@ -53,13 +47,7 @@ async def read_streams(
     primary (no ``COMMAND GETKEYS``). The reply is redis-py's ``xread``'s."""
     if not is_cluster(redis):
         return await redis.xread(streams, count=count, block=block_ms)
-    args: list[Any] = ["XREAD", "COUNT", count]
-    if block_ms is not None:
-        args += ["BLOCK", block_ms]
-    args += ["STREAMS", *streams, *streams.values()]
-    return await redis.execute_command(
-        *args, target_nodes=await _node_of(redis, next(iter(streams)))
-    )
+    return await _send_to_slot(redis, ["XREAD", *_read_args(streams, count, block_ms)], streams)
 
 
 async def read_group(
@@ -75,13 +63,22 @@ async def read_group(
     sends ``XREAD``. The reply is redis-py's ``xreadgroup``'s."""
     if not is_cluster(redis):
         return await redis.xreadgroup(group, consumer, streams, count=count, block=block_ms)
-    args: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
-    if block_ms is not None:
-        args += ["BLOCK", block_ms]
-    args += ["STREAMS", *streams, *streams.values()]
-    return await redis.execute_command(
-        *args, target_nodes=await _node_of(redis, next(iter(streams)))
-    )
+    args = ["XREADGROUP", "GROUP", group, consumer, *_read_args(streams, count, block_ms)]
+    return await _send_to_slot(redis, args, streams)
+
+
+def _read_args(streams: dict[str, str], count: int, block_ms: int | None) -> list[Any]:
+    """``COUNT count [BLOCK block_ms] STREAMS key... id...``."""
+    block = [] if block_ms is None else ["BLOCK", block_ms]
+    return ["COUNT", count, *block, "STREAMS", *streams, *streams.values()]
+
+
+async def _send_to_slot(redis: Any, args: list[Any], streams: dict[str, str]) -> Any:
+    """``args`` sent to the primary of the streams' slot (the slot table loaded first, if it
+    is not yet, or again after a connection error closed the client)."""
+    await redis.initialize()  # returns at once when the slots are known
+    node = redis.get_node_from_key(next(iter(streams)))
+    return await redis.execute_command(*args, target_nodes=node)
 
 
 async def get_many(redis: Any, keys: list[str]) -> list[Any]:

@@ -37,7 +37,7 @@ CANCELS_MAXLEN = 10_000  # {p}:cancels keeps about this many recent notices
 DEAD_MAXLEN = 100_000  # {p}:dead keeps about this many entries
 MAX_REQUEST_ID_CHARS = 256
 MAX_SHARDS = 256  # request streams of one deployment, at most
-# The layout of a request's own keys (out, cancel, claim; docs/protocol.md#key-layout):
+# The layout of a request's out stream and claim (docs/protocol.md#key-layout):
 # 1 = its id as hash tag, ``{p}:out:{id}`` (one shard, as ever); 2 = with K > 1 shards its
 # shard's tag, ``{p}:out:{s1-4}:id``, so that one script writes a whole shard's events.
 KEY_LAYOUT_PER_REQUEST = 1
@@ -104,11 +104,13 @@ class Keys:
         """Entries that could not be served (malformed, or delivered too often)."""
         return f"{self.prefix}:dead"
 
-    # A request's own keys share one hash slot, so one script may touch them together. With
-    # one shard their hash tag is the id (``{p}:out:{id}``: every request a slot of its own);
-    # with K > 1 it is the tag of the request's key shard (``{p}:out:{s1-4}:id``): all the
-    # requests of a shard share a slot, and a worker writes a step's events for all of them
-    # in one script call, a client reads all of them with one XREAD.
+    # A request's out stream and claim share one hash slot, so one script may touch them
+    # together. With one shard their hash tag is the id (``{p}:out:{id}``: every request a
+    # slot of its own); with K > 1 it is the tag of the request's key shard
+    # (``{p}:out:{s1-4}:id``): all the requests of a shard share a slot, and a worker writes a
+    # step's events for all of them in one script call, a client reads all of them with one
+    # XREAD. The cancel key keeps the id as its tag whatever K: no script touches it with the
+    # others, and whoever cancels by id needs nothing else.
 
     @property
     def key_layout(self) -> int:
@@ -116,9 +118,9 @@ class Keys:
         return KEY_LAYOUT_PER_REQUEST if self.num_shards == 1 else KEY_LAYOUT_PER_SHARD
 
     def key_shard(self, request_id: str) -> int:
-        """The shard whose hash tag a request's own keys carry: ``crc32(id) mod K``, by the id
-        alone (not the session) so that whoever knows the id and K finds its keys (a caller
-        cancelling or resuming a request it did not submit, the worker running it)."""
+        """The shard whose hash tag a request's out stream and claim carry: ``crc32(id) mod
+        K``, by the id alone (not the session), so that whoever knows the id and K finds them
+        (the worker running it, a caller resuming a request it did not submit)."""
         return zlib.crc32(request_id.encode()) % self.num_shards
 
     def _request_key(self, kind: str, request_id: str) -> str:
@@ -139,8 +141,9 @@ class Keys:
         return f"{self.prefix}:client:{{{tag}}}:{client_id}:wake"
 
     def cancel(self, request_id: str) -> str:
-        """Set when a request is cancelled; checked when a worker admits the request."""
-        return self._request_key("cancel", request_id)
+        """Set when a request is cancelled; checked when a worker admits the request. Named by
+        the id alone, whatever the shards: a caller cancelling by id needs no K."""
+        return f"{self.prefix}:cancel:{{{request_id}}}"
 
     def claim(self, request_id: str) -> str:
         """Which stream entry owns a request id (so a duplicate id is not run twice)."""
