@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench import plots_features
+from bench import plots_features, redis_scale_plot
 from engine.errors import ConfigError
 
 
@@ -33,6 +33,7 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "speculative": plots_features.speculative,
         "tp-scaling": _tp_scaling,
         "matrix": plots_features.matrix,
+        "redis-scale": redis_scale_plot.plot,
     }
     draw = draws.get(record.get("kind", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table

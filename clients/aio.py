@@ -27,7 +27,7 @@ from clients.protocol import (
     TokenLogprob,
     Usage,
 )
-from clients.reader import PerStreamReader, StreamReader, Subscription
+from clients.reader import PerStreamReader, Reader, ShardedReader, StreamReader, Subscription
 from clients.router import Router, routing_from_env, shards_from_env
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -155,8 +155,7 @@ class AsyncClient:
         self.timeout_s = timeout_s
         # arq's transactions span keys of several slots: no batch jobs on a Redis Cluster
         self._batches = None if is_cluster(self.redis) else BatchClient(self.redis, prefix)
-        reader = PerStreamReader if is_cluster(self.redis) else StreamReader
-        self._reader = reader(self.redis, self.keys)
+        self._reader = _reader(self.redis, self.keys)
 
     async def close(self) -> None:
         await self._reader.close()
@@ -396,6 +395,16 @@ class AsyncClient:
     ) -> BatchStatus:
         """Abort a batch job; its finished lines keep their records. Returns its status."""
         return await self.batches.abort(job_id, wait=wait, timeout_s=timeout_s)
+
+
+def _reader(redis: Any, keys: Keys) -> Reader:
+    """One ``XREAD`` for every stream on one Redis; on a cluster one per shard (K > 1: a
+    shard's streams share its slot), else one per stream (each has a slot of its own)."""
+    if not is_cluster(redis):
+        return StreamReader(redis, keys)
+    if keys.key_layout == protocol.KEY_LAYOUT_PER_SHARD:
+        return ShardedReader(redis, keys)
+    return PerStreamReader(redis, keys)
 
 
 def _routing(routing: bool | None) -> bool:

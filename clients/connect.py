@@ -3,6 +3,11 @@
 A cluster client (``redis.asyncio.cluster.RedisCluster``) sends each command to the primary
 that holds its keys' hash slot; a command or script whose keys lie in different slots is
 refused, so pagestream keeps every call to one slot (docs/operations.md#redis-cluster).
+
+redis-py's cluster client finds the slot of most commands from their arguments, but for
+commands whose keys move (``XREAD``, ``XREADGROUP``) it first asks a server (``COMMAND
+GETKEYS``): a second round trip, and as much Redis CPU again, for every read. ``read_streams``
+and ``read_group`` compute the slot here and send the command to its primary directly.
 """
 
 from __future__ import annotations
@@ -32,6 +37,48 @@ def connect(redis_url: str, *, cluster: bool = False) -> Any:
 def is_cluster(redis: Any) -> bool:
     """Whether ``redis`` is a Redis Cluster client (the keys of one call must share a slot)."""
     return isinstance(redis, RedisCluster)
+
+
+async def read_streams(
+    redis: Any, streams: dict[str, str], *, count: int, block_ms: int | None
+) -> Any:
+    """``XREAD COUNT count [BLOCK block_ms] STREAMS ...`` of ``streams`` (key -> the id to read
+    after); on a cluster every key must share one slot, and the command goes straight to its
+    primary (no ``COMMAND GETKEYS``). The reply is redis-py's ``xread``'s."""
+    if not is_cluster(redis):
+        return await redis.xread(streams, count=count, block=block_ms)
+    return await _send_to_slot(redis, ["XREAD", *_read_args(streams, count, block_ms)], streams)
+
+
+async def read_group(
+    redis: Any,
+    group: str,
+    consumer: str,
+    streams: dict[str, str],
+    *,
+    count: int,
+    block_ms: int | None,
+) -> Any:
+    """``XREADGROUP`` of ``streams`` for ``consumer`` of ``group``, sent as ``read_streams``
+    sends ``XREAD``. The reply is redis-py's ``xreadgroup``'s."""
+    if not is_cluster(redis):
+        return await redis.xreadgroup(group, consumer, streams, count=count, block=block_ms)
+    args = ["XREADGROUP", "GROUP", group, consumer, *_read_args(streams, count, block_ms)]
+    return await _send_to_slot(redis, args, streams)
+
+
+def _read_args(streams: dict[str, str], count: int, block_ms: int | None) -> list[Any]:
+    """``COUNT count [BLOCK block_ms] STREAMS key... id...``."""
+    block = [] if block_ms is None else ["BLOCK", block_ms]
+    return ["COUNT", count, *block, "STREAMS", *streams, *streams.values()]
+
+
+async def _send_to_slot(redis: Any, args: list[Any], streams: dict[str, str]) -> Any:
+    """``args`` sent to the primary of the streams' slot (the slot table loaded first, if it
+    is not yet, or again after a connection error closed the client)."""
+    await redis.initialize()  # returns at once when the slots are known
+    node = redis.get_node_from_key(next(iter(streams)))
+    return await redis.execute_command(*args, target_nodes=node)
 
 
 async def get_many(redis: Any, keys: list[str]) -> list[Any]:

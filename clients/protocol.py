@@ -37,6 +37,11 @@ CANCELS_MAXLEN = 10_000  # {p}:cancels keeps about this many recent notices
 DEAD_MAXLEN = 100_000  # {p}:dead keeps about this many entries
 MAX_REQUEST_ID_CHARS = 256
 MAX_SHARDS = 256  # request streams of one deployment, at most
+# The layout of a request's out stream and claim (docs/protocol.md#key-layout):
+# 1 = its id as hash tag, ``{p}:out:{id}`` (one shard, as ever); 2 = with K > 1 shards its
+# shard's tag, ``{p}:out:{s1-4}:id``, so that one script writes a whole shard's events.
+KEY_LAYOUT_PER_REQUEST = 1
+KEY_LAYOUT_PER_SHARD = 2
 CLUSTER_SLOTS = 16384  # Redis Cluster's hash slots
 # msgpack's integers: what any integer field of a payload can hold
 MIN_INT, MAX_INT = -(2**63), 2**64 - 1
@@ -99,24 +104,50 @@ class Keys:
         """Entries that could not be served (malformed, or delivered too often)."""
         return f"{self.prefix}:dead"
 
-    # A request's own keys put its id in braces, a Redis Cluster hash tag: all of them live
-    # in one slot (one shard), whatever the id, so one script may touch them together.
+    # A request's out stream and claim share one hash slot, so one script may touch them
+    # together. With one shard their hash tag is the id (``{p}:out:{id}``: every request a
+    # slot of its own); with K > 1 it is the tag of the request's key shard
+    # (``{p}:out:{s1-4}:id``): all the requests of a shard share a slot, and a worker writes a
+    # step's events for all of them in one script call, a client reads all of them with one
+    # XREAD. The cancel key keeps the id as its tag whatever K: no script touches it with the
+    # others, and whoever cancels by id needs nothing else.
+
+    @property
+    def key_layout(self) -> int:
+        """``KEY_LAYOUT_PER_REQUEST`` with one shard, else ``KEY_LAYOUT_PER_SHARD``."""
+        return KEY_LAYOUT_PER_REQUEST if self.num_shards == 1 else KEY_LAYOUT_PER_SHARD
+
+    def key_shard(self, request_id: str) -> int:
+        """The shard whose hash tag a request's out stream and claim carry: ``crc32(id) mod
+        K``, by the id alone (not the session), so that whoever knows the id and K finds them
+        (the worker running it, a caller resuming a request it did not submit)."""
+        return zlib.crc32(request_id.encode()) % self.num_shards
+
+    def _request_key(self, kind: str, request_id: str) -> str:
+        if self.num_shards == 1:
+            return f"{self.prefix}:{kind}:{{{request_id}}}"
+        tag = shard_tag(self.key_shard(request_id), self.num_shards)
+        return f"{self.prefix}:{kind}:{{{tag}}}:{request_id}"
 
     def out(self, request_id: str) -> str:
         """The event stream of one request."""
-        return f"{self.prefix}:out:{{{request_id}}}"
+        return self._request_key("out", request_id)
 
-    def client_wake(self, client_id: str) -> str:
-        """A client's own stream, appended to end its blocked read of the out streams."""
-        return f"{self.prefix}:client:{client_id}:wake"
+    def client_wake(self, client_id: str, tag: str | None = None) -> str:
+        """A client's own stream, appended to end its blocked read of the out streams; with
+        ``tag`` (a hash tag) one in that tag's slot, for a read of that slot's streams."""
+        if tag is None:
+            return f"{self.prefix}:client:{client_id}:wake"
+        return f"{self.prefix}:client:{{{tag}}}:{client_id}:wake"
 
     def cancel(self, request_id: str) -> str:
-        """Set when a request is cancelled; checked when a worker admits the request."""
+        """Set when a request is cancelled; checked when a worker admits the request. Named by
+        the id alone, whatever the shards: a caller cancelling by id needs no K."""
         return f"{self.prefix}:cancel:{{{request_id}}}"
 
     def claim(self, request_id: str) -> str:
         """Which stream entry owns a request id (so a duplicate id is not run twice)."""
-        return f"{self.prefix}:claim:{{{request_id}}}"
+        return self._request_key("claim", request_id)
 
     def worker(self, name: str) -> str:
         """A worker's heartbeat (a ``WorkerStatus``, with a TTL)."""
@@ -146,16 +177,20 @@ class Keys:
         return f"{self.prefix}:session:{{{session_id}}}"
 
 
-def key_slot(key: str) -> int:
-    """The Redis Cluster hash slot of ``key``: CRC16 (XMODEM) of its hash tag (the text in its
-    first non-empty ``{...}``), else of the whole key, mod 16384."""
-    data = key.encode()
-    start = data.find(b"{")
+def hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of ``key``: the text in its first ``{...}`` when that is not
+    empty, else the whole key. Keys with the same hash tag share a slot."""
+    start = key.find("{")
     if start >= 0:
-        end = data.find(b"}", start + 1)
+        end = key.find("}", start + 1)
         if end > start + 1:
-            data = data[start + 1 : end]
-    return binascii.crc_hqx(data, 0) % CLUSTER_SLOTS
+            return key[start + 1 : end]
+    return key
+
+
+def key_slot(key: str) -> int:
+    """The Redis Cluster hash slot of ``key``: CRC16 (XMODEM) of its hash tag, mod 16384."""
+    return binascii.crc_hqx(hash_tag(key).encode(), 0) % CLUSTER_SLOTS
 
 
 @functools.lru_cache(maxsize=MAX_SHARDS)

@@ -10,6 +10,12 @@ entries through a queue.
 A subscriber added while the call is blocked must not wait for it to time out: the reader
 also reads a small *wake* stream of its own, and ``subscribe`` appends to it, which ends the
 blocked call so that the next one includes the new stream.
+
+On a Redis Cluster one ``XREAD`` cannot span hash slots. With K > 1 shards a request's out
+stream carries its shard's hash tag, so ``ShardedReader`` reads all of a shard's streams
+with one ``XREAD`` (a ``StreamReader`` per shard, each with a wake stream in its slot);
+with one shard every out stream has a slot of its own, and ``PerStreamReader`` reads each
+alone. Either way each read goes straight to its primary (``clients.connect.read_streams``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
-from clients.protocol import Keys
+from clients.connect import read_streams
+from clients.protocol import Keys, hash_tag
 
 READ_BLOCK_MS = 1000  # one XREAD waits at most this long (then the subscriber set is rebuilt)
 READ_COUNT = 256  # entries per stream per call
@@ -59,9 +66,10 @@ class StreamReader:
     reply is handed to the subscribers it concerns, whose queue then yields it.
     """
 
-    def __init__(self, redis: Any, keys: Keys) -> None:
+    def __init__(self, redis: Any, keys: Keys, wake_key: str | None = None) -> None:
         self._redis = redis
-        self._wake_key = keys.client_wake(uuid.uuid4().hex)
+        # On a cluster the wake stream must share the slot of the streams read with it.
+        self._wake_key = wake_key or keys.client_wake(uuid.uuid4().hex)
         self._wake_last_id = "0-0"
         self._wake_pending = False
         self._subscriptions: dict[str, list[Subscription]] = {}
@@ -124,7 +132,9 @@ class StreamReader:
                 streams[key] = min((s.last_id for s in subscriptions), key=stream_id)
             self._wake_pending = False
             try:
-                reply = await self._redis.xread(streams, count=READ_COUNT, block=READ_BLOCK_MS)
+                reply = await read_streams(
+                    self._redis, streams, count=READ_COUNT, block_ms=READ_BLOCK_MS
+                )
             except REDIS_ERRORS:
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, BACKOFF_MAX_S)
@@ -210,8 +220,8 @@ class PerStreamReader(StreamReader):
             while self._subscriptions.get(key):
                 read_from = min((s.last_id for s in self._subscriptions[key]), key=stream_id)
                 try:
-                    reply = await self._redis.xread(
-                        {key: read_from}, count=READ_COUNT, block=READ_BLOCK_MS
+                    reply = await read_streams(
+                        self._redis, {key: read_from}, count=READ_COUNT, block_ms=READ_BLOCK_MS
                     )
                 except REDIS_ERRORS:
                     await asyncio.sleep(delay_s)
@@ -227,3 +237,38 @@ class PerStreamReader(StreamReader):
         finally:
             if self._tasks.get(key) is asyncio.current_task():
                 del self._tasks[key]
+
+
+class ShardedReader:
+    """The reader of a Redis Cluster deployment with K > 1 shards: a ``StreamReader`` per hash
+    tag (shard) of the streams subscribed, so that one blocked ``XREAD`` on the shard's
+    primary reads every in-flight stream of that shard (at most K reads at a time)."""
+
+    def __init__(self, redis: Any, keys: Keys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._client_id = uuid.uuid4().hex
+        self._readers: dict[str, StreamReader] = {}
+
+    async def subscribe(self, key: str, after: str) -> Subscription:
+        """Start delivering ``key``'s entries after ``after``; ``unsubscribe`` when done."""
+        tag = hash_tag(key)
+        reader = self._readers.get(tag)
+        if reader is None:
+            wake_key = self._keys.client_wake(self._client_id, tag)
+            reader = self._readers[tag] = StreamReader(self._redis, self._keys, wake_key)
+        return await reader.subscribe(key, after)
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        """Stop delivering to ``subscription``."""
+        reader = self._readers.get(hash_tag(subscription.key))
+        if reader is not None:
+            reader.unsubscribe(subscription)
+
+    async def close(self) -> None:
+        """Stop every shard's read and delete the wake streams."""
+        readers, self._readers = list(self._readers.values()), {}
+        await asyncio.gather(*(reader.close() for reader in readers))
+
+
+Reader = StreamReader | ShardedReader

@@ -97,6 +97,15 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
         configure=_configure_bench_matrix,
     )
     kinds.add_parser(
+        "redis-scale",
+        help="tokens/s one Redis primary streams against an N-primary cluster (no engine)",
+        description="Start one Redis primary, then an N-primary Redis Cluster, and stream "
+        "tokens through each with processes that speak the protocol without an engine "
+        "(workers and clients); report tokens/s, Redis commands/s and CPU per token, and the "
+        "cluster / single ratio.",
+        configure=_configure_bench_redis_scale,
+    )
+    kinds.add_parser(
         "plot",
         help="draw the PNG plot of a benchmark JSON record",
         description="Draw a PNG beside each given benchmark record (needs matplotlib).",
@@ -108,6 +117,12 @@ def _configure_bench_matrix(parser: argparse.ArgumentParser) -> None:
     from commands.bench_matrix import configure_matrix
 
     configure_matrix(parser)
+
+
+def _configure_bench_redis_scale(parser: argparse.ArgumentParser) -> None:
+    from bench.redis_scale_cli import configure
+
+    configure(parser)
 
 
 def _configure_bench_serve(parser: argparse.ArgumentParser) -> None:

@@ -75,9 +75,17 @@ def test_requests_on_every_shard_of_a_cluster_are_answered_once(
                 client.submit("w5 w6 w7", request_id=request_id, max_tokens=4 + i, **GREEDY)
             completions = [client.result(request_id) for request_id in request_ids]
             streamed = list(client.stream("w8 w9", max_tokens=3, **GREEDY))
-            client.cancel("cancelled")  # before it is sent: the worker finds the key
-            client.submit("w5", request_id="cancelled", max_tokens=200, **GREEDY)
-            stopped = client.result("cancelled")
+            # A third party cancels by id alone, without even the shards: the cancel key is
+            # the id's whatever K.
+            with Client(redis_cluster.url, cluster=True) as other:
+                other.cancel("cancelled")  # before it is sent: the worker finds the key
+                client.submit("w5", request_id="cancelled", max_tokens=200, **GREEDY)
+                stopped = client.result("cancelled")
+                running = client.submit("w5", max_tokens=200, **GREEDY)
+                events = client.resume(running, timeout_s=30)
+                assert isinstance(next(events), TokenEvent)
+                other.cancel(running)  # mid-stream: the notice reaches the worker
+                ended = list(events)[-1]
     finally:
         worker.stop()
     assert [len(c.token_ids) for c in completions] == [4 + i for i in range(len(request_ids))]
@@ -86,7 +94,9 @@ def test_requests_on_every_shard_of_a_cluster_are_answered_once(
         isinstance(streamed[-1], DoneEvent)
         and sum(len(e.token_ids) for e in streamed if isinstance(e, TokenEvent)) == 3
     )
-    assert stopped.finish_reason is FinishReason.CANCELLED
+    assert stopped.finish_reason is FinishReason.CANCELLED and not stopped.token_ids
+    assert isinstance(ended, DoneEvent) and ended.finish_reason is FinishReason.CANCELLED
+    assert ended.usage.completion_tokens < 200
     r = redis.RedisCluster.from_url(redis_cluster.url)
     try:
         assert [r.xlen(shard) for shard in KEYS.shards] == [0, 0, 0]  # acknowledged, deleted

@@ -300,17 +300,17 @@ def test_a_worker_whose_lease_was_taken_over_writes_and_acknowledges_nothing(
         token = OutEvent("fenced", entry_id, b"token", True)
         # Taken over but not yet run: the stalled worker's token still lands (before the
         # new owner's restart); its acknowledgement does not.
-        published = await stalled.publish([token], acks=[entry_id])
-        assert published.lost == [entry_id] and await r.xlen(KEYS.out("fenced")) == 1
+        published = await stalled.publish([token], acks=[("", entry_id)])
+        assert published.lost == [("", entry_id)] and await r.xlen(KEYS.out("fenced")) == 1
         assert await taker.own("fenced", entry) is Ownership.RETRY  # the claim moves
-        published = await stalled.publish([token, token], acks=[entry_id])
-        assert published.lost == [entry_id] and published.unwritten == []
+        published = await stalled.publish([token, token], acks=[("", entry_id)])
+        assert published.lost == [("", entry_id)] and published.unwritten == []
         assert await r.xlen(KEYS.out("fenced")) == 1
         pending = await r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 10)
         assert [(p["message_id"].decode(), p["consumer"].decode()) for p in pending] == [
             (entry_id, "taker")
         ]
-        published = await taker.publish([token], acks=[entry_id])  # the owner writes and acks
+        published = await taker.publish([token], acks=[("", entry_id)])  # the owner writes and acks
         assert published.lost == [] and await r.xlen(KEYS.out("fenced")) == 2
         assert await r.xpending(KEYS.requests, KEYS.group) == {
             "pending": 0, "min": None, "max": None, "consumers": []
@@ -341,7 +341,7 @@ def test_a_write_sent_again_after_its_reply_was_lost_writes_no_second_end(
         ]
         first = await worker.publish(events, acks=[])  # the reply "lost": no ack yet
         assert (first.lost, first.unwritten) == ([], [])
-        again = await worker.publish(events, acks=[entry_id])
+        again = await worker.publish(events, acks=[("", entry_id)])
         assert (again.lost, again.unwritten) == ([], [])
         assert [m[b"msg"] for _, m in await r.xrange(KEYS.out("twice"))] == [b"token", b"done"]
         assert await r.xpending(KEYS.requests, KEYS.group) == {

@@ -9,7 +9,9 @@ belongs to a worker that died, and another worker takes it over with ``XAUTOCLAI
 runs it: only that consumer writes to ``{p}:out:{id}`` (a second entry with the same id is
 never run, and a worker whose entry was taken over writes nothing more). The claim and the
 out stream share the request's hash slot, so the fenced write is one script call per slot in
-a Redis Cluster; the request streams' own scripts touch one stream each.
+a Redis Cluster: with K > 1 shards a slot holds the keys of a whole shard's requests
+(``Keys.out``), so a step's events take one call per shard, sent to the primaries at once.
+The request streams' own scripts touch one stream each.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
-from clients.connect import is_cluster
+from clients.connect import is_cluster, read_group
 from clients.protocol import DeadLetter, Keys, key_slot
 
 # Renew only the entries still pending under this consumer; return the ids that are not (a
@@ -66,15 +68,17 @@ return 'duplicate'
 # terminal event is written the claim says so (OWNER + " done"), so that the same call sent
 # again (its reply was lost when Redis died, or the acknowledgement after it failed) writes no
 # second terminal event and does not count the entry as lost. Every key of one request shares
-# its hash slot; a Redis Cluster gets one call per slot, a single Redis one call for all (one
+# its hash slot (with K > 1 shards, every key of its shard's requests); a Redis Cluster gets
+# one call per slot, a single Redis one call for all (one
 # command to encode where a pipeline has hundreds: the event loop shares the GIL with the
 # engine thread). A write Redis refuses for its key (an out key that is not a stream) is
 # reported, not retried, and does not stop the others. A full Redis (OOM, under `maxmemory`
 # with `noeviction`) stops the call where it is: the caller retries the rest later.
 # KEYS: per event its out stream and its claim. ARGV: TTL s, then per event its payload, TTL
-# flag ('1' = refresh), owner value (the claim it needs), entry id and terminal flag ('1').
-# Returns {events done (n unless Redis is full), refusals as "key: error", entry ids no longer
-# this owner's}.
+# flag ('1' = refresh), owner value (the claim it needs) and terminal flag ('1'). Returns
+# {events done (n unless Redis is full), refusals as "key: error", the (1-based) index of the
+# first event of each claim no longer this owner's} (indices, not entry ids: the events of one
+# call may come from several request streams, whose entry ids may coincide).
 WRITE_SCRIPT = """
 local n = #KEYS / 2
 local state = {}  -- per claim: 'own', 'done' (its terminal event is written) or 'lost'
@@ -82,15 +86,15 @@ local lost = {}
 local refused = {}
 for i = 1, n do
   local key, claim = KEYS[2 * i - 1], KEYS[2 * i]
-  local a = 5 * i - 3
-  local payload, refresh, owner, entry_id, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+  local a = 4 * i - 2
+  local payload, refresh, owner, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   if state[claim] == nil then
     local v = redis.call('GET', claim)
     if v == owner then state[claim] = 'own'
     elseif v == owner .. ' done' then state[claim] = 'done'
     else
       state[claim] = 'lost'
-      table.insert(lost, entry_id)
+      table.insert(lost, i)
     end
   end
   if state[claim] == 'own' then
@@ -155,6 +159,11 @@ class Ownership(str, enum.Enum):
     DUPLICATE = "duplicate"  # another entry owns this id: drop this one
 
 
+# An entry of a request stream: (stream, entry id). Entry ids are unique within one stream
+# only; "" is the shared stream.
+EntryRef = tuple[str, str]
+
+
 @dataclass(frozen=True, slots=True)
 class OutEvent:
     """One encoded event for a request's out stream, as ``publish`` writes it."""
@@ -164,6 +173,11 @@ class OutEvent:
     payload: bytes
     refresh_ttl: bool  # set the stream's TTL again with this write
     terminal: bool = False  # done or error: the request's last event (the claim records it)
+    stream: str = ""  # the request stream the entry came through ("" is the shared one)
+
+    @property
+    def entry(self) -> EntryRef:
+        return (self.stream, self.entry_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +189,7 @@ class Published:
 
     unwritten: list[OutEvent]
     refused: list[str]
-    lost: list[str]
+    lost: list[EntryRef]
 
 
 @dataclass(frozen=True)
@@ -190,6 +204,11 @@ class Entry:
     @property
     def payload(self) -> bytes | None:
         return self.fields.get(protocol.PAYLOAD_FIELD.encode())
+
+    @property
+    def ref(self) -> EntryRef:
+        """(stream, entry id): which entry this is, whatever the stream."""
+        return (self.stream, self.entry_id)
 
 
 class RequestStream:
@@ -230,9 +249,10 @@ class RequestStream:
         (keys; "" is the shared stream); waits up to ``block_ms`` (None: not at all). In a
         Redis Cluster, ``streams`` must share a hash slot (one stream, in practice)."""
         by_key = {self.key(stream): stream for stream in streams}
-        reply = await self.redis.xreadgroup(
-            self.keys.group, self.consumer, dict.fromkeys(by_key, ">"), count=count, block=block_ms
-        )
+        reply = await read_group(
+            self.redis, self.keys.group, self.consumer, dict.fromkeys(by_key, ">"),
+            count=count, block_ms=block_ms,
+        )  # fmt: skip
         return [
             Entry(text(entry_id), fields or {}, stream=by_key[text(key)])
             for key, entries in reply or []
@@ -321,24 +341,37 @@ class RequestStream:
         )
         return [text(entry_id) for entry_id in lost]
 
-    async def publish(self, events: list[OutEvent], acks: list[str], stream: str = "") -> Published:
+    async def publish(self, events: list[OutEvent], acks: list[EntryRef]) -> Published:
         """Write ``events`` (each only while its request's claim names this consumer), then,
-        once all are written, acknowledge ``acks`` (entries of ``stream``, those still this
-        consumer's). A full Redis leaves events unwritten and nothing acknowledged (see
-        ``WRITE_SCRIPT``), or refuses the whole call (``OutOfMemoryError``)."""
+        once all are written, acknowledge ``acks`` (those still this consumer's). The events
+        go in one script call per hash slot (one on a single Redis; on a cluster one per
+        shard with K > 1, else per request), the calls to different primaries at once. A full
+        Redis leaves events unwritten and nothing acknowledged (see ``WRITE_SCRIPT``), or
+        refuses the whole call (``OutOfMemoryError``)."""
         assert protocol.PAYLOAD_FIELD == "msg"  # the script's field name
         groups = self._by_slot(events)
-        replies = await asyncio.gather(*(self._write_group(group, stream) for group in groups))
+        replies = await asyncio.gather(*(self._write_group(group) for group in groups))
         unwritten: list[OutEvent] = []
         refused: list[str] = []
-        lost: list[str] = []
+        lost: list[EntryRef] = []
         for group, (num_done, group_refused, group_lost) in zip(groups, replies, strict=True):
             unwritten += group[int(num_done) :]
             refused += [text(message) for message in group_refused]
-            lost += [text(entry_id) for entry_id in group_lost]
+            lost += [group[int(index) - 1].entry for index in group_lost]
         if not unwritten:
-            lost += [entry_id for entry_id in await self.ack(acks, stream) if entry_id not in lost]
+            lost += [ref for ref in await self._ack_all(acks) if ref not in lost]
         return Published(unwritten=unwritten, refused=refused, lost=lost)
+
+    async def _ack_all(self, acks: list[EntryRef]) -> list[EntryRef]:
+        """``ack`` of entries of any streams: one call per stream, all at once."""
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in acks:
+            by_stream.setdefault(stream, []).append(entry_id)
+        streams = list(by_stream)
+        replies = await asyncio.gather(*(self.ack(by_stream[s], s) for s in streams))
+        return [
+            (s, entry_id) for s, lost in zip(streams, replies, strict=True) for entry_id in lost
+        ]
 
     def _by_slot(self, events: list[OutEvent]) -> list[list[OutEvent]]:
         """``events`` in calls: one per hash slot in a Redis Cluster, else one (order kept
@@ -350,14 +383,13 @@ class RequestStream:
             groups.setdefault(key_slot(self.keys.out(event.request_id)), []).append(event)
         return list(groups.values())
 
-    async def _write_group(self, events: list[OutEvent], stream: str) -> Any:
+    async def _write_group(self, events: list[OutEvent]) -> Any:
         keys: list[str] = []
         args: list[Any] = [protocol.OUT_STREAM_TTL_S]
         for event in events:
             keys += [self.keys.out(event.request_id), self.keys.claim(event.request_id)]
             args += [event.payload, "1" if event.refresh_ttl else "0"]
-            args += [self.owner(event.entry_id, stream), event.entry_id]
-            args.append("1" if event.terminal else "0")
+            args += [self.owner(event.entry_id, event.stream), "1" if event.terminal else "0"]
         return await self._write(keys=keys, args=args)
 
     async def dead_letter(self, entry: Entry, letter: DeadLetter) -> None:

@@ -19,7 +19,7 @@ from clients import protocol
 from clients.protocol import DeadLetter, ErrorCode, ErrorEvent, Keys, Request, RestartEvent
 from engine import InvalidRequestError, StepOutput
 from worker.admission import EngineInputs, MalformedEntry, decode_entry, engine_inputs
-from worker.delivery import REDIS_ERRORS, Entry, OutEvent, Ownership, RequestStream
+from worker.delivery import REDIS_ERRORS, Entry, EntryRef, OutEvent, Ownership, RequestStream
 from worker.engine_thread import EngineThread
 from worker.events import InFlight, coalesce, queue_ms, wall_ms
 from worker.logs import get_logger
@@ -199,11 +199,13 @@ class RequestHandler:
         """Write one event outside the engine's steps (fenced by the claim, as they are), and
         acknowledge ``entry`` after it when ``ack``."""
         terminal = isinstance(event, protocol.TERMINAL_EVENTS)
-        out = OutEvent(request_id, entry.entry_id, protocol.encode(event), True, terminal)
-        acks = [entry.entry_id] if ack else []
+        out = OutEvent(
+            request_id, entry.entry_id, protocol.encode(event), True, terminal, entry.stream
+        )
+        acks = [entry.ref] if ack else []
 
         async def execute() -> None:
-            published = await self.service.stream.publish([out], acks, entry.stream)
+            published = await self.service.stream.publish([out], acks)
             if published.unwritten:
                 raise OutOfMemoryError("an event waits for memory")
 
@@ -270,29 +272,20 @@ class RequestHandler:
     # -- engine outputs --------------------------------------------------------------------------
 
     async def write_outputs(self, outputs: list[StepOutput]) -> None:
-        """Write one or more steps' outputs: one publish per request stream their entries came
-        through (a shard, and with routing this worker's own or a stolen one's), each retried
-        until Redis takes it. Entry ids are unique within a stream only."""
-        by_stream: dict[str, list[StepOutput]] = {}
-        for out in outputs:
-            flight = self.service.owns(out)
-            if flight is not None:
-                by_stream.setdefault(flight.entry.stream, []).append(out)
-        for stream, outs in by_stream.items():
-            await self._write_stream(outs, stream)
-
-    async def _write_stream(self, outputs: list[StepOutput], stream: str) -> None:
+        """Write one or more steps' outputs in one publish, whatever request streams their
+        entries came through (shards, and with routing this worker's own or a stolen one's):
+        one script call per hash slot of their out streams, retried until Redis takes it."""
         service = self.service
         events, owners, finished = self._events_of(outputs)
         if not events:
             return
-        acks = [flight.entry.entry_id for flight, _ in finished]
+        acks = [flight.entry.ref for flight, _ in finished]
         unwritten = events
-        lost: set[str] = set()  # entries another worker took over: nothing of theirs written
+        lost: set[EntryRef] = set()  # entries another worker took over: nothing of theirs written
 
         async def execute() -> None:
             nonlocal unwritten
-            published = await service.stream.publish(unwritten, acks, stream)
+            published = await service.stream.publish(unwritten, acks)
             for failure in published.refused:
                 log.error("redis refused an event", error=failure)
             lost.update(published.lost)
@@ -309,43 +302,44 @@ class RequestHandler:
 
     def _events_of(
         self, outputs: list[StepOutput]
-    ) -> tuple[list[OutEvent], dict[str, InFlight], list[tuple[InFlight, StepOutput]]]:
-        """The encoded events of this worker's outputs, their flights by entry id, and the
+    ) -> tuple[list[OutEvent], dict[EntryRef, InFlight], list[tuple[InFlight, StepOutput]]]:
+        """The encoded events of this worker's outputs, their flights by entry, and the
         flights these outputs finish."""
         events: list[OutEvent] = []
-        owners: dict[str, InFlight] = {}
+        owners: dict[EntryRef, InFlight] = {}
         finished: list[tuple[InFlight, StepOutput]] = []
         now_s = time.monotonic()
         for out in coalesce(outputs):
             flight = self.service.owns(out)
             if flight is None:
                 continue  # dropped (lease lost, handed back) or not ours
-            entry_id = flight.entry.entry_id
-            owners[entry_id] = flight
+            entry_id, stream = flight.entry.entry_id, flight.entry.stream
+            owners[flight.entry.ref] = flight
             if flight.wants_token_event(out):
                 self.service.counters.generated_tokens += len(out.new_token_ids)
                 event = protocol.encode(flight.token_event(out))
-                events.append(OutEvent(flight.request_id, entry_id, event, flight.ttl_due(now_s)))
+                ttl_due = flight.ttl_due(now_s)
+                events.append(OutEvent(flight.request_id, entry_id, event, ttl_due, stream=stream))
             if out.finished:  # the terminal event gets a full TTL after the end
                 done = protocol.encode(flight.done_event(out, self.service.settings.name))
-                events.append(OutEvent(flight.request_id, entry_id, done, True, terminal=True))
+                events.append(OutEvent(flight.request_id, entry_id, done, True, True, stream))
                 finished.append((flight, out))
         return events, owners, finished
 
     def _settle(
         self,
-        owners: dict[str, InFlight],
+        owners: dict[EntryRef, InFlight],
         finished: list[tuple[InFlight, StepOutput]],
-        lost: set[str],
+        lost: set[EntryRef],
     ) -> None:
         """After a write: drop the flights another worker took over, release the finished."""
-        for entry_id in lost & owners.keys():
-            flight = owners[entry_id]
+        for ref in lost & owners.keys():
+            flight = owners[ref]
             log.warning("lease lost; another worker runs it", request_id=flight.request_id)
             self.service.drop(flight, error="lease_lost")
         counters = self.service.counters
         for flight, out in finished:
-            if flight.entry.entry_id in lost:
+            if flight.entry.ref in lost:
                 continue
             counters.finished[out.finish_reason.value if out.finish_reason else "stop"] += 1
             counters.prompt_tokens += out.usage.prompt_tokens if out.usage else 0

@@ -4,8 +4,8 @@ One asyncio loop does all Redis I/O in a few tasks, each a loop that survives Re
 (backing off, reconnecting): the readers (an ``XREADGROUP`` per request stream, shard or
 routed, together only as many entries as there are free slots), the claimer (``XAUTOCLAIM`` of entries whose lease expired), the renewer (leases
 of the entries in flight), the cancel tail (``{p}:cancels``), the heartbeat, and the writer
-(each engine step's outputs in one fenced script call per request stream; per hash slot on a
-Redis Cluster). The engine steps on its own thread
+(each engine step's outputs in one fenced script call; on a Redis Cluster one per hash slot,
+that is per shard with K > 1, sent at once). The engine steps on its own thread
 (``EngineThread``). ``request_stop`` (SIGTERM) drains: stop reading, let in-flight requests
 finish for ``grace_s``, hand the rest back to other workers.
 """
