@@ -31,6 +31,8 @@ from worker.errors import CommandError
 WORKER_START_TIMEOUT_S = 300.0  # loading a model, profiling memory, capturing graphs
 GATEWAY_START_TIMEOUT_S = 30.0  # the gateway imports no torch: it answers within seconds
 REDIS_START_TIMEOUT_S = 10.0
+CLUSTER_CONFIG_FILE = "nodes.conf"  # a cluster node's own record of the cluster, in its --dir
+CLUSTER_NODE_TIMEOUT_MS = 5000  # a primary unreachable this long is marked failed
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # The `pagestream` program, run by module so it needs no installed console script. A process
 # boundary, not an import: the command package sits above the service and may import it.
@@ -54,7 +56,9 @@ def redis_server_binary() -> str:
 class RedisProcess:
     """One redis-server on a local port (``port``, else a free one) with its data in
     ``directory``; ``restart`` keeps the port and, with ``appendonly``, the data. A
-    ``supervised`` server is stopped by its owner only (see :func:`supervised_options`)."""
+    ``supervised`` server is stopped by its owner only (see :func:`supervised_options`).
+    A ``cluster_node`` runs with ``--cluster-enabled yes`` (its ``nodes.conf`` in
+    ``directory``), one of the primaries of ``worker.local_cluster.RedisClusterProcess``."""
 
     def __init__(
         self,
@@ -64,12 +68,14 @@ class RedisProcess:
         appendonly: bool = False,
         appendfsync: str = "everysec",
         supervised: bool = False,
+        cluster_node: bool = False,
     ) -> None:
         self.directory = directory
         self.port = port or free_port()
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.supervised = supervised
+        self.cluster_node = cluster_node
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -84,6 +90,9 @@ class RedisProcess:
                 "--dir", str(self.directory), "--save", "",
                 "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", self.appendfsync]  # fmt: skip
+        if self.cluster_node:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", CLUSTER_CONFIG_FILE,
+                     "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS)]  # fmt: skip
         options = supervised_options() if self.supervised else {}
         process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **options
