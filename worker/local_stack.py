@@ -137,7 +137,8 @@ def embedded_redis() -> Iterator[str]:
 
 
 class WorkerProcess:
-    """``pagestream worker --redis-url URL --name NAME FLAGS`` as a subprocess."""
+    """``pagestream worker --redis-url URL --name NAME FLAGS`` as a subprocess; with
+    ``cluster``, ``--redis-cluster on`` (``redis_url`` names a node of a Redis Cluster)."""
 
     def __init__(
         self,
@@ -148,12 +149,14 @@ class WorkerProcess:
         name: str,
         supervised: bool = False,
         env: Mapping[str, str] | None = None,
+        cluster: bool = False,
     ) -> None:
         self.redis_url = redis_url
         self.prefix = prefix
         self.name = name
+        self.cluster = cluster
         self.command = [*PAGESTREAM, "worker", "--redis-url", redis_url,
-                        "--prefix", prefix, "--name", name, *flags]  # fmt: skip
+                        "--prefix", prefix, "--name", name, *cluster_flags(cluster), *flags]  # fmt: skip
         self.supervised = supervised
         self.env = dict(env or {})  # on top of this process's environment
         self.process: subprocess.Popen[bytes] | None = None
@@ -178,7 +181,11 @@ class WorkerProcess:
         process = self.process
         assert process is not None, "launch() first"
         heartbeat = Keys(self.prefix).worker(self.name)
-        client = redis.Redis.from_url(self.redis_url)
+        client: Any = (
+            redis.RedisCluster.from_url(self.redis_url)
+            if self.cluster
+            else redis.Redis.from_url(self.redis_url)
+        )
 
         def ready() -> bool:
             if process.poll() is not None:
@@ -216,7 +223,8 @@ class WorkerProcess:
 
 
 class GatewayProcess:
-    """``pagestream gateway --redis-url URL --port PORT FLAGS`` as a subprocess (on 127.0.0.1)."""
+    """``pagestream gateway --redis-url URL --port PORT FLAGS`` as a subprocess (on 127.0.0.1);
+    with ``cluster``, ``--redis-cluster on``."""
 
     def __init__(
         self,
@@ -226,10 +234,12 @@ class GatewayProcess:
         port: int,
         flags: tuple[str, ...] = (),
         supervised: bool = False,
+        cluster: bool = False,
     ) -> None:
         self.port = port
-        self.command = [*PAGESTREAM, "gateway", "--redis-url", redis_url,
-                        "--prefix", prefix, "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+        self.command = [*PAGESTREAM, "gateway", "--redis-url", redis_url, "--prefix", prefix,
+                        "--host", "127.0.0.1", "--port", str(port), *cluster_flags(cluster),
+                        *flags]  # fmt: skip
         self.supervised = supervised
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -306,6 +316,11 @@ def running_workers(workers: list[WorkerProcess], *, one_at_a_time: bool) -> Ite
             worker.terminate()
         for worker in launched:
             worker.stop()
+
+
+def cluster_flags(cluster: bool) -> list[str]:
+    """``--redis-cluster on`` for a process of a deployment on a Redis Cluster, else nothing."""
+    return ["--redis-cluster", "on"] if cluster else []
 
 
 def supervised_options() -> dict[str, Any]:
