@@ -24,7 +24,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
-from clients.connect import is_cluster
+from clients.connect import TRANSIENT_CLUSTER_ERRORS, is_cluster
 from clients.protocol import DeadLetter, Keys, key_slot
 
 # Renew only the entries still pending under this consumer; return the ids that are not (a
@@ -146,7 +146,7 @@ return 1
 """
 
 # Errors that mean "Redis is unreachable right now": back off and retry, never give up.
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, *TRANSIENT_CLUSTER_ERRORS)
 
 
 class Ownership(str, enum.Enum):
