@@ -23,6 +23,7 @@ from clients.connect import TRANSIENT_CLUSTER_ERRORS, connect
 from clients.protocol import CLUSTER_SLOTS, Keys, key_slot
 from tests.redis_cluster import RedisCluster
 from tests.service_fixtures import FAST, InProcessWorker
+from worker.delivery import Entry, RequestStream
 from worker.local_stack import RedisProcess
 from worker.settings import WorkerSettings
 
@@ -240,3 +241,40 @@ def test_a_cluster_client_is_back_once_its_killed_primary_is(redis_cluster: Redi
     assert failures == ["ConnectionError"] * 3
     # every primary serves; the restarted one (no AOF in this fixture) holds the new entry only
     assert attempts >= 1 and lengths == [1, 1, 1]
+
+
+def test_an_entry_dead_lettered_on_a_cluster_has_one_letter(redis_cluster: RedisCluster) -> None:
+    """The letter (the dead stream's slot) and the acknowledgement (the shard's) are two calls
+    on a cluster: the call sent again, or a worker that died between them and the next worker
+    that takes the entry over, still leave one letter per entry, and the entry gone."""
+
+    async def scenario() -> tuple[int, list[int], bool]:
+        r = connect(redis_cluster.url, cluster=True)
+        shard = KEYS.shards[2]
+        worker, heir = RequestStream(r, KEYS, "w"), RequestStream(r, KEYS, "v")
+        await worker.ensure_group(shard)
+        ids = [(await r.xadd(shard, {"msg": b"junk"})).decode() for _ in range(2)]
+        await r.xreadgroup(KEYS.group, "w", {shard: ">"}, count=2)
+        letters = [
+            protocol.DeadLetter(entry_id=entry_id, code=protocol.ErrorCode.INVALID_REQUEST,
+                                message="bad", worker="w", payload=b"junk")
+            for entry_id in ids
+        ]  # fmt: skip
+        await worker.dead_letter(Entry(ids[0], {}, stream=shard), letters[0])
+        await worker.dead_letter(Entry(ids[0], {}, stream=shard), letters[0])  # reply lost
+        # w writes the second entry's letter and dies before its acknowledgement; v takes over
+        marker = KEYS.lettered(shard, ids[1])
+        await worker._cluster_dead_letter(keys=[KEYS.dead, marker],
+                                          args=[protocol.encode(letters[1]), 1000, 60])  # fmt: skip
+        await r.xclaim(shard, KEYS.group, "v", 0, [ids[1]])
+        await heir.dead_letter(Entry(ids[1], {}, stream=shard, times_delivered=2), letters[1])
+        dead = [
+            protocol.decode_struct(f[b"msg"], protocol.DeadLetter)
+            for _, f in await r.xrange(KEYS.dead)
+        ]
+        same_slot = key_slot(marker) == key_slot(KEYS.dead)
+        length = await r.xlen(shard)
+        await r.aclose()
+        return length, sorted(ids.index(letter.entry_id) for letter in dead), same_slot
+
+    assert asyncio.run(scenario()) == (0, [0, 1], True)
