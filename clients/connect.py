@@ -12,13 +12,56 @@ and ``read_group`` compute the slot here and send the command to its primary dir
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 CLUSTER_ENV = "PAGESTREAM_REDIS_CLUSTER"
+# A cluster's passing states (a primary restarting, slots moving): retried like a lost Redis.
+TRANSIENT_CLUSTER_ERRORS = (ClusterDownError, TryAgainError)
+UNREACHABLE = "Redis Cluster cannot be connected"  # redis-py's words when no node answers
+
+
+class ClusterClient(RedisCluster):
+    """redis-py's asyncio cluster client, repaired for a primary that dies and comes back.
+
+    At each connection error or timeout on a node, redis-py drops that node from the nodes it
+    asks for the slot map, and refills them only from a slot map it got. Errors on every node
+    in turn (a restarted primary, timeouts while Redis is slow) leave it none to ask, and from
+    then on every call fails ("cannot be connected ... None") although the cluster is back.
+    Here each new slot map request also asks every node this client has ever known, and a
+    cluster that no node answers for raises ``ConnectionError``, which callers retry like a
+    standalone Redis that is down.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._known_nodes = {name: (node.host, node.port)
+                             for name, node in self.nodes_manager.startup_nodes.items()}  # fmt: skip
+
+    async def initialize(self) -> RedisCluster:
+        manager = self.nodes_manager
+        if self._initialize:  # a slot map is due: redis-py reads the nodes under this lock
+            self._lock = self._lock or asyncio.Lock()
+            async with self._lock:
+                for name, (host, port) in self._known_nodes.items():
+                    if name not in manager.startup_nodes:
+                        node = ClusterNode(host, port, **manager.connection_kwargs)
+                        manager.startup_nodes[name] = node
+        try:
+            await super().initialize()
+        except RedisClusterException as exc:
+            if str(exc).startswith(UNREACHABLE):
+                raise RedisConnectionError(str(exc)) from exc
+            raise
+        for name, node in manager.nodes_cache.items():
+            self._known_nodes.setdefault(name, (node.host, node.port))
+        return self
 
 
 def cluster_from_env() -> bool:
@@ -30,7 +73,7 @@ def connect(redis_url: str, *, cluster: bool = False) -> Any:
     """An asyncio client of ``redis_url``: of the whole cluster it belongs to when ``cluster``
     (any node's URL will do: the client discovers the others and their slots)."""
     if cluster:
-        return RedisCluster.from_url(redis_url)
+        return ClusterClient.from_url(redis_url)
     return aioredis.Redis.from_url(redis_url)
 
 

@@ -145,6 +145,11 @@ class Keys:
         the id alone, whatever the shards: a caller cancelling by id needs no K."""
         return f"{self.prefix}:cancel:{{{request_id}}}"
 
+    def lettered(self, stream: str, entry_id: str) -> str:
+        """Marks a request entry dead-lettered (Redis Cluster only): one letter per entry. Its
+        hash tag is the dead stream's name, so it shares the dead stream's slot."""
+        return f"{self.prefix}:lettered:{{{self.dead}}}:{stream}:{entry_id}"
+
     def claim(self, request_id: str) -> str:
         """Which stream entry owns a request id (so a duplicate id is not run twice)."""
         return self._request_key("claim", request_id)

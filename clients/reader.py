@@ -31,7 +31,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
-from clients.connect import read_streams
+from clients.connect import TRANSIENT_CLUSTER_ERRORS, read_streams
 from clients.protocol import Keys, hash_tag
 
 READ_BLOCK_MS = 1000  # one XREAD waits at most this long (then the subscriber set is rebuilt)
@@ -39,7 +39,7 @@ READ_COUNT = 256  # entries per stream per call
 WAKE_TTL_S = 3600  # the wake stream outlives a client that exits without closing by this much
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, *TRANSIENT_CLUSTER_ERRORS)
 
 Entry = tuple[str, bytes]  # (entry id, payload)
 

@@ -15,6 +15,7 @@ from worker.env_flags import apply_env_defaults, resolve_exclusive
 from worker.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, CommandError
 
 PROG = "pagestream"
+NOT_A_CLUSTER = "Cluster mode is not enabled on this node"  # redis-py's words
 
 Handler = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
@@ -86,10 +87,19 @@ def _as_typed(program: Path, cwd: Path) -> str:
 
 
 def redis_failure(exc: BaseException, redis_url: str | None) -> str | None:
-    """One line for a Redis failure the user can fix: unreachable, wrong credentials, or a
-    command the ACL user may not run. ``None`` for anything else (a bug keeps its traceback)."""
+    """One line for a Redis failure the user can fix: unreachable, wrong credentials, a
+    command the ACL user may not run, or a Redis Cluster named without ``--redis-cluster on``
+    (or a standalone Redis with it). ``None`` for anything else (a bug keeps its traceback)."""
     try:
-        from redis.exceptions import ConnectionError, NoPermissionError, TimeoutError
+        from redis.exceptions import (
+            ConnectionError,
+            NoPermissionError,
+            RedisClusterException,
+            ResponseError,
+            TimeoutError,
+        )
+
+        from clients.connect import CLUSTER_ENV
     except ImportError:
         return None
     where = f" at {redact_url(redis_url)}" if redis_url else ""
@@ -97,6 +107,14 @@ def redis_failure(exc: BaseException, redis_url: str | None) -> str | None:
         return f"redis unreachable{where}: {exc}"
     if isinstance(exc, NoPermissionError):
         return f"redis refused a command{where} (ACL): {exc}"
+    # A cluster node answers a plain client's command on another node's slot with MOVED.
+    if isinstance(exc, ResponseError) and str(exc).startswith("MOVED "):
+        return (
+            f"the Redis{where} is a node of a Redis Cluster: pass --redis-cluster on "
+            f"(or {CLUSTER_ENV}=1)"
+        )
+    if isinstance(exc, RedisClusterException) and NOT_A_CLUSTER in str(exc):
+        return f"the Redis{where} is not a Redis Cluster: leave --redis-cluster off"
     return None
 
 

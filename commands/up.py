@@ -7,6 +7,10 @@ their own sessions: Ctrl-C (SIGINT) or SIGTERM reaches this process alone, which
 order, the gateway first (``--gateway-port``, default 8000), then the worker (it drains for
 ``--grace-s``, then hands the rest back) and Redis last (it flushes its AOF). A second Ctrl-C kills the worker at once. On Linux a child also gets
 SIGTERM if this process dies, so nothing outlives it.
+
+``--redis-cluster-primaries N`` runs a Redis Cluster of N primaries instead (ports
+``--redis-port`` to ``--redis-port`` + N - 1, data in ``--data-dir``/cluster), with the worker
+and the gateway on it with ``--redis-cluster on --shards N``: one request shard per primary.
 """
 
 from __future__ import annotations
@@ -24,13 +28,18 @@ from typing import TYPE_CHECKING, Any
 
 from clients.protocol import DEFAULT_PREFIX
 from commands.parser import CommandError, Subparsers, invocation
+from worker.arg_types import non_negative_int
 from worker.settings import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:  # imported when the command runs, so `pagestream --help` stays cheap
+    from worker.local_cluster import RedisClusterProcess
     from worker.local_stack import GatewayProcess, RedisProcess, WorkerProcess
+
+    LocalRedis = RedisProcess | RedisClusterProcess
 
 DEFAULT_REDIS_PORT = 6379
 DEFAULT_GATEWAY_PORT = 8000
+CLUSTER_DATA_DIR = "cluster"  # under --data-dir: one folder per primary
 STOP_MARGIN_S = 15.0  # beyond --grace-s: handing entries back, flushing telemetry
 POLL_INTERVAL_S = 0.5
 
@@ -71,30 +80,36 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gateway-port", type=int, default=DEFAULT_GATEWAY_PORT,
                    help=f"the gateway's HTTP port on 127.0.0.1; 0 = any free port (default {DEFAULT_GATEWAY_PORT})")  # fmt: skip
     g.add_argument("--no-gateway", action="store_true", help="run no gateway")
+    g.add_argument("--redis-cluster-primaries", type=non_negative_int, default=0, metavar="N",
+                   help="run a Redis Cluster of N primaries on --redis-port and the N - 1 ports "
+                   "after it, the worker and gateway on it with N shards (default 0: one Redis)")  # fmt: skip
     add_engine_args(parser)
     parser.set_defaults(handler=run_up, command_prog=parser.prog)
 
 
 def run_up(args: argparse.Namespace) -> int:
     """Handler of ``pagestream up``: start, print how to use it, serve until told to stop."""
-    from worker.local_stack import GatewayProcess, RedisProcess, WorkerProcess, engine_flags
+    from worker.local_stack import GatewayProcess, WorkerProcess, engine_flags
 
     data_dir = (args.data_dir or default_data_dir()).expanduser()
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = _check_redis_port(args.redis_port)
+    redis = _local_redis(args, data_dir)
     gateway_port = None if args.no_gateway else _check_gateway_port(args.gateway_port)
-    redis = RedisProcess(data_dir, port=port, appendonly=True, supervised=True)
-    flags = ["--grace-s", str(args.grace_s), "--log-level", args.log_level, *engine_flags(args)]
+    cluster = args.redis_cluster_primaries > 0
+    shards = ["--shards", str(args.redis_cluster_primaries)] if cluster else []
+    flags = ["--grace-s", str(args.grace_s), "--log-level", args.log_level, *shards,
+             *engine_flags(args)]  # fmt: skip
     name = f"up-{socket.gethostname()}-{os.getpid()}"
-    worker = WorkerProcess(redis.url, args.prefix, flags, name=name, supervised=True)
+    worker = WorkerProcess(redis.url, args.prefix, flags, name=name, supervised=True,
+                           cluster=cluster)  # fmt: skip
     gateway = None
     if gateway_port is not None:
         gateway = GatewayProcess(redis.url, args.prefix, port=gateway_port, supervised=True,
-                                 flags=("--log-level", "WARNING"))  # fmt: skip
+                                 flags=("--log-level", "WARNING", *shards), cluster=cluster)  # fmt: skip
     signals = _StopSignals(worker)
     signals.install()
     try:
-        print(f"starting redis-server on port {redis.port} (data in {data_dir})", file=sys.stderr)
+        print(f"starting {_describe(redis)} (data in {data_dir})", file=sys.stderr)
         redis.start()
         print(f"starting a worker with {args.model} (first use may convert or download it)",
               file=sys.stderr)  # fmt: skip
@@ -105,7 +120,8 @@ def run_up(args: argparse.Namespace) -> int:
         if args.demo:
             from commands.up_demo import run_demo
 
-            run_demo(redis.url, args.prefix)
+            run_demo(redis.url, args.prefix, cluster=cluster,
+                     shards=max(1, args.redis_cluster_primaries))  # fmt: skip
             print("\nthe demo is done; still serving (Ctrl-C stops)", flush=True)
         _watch(redis, worker, gateway)
     except StopRequested:
@@ -113,6 +129,34 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         _stop(redis, worker, gateway, args.grace_s, signals)
     return 0
+
+
+def _local_redis(args: argparse.Namespace, data_dir: Path) -> LocalRedis:
+    """The Redis to start: one server in ``data_dir``, or a cluster in ``data_dir/cluster``."""
+    from worker.local_cluster import BUS_PORT_OFFSET, RedisClusterProcess, node_ports
+    from worker.local_stack import RedisProcess
+
+    num_primaries = args.redis_cluster_primaries
+    if num_primaries == 0:
+        port = _check_redis_port(args.redis_port)
+        return RedisProcess(data_dir, port=port, appendonly=True, supervised=True)
+    first = args.redis_port or None  # 0: free ports, found by the cluster
+    if first is not None:
+        for port in node_ports(first, num_primaries):
+            _check_redis_port(port)
+            _check_port(port + BUS_PORT_OFFSET, " (the cluster bus of port "
+                        f"{port}): pass --redis-port 0 for free ports")  # fmt: skip
+    return RedisClusterProcess(data_dir / CLUSTER_DATA_DIR, num_primaries=num_primaries,
+                               port=first, appendonly=True, supervised=True)  # fmt: skip
+
+
+def _describe(redis: LocalRedis) -> str:
+    from worker.local_cluster import RedisClusterProcess
+
+    if isinstance(redis, RedisClusterProcess):
+        ports = ", ".join(map(str, redis.ports))
+        return f"a redis cluster of {len(redis.nodes)} primaries on ports {ports}"
+    return f"redis-server on port {redis.port}"
 
 
 def _check_redis_port(port: int) -> int:
@@ -147,7 +191,13 @@ def _banner(
 ) -> str:
     url_flag = "" if args.redis_port == DEFAULT_REDIS_PORT else f" --redis-url {redis_url}"
     prefix_flag = "" if args.prefix == DEFAULT_PREFIX else f" --prefix {args.prefix}"
-    flags = url_flag + prefix_flag
+    num_primaries = args.redis_cluster_primaries
+    cluster_flag = f" --redis-cluster on --shards {num_primaries}" if num_primaries else ""
+    flags = url_flag + prefix_flag + cluster_flag
+    health_flags = url_flag + prefix_flag + (" --redis-cluster on" if num_primaries else "")
+    client_args = f"cluster=True, shards={num_primaries}" if num_primaries else ""
+    client_call = f'Client("{redis_url}"{", " + client_args if client_args else ""})'
+    where = f"a {num_primaries}-primary cluster, data" if num_primaries else "data"
     http = []
     if gateway is not None:
         http = [
@@ -158,21 +208,25 @@ def _banner(
     pagestream, python = invocation()
     return "\n".join([
         "",
-        f"pagestream is up: redis at {redis_url} (data in {data_dir}), one worker ({args.model})",
+        f"pagestream is up: redis at {redis_url} ({where} in {data_dir}), one worker ({args.model})",
         "send requests from another terminal:",
         f'  {pagestream} submit{flags} "The capital of France is" --max-tokens 32',
         f'  {pagestream} submit{flags} --chat "Write a haiku about paged memory."',
-        f"  {python} -c 'from clients import Client; print(Client(\"{redis_url}\")"
+        f"  {python} -c 'from clients import Client; print({client_call}"
         '.complete(prompt="Hello", max_tokens=16).text)\'',
-        f"  {pagestream} health{flags}",
+        f"  {pagestream} health{health_flags}",
         *http,
         "Ctrl-C stops the worker (it finishes in-flight requests first) and then Redis.",
     ])  # fmt: skip
 
 
-def _watch(redis: RedisProcess, worker: WorkerProcess, gateway: GatewayProcess | None) -> None:
+def _watch(redis: LocalRedis, worker: WorkerProcess, gateway: GatewayProcess | None) -> None:
     """Sleep until a signal, or fail when a child exits on its own."""
-    children = [("redis-server", redis.process), ("the worker", worker.process)]
+    from worker.local_cluster import RedisClusterProcess
+
+    nodes = redis.nodes if isinstance(redis, RedisClusterProcess) else [redis]
+    children = [(f"redis-server (port {node.port})", node.process) for node in nodes]
+    children.append(("the worker", worker.process))
     if gateway is not None:
         children.append(("the gateway", gateway.process))
     while True:
@@ -209,7 +263,7 @@ class _StopSignals:
 
 
 def _stop(
-    redis: RedisProcess,
+    redis: LocalRedis,
     worker: WorkerProcess,
     gateway: GatewayProcess | None,
     grace_s: float,

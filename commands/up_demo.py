@@ -22,9 +22,11 @@ MAX_TOKENS = 64
 REQUEST_TIMEOUT_S = 300.0  # a CPU worker with a cold cache is slow, not dead
 
 
-def run_demo(redis_url: str, prefix: str) -> None:
-    """Send the demo's requests to the workers behind ``redis_url``; print what comes back."""
-    with Client(redis_url, prefix=prefix, timeout_s=REQUEST_TIMEOUT_S) as client:
+def run_demo(redis_url: str, prefix: str, *, cluster: bool = False, shards: int = 1) -> None:
+    """Send the demo's requests to the workers behind ``redis_url`` (a node of a Redis Cluster
+    when ``cluster``, with ``shards`` request streams); print what comes back."""
+    with Client(redis_url, prefix=prefix, timeout_s=REQUEST_TIMEOUT_S, cluster=cluster,
+                shards=shards) as client:  # fmt: skip
         try:
             print("\n-- demo: three questions, one at a time, tokens as they arrive", flush=True)
             for question in QUESTIONS:

@@ -29,6 +29,7 @@ pytest_plugins = [
     "tests.gateway_fixtures",
     "tests.structured_fixtures",
     "tests.chaos.plugin",
+    "tests.chaos.target",
 ]
 
 

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -107,8 +107,15 @@ def start_worker(text_model_dir: Path, redis_server: RedisServer) -> Iterator[An
         worker.stop()
 
 
+class HasRedisUrl(Protocol):
+    """A Redis to point a worker at: a ``RedisServer``, a cluster, the chaos suite's target."""
+
+    @property
+    def url(self) -> str: ...
+
+
 def spawn_worker(
-    model_dir: Path, server: RedisServer, name: str, log_dir: Path, *extra: str
+    model_dir: Path, server: HasRedisUrl, name: str, log_dir: Path, *extra: str
 ) -> subprocess.Popen[bytes]:
     """``python -m commands worker ...`` as a child process (for SIGKILL and SIGTERM)."""
     args = [

@@ -131,7 +131,9 @@ def test_the_up_banner_uses_those_names(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    args = argparse.Namespace(redis_port=0, prefix="pagestream", model="smollm2-135m")
+    args = argparse.Namespace(
+        redis_port=0, prefix="pagestream", model="smollm2-135m", redis_cluster_primaries=0
+    )
     banner = _banner("redis://127.0.0.1:5555/0", tmp_path, args, gateway=None)
     pagestream, python = invocation()
     assert pagestream != "pagestream"

@@ -35,7 +35,10 @@ DOCKERIGNORE_PATH = ROOT / ".dockerignore"
 PACKAGES = ("engine", "kernels", "worker", "clients")  # what `pip install .` needs in the image
 MIN_START_PERIOD_S = 300  # a model download, its load and the CUDA-graph capture
 OBSERVABILITY = "observability"
-OPTIONAL_PROFILES = ("observability", "multi-gpu", "tp2")
+OPTIONAL_PROFILES = ("observability", "multi-gpu", "tp2", "cluster")
+CLUSTER = "cluster"  # the profile of the Redis Cluster deployment, started by its gateway's name
+CLUSTER_GATEWAY = "gateway-cluster"
+CLUSTER_CREATE = "redis-cluster-create"
 TENSOR_PARALLEL_VAR = "PAGESTREAM_TENSOR_PARALLEL_SIZE"
 COMPOSE_TIMEOUT_S = 30
 
@@ -104,12 +107,15 @@ def services() -> dict[str, dict[str, Any]]:
 
 def worker_services() -> dict[str, dict[str, Any]]:
     """The services made from the `x-worker` template (YAML merge copies its keys into them;
-    one may add variables to the template's environment, as the tensor-parallel one does)."""
+    one may add variables to the template's environment, as the tensor-parallel one does, or
+    wait for another Redis, as the cluster profile's does)."""
     compose = load_compose()
     template: dict[str, Any] = compose["x-worker"]
 
     def made_from_template(service: dict[str, Any]) -> bool:
         for key, value in template.items():
+            if key == "depends_on":  # test_workers_wait_for_redis_and_check_their_own_health
+                continue
             if key == "environment":
                 if not as_mapping(value).keys() <= as_mapping(service.get(key)).keys():
                     return False
@@ -203,7 +209,11 @@ def test_workers_share_one_template_and_differ_only_in_gpu() -> None:
 
 def test_workers_wait_for_redis_and_check_their_own_health() -> None:
     for name, worker in worker_services().items():
-        assert worker["depends_on"]["redis"]["condition"] == "service_healthy", name
+        if CLUSTER in worker.get("profiles", []):  # the cluster, once created
+            condition = worker["depends_on"][CLUSTER_CREATE]["condition"]
+            assert condition == "service_completed_successfully", name
+        else:
+            assert worker["depends_on"]["redis"]["condition"] == "service_healthy", name
         argv = healthcheck_argv(worker)
         assert argv[:2] == ["pagestream", "health"], name
         build_parser().parse_args(argv[1:])  # a valid command, not just a string
@@ -228,13 +238,20 @@ def gpu_device_ids(worker: dict[str, Any]) -> list[str]:
 
 
 def test_each_worker_reserves_its_own_gpus() -> None:
-    """One GPU per worker, or one per rank of a tensor-parallel worker; none twice."""
+    """One GPU per worker, or one per rank of a tensor-parallel worker; none twice among the
+    workers of one deployment (the cluster profile's run instead of the default ones)."""
     device_ids = {name: gpu_device_ids(worker) for name, worker in worker_services().items()}
     for name, worker in worker_services().items():
         num_ranks = int(container_env(worker, {}).get(TENSOR_PARALLEL_VAR) or 1)
         assert len(device_ids[name]) == num_ranks, f"{name}: a GPU per rank, {device_ids}"
-    flat = [device_id for ids in device_ids.values() for device_id in ids]
-    assert len(set(flat)) == len(flat), f"workers share a GPU: {device_ids}"
+    for on_cluster in (False, True):
+        deployment = {
+            name: ids
+            for name, ids in device_ids.items()
+            if (CLUSTER in worker_services()[name].get("profiles", [])) == on_cluster
+        }
+        flat = [device_id for ids in deployment.values() for device_id in ids]
+        assert len(set(flat)) == len(flat), f"workers share a GPU: {deployment}"
 
 
 def test_tensor_parallel_worker_is_opt_in_and_parses(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -453,3 +470,88 @@ def test_gateway_serves_the_workers_redis_on_loopback(monkeypatch: pytest.Monkey
     argv = healthcheck_argv(gateway)
     assert f"http://127.0.0.1:{args['port']}/health" in " ".join(argv)
     assert parse_duration_s(gateway["healthcheck"]["start_period"]) >= MIN_START_PERIOD_S
+
+
+# -- the cluster profile ------------------------------------------------------------------------
+
+
+def cluster_nodes() -> dict[str, dict[str, Any]]:
+    """The cluster profile's Redis primaries: redis-server with --cluster-enabled yes."""
+    return {
+        name: service
+        for name, service in services().items()
+        if "--cluster-enabled" in command_words(service.get("command", []))
+    }
+
+
+def option(words: list[str], flag: str) -> str:
+    assert flag in words, f"{flag} missing from {words}"
+    return words[words.index(flag) + 1]
+
+
+def test_cluster_nodes_are_opt_in_persistent_primaries_with_their_own_volumes() -> None:
+    compose = load_compose()
+    nodes = cluster_nodes()
+    assert sorted(nodes) == ["redis-node-0", "redis-node-1", "redis-node-2"]
+    volumes = []
+    for name, node in nodes.items():
+        assert node.get("profiles") == [CLUSTER], f"{name}: `docker compose up` must not start it"
+        words = command_words(node["command"])
+        assert (
+            option(words, "--cluster-enabled") == "yes" and option(words, "--appendonly") == "yes"
+        )
+        assert option(words, "--cluster-announce-hostname") == name  # clients reach it by name
+        assert option(words, "--cluster-preferred-endpoint-type") == "hostname"
+        (data,) = [mount for mount in mounts(node) if mount.target == "/data"]
+        assert data.is_named_volume and data.source in compose["volumes"], name
+        volumes.append(data.source)
+        assert "PONG" in healthcheck_argv(node), name
+        assert not node.get("ports"), f"{name}: no password, so not published"
+    assert len(set(volumes)) == len(nodes), "each node needs its own data (nodes.conf, AOF)"
+    assert compose["services"]["redis"].get("profiles") is None  # the default Redis stays
+
+
+def test_cluster_create_joins_every_node_once_and_waits_for_them() -> None:
+    create = services()[CLUSTER_CREATE]
+    assert create.get("profiles") == [CLUSTER] and create["restart"] == "no"
+    nodes = cluster_nodes()
+    assert {name: dep["condition"] for name, dep in create["depends_on"].items()} == dict.fromkeys(
+        nodes, "service_healthy"
+    )
+    script = interpolate(" ".join(command_words(create["command"])), {})
+    create_line = script[script.index("redis-cli --cluster create") :]
+    assert all(f"getent hosts {name} " in create_line for name in nodes)
+    assert "--cluster-replicas 0" in create_line and "--cluster-yes" in create_line
+    # again on the same volumes: skipped once the nodes know each other
+    assert f"cluster_known_nodes:{len(nodes)}" in script.split("redis-cli --cluster create")[0]
+    assert "cluster_state:ok" in script and "exit 1" in script
+
+
+def test_cluster_workers_and_gateway_agree_on_the_cluster_and_its_shards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What `pagestream worker` and `gateway` read from their environment: a node's URL,
+    --redis-cluster on, one shard per primary; the default services stay on the one Redis."""
+    all_services, nodes = services(), cluster_nodes()
+    workers = {n: w for n, w in worker_services().items() if CLUSTER in w.get("profiles", [])}
+    assert list(workers) == ["worker-cluster-0"]
+    parsed = {
+        name: parse_worker_args(monkeypatch, container_env(w, {})) for name, w in workers.items()
+    }
+    gateway = all_services[CLUSTER_GATEWAY]
+    parsed[CLUSTER_GATEWAY] = parse_gateway_args(monkeypatch, container_env(gateway, {}))
+    for name, args in parsed.items():
+        assert args["redis_cluster"] is True and args["shards"] == len(nodes), name
+        host = urlsplit(args["redis_url"]).hostname
+        assert host in nodes, f"{name}: {args['redis_url']} is no cluster node"
+    assert gateway.get("profiles") == [CLUSTER]
+    assert set(gateway["depends_on"]) == {CLUSTER_CREATE, *workers}
+    assert gateway["depends_on"][CLUSTER_CREATE]["condition"] == "service_completed_successfully"
+    assert command_words(gateway["entrypoint"]) == ["pagestream", "gateway"]
+    worker_env = container_env(workers["worker-cluster-0"], {})
+    default_env = container_env(worker_services()["worker-0"], {})
+    assert worker_env["PAGESTREAM_MODEL"] == default_env["PAGESTREAM_MODEL"]
+    default = parse_worker_args(monkeypatch, default_env)
+    assert default["redis_cluster"] is False and default["shards"] == 1
+    header = COMPOSE_PATH.read_text().split("\nname:")[0]  # says how to start it
+    assert f"docker compose --profile {CLUSTER} up -d {CLUSTER_GATEWAY}" in header

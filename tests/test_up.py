@@ -18,10 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from clients import Client, FinishReason
+from clients.protocol import Keys
+from commands import main
 from commands.parser import invocation
 from engine import LLM, SamplingParams
+from worker.local_cluster import is_free
+from worker.local_stack import free_port
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads child processes from /proc"
@@ -30,6 +35,9 @@ READY_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0
 BANNER = re.compile(r"pagestream is up: redis at (redis://\S+) ")
 GATEWAY = re.compile(r"OpenAI-compatible API at (http://\S+/v1) ")
+# The whole `up --redis-cluster-primaries 3` run is left out of the default run (CI's budget);
+# its quick error paths are not.
+UP_CLUSTER_OPT_IN = "PAGESTREAM_TEST_UP_CLUSTER"
 
 
 class Up:
@@ -160,6 +168,62 @@ def test_up_serves_a_request_then_ctrl_c_leaves_nothing_behind(
     assert "stopped" in up.stderr_path.read_text()
 
 
+@pytest.mark.skipif(
+    os.environ.get(UP_CLUSTER_OPT_IN) != "1",
+    reason=f"about 20 s (a worker process): opt in with {UP_CLUSTER_OPT_IN}=1",
+)
+def test_up_with_a_redis_cluster_serves_on_every_shard_then_ctrl_c_leaves_nothing_behind(
+    tmp_path: Path, text_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--redis-cluster-primaries 3``: three primaries, the worker and the gateway on them with
+    three shards (one per primary); what the banner says to run works."""
+    up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING",
+            "--redis-cluster-primaries", "3")  # fmt: skip
+    try:
+        url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
+        gateway_url = up.wait_for(GATEWAY, READY_TIMEOUT_S).group(1)
+        started = re.search(r"starting a redis cluster of 3 primaries on ports (\d+), (\d+), "
+                            r"(\d+)", up.stderr_path.read_text())  # fmt: skip
+        assert started is not None
+        ports = [int(port) for port in started.groups()]
+        children = up.children()
+        assert len(children) == 5  # three redis-servers, the worker and the gateway
+        assert f"submit --redis-url {url} --redis-cluster on --shards 3" in "".join(up.output)
+        keys = Keys(num_shards=3)
+        ids = [
+            next(f"r{i}" for i in range(100) if keys.shard_for(f"r{i}") == s) for s in keys.shards
+        ]
+        with Client(url, cluster=True, shards=3, timeout_s=60) as client:
+            for request_id in ids:
+                client.submit(token_ids=[5, 6, 7, 8], request_id=request_id, max_tokens=6,
+                              temperature=0)  # fmt: skip
+            done = [client.result(request_id) for request_id in ids]
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
+        over_http = httpx.post(f"{gateway_url}/completions", json=body, timeout=60).json()
+        assert main(["health", "--redis-url", url, "--redis-cluster", "on"]) == 0
+        cluster = redis.RedisCluster.from_url(url)
+        try:
+            primaries = sorted(node.port for node in cluster.get_primaries())
+            assert [cluster.xlen(shard) for shard in keys.shards] == [0, 0, 0]  # all served
+            shard_ports = sorted(cluster.get_node_from_key(s).port for s in keys.shards)
+        finally:
+            cluster.close()
+    finally:
+        rc = up.stop(signal.SIGINT)
+    assert primaries == shard_ports == sorted(ports)  # one shard on each primary
+    assert [c.token_ids for c in done] == [done[0].token_ids] * 3 and len(done[0].token_ids) == 6
+    assert over_http["choices"][0]["text"] == done[0].text
+    assert capsys.readouterr().out.startswith("ok: up-")
+    assert rc == 0, up.stderr_path.read_text()[-3000:]
+    assert _wait_gone(children, 5.0) == []
+    assert not any(_port_open(port) for port in ports)
+    assert sorted(p.name for p in (up.data_dir / "cluster").iterdir()) == [
+        "node-0",
+        "node-1",
+        "node-2",
+    ]
+
+
 def test_up_killed_takes_its_children_along(tmp_path: Path, text_model_dir: Path) -> None:
     up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING")
     url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
@@ -187,6 +251,50 @@ def test_up_refuses_a_busy_port_with_one_line(tmp_path: Path) -> None:
         f"free port, or run `{pagestream} worker --redis-url redis://localhost:{port}/0` "
         "against that Redis"
     ]
+
+
+def test_up_refuses_a_busy_cluster_bus_port_or_a_cluster_folder_of_other_ports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each in one line, before any process starts (no model is loaded: quick)."""
+    data_dir = tmp_path / "data"
+    cluster = ["up", "--redis-cluster-primaries", "3", "--data-dir", str(data_dir), "--no-gateway"]
+    with socket.socket() as busy:
+        first = _ports_with_busy_bus_port(busy)
+        assert main([*cluster, "--redis-port", str(first)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"pagestream up: error: port {first + 1 + 10_000} is in use (the cluster bus of port "
+        f"{first + 1}): pass --redis-port 0 for free ports"
+    )
+    node = data_dir / "cluster" / "node-0"
+    node.mkdir(parents=True)
+    (node / "nodes.conf").write_text(
+        "0123abcd 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460\n"
+    )
+    assert main([*cluster, "--redis-port", "0"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"pagestream up: error: {data_dir / 'cluster'} holds a cluster on ports 7000, \d+, \d+, "
+        r"not \d+, \d+, \d+: start it on its ports again, or use another data folder",
+        error,
+    ), error
+
+
+def _ports_with_busy_bus_port(busy: socket.socket) -> int:
+    """A port P with P, P + 1, P + 2 and P's bus port (+10000) free, and ``busy`` bound to
+    P + 1's bus port."""
+    for _ in range(100):
+        first = free_port()
+        needed = [first, first + 1, first + 2, first + 10_000]
+        if first + 2 + 10_000 > 65535 or not all(is_free(port) for port in needed):
+            continue
+        try:
+            busy.bind(("127.0.0.1", first + 1 + 10_000))
+        except OSError:
+            continue
+        busy.listen()
+        return first
+    raise AssertionError("no free ports for the test")
 
 
 @pytest.mark.slow

@@ -7,17 +7,24 @@ worker reads K = 3 shards, one per primary.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from clients import Client, DoneEvent, FinishReason, RestartEvent, TokenEvent, protocol
+from clients.connect import TRANSIENT_CLUSTER_ERRORS, connect
 from clients.protocol import CLUSTER_SLOTS, Keys, key_slot
 from tests.redis_cluster import RedisCluster
 from tests.service_fixtures import FAST, InProcessWorker
+from worker.delivery import Entry, RequestStream
+from worker.local_stack import RedisProcess
 from worker.settings import WorkerSettings
 
 NUM_SHARDS = 3
@@ -189,3 +196,95 @@ def test_routing_on_a_cluster_keeps_a_conversation_on_its_worker(
         assert [r.xlen(stream) for stream in streams] == [0] * len(streams)
     finally:
         r.close()
+
+
+def key_on_primary(index: int) -> str:
+    """A key in the slot range of primary ``index``."""
+    return next(f"k{n}" for n in range(1000) if key_slot(f"k{n}") * 3 // CLUSTER_SLOTS == index)
+
+
+def kill(node: RedisProcess) -> None:
+    assert node.process is not None
+    node.process.send_signal(signal.SIGKILL)
+    node.process.wait()
+    node.process = None
+
+
+async def retried(call: Callable[[], Awaitable[object]], tries: int = 50) -> int:
+    """Call until it succeeds (Redis errors of a cluster coming back retried); the tries."""
+    for attempt in range(1, tries + 1):
+        try:
+            await call()
+            return attempt
+        except (RedisConnectionError, *TRANSIENT_CLUSTER_ERRORS):
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"still failing after {tries} tries")
+
+
+@pytest.mark.timeout(60)
+def test_a_cluster_client_is_back_once_its_killed_primary_is(redis_cluster: RedisCluster) -> None:
+    """Blocked reads on all three primaries when one dies: redis-py closes every connection
+    and drops each node that failed from those it asks for the slot map, so it has none left
+    and never recovers ("cannot be connected ... None"). ``connect``'s client asks the nodes
+    it knew, and says ConnectionError (which callers retry) while none answers."""
+
+    async def run() -> tuple[list[str], int, list[int]]:
+        client = connect(redis_cluster.url, cluster=True)
+        keys = [key_on_primary(index) for index in range(3)]
+        try:
+            for key in keys:
+                await client.xadd(key, {"n": 1})
+            reads = [asyncio.create_task(client.xread({key: "$"}, block=5000)) for key in keys]
+            await asyncio.sleep(0.3)  # all three blocked
+            kill(redis_cluster.nodes[1])
+            failures = await asyncio.gather(*reads, return_exceptions=True)
+            with pytest.raises(RedisConnectionError):  # down: a ConnectionError, retried
+                await client.xadd(keys[1], {"n": 2})
+            redis_cluster.nodes[1].start()  # same port and folder: back in the cluster
+            attempts = await retried(lambda: client.xadd(keys[1], {"n": 2}))
+            lengths = [await client.xlen(key) for key in keys]
+            return [type(failure).__name__ for failure in failures], attempts, lengths
+        finally:
+            await client.aclose()
+
+    failures, attempts, lengths = asyncio.run(run())
+    assert failures == ["ConnectionError"] * 3
+    # every primary serves; the restarted one (no AOF in this fixture) holds the new entry only
+    assert attempts >= 1 and lengths == [1, 1, 1]
+
+
+def test_an_entry_dead_lettered_on_a_cluster_has_one_letter(redis_cluster: RedisCluster) -> None:
+    """The letter (the dead stream's slot) and the acknowledgement (the shard's) are two calls
+    on a cluster: the call sent again, or a worker that died between them and the next worker
+    that takes the entry over, still leave one letter per entry, and the entry gone."""
+
+    async def scenario() -> tuple[int, list[int], bool]:
+        r = connect(redis_cluster.url, cluster=True)
+        shard = KEYS.shards[2]
+        worker, heir = RequestStream(r, KEYS, "w"), RequestStream(r, KEYS, "v")
+        await worker.ensure_group(shard)
+        ids = [(await r.xadd(shard, {"msg": b"junk"})).decode() for _ in range(2)]
+        await r.xreadgroup(KEYS.group, "w", {shard: ">"}, count=2)
+        letters = [
+            protocol.DeadLetter(entry_id=entry_id, code=protocol.ErrorCode.INVALID_REQUEST,
+                                message="bad", worker="w", payload=b"junk")
+            for entry_id in ids
+        ]  # fmt: skip
+        await worker.dead_letter(Entry(ids[0], {}, stream=shard), letters[0])
+        await worker.dead_letter(Entry(ids[0], {}, stream=shard), letters[0])  # reply lost
+        # w writes the second entry's letter and dies before its acknowledgement; v takes over
+        marker = KEYS.lettered(shard, ids[1])
+        await worker._cluster_dead_letter(keys=[KEYS.dead, marker],
+                                          args=[protocol.encode(letters[1]), 1000, 60])  # fmt: skip
+        await r.xclaim(shard, KEYS.group, "v", 0, [ids[1]])
+        await heir.dead_letter(Entry(ids[1], {}, stream=shard, times_delivered=2), letters[1])
+        dead = [
+            protocol.decode_struct(f[b"msg"], protocol.DeadLetter)
+            for _, f in await r.xrange(KEYS.dead)
+        ]
+        same_slot = key_slot(marker) == key_slot(KEYS.dead)
+        length = await r.xlen(shard)
+        await r.aclose()
+        return length, sorted(ids.index(letter.entry_id) for letter in dead), same_slot
+
+    assert asyncio.run(scenario()) == (0, [0, 1], True)

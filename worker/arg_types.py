@@ -43,6 +43,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer of 0 or more (0 usually meaning "off")."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {text!r}")
+    return int(text)
+
+
 def int_range(text: str) -> tuple[int, int]:
     """``"100-1024"`` -> (100, 1024); a single number N is the range N-N."""
     low, _, high = text.partition("-")

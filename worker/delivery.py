@@ -26,7 +26,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from clients import protocol
-from clients.connect import is_cluster, read_group
+from clients.connect import TRANSIENT_CLUSTER_ERRORS, is_cluster, read_group
 from clients.protocol import DeadLetter, Keys, key_slot
 
 # Renew only the entries still pending under this consumer; return the ids that are not (a
@@ -149,8 +149,18 @@ redis.call('XDEL', KEYS[2], ARGV[3])
 return 1
 """
 
+# The letter of one entry on a Redis Cluster, where the dead stream and the request stream lie
+# in different slots: written only if the entry's marker (in the dead stream's slot) is new,
+# so a worker that died before its acknowledgement, or a call sent again after a lost reply,
+# writes no second letter. KEYS: the dead stream, the marker. ARGV: letter, maxlen, TTL.
+CLUSTER_DEAD_LETTER_SCRIPT = """
+if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[3]) then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'msg', ARGV[1])
+return 1
+"""
+
 # Errors that mean "Redis is unreachable right now": back off and retry, never give up.
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, *TRANSIENT_CLUSTER_ERRORS)
 
 
 class Ownership(str, enum.Enum):
@@ -224,6 +234,7 @@ class RequestStream:
         self._write = redis.register_script(WRITE_SCRIPT)
         self._ack = redis.register_script(ACK_SCRIPT)
         self._dead_letter = redis.register_script(DEAD_LETTER_SCRIPT)
+        self._cluster_dead_letter = redis.register_script(CLUSTER_DEAD_LETTER_SCRIPT)
 
     async def ensure_group(self, stream: str = "") -> None:
         """Create ``stream`` ("" is the shared one) and its group if missing (e.g. Redis
@@ -396,9 +407,9 @@ class RequestStream:
         """Move ``entry`` to the dead stream and acknowledge it (its error event, if any, is
         already written: a redelivery finds it and writes no second one). On a single Redis
         one atomic call (``DEAD_LETTER_SCRIPT``): one letter per entry, however often it is
-        sent or redelivered. In a Redis Cluster two calls, the letter first: a worker that
-        dies between them leaves its entry to be dead-lettered again (a second letter, never
-        none)."""
+        sent or redelivered. In a Redis Cluster two calls, the letter first (written once per
+        entry: ``CLUSTER_DEAD_LETTER_SCRIPT``), then the acknowledgement: a worker that dies
+        between them leaves its entry to be acknowledged by the next, with no second letter."""
         payload = protocol.encode(letter)
         if not self.cluster:
             await self._dead_letter(
@@ -407,11 +418,10 @@ class RequestStream:
                       protocol.DEAD_MAXLEN],
             )  # fmt: skip
             return
-        await self.redis.xadd(
-            self.keys.dead,
-            {protocol.PAYLOAD_FIELD: payload},
-            maxlen=protocol.DEAD_MAXLEN,
-            approximate=True,
+        stream = self.key(entry.stream)
+        await self._cluster_dead_letter(
+            keys=[self.keys.dead, self.keys.lettered(stream, entry.entry_id)],
+            args=[payload, protocol.DEAD_MAXLEN, protocol.CLAIM_TTL_S],
         )
         await self.ack([entry.entry_id], entry.stream)
 

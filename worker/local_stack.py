@@ -31,6 +31,8 @@ from worker.errors import CommandError
 WORKER_START_TIMEOUT_S = 300.0  # loading a model, profiling memory, capturing graphs
 GATEWAY_START_TIMEOUT_S = 30.0  # the gateway imports no torch: it answers within seconds
 REDIS_START_TIMEOUT_S = 10.0
+CLUSTER_CONFIG_FILE = "nodes.conf"  # a cluster node's own record of the cluster, in its --dir
+CLUSTER_NODE_TIMEOUT_MS = 5000  # a primary unreachable this long is marked failed
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # The `pagestream` program, run by module so it needs no installed console script. A process
 # boundary, not an import: the command package sits above the service and may import it.
@@ -54,7 +56,9 @@ def redis_server_binary() -> str:
 class RedisProcess:
     """One redis-server on a local port (``port``, else a free one) with its data in
     ``directory``; ``restart`` keeps the port and, with ``appendonly``, the data. A
-    ``supervised`` server is stopped by its owner only (see :func:`supervised_options`)."""
+    ``supervised`` server is stopped by its owner only (see :func:`supervised_options`).
+    A ``cluster_node`` runs with ``--cluster-enabled yes`` (its ``nodes.conf`` in
+    ``directory``), one of the primaries of ``worker.local_cluster.RedisClusterProcess``."""
 
     def __init__(
         self,
@@ -64,12 +68,14 @@ class RedisProcess:
         appendonly: bool = False,
         appendfsync: str = "everysec",
         supervised: bool = False,
+        cluster_node: bool = False,
     ) -> None:
         self.directory = directory
         self.port = port or free_port()
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.supervised = supervised
+        self.cluster_node = cluster_node
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -84,6 +90,9 @@ class RedisProcess:
                 "--dir", str(self.directory), "--save", "",
                 "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", self.appendfsync]  # fmt: skip
+        if self.cluster_node:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", CLUSTER_CONFIG_FILE,
+                     "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS)]  # fmt: skip
         options = supervised_options() if self.supervised else {}
         process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **options
@@ -128,7 +137,8 @@ def embedded_redis() -> Iterator[str]:
 
 
 class WorkerProcess:
-    """``pagestream worker --redis-url URL --name NAME FLAGS`` as a subprocess."""
+    """``pagestream worker --redis-url URL --name NAME FLAGS`` as a subprocess; with
+    ``cluster``, ``--redis-cluster on`` (``redis_url`` names a node of a Redis Cluster)."""
 
     def __init__(
         self,
@@ -139,12 +149,14 @@ class WorkerProcess:
         name: str,
         supervised: bool = False,
         env: Mapping[str, str] | None = None,
+        cluster: bool = False,
     ) -> None:
         self.redis_url = redis_url
         self.prefix = prefix
         self.name = name
+        self.cluster = cluster
         self.command = [*PAGESTREAM, "worker", "--redis-url", redis_url,
-                        "--prefix", prefix, "--name", name, *flags]  # fmt: skip
+                        "--prefix", prefix, "--name", name, *cluster_flags(cluster), *flags]  # fmt: skip
         self.supervised = supervised
         self.env = dict(env or {})  # on top of this process's environment
         self.process: subprocess.Popen[bytes] | None = None
@@ -169,7 +181,11 @@ class WorkerProcess:
         process = self.process
         assert process is not None, "launch() first"
         heartbeat = Keys(self.prefix).worker(self.name)
-        client = redis.Redis.from_url(self.redis_url)
+        client: Any = (
+            redis.RedisCluster.from_url(self.redis_url)
+            if self.cluster
+            else redis.Redis.from_url(self.redis_url)
+        )
 
         def ready() -> bool:
             if process.poll() is not None:
@@ -207,7 +223,8 @@ class WorkerProcess:
 
 
 class GatewayProcess:
-    """``pagestream gateway --redis-url URL --port PORT FLAGS`` as a subprocess (on 127.0.0.1)."""
+    """``pagestream gateway --redis-url URL --port PORT FLAGS`` as a subprocess (on 127.0.0.1);
+    with ``cluster``, ``--redis-cluster on``."""
 
     def __init__(
         self,
@@ -217,10 +234,12 @@ class GatewayProcess:
         port: int,
         flags: tuple[str, ...] = (),
         supervised: bool = False,
+        cluster: bool = False,
     ) -> None:
         self.port = port
-        self.command = [*PAGESTREAM, "gateway", "--redis-url", redis_url,
-                        "--prefix", prefix, "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+        self.command = [*PAGESTREAM, "gateway", "--redis-url", redis_url, "--prefix", prefix,
+                        "--host", "127.0.0.1", "--port", str(port), *cluster_flags(cluster),
+                        *flags]  # fmt: skip
         self.supervised = supervised
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -297,6 +316,11 @@ def running_workers(workers: list[WorkerProcess], *, one_at_a_time: bool) -> Ite
             worker.terminate()
         for worker in launched:
             worker.stop()
+
+
+def cluster_flags(cluster: bool) -> list[str]:
+    """``--redis-cluster on`` for a process of a deployment on a Redis Cluster, else nothing."""
+    return ["--redis-cluster", "on"] if cluster else []
 
 
 def supervised_options() -> dict[str, Any]:

@@ -3,11 +3,13 @@ its summary table, printed in the terminal summary so it shows without ``-s``.""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
 
 SUMMARY_KEY = pytest.StashKey[list[tuple[str, str]]]()
+CLUSTER_ENV = "PAGESTREAM_CHAOS_CLUSTER"
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class ChaosSettings:
     num_duplicates: int
     max_tokens: int
     routing: bool = False  # workers --routing on, clients routing=True, sessions pinned
+    cluster: bool = False  # a 3-primary Redis Cluster, 3 request shards (tests/chaos/target.py)
 
     def __post_init__(self) -> None:
         if min(self.num_requests, self.max_tokens) < 1 or self.num_duplicates > self.num_requests:
@@ -43,6 +46,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="with prefix-aware routing: workers --routing on, routing clients, good requests "
         "pinned to 16 sessions (docs/routing.md)",
     )
+    group.addoption(
+        "--chaos-cluster",
+        action="store_true",
+        default=os.environ.get(CLUSTER_ENV, "") == "1",
+        help="on a 3-primary Redis Cluster: workers and clients with --redis-cluster on and 3 "
+        f"shards; a primary is killed instead of the one Redis (also {CLUSTER_ENV}=1)",
+    )
 
 
 @pytest.fixture
@@ -55,6 +65,7 @@ def chaos_settings(request: pytest.FixtureRequest) -> ChaosSettings:
         num_duplicates=option("--chaos-duplicates"),
         max_tokens=option("--chaos-max-tokens"),
         routing=option("--chaos-routing"),
+        cluster=option("--chaos-cluster"),
     )
 
 

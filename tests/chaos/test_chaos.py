@@ -5,7 +5,9 @@ with ``kill -9`` and restarted on its AOF (``appendfsync always``), hostile entr
 interleaved, requests are cancelled mid stream and ids are submitted twice. Afterwards every
 good request finished exactly once with the greedy answer, every hostile one has its dead
 letter (and its error event where its id is readable), the workers live, and every out
-stream has a TTL. ``--chaos-*`` options set the sizes (see tests/chaos/plugin.py).
+stream has a TTL. ``--chaos-*`` options set the sizes (see tests/chaos/plugin.py);
+``--chaos-cluster`` runs it all on a 3-primary Redis Cluster with 3 shards, one primary
+killed (tests/chaos/target.py).
 """
 
 from __future__ import annotations
@@ -19,18 +21,18 @@ from typing import Any
 
 import pytest
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from clients import AsyncClient, Completion, FinishReason, protocol
+from clients.reader import REDIS_ERRORS
+from commands import main
 from engine import LLM, SamplingParams
 from tests.chaos.hostile import hostile_entry, invalid_reuse
 from tests.chaos.plugin import ChaosSettings
-from tests.redis_server import RedisServer
+from tests.chaos.target import ChaosRedis
 from tests.service_fixtures import spawn_worker
-from tests.test_worker_process import START_TIMEOUT_S, healthy, prompts, wait_until
+from tests.test_worker_process import START_TIMEOUT_S, prompts, wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
-KEYS = protocol.Keys()
 CANCEL_TOKENS = 120  # long enough that a cancel lands mid stream
 WORKER_FLAGS = ("--max-in-flight", "48", "--max-output-tokens", "128", "--max-seqs", "48")
 
@@ -40,7 +42,7 @@ async def retry_redis(operation: Any) -> Any:
     for _ in range(200):
         try:
             return await operation()
-        except (RedisConnectionError, OSError):
+        except REDIS_ERRORS:  # a cluster's CLUSTERDOWN and TRYAGAIN too
             await asyncio.sleep(0.1)
     raise AssertionError("redis did not come back")
 
@@ -70,37 +72,42 @@ async def cancelled_request(client: AsyncClient, rid: str, text: str) -> Complet
     return completion
 
 
-def num_streaming(server: RedisServer, consumer: str) -> int:
+def healthy(target: ChaosRedis, name: str, max_age_s: float = 5.0) -> bool:
+    args = ["health", *target.health_flags(), "--name", name, "--max-age-s", str(max_age_s)]
+    return main(args) == 0
+
+
+def num_streaming(target: ChaosRedis, consumer: str) -> int:
     """Entries pending under ``consumer`` whose request has events (hostile ones may lack ``msg``),
-    in the shared stream and (with routing) the consumer's own."""
-    r = server.client()
+    in every shard and (with routing) the consumer's own stream."""
+    r, keys = target.client(), target.keys
     try:
         count = 0
-        for stream in (KEYS.requests, KEYS.routed(consumer)):
+        for stream in (*keys.shards, keys.routed(consumer)):
             if not r.exists(stream):
                 continue
-            rows = r.xpending_range(stream, KEYS.group, "-", "+", 1000, consumername=consumer)
+            rows = r.xpending_range(stream, keys.group, "-", "+", 1000, consumername=consumer)
             for row in rows:
                 entries = r.xrange(stream, row["message_id"], row["message_id"])
                 payload = entries[0][1].get(b"msg", b"") if entries else b""
                 request_id = protocol.peek_request_id(payload)
-                count += bool(request_id and r.xlen(KEYS.out(request_id)))
+                count += bool(request_id and r.xlen(keys.out(request_id)))
         return count
     finally:
         r.close()
 
 
-def all_served(r: redis.Redis) -> bool:
-    """The shared stream and every routed one: empty, nothing pending."""
-    streams = [KEYS.requests, *(KEYS.routed(n.decode()) for n in r.smembers(KEYS.routed_workers))]
+def all_served(r: redis.Redis, keys: protocol.Keys) -> bool:
+    """Every shard and every routed stream: empty, nothing pending."""
+    routed = (keys.routed(name.decode()) for name in r.smembers(keys.routed_workers))
     return all(
-        r.xlen(s) == 0 and (not r.exists(s) or r.xpending(s, KEYS.group)["pending"] == 0)
-        for s in streams
+        r.xlen(s) == 0 and (not r.exists(s) or r.xpending(s, keys.group)["pending"] == 0)
+        for s in (*keys.shards, *routed)
     )
 
 
-def events_of(r: redis.Redis, rid: str) -> list[Any]:
-    return [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(KEYS.out(rid))]
+def events_of(r: redis.Redis, keys: protocol.Keys, rid: str) -> list[Any]:
+    return [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(keys.out(rid))]
 
 
 def check_usage(completions: list[Completion]) -> None:
@@ -110,40 +117,33 @@ def check_usage(completions: list[Completion]) -> None:
         assert completion.usage.completion_tokens == len(completion.token_ids), completion
 
 
-def kill_redis(server: RedisServer) -> None:
-    assert server.process is not None
-    server.process.send_signal(signal.SIGKILL)
-    server.process.wait()
-    server.process = None
-    time.sleep(0.5)
-    server.start()  # same port, same data dir: the AOF brings everything back
-
-
 def test_chaos_under_load(
-    redis_server: RedisServer, text_model_dir: Path, tmp_path: Path,
+    chaos_redis: ChaosRedis, text_model_dir: Path, tmp_path: Path,
     chaos_settings: ChaosSettings, chaos_summary: list[tuple[str, str]],
 ) -> None:  # fmt: skip
-    cfg = chaos_settings
+    cfg, target, keys = chaos_settings, chaos_redis, chaos_redis.keys
     started_s = time.monotonic()
     texts = prompts(cfg.num_requests, seed=11)
     greedy = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
     reference = LLM(str(text_model_dir), device="cpu").generate(texts, greedy, use_tqdm=False)
-    flags = (*WORKER_FLAGS, "--routing", "on") if cfg.routing else WORKER_FLAGS
-    workers = {n: spawn_worker(text_model_dir, redis_server, n, tmp_path, *flags) for n in "AB"}
+    flags = (*WORKER_FLAGS, *target.worker_flags, *(("--routing", "on") if cfg.routing else ()))
+    workers = {n: spawn_worker(text_model_dir, target, n, tmp_path, *flags) for n in "AB"}
     rng = random.Random(5)
     hostile = [hostile_entry(i, rng) for i in range(cfg.num_hostile)]
     hostile_entry_ids: list[str] = []
     faults: list[str] = []
     try:
         wait_until(
-            lambda: healthy(redis_server, "A") and healthy(redis_server, "B"),
+            lambda: healthy(target, "A") and healthy(target, "B"),
             START_TIMEOUT_S,
             "workers",
         )
-        raw = redis_server.client()
+        raw = target.client()
 
         async def load() -> tuple[list[Completion], list[Completion]]:
-            async with AsyncClient(redis_server.url, routing=cfg.routing) as client:
+            async with AsyncClient(
+                target.url, routing=cfg.routing, **target.client_options
+            ) as client:
                 good = [asyncio.create_task(good_request(
                             client, f"good-{i}", t, cfg.max_tokens,
                             f"s{i % NUM_SESSIONS}" if cfg.routing else None))
@@ -152,15 +152,16 @@ def test_chaos_under_load(
                            for i, t in enumerate(prompts(cfg.num_cancels, seed=12))]  # fmt: skip
 
                 async def write_hostile() -> None:  # interleaved with the good ones
-                    for fields, _ in hostile:
-                        entry_id = await asyncio.to_thread(raw.xadd, KEYS.requests, fields)
+                    for i, (fields, _) in enumerate(hostile):  # on every shard in turn
+                        shard = keys.shards[i % len(keys.shards)]
+                        entry_id = await asyncio.to_thread(raw.xadd, shard, fields)
                         hostile_entry_ids.append(entry_id.decode())
 
                 writing = asyncio.create_task(write_hostile())
                 # A is killed while it streams (watched from the start: a fast machine may
                 # serve every short request while the hostile entries are still being written)
                 await asyncio.to_thread(
-                    wait_until, lambda: num_streaming(redis_server, "A") > 0, 120, "A streaming"
+                    wait_until, lambda: num_streaming(target, "A") > 0, 120, "A streaming"
                 )
                 workers["A"].send_signal(signal.SIGKILL)
                 faults.append("worker A SIGKILLed")
@@ -176,23 +177,24 @@ def test_chaos_under_load(
                     )
                 for i in range(cfg.num_duplicates):  # invalid, reusing an id that may run
                     fields = invalid_reuse(f"good-{i}")
-                    entry_id = await asyncio.to_thread(raw.xadd, KEYS.requests, fields)
+                    shard = keys.shard_for(f"good-{i}")  # where that id's own entry went
+                    entry_id = await asyncio.to_thread(raw.xadd, shard, fields)
                     hostile_entry_ids.append(entry_id.decode())
                 await writing
-                await asyncio.to_thread(kill_redis, redis_server)
-                faults.append("redis kill -9 + restart (AOF)")
-                workers["A2"] = spawn_worker(text_model_dir, redis_server, "A2", tmp_path, *flags)
+                faults.append(await asyncio.to_thread(target.kill_and_restart))
+                workers["A2"] = spawn_worker(text_model_dir, target, "A2", tmp_path, *flags)
                 return await asyncio.gather(*good), await asyncio.gather(*cancels)
 
         good, cancelled = asyncio.run(load())
-        raw = redis_server.client()
+        raw.close()
+        raw = target.client()
         # every good request: the greedy answer, exactly one terminal event
         for completion, ref in zip(good, reference, strict=True):
             assert completion.finish_reason is FinishReason.LENGTH, completion.request_id
             assert completion.token_ids == ref.token_ids and completion.text == ref.text
         terminals = {
             c.request_id: sum(
-                isinstance(e, protocol.TERMINAL_EVENTS) for e in events_of(raw, c.request_id)
+                isinstance(e, protocol.TERMINAL_EVENTS) for e in events_of(raw, keys, c.request_id)
             )
             for c in good + cancelled
         }
@@ -208,27 +210,26 @@ def test_chaos_under_load(
         )
         # hostile entries may still be on their way (one held by the killed worker waits for
         # its lease to expire): wait until every entry is served
-        wait_until(lambda: all_served(raw), 60, "every entry served")
+        wait_until(lambda: all_served(raw, keys), 60, "every entry served")
         # hostile: each dead-lettered, with its error event when its id is readable
         letters = [
-            protocol.decode_struct(f[b"msg"], protocol.DeadLetter) for _, f in raw.xrange(KEYS.dead)
+            protocol.decode_struct(f[b"msg"], protocol.DeadLetter) for _, f in raw.xrange(keys.dead)
         ]
         assert sorted(x.entry_id for x in letters) == sorted(hostile_entry_ids)
         for _fields, rid in hostile:
             if rid is not None:
-                (event,) = events_of(raw, rid)
+                (event,) = events_of(raw, keys, rid)
                 assert isinstance(event, protocol.ErrorEvent), rid
         # nothing left behind; workers alive; every out stream expires
-        assert all_served(raw)
+        assert all_served(raw, keys)
         wait_until(
-            lambda: healthy(redis_server, "B") and healthy(redis_server, "A2"),
+            lambda: healthy(target, "B") and healthy(target, "A2"),
             START_TIMEOUT_S,
             "B and A2",
         )
         assert workers["B"].poll() is None and workers["A2"].poll() is None
-        ttls = [raw.ttl(key) for key in raw.scan_iter(match=KEYS.out("*"), count=1000)]
+        ttls = [raw.ttl(key) for key in raw.scan_iter(match=keys.out("*"), count=1000)]
         assert ttls and min(ttls) > 0
-        memory = raw.info("memory")
         restarts = sum(c.num_restarts for c in good + cancelled)
         num_cancelled = reasons.count(FinishReason.CANCELLED)
         num_error_events = sum(rid is not None for _, rid in hostile)
@@ -241,7 +242,8 @@ def test_chaos_under_load(
             ("faults", "; ".join(faults)),
             ("restarts seen by clients", str(restarts)),
             ("out streams, all with a TTL", str(len(ttls))),
-            ("redis used_memory / peak", f"{memory['used_memory_human']} / {memory['used_memory_peak_human']}"),
+            ("redis", f"{len(keys.shards)}-primary cluster, {len(keys.shards)} shards" if target.cluster else "one server"),
+            ("redis used_memory / peak", target.memory()),
             ("wall time", f"{time.monotonic() - started_s:.0f} s"),
         ])  # fmt: skip
         raw.close()
