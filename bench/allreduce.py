@@ -161,8 +161,14 @@ def run(world: int, sizes: list[int] | None = None) -> dict[str, Any]:
     """Every path at every size (bf16 element counts; default ``message_sizes()``) on GPUs
     0..world-1: the record."""
     rows = spawn_ranks(world, functools.partial(_measure_sums, sizes or message_sizes()))
+    return graphs_record("allreduce", world, rows) | {"suggested_bands": suggested_bands(rows)}
+
+
+def graphs_record(kind: str, world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A record of bf16 collectives timed in CUDA graphs on ``world`` GPUs: ``results`` with the
+    machine and the settings they ran under."""
     return {
-        "kind": "allreduce",
+        "kind": kind,
         "created_utc": utc_now(),
         "machine": machine_info("cuda"),
         "settings": {
@@ -172,8 +178,7 @@ def run(world: int, sizes: list[int] | None = None) -> dict[str, Any]:
             "replays": REPLAYS,
             "env": {name: os.environ.get(name, value) for name, value in NO_MULTICAST_ENV.items()},
         },
-        "results": rows,
-        "suggested_bands": suggested_bands(rows),
+        "results": results,
     }
 
 

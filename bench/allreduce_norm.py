@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.allreduce import CALLS_PER_GRAPH, REPLAYS, replay_us, spawn_ranks
-from bench.records import machine_info, save, utc_now
-from engine.distributed.group import NO_MULTICAST_ENV
+from bench.allreduce import CALLS_PER_GRAPH, graphs_record, replay_us, spawn_ranks
+from bench.records import save
 from engine.distributed.peer_allreduce import PeerAllReduce
 from engine.distributed.peer_norm import FUSED_SLOT_BYTES
 
@@ -128,19 +126,8 @@ def fused_speedups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(world: int, sizes: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """Every path at every shape (default ``shapes()``) on GPUs 0..world-1: the record."""
     results = spawn_ranks(world, functools.partial(_measure, sizes or shapes()))
-    return {
-        "kind": "allreduce-norm",
-        "created_utc": utc_now(),
-        "machine": machine_info("cuda"),
-        "settings": {
-            "world_size": world,
-            "dtype": "bfloat16",
-            "calls_per_graph": CALLS_PER_GRAPH,
-            "replays": REPLAYS,
-            "env": {name: os.environ.get(name, value) for name, value in NO_MULTICAST_ENV.items()},
-        },
-        "results": results,
-        "fused_speedups": fused_speedups(results),
+    return graphs_record("allreduce-norm", world, results) | {
+        "fused_speedups": fused_speedups(results)
     }
 
 
