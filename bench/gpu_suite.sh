@@ -161,7 +161,10 @@ allreduce() {  # two GPUs: NCCL against the peer-buffer sums, by message size
 
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
     log gpu tests, tensor parallel
-    python -m pytest -q -x -p no:cacheprovider tests/test_gpu_tensor_parallel.py || return 1
+    # a stuck test is dumped by a watchdog thread (the main thread may wait inside NCCL, where
+    # a signal handler never runs), and its rank processes killed with it
+    python -m pytest -q -x -p no:cacheprovider --timeout 240 --timeout-method thread \
+        tests/test_gpu_tensor_parallel.py || { pkill -9 -f multiprocessing.spawn; return 1; }
     log latency llama3-8b on one GPU, on two with NCCL only, on two, unfused norm: tp-scaling-CARD.json
     local latency=("${PS[@]}" bench latency --batch-sizes 1,8,64 --max-model-len 4096 --no-progress)
     "${latency[@]}" --model dummy:llama3-8b --output-json "$OUT/latency-llama3-8b-tp1.json"
