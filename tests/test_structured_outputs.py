@@ -371,6 +371,7 @@ def test_reused_host_buffers_give_the_masks_of_fresh_ones(llm: LLM) -> None:
     from engine.structured.masks import GrammarMasks, MaskedRow
 
     grammars, tokenizer = llm.engine.grammars, llm.engine.tokenizer
+    assert tokenizer is not None
     vocab_size = llm.engine.loaded.arch.vocab_size
     prefixes = ["", '{"name":"', '{"name":"ab","age":1', '{"name":"a","age":2,"tags":["']
     matchers = []
