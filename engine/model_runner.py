@@ -123,13 +123,15 @@ class ModelRunner:
             return launched  # only partial prefill chunks
         launched.unsampled_logits = logits
         if has_grammar(entries) or has_grammar(inputs.draft_entries):
-            return launched  # the engine calls sample_constrained (the forward runs meanwhile)
+            return launched  # sampled once its masks are filled (sample_constrained)
         self._sample(launched)
         return launched
 
     def start_mask_fill(self, launched: LaunchedStep) -> None:
         """Begin filling the bitmasks of a launched step with grammars on another thread, once
-        each grammar has taken every token before this step; ``sample_constrained`` waits."""
+        each grammar has taken every token before this step; ``sample_constrained`` waits
+        (called by the next ``launch`` with this step as ``previous``, or before its picks are
+        resolved)."""
         self.grammar_masks.start(launched.sampling_entries, launched.draft_entries)
 
     @torch.inference_mode()
@@ -234,6 +236,10 @@ class ModelRunner:
     ) -> ModelInputs:
         host = HostBatch.of(batch, self.block_size)
         inputs = self._device_inputs(host.inputs, host.sampling_entries, host.draft_entries)
+        if previous is not None and previous.unsampled_logits is not None:
+            # a constrained step's sampling, deferred to here: its masks filled beside this
+            # step's scheduling and inputs, and it is queued before this step's forward
+            self.sample_constrained(previous)
         if host.pending:
             self._fill_pending(inputs.input_ids, host.pending, previous)
         return inputs

@@ -363,3 +363,46 @@ def test_many_rows_take_their_tokens_together_as_one_by_one(
     assert pooled == [out.text for out in llm.generate(prompts, sampling, use_tqdm=False)]
     for text in pooled:
         check_json(text)
+
+
+def test_reused_host_buffers_give_the_masks_of_fresh_ones(llm: LLM) -> None:
+    """A GrammarMasks keeps its host buffers from step to step (two in turn, grown as needed):
+    across growing and shrinking row counts, with drafts, its masks are those of a fresh one."""
+    from engine.structured.masks import GrammarMasks, MaskedRow
+
+    grammars, tokenizer = llm.engine.grammars, llm.engine.tokenizer
+    assert tokenizer is not None
+    vocab_size = llm.engine.loaded.arch.vocab_size
+    prefixes = ["", '{"name":"', '{"name":"ab","age":1', '{"name":"a","age":2,"tags":["']
+    matchers = []
+    for prefix in prefixes * 20:
+        grammar = grammars.matcher_for(structured(json_schema=SCHEMA))
+        for token in tokenizer.encode(prefix, add_special_tokens=False):
+            assert grammar.accept(token)
+        matchers.append(grammar)
+    drafts = tokenizer.encode('{"name":"', add_special_tokens=False)
+    reused = GrammarMasks(vocab_size, torch.device("cpu"), num_threads=2)
+    for num_rows in (3, 80, 5, 70, 1):  # past the first buffers' 64 masks, and back
+        rows = [MaskedRow(2 * i, matchers[i], []) for i in range(num_rows)]
+        rows.append(MaskedRow(2 * num_rows, matchers[0], drafts))  # at the start: drafts fit
+        bitmask, row_index = reused.fill(rows)
+        expected, expected_index = GrammarMasks(vocab_size, torch.device("cpu")).fill(rows)
+        assert torch.equal(row_index, expected_index) and torch.equal(bitmask, expected)
+        assert len(row_index) == num_rows + len(drafts) + 1
+        logits = torch.zeros(num_rows, vocab_size)  # the same steps through apply
+        fresh_logits = logits.clone()
+        entries = _entries_of(rows[:-1])  # sampling row i: matchers[i]
+        reused.apply(logits, entries, [])
+        GrammarMasks(vocab_size, torch.device("cpu")).apply(fresh_logits, entries, [])
+        assert torch.equal(logits, fresh_logits) and logits.isinf().any()
+
+
+def _entries_of(rows: list[Any]) -> list[Any]:
+    """Sampling entries whose sequences hold ``rows``' grammars, one row each, in order."""
+    from engine.scheduler import ScheduledSeq
+    from engine.sequence import Sequence
+
+    return [
+        ScheduledSeq(Sequence(f"r{i}", [1], SamplingParams(), 0.0, grammar=row.grammar), 1)
+        for i, row in enumerate(rows)
+    ]
