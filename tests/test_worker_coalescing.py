@@ -67,6 +67,9 @@ def test_outputs_with_logprobs_stay_one_event_per_step() -> None:
     assert coalesce(outputs) == outputs
 
 
+FIRST_EVENT_MAX_TOKENS = 8  # far below the 0.5 s stall's merge, which takes dozens
+
+
 def test_tokens_that_waited_for_a_stalled_redis_go_out_as_one_event(
     start_worker: Any, redis_server: RedisServer
 ) -> None:
@@ -86,7 +89,9 @@ def test_tokens_that_waited_for_a_stalled_redis_go_out_as_one_event(
         stalling.close()
         completion = client.result(request_id, timeout_s=60)
     tokens = [e for e in [first, *rest] if isinstance(e, TokenEvent)]
-    assert isinstance(first, TokenEvent) and len(first.token_ids) == 1  # the first at once
+    # the first goes out at once: one token, or the few that were ready when the write ran if
+    # other work on this machine (a parallel test process) kept the writer from running first
+    assert isinstance(first, TokenEvent) and len(first.token_ids) <= FIRST_EVENT_MAX_TOKENS
     assert [e.seq for e in tokens] == list(range(len(tokens)))
     assert max(len(e.token_ids) for e in tokens) > 1  # the stall's steps: one event
     assert len(tokens) < max_tokens
