@@ -184,6 +184,13 @@ class LLM:
                 encoded.append(self.engine.encode_prompt(**request))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(exc.field, f"request {index}: {exc.message}") from exc
+        # every sample's grammar matcher made at once on a pool of threads, not one by one below
+        self.engine.grammars.prebuild(
+            sampling.structured
+            for sampling in params
+            if sampling.structured is not None
+            for _ in range(sampling.num_samples)
+        )
         outputs = []
         for request, token_ids, sampling in zip(requests, encoded, params, strict=True):
             request_id = self.engine.add_request(prompt_token_ids=token_ids, sampling=sampling)

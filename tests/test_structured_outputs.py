@@ -338,6 +338,39 @@ def test_the_grammar_cache_drops_the_least_recently_used(llm: LLM) -> None:
     assert matcher.num_valid(digits) == len(digits)
 
 
+def test_prebuilt_matchers_are_handed_out_each_at_the_start_of_its_grammar(llm: LLM) -> None:
+    """``prebuild`` makes a batch's matchers on threads; ``matcher_for`` hands each out once,
+    independent of the others, then compiles again; an uncompilable constraint is left to
+    ``matcher_for`` to refuse."""
+    from engine.structured.grammars import GrammarCompiler
+
+    engine = llm.engine
+    compiler = GrammarCompiler(
+        engine.tokenizer, engine.loaded.arch.vocab_size, engine.eos_token_ids
+    )
+    digits, bad = structured(regex="[0-9]{3}"), structured(regex="(unclosed")
+    compiler.prebuild([digits, digits, digits, bad])
+    assert compiler.num_compiled == 1  # the grammar text, made once
+    matchers = [compiler.matcher_for(digits) for _ in range(3)]
+    assert len({id(m.matcher) for m in matchers}) == 3
+    tokens = engine.tokenizer.encode("123", add_special_tokens=False)
+    assert all(matchers[0].accept(token) for token in tokens)  # the others stay at the start
+    assert all(matcher.num_valid(tokens) == len(tokens) for matcher in matchers[1:])
+    assert compiler.num_prebuilt == 0
+    compiler.matcher_for(digits)  # the pool is empty: a new one, from the cached grammar text
+    assert compiler.num_compiled == 1
+    with pytest.raises(InvalidRequestError):
+        compiler.matcher_for(bad)
+
+
+def test_a_batch_makes_its_matchers_ahead_and_every_output_is_valid(llm: LLM) -> None:
+    grammars = llm.engine.grammars
+    kind = structured(regex="[a-z]{2}[0-9]{2}")
+    outs = llm.generate(["x", "y", "z"], params(kind, 3), use_tqdm=False)
+    assert all(re.fullmatch("[a-z]{2}[0-9]{2}", o.text) for o in outs)
+    assert grammars.num_prebuilt == 0  # all three handed out
+
+
 def test_many_rows_take_their_tokens_together_as_one_by_one(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
