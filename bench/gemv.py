@@ -79,7 +79,7 @@ INSTALL_MARGIN = 0.03  # a choice must beat the current one by this much (noise)
 def engine_default(linear: str, num_cols: int, size_k: int) -> GemvConfig | None:
     """What the engine runs ``linear`` on where the table says nothing (``None``: cuBLAS):
     the GEMV for o, down (the activation fused) and the LM head, cuBLAS for qkv and gate_up."""
-    from engine.models.llama import LAYER_GEMV_CONFIG
+    from engine.models.layers import LAYER_GEMV_CONFIG
 
     if linear in ("o", "down+silu"):
         return LAYER_GEMV_CONFIG
@@ -149,7 +149,7 @@ def _measure(
 
     reference = cublas().float()
     timings = {"cublas": _time_us(cublas)}
-    from engine.models.llama import LAYER_GEMV_CONFIG
+    from engine.models.layers import LAYER_GEMV_CONFIG
 
     for config in [*GRID, default_config(num_cols, size_k), LAYER_GEMV_CONFIG]:
         got = gemv(x, weight, silu_mul=silu_mul, config=config)

@@ -9,7 +9,7 @@ Two paths have no engine flag, being the defaults where they were measured faste
 bench builds an engine with one of them off beside the one that ships, each format:
 - ``producers``: the norms and SiLU round a quantized linear's input to int8 blocks
   themselves (kernels/elementwise/norm_triton.py, kernels/elementwise/activation_triton.py);
-  off, each linear launches the rounding kernel (``engine.models.llama.takes_int8_rows``
+  off, each linear launches the rounding kernel (``engine.models.layers.takes_int8_rows``
   patched out);
 - ``int8-mma``: q8_0 batches of ``INT8_MMA_ROWS`` on int8 tensor cores
   (kernels/linear/quant_mma_int8_triton.py); off, the float tensor-core kernel.
@@ -44,16 +44,16 @@ AGREEMENT_PROMPTS = 16
 @contextmanager
 def path_off(path: str) -> Iterator[None]:
     """While the block runs, engines are built without ``path`` (one of PATHS)."""
-    import engine.models.llama as llama
+    import engine.models.layers as layers
     import kernels.linear.quant_matmul_config as quant_config
 
     if path == "producers":
-        shipped = llama.takes_int8_rows
-        llama.takes_int8_rows = lambda x, linear: False
+        shipped = layers.takes_int8_rows
+        layers.takes_int8_rows = lambda x, linear: False
         try:
             yield
         finally:
-            llama.takes_int8_rows = shipped
+            layers.takes_int8_rows = shipped
     else:
         rows = dict(quant_config.INT8_MMA_ROWS)
         quant_config.INT8_MMA_ROWS.clear()

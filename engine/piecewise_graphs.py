@@ -31,7 +31,8 @@ import torch
 from engine.attention import AttentionMetadata, LayerCache
 from engine.cuda_graphs import capture_mode
 from engine.distributed.group import PartialSum
-from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.layers import DecoderLayer
+from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -8,21 +8,21 @@ from pathlib import Path
 
 import pytest
 
-import engine.models.llama as llama
+import engine.models.layers as layers
 import kernels.linear.quant_matmul_config as quant_matmul
 from bench import int8_paths
 
 
 def test_a_path_is_off_only_while_an_engine_is_built() -> None:
     shipped_rows = dict(quant_matmul.INT8_MMA_ROWS)
-    shipped_takes = llama.takes_int8_rows
+    shipped_takes = layers.takes_int8_rows
     with int8_paths.path_off("int8-mma"):
         assert quant_matmul.INT8_MMA_ROWS == {}
     assert shipped_rows == quant_matmul.INT8_MMA_ROWS
     with pytest.raises(RuntimeError), int8_paths.path_off("producers"):
-        assert llama.takes_int8_rows is not shipped_takes
+        assert layers.takes_int8_rows is not shipped_takes
         raise RuntimeError  # restored however the block ends
-    assert llama.takes_int8_rows is shipped_takes
+    assert layers.takes_int8_rows is shipped_takes
 
 
 def test_record_has_each_engine_and_the_ratios(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from bench.gemv import INSTALL_MARGIN, config_key, install_faster, parse_key
-from engine.models.llama import LAYER_GEMV_CONFIG
+from engine.models.layers import LAYER_GEMV_CONFIG
 from kernels.linear.gemv_triton import GemvConfig, default_config
 from kernels.linear.gemv_tuning import shape_key, tuned_config, tuned_for
 

@@ -16,7 +16,7 @@ from engine.attention.backend import LayerOps, TritonAttentionBackend
 from engine.distributed.group import TensorParallelGroup
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
-from engine.models.llama import DecoderLayer
+from engine.models.layers import DecoderLayer
 from engine.quant.linear import QuantizedLinear
 from kernels.elementwise.activation_triton import silu_and_mul, silu_and_mul_int8
 from kernels.elementwise.norm_triton import (

@@ -16,9 +16,9 @@ from engine.distributed.peer_allreduce import SizeTable, _fused_max_bytes
 from engine.distributed.peer_norm import FUSED_NORM_ENV, FUSED_SLOT_BYTES, fused_norm_requested
 from engine.errors import ConfigError
 from engine.loader.dummy import dummy_hf_config
-from engine.models import llama
+from engine.models import layers
 from engine.models.arch import ModelArch
-from engine.models.llama import DecoderLayer, RMSNorm
+from engine.models.layers import DecoderLayer, RMSNorm
 from tests.triton_interpret import DEVICE, import_kernels
 
 KERNELS = import_kernels(
@@ -119,7 +119,7 @@ def test_a_norm_that_rounds_to_int8_sums_first(monkeypatch: pytest.MonkeyPatch) 
         return x, residual
 
     norm.ops = dataclasses.replace(norm.ops, fused_add_rms_norm_int8=rounding)
-    monkeypatch.setattr(llama, "takes_int8_rows", lambda x, linear: True)
+    monkeypatch.setattr(layers, "takes_int8_rows", lambda x, linear: True)
     x = torch.randn(2, 64, device=DEVICE)
     partial = group.all_reduce_for_norm(x)
     assert isinstance(partial, PartialSum)

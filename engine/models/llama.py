@@ -6,9 +6,8 @@ are fused into one matmul each; weights are loaded from HF names into the fused 
 
 Under tensor parallelism each rank builds its shard (``ShardPlan``): its heads and MLP
 columns, its slice of the vocabulary; o_proj, down_proj and the embedding end in an
-all-reduce, and the logits are gathered so that every rank holds the whole row. Where o_proj's
-and down's sums can run in one kernel with the residual add and RMSNorm after them, the layer
-hands the norm this rank's share unsummed (``PartialSum``), and the norm sums it.
+all-reduce, and the logits are gathered so that every rank holds the whole row. The layers
+themselves are in ``engine.models.layers``.
 """
 
 from __future__ import annotations
@@ -21,290 +20,22 @@ from torch import nn
 from engine.attention import (
     AttentionBackend,
     AttentionMetadata,
-    HeadNorms,
     LayerCache,
-    LayerOps,
     RopeInputs,
 )
-from engine.distributed.group import PartialSum, TensorParallelGroup, summed
+from engine.distributed.group import PartialSum, TensorParallelGroup
 from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
+from engine.models.layers import DecoderLayer, RMSNorm, gemv_config
 from engine.models.moe import (
     Fp8StackedExperts,
-    SparseMoeBlock,
     expert_target,
     rename_moe_weight,
 )
 from engine.quant.linear import PackedWeight, QuantizedLinear
 from kernels.elementwise.rotary import rope_cos_sin_cache, rope_inv_freq
-from kernels.linear.gemv_triton import GemvConfig, default_config, gemv
-from kernels.linear.gemv_tuning import tuned_config
-from kernels.linear.int8_rows_triton import Int8Rows
-
-GEMV_MAX_ROWS = 1  # rows that take the Triton GEMV instead of cuBLAS (measured at one)
-GEMV_DTYPES = (torch.bfloat16, torch.float16)
-# o_proj's and down's GEMV launch shape (the LM head keeps gemv's default). H100, llama3-8b,
-# one row, weights not in L2: o_proj 13.9-14.8 us against cuBLAS's 16.0, down 42.3 against
-# 44.4 (and the activation kernel folds into it); the batch-1 decode step 6.26 -> 6.10 ms.
-LAYER_GEMV_CONFIG = GemvConfig(block_n=8, block_k=1024)
-
-
-def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
-    """Whether ``linear(x)`` streams through the GEMV: a decode row (at most GEMV_MAX_ROWS)
-    in bf16/fp16 on CUDA, and a plain linear without bias (quantized ones have their own)."""
-    return (
-        x.is_cuda
-        and x.shape[0] <= GEMV_MAX_ROWS
-        and isinstance(linear, nn.Linear)
-        and linear.bias is None
-        and linear.weight.dtype in GEMV_DTYPES
-    )
-
-
-def gemv_config(
-    x: torch.Tensor | Int8Rows, linear: nn.Module, silu_mul: bool, default: GemvConfig | None
-) -> GemvConfig | None:
-    """The GEMV launch shape that runs ``linear(x)`` (``silu_mul``: x is a gate_up row),
-    or None for cuBLAS: where ``x`` takes the GEMV at all, the tuned table's choice for this
-    GPU and shape (``bench.gemv --install``), else ``default``."""
-    if not (isinstance(x, torch.Tensor) and takes_gemv(x, linear)):
-        return None
-    weight = linear.weight
-    assert isinstance(weight, torch.Tensor)
-    return tuned_config(weight, x.shape[0], silu_mul, default)
-
-
-def input_linear(x: torch.Tensor | Int8Rows, linear: nn.Module) -> torch.Tensor:
-    """``linear(x)`` for qkv and gate_up: cuBLAS, or the GEMV where ``bench.gemv --install``
-    measured a launch shape of it faster than cuBLAS on this GPU (one rank's shard of a
-    tensor-parallel layer is a narrower matrix, which cuBLAS streams less well)."""
-    config = gemv_config(x, linear, False, None)
-    if config is not None:
-        assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
-        return gemv(x, linear.weight, config=config)
-    result: torch.Tensor = linear(x)
-    return result
-
-
-def takes_int8_rows(x: torch.Tensor, linear: nn.Module) -> bool:
-    """Whether the kernel producing ``linear``'s input ``x`` should round it to int8 blocks
-    itself (where its kernel family has an int8 variant): a quantized linear that multiplies
-    these rows by an int8 kernel, which would otherwise launch a rounding kernel of its own
-    (the int8 GEMV: q4_0/q4_1 at 1-4 rows, q8_0 at 2-7; int8 tensor cores: q8_0 at 8-32)."""
-    return isinstance(linear, QuantizedLinear) and linear.takes_int8_rows(x)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops: LayerOps) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
-
-    def add_and_norm(
-        self,
-        x: torch.Tensor | PartialSum,  # [T, hidden]; a PartialSum is summed in the same kernel
-        residual: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(x, PartialSum):
-            return x.add_rms_norm(residual, self.weight, self.eps)
-        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-    def norm_for(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor | Int8Rows:
-        """``forward(x)``, rounded to int8 blocks where ``linear`` takes them."""
-        rounding = self.ops.rms_norm_int8
-        if rounding is not None and takes_int8_rows(x, linear):
-            return rounding(x, self.weight, self.eps)
-        return self.forward(x)
-
-    def add_and_norm_for(
-        self, x: torch.Tensor | PartialSum, residual: torch.Tensor, linear: nn.Module
-    ) -> tuple[torch.Tensor | Int8Rows, torch.Tensor]:
-        """``add_and_norm``, the normed rows rounded to int8 blocks where ``linear`` takes them
-        (after a sum of its own: the fused sum has no int8 variant)."""
-        rounding = self.ops.fused_add_rms_norm_int8
-        rows = x.local if isinstance(x, PartialSum) else x
-        if rounding is not None and takes_int8_rows(rows, linear):
-            return rounding(summed(x), residual, self.weight, self.eps)
-        return self.add_and_norm(x, residual)
-
-
-class Attention(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArch,  # this rank's shape: its heads
-        layer_index: int,
-        backend: AttentionBackend,
-        group: TensorParallelGroup,
-    ) -> None:
-        super().__init__()
-        self.layer_index = layer_index
-        self.group = group
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_heads,
-            arch.num_kv_heads,
-            arch.head_dim,
-        )
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, arch.o_bias)
-        # Qwen3's per-head norms: their weights load as any module's; attention applies them
-        # with rotary (``head_norms``), in the Triton backend's one kernel with the KV write
-        ops = backend.ops
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
-        self.scale = arch.head_dim**-0.5
-        self.sliding_window = arch.sliding_window
-        self.backend = backend
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        rope: RopeInputs,
-        kv_cache: LayerCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor | PartialSum:
-        q, k, v = self.project(x)
-        return self.output(self.attend(q, k, v, rope, kv_cache, meta).flatten(1))
-
-    def output(self, attn: torch.Tensor) -> torch.Tensor | PartialSum:  # [T, Hq * D] -> [T, H]
-        """o_proj, summed over the ranks' heads (or left for the norm after it to sum)."""
-        config = gemv_config(attn, self.o_proj, False, LAYER_GEMV_CONFIG)
-        if config is not None:  # None: cuBLAS (more rows, or measured faster on this GPU)
-            return self.group.all_reduce_for_norm(gemv(attn, self.o_proj.weight, config=config))
-        return self.group.all_reduce_for_norm(self.o_proj(attn))
-
-    def project(
-        self,
-        x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where qkv_proj takes int8 rows
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
-        """The new tokens' queries, keys and values, not yet normed (Qwen3) nor rotated:
-        attention does both to q and k, fused with the KV write (one kernel launch where the
-        two norms, rotary and the write were four)."""
-        num_tokens = x.shape[0]
-        q, k, v = input_linear(x, self.qkv_proj).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
-    def head_norms(self) -> HeadNorms | None:
-        """Qwen3's q_norm and k_norm, for attention to apply before rotary; None without."""
-        if self.q_norm is None or self.k_norm is None:
-            return None
-        return HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rope: RopeInputs,
-        kv_cache: LayerCache,
-        meta: AttentionMetadata,
-        out: torch.Tensor | None = None,  # [T, Hq, D]
-    ) -> torch.Tensor:  # [T, Hq, D]
-        """Norm (Qwen3) and rotate q and k, store the new K/V in the pages, attend each query
-        over its context."""
-        return self.backend.forward(
-            q, k, v, rope, kv_cache, meta, self.scale, self.sliding_window,
-            head_norms=self.head_norms(), out=out,
-        )  # fmt: skip
-
-
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: LayerOps, group: TensorParallelGroup) -> None:
-        super().__init__()
-        self.ops = ops
-        self.group = group
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
-
-    @property
-    def input_linear(self) -> nn.Module:
-        """The first linear to read the MLP's input (the norm rounds for it where it takes
-        int8 rows)."""
-        return self.gate_up_proj
-
-    def forward(
-        self,
-        x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where gate_up_proj takes int8 rows
-    ) -> torch.Tensor | PartialSum:  # [T, hidden], summed over the ranks or left to the norm
-        gate_up = input_linear(x, self.gate_up_proj)
-        rounding = self.ops.silu_and_mul_int8
-        config = gemv_config(gate_up, self.down_proj, True, LAYER_GEMV_CONFIG)
-        if config is not None:  # the activation in the GEMV's prologue
-            down = gemv(gate_up, self.down_proj.weight, silu_mul=True, config=config)
-        elif rounding is not None and takes_int8_rows(gate_up, self.down_proj):
-            down = self.down_proj(rounding(gate_up))  # the activation rounds for the int8 kernel
-        else:
-            down = self.down_proj(self.ops.silu_and_mul(gate_up))
-        return self.group.all_reduce_for_norm(down)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArch,
-        layer_index: int,
-        backend: AttentionBackend,
-        group: TensorParallelGroup,
-    ) -> None:
-        super().__init__()
-        ops = backend.ops
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, layer_index, backend, group)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp: MLP | SparseMoeBlock
-        if arch.moe is not None and arch.moe.is_sparse(layer_index):
-            self.mlp = SparseMoeBlock(arch, ops, group)
-        else:
-            self.mlp = MLP(arch, ops, group)
-
-    def forward(
-        self,
-        x: torch.Tensor | PartialSum,
-        residual: torch.Tensor | None,
-        rope: RopeInputs,
-        kv_cache: LayerCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor | PartialSum, torch.Tensor]:
-        q, k, v, residual = self.pre_attention(x, residual)
-        attn = self.self_attn.attend(q, k, v, rope, kv_cache, meta)
-        return self.post_attention(attn.flatten(1), residual)
-
-    # The two halves around attention: the parts a piecewise CUDA graph captures.
-
-    def pre_attention(
-        self,
-        x: torch.Tensor | PartialSum,  # [T, hidden]: the last layer's output, or the embeddings
-        residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
-        qkv_proj = self.self_attn.qkv_proj
-        normed: torch.Tensor | Int8Rows
-        if residual is None:  # the embeddings: summed by their own all-reduce
-            residual = summed(x)
-            normed = self.input_layernorm.norm_for(residual, qkv_proj)
-        else:
-            normed, residual = self.input_layernorm.add_and_norm_for(x, residual, qkv_proj)
-        return (*self.self_attn.project(normed), residual)
-
-    def post_attention(
-        self,
-        attn: torch.Tensor,  # [T, Hq * D]
-        residual: torch.Tensor,  # [T, hidden]
-    ) -> tuple[torch.Tensor | PartialSum, torch.Tensor]:  # the layer's output, the new residual
-        x, residual = self.post_attention_layernorm.add_and_norm_for(
-            self.self_attn.output(attn), residual, self.mlp.input_linear
-        )
-        return self.mlp(x), residual
+from kernels.linear.gemv_triton import default_config, gemv
 
 
 class VocabParallelEmbedding(nn.Module):
