@@ -24,7 +24,7 @@ from bench.peers import load_hf_model, run_hf_generate
 from bench.records import machine_info, speculative_counts, utc_now
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
-from engine.memory import release_device_memory
+from engine.memory import gc_frozen, release_device_memory
 from engine.models.arch import ModelArch
 from engine.sampling_params import SamplingParams
 
@@ -90,11 +90,12 @@ def _run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
     for index, prompt in enumerate(prompts):
         times[f"lat-{index}"] = []
         engine.add_request(f"lat-{index}", prompt_token_ids=prompt, sampling=sampling)
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now_s = time.perf_counter() - start_s
-        for out in outputs:
-            times[out.request_id] += [now_s] * len(out.new_token_ids)
+    with gc_frozen():  # as the worker's engine thread and LLM.generate run
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now_s = time.perf_counter() - start_s
+            for out in outputs:
+                times[out.request_id] += [now_s] * len(out.new_token_ids)
     return list(times.values())
 
 

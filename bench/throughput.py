@@ -27,6 +27,7 @@ from bench.workloads import (
 from engine.errors import ConfigError
 from engine.llm import LLM
 from engine.llm_engine import EngineStats, LLMEngine
+from engine.memory import gc_frozen
 from engine.sampling_params import SamplingParams
 from engine.step_profile import StepProfiler
 from engine.structured import StructuredOutputs
@@ -167,7 +168,10 @@ def _step_until_done(
     engine: LLMEngine, num_requests: int, start_s: float, use_tqdm: bool
 ) -> _Tally:
     tally = _Tally()
-    with tqdm(total=num_requests, disable=not use_tqdm, desc="throughput", unit="req") as bar:
+    with (
+        tqdm(total=num_requests, disable=not use_tqdm, desc="throughput", unit="req") as bar,
+        gc_frozen(),  # as the worker's engine thread and LLM.generate run
+    ):
         while engine.has_unfinished_requests():
             step_outputs = engine.step()
             now_s = time.perf_counter()

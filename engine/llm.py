@@ -13,6 +13,7 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import InvalidRequestError
 from engine.inputs import ChatTemplateOptions
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.memory import gc_frozen
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Usage
@@ -162,7 +163,10 @@ class LLM:
         outputs = self._add_all(requests, params)
         by_id = {out.request_id: out for out in outputs}
         start_s = time.perf_counter()
-        with tqdm(total=len(outputs), disable=not use_tqdm, desc="generate", unit="req") as bar:
+        with (
+            tqdm(total=len(outputs), disable=not use_tqdm, desc="generate", unit="req") as bar,
+            gc_frozen(),  # the engine's objects out of every full collection's walk
+        ):
             num_tokens = 0
             while self.engine.has_unfinished_requests():
                 for step_out in self.engine.step():

@@ -10,10 +10,11 @@ an error at start, never an out-of-memory error later.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ GIB = 1 << 30
 
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+GC_FREEZE_ENV = "PAGESTREAM_GC_FREEZE"  # 0: serving loops leave the garbage collector alone
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
@@ -41,6 +43,29 @@ def release_device_memory() -> None:
     gc.collect()  # engines hold reference cycles (graphs, runner, scheduler)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Keep the objects alive at the start of a serving loop out of the garbage collector's
+    reach until the loop ends (``gc.freeze``, as vLLM's engine process does).
+
+    An engine leaves some 300k objects that the collector tracks: the model's modules, the
+    tokenizer, Triton's kernels. Every full collection walks them all: 150 ms each on the
+    CPU, three of them in 1,500 steps of 256 rows of ``dummy:tiny``. Frozen, a full collection
+    walks only what the loop made, and the longest pause fell to 17 ms
+    (docs/performance.md#cpu). The objects go back at the end, so that an engine dropped
+    afterwards is collected as before. Inside a block that froze them already, nothing
+    changes. Nothing is frozen when ``PAGESTREAM_GC_FREEZE`` is 0.
+    """
+    if gc.get_freeze_count() or os.environ.get(GC_FREEZE_ENV, "1") == "0":
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def prefer_expandable_segments() -> None:

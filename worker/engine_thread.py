@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import EngineStats, LLMEngine, SamplingParams, StepOutput
+from engine.memory import gc_frozen
 
 logger = logging.getLogger("pagestream.worker.engine")
 
@@ -145,15 +146,8 @@ class EngineThread:
                 loop.call_soon_threadsafe(self._deliver, pending.pop())
 
         try:
-            while not self._stopping.is_set():
-                if not self.engine.has_unfinished_requests():
-                    hand_over()
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
-                    continue
-                outputs = self.engine.step(while_gpu_busy=hand_over)
-                hand_over()  # the step ran no forward (only swaps or finished requests)
-                pending.append(StepBatch(outputs, self.engine.stats()))
+            with gc_frozen():  # the engine's objects out of every full collection's walk
+                self._step_until_stopped(hand_over, pending)
         except BaseException as exc:
             logger.exception("engine step failed; the engine thread stops")
             hand_over()
@@ -161,6 +155,17 @@ class EngineThread:
         else:
             hand_over()
             loop.call_soon_threadsafe(self._set_stopped)
+
+    def _step_until_stopped(self, hand_over: Callable[[], None], pending: list[StepBatch]) -> None:
+        while not self._stopping.is_set():
+            if not self.engine.has_unfinished_requests():
+                hand_over()
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            outputs = self.engine.step(while_gpu_busy=hand_over)
+            hand_over()  # the step ran no forward (only swaps or finished requests)
+            pending.append(StepBatch(outputs, self.engine.stats()))
 
     def _deliver(self, batch: StepBatch) -> None:
         self.stats = batch.stats

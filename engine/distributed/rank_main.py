@@ -29,6 +29,7 @@ from engine.distributed.ranks import (
 )
 from engine.distributed.step_channel import StepChannel
 from engine.errors import PagestreamError
+from engine.memory import gc_frozen
 from engine.model_runner import ModelRunner
 from engine.runtime import setup_rank
 
@@ -45,11 +46,12 @@ def _watch_parent(parent_pid: int) -> None:
 
 def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> None:
     """Run every step rank 0 sends until it sends the stop message, ``None``."""
-    while True:
-        message = group.receive_step()
-        if message is None:
-            return
-        runner.run_peer_step(message)
+    with gc_frozen():  # the rank's model out of every full collection's walk
+        while True:
+            message = group.receive_step()
+            if message is None:
+                return
+            runner.run_peer_step(message)
 
 
 def leave_group(group: TensorParallelGroup, device: torch.device) -> None:
