@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from clients import Client, FinishReason, RestartEvent, TokenEvent, protocol
+from tests.gateway_fixtures import wait_for
 from tests.redis_server import RedisServer
 from tests.test_worker_delivery import GOOD, KEYS, dead_letters, ghost_reads, good, pack
 from worker.requests import DUPLICATE_NOTE
@@ -73,7 +74,10 @@ def test_an_invalid_entry_reusing_a_running_id_is_dead_lettered_without_touching
     assert kinds == {"TokenEvent", "DoneEvent"}
     assert completion.finish_reason is FinishReason.LENGTH
     assert completion.token_ids == reference.token_ids
-    assert r.xlen(KEYS.requests) == 0 and r.xpending(KEYS.requests, KEYS.group)["pending"] == 0
+    # acknowledged and deleted just after the terminal events the client saw
+    assert wait_for(
+        lambda: r.xlen(KEYS.requests) == 0 and r.xpending(KEYS.requests, KEYS.group)["pending"] == 0
+    )
     r.close()
 
 
