@@ -128,8 +128,15 @@ class GrammarCompiler:
             except InvalidRequestError:
                 return None
 
-        with ThreadPoolExecutor(min(MAX_PREBUILD_THREADS, len(todo))) as pool:
-            built = [result for result in pool.map(build, todo) if result is not None]
+        # one of each constraint here first: its grammar text made (and counted) once
+        firsts = {structured.cache_key: structured for structured in reversed(todo)}
+        built = [result for result in map(build, firsts.values()) if result is not None]
+        rest = list(todo)
+        for structured in firsts.values():
+            rest.remove(structured)
+        if rest:
+            with ThreadPoolExecutor(min(MAX_PREBUILD_THREADS, len(rest))) as pool:
+                built += [result for result in pool.map(build, rest) if result is not None]
         with self._lock:
             for key, matcher in built:
                 self._prebuilt.setdefault(key, deque()).append(matcher)
