@@ -113,10 +113,10 @@ def time_steps(masks: GrammarMasks, walk: Walk, num_steps: int) -> dict[str, Any
     """``num_steps`` engine steps: accept the previous step's tokens, then fill."""
     fill_ms, accept_ms = [], []
     for _ in range(num_steps):
-        accept_ms.append(_timed_ms(walk.accept))
+        accept_ms.append(timed_ms(walk.accept))
         rows = walk.rows()
-        fill_ms.append(_timed_ms(functools.partial(masks.fill, rows)))
-    return {"fill_ms": _summary(fill_ms), "accept_ms": _summary(accept_ms)}
+        fill_ms.append(timed_ms(functools.partial(masks.fill, rows)))
+    return {"fill_ms": summary_ms(fill_ms), "accept_ms": summary_ms(accept_ms)}
 
 
 def measure(
@@ -177,13 +177,15 @@ def run(
     }
 
 
-def _timed_ms(fn: Callable[[], Any]) -> float:
+def timed_ms(fn: Callable[[], Any]) -> float:
+    """Milliseconds ``fn()`` took."""
     start_s = time.perf_counter()
     fn()
     return (time.perf_counter() - start_s) * 1000
 
 
-def _summary(values_ms: list[float]) -> dict[str, float]:
+def summary_ms(values_ms: list[float]) -> dict[str, float]:
+    """p50 and mean of per-step times."""
     return {"p50": statistics.median(values_ms), "mean": statistics.fmean(values_ms)}
 
 

@@ -29,10 +29,9 @@ import argparse
 import functools
 import json
 import random
-import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 
 import engine.structured.masks as masks_module
-from bench.mask_fill import token_paths
+from bench.mask_fill import summary_ms, timed_ms, token_paths
 from bench.records import machine_info, utc_now
 from bench.structured import LONG_SCHEMA
 from engine.detokenizer import IncrementalDetokenizer
@@ -192,7 +191,7 @@ def time_steps(host: HostSteps, timer: _Timer, num_steps: int) -> dict[str, Any]
             seconds["rest"] = total_s - sum(seconds[p] for p in ("grammar_ends", "start", "apply"))
             for part in PARTS:
                 per_part[part].append(seconds.get(part, 0.0) * 1000)
-    return {part: _summary(values) for part, values in per_part.items()}
+    return {part: summary_ms(values) for part, values in per_part.items()}
 
 
 def run(
@@ -215,9 +214,9 @@ def run(
         make_ms = (time.perf_counter() - start_s) * 1000
         prebuilt_ms = 0.0
         if name == "json_schema":
-            prebuilt_ms = _timed_ms(functools.partial(_prebuilt, compiler, schema, num_rows))
+            prebuilt_ms = timed_ms(functools.partial(_prebuilt, compiler, schema, num_rows))
         host = HostSteps(hf_tokenizer, grammars, paths, masks)
-        first_fill_ms = _timed_ms(functools.partial(masks.fill, _fresh_rows(host)))
+        first_fill_ms = timed_ms(functools.partial(masks.fill, _fresh_rows(host)))
         host.walk_to(starts)
         timer = _Timer()
         time_steps(host, timer, NUM_WARMUP_STEPS)
@@ -257,16 +256,6 @@ def _fresh_rows(host: HostSteps) -> list[MaskedRow]:
         for row, seq in enumerate(host.seqs)
         if seq.grammar is not None
     ]
-
-
-def _timed_ms(fn: Callable[[], Any]) -> float:
-    start_s = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start_s) * 1000
-
-
-def _summary(values_ms: list[float]) -> dict[str, float]:
-    return {"p50": statistics.median(values_ms), "mean": statistics.fmean(values_ms)}
 
 
 def main() -> None:
