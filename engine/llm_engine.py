@@ -295,7 +295,8 @@ class LLMEngine:
         if self._in_flight is not None and self._in_flight_needs_history():
             outputs += self._process(self._take_in_flight())  # its picks feed penalties
         if self.proposer is not None:
-            self._sample_deferred()  # drafts are checked against the grammars next
+            # drafts are checked against the grammars next: the step in flight is sampled
+            self.runner.sample_constrained(self._in_flight)
             self.proposer.propose(self.scheduler.running)
             keep_valid_drafts(self.scheduler.running)
         batch = self.scheduler.schedule(time.monotonic())
@@ -330,12 +331,6 @@ class LLMEngine:
         launched, self._in_flight = self._in_flight, None
         assert launched is not None
         return launched
-
-    def _sample_deferred(self) -> None:
-        """Sample the step in flight if its constrained sampling still waits for its masks."""
-        launched = self._in_flight
-        if launched is not None and launched.unsampled_logits is not None:
-            self.runner.sample_constrained(launched)
 
     def _in_flight_needs_history(self) -> bool:
         """Whether a row of the step in flight samples from its own past tokens (penalties):
@@ -381,8 +376,7 @@ class LLMEngine:
         """Take in a launched step's picks: tokens, stop checks, prefix-cache blocks. Once
         its tokens have advanced the grammars, the masks of ``constrained`` (the next step,
         launched, with grammars) start filling on another thread."""
-        if launched.unsampled_logits is not None:  # its grammars have every earlier token
-            self.runner.sample_constrained(launched)
+        self.runner.sample_constrained(launched)  # if deferred: its grammars have their tokens
         wait_start_s = time.perf_counter()
         tokens = launched.resolve()  # waits for the device's picks
         self.step_profiler.add_wait(time.perf_counter() - wait_start_s)

@@ -92,8 +92,7 @@ class ModelRunner:
             return []
         if while_gpu_busy is not None:
             while_gpu_busy()
-        if launched.unsampled_logits is not None:  # every grammar has its tokens already
-            self.sample_constrained(launched)
+        self.sample_constrained(launched)  # every grammar has its tokens already
         return launched.resolve()
 
     @torch.inference_mode()
@@ -135,11 +134,13 @@ class ModelRunner:
         self.grammar_masks.start(launched.sampling_entries, launched.draft_entries)
 
     @torch.inference_mode()
-    def sample_constrained(self, launched: LaunchedStep) -> None:
+    def sample_constrained(self, launched: LaunchedStep | None) -> None:
         """Sample a launched step whose rows have grammars, once each grammar has taken every
         token before this step: the bitmasks are filled on the host (while the forward may
-        still run) and applied to the logits on the device, outside any CUDA graph."""
-        assert launched.unsampled_logits is not None, "sampled already"
+        still run) and applied to the logits on the device, outside any CUDA graph. Nothing
+        for a step already sampled (or none): whoever needs its picks first samples it."""
+        if launched is None or launched.unsampled_logits is None:
+            return
         self.grammar_masks.apply(
             launched.unsampled_logits, launched.sampling_entries, launched.draft_entries
         )
@@ -236,10 +237,9 @@ class ModelRunner:
     ) -> ModelInputs:
         host = HostBatch.of(batch, self.block_size)
         inputs = self._device_inputs(host.inputs, host.sampling_entries, host.draft_entries)
-        if previous is not None and previous.unsampled_logits is not None:
-            # a constrained step's sampling, deferred to here: its masks filled beside this
-            # step's scheduling and inputs, and it is queued before this step's forward
-            self.sample_constrained(previous)
+        # a constrained step's sampling, deferred to here: its masks filled beside this
+        # step's scheduling and inputs, and it is queued before this step's forward
+        self.sample_constrained(previous)
         if host.pending:
             self._fill_pending(inputs.input_ids, host.pending, previous)
         return inputs
