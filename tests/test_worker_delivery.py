@@ -22,6 +22,7 @@ from clients import (
     TokenEvent,
     protocol,
 )
+from tests.gateway_fixtures import wait_for
 from tests.redis_server import RedisServer
 from tests.service_fixtures import WORDS
 from worker.delivery import Entry, OutEvent, Ownership, RequestStream
@@ -229,7 +230,8 @@ def test_too_many_deliveries_goes_to_the_dead_stream(
     with Client(redis_server.url) as client, pytest.raises(RequestFailedError) as error:
         client.result("cursed", timeout_s=30)
     assert error.value.code is ErrorCode.TOO_MANY_DELIVERIES
-    (letter,) = dead_letters(redis_server)
+    # the letter follows the error event the client already saw
+    (letter,) = wait_for(lambda: dead_letters(redis_server))
     assert letter.request_id == "cursed" and letter.times_delivered == 4
 
 
