@@ -288,3 +288,27 @@ def test_an_entry_dead_lettered_on_a_cluster_has_one_letter(redis_cluster: Redis
         return length, sorted(ids.index(letter.entry_id) for letter in dead), same_slot
 
     assert asyncio.run(scenario()) == (0, [0, 1], True)
+
+
+def test_a_cluster_on_free_ports_starts_on_others_when_one_is_taken_first(
+    tmp_path: Path,
+) -> None:
+    """Another process binds a port after it was found free (another test process, here a
+    socket): the cluster starts again on other free ports rather than failing."""
+    import socket
+
+    cluster = RedisCluster(tmp_path)
+    taken = cluster.ports[1]
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        try:
+            cluster.start()
+            assert taken not in cluster.ports
+            client = cluster.client()
+            try:
+                assert client.cluster_info()["cluster_state"] == "ok"
+            finally:
+                client.close()
+        finally:
+            cluster.stop()

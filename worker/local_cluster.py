@@ -24,6 +24,7 @@ from worker.errors import CommandError
 from worker.local_stack import CLUSTER_CONFIG_FILE, RedisProcess, free_port, wait_until
 
 CLUSTER_START_TIMEOUT_S = 20.0
+FREE_PORT_ATTEMPTS = 3  # starts on free ports that another process may take first
 BUS_PORT_OFFSET = 10_000  # each node also listens on port + 10000 (the cluster bus)
 MAX_PORT = 65535
 # The `myself` line of a nodes.conf: "<id> <ip>:<port>@<bus port>[,<hostname>] myself,master ..."
@@ -51,10 +52,17 @@ class RedisClusterProcess:
         if not 1 <= num_primaries <= CLUSTER_SLOTS:
             raise CommandError(f"a cluster needs 1..{CLUSTER_SLOTS} primaries, got {num_primaries}")
         self.directory = directory
+        self.free_ports = port is None
+        self._node_options: dict[str, Any] = dict(
+            appendonly=appendonly, appendfsync=appendfsync, supervised=supervised
+        )
         ports = free_node_ports(num_primaries) if port is None else node_ports(port, num_primaries)
-        self.nodes = [
-            RedisProcess(directory / f"node-{index}", port=node_port, appendonly=appendonly,
-                         appendfsync=appendfsync, supervised=supervised, cluster_node=True)
+        self.nodes = self._make_nodes(ports)
+
+    def _make_nodes(self, ports: list[int]) -> list[RedisProcess]:
+        return [
+            RedisProcess(self.directory / f"node-{index}", port=node_port, cluster_node=True,
+                         **self._node_options)
             for index, node_port in enumerate(ports)
         ]  # fmt: skip
 
@@ -70,8 +78,24 @@ class RedisClusterProcess:
 
     def start(self) -> None:
         """Start every node, join them into one cluster unless their ``nodes.conf`` already
-        does, and wait until the cluster serves every slot."""
+        does, and wait until the cluster serves every slot. On free ports, a node that fails
+        to start (another process bound its port or bus port after it was found free) makes
+        the cluster start again on other free ports, up to ``FREE_PORT_ATTEMPTS`` times."""
         self._check_ports_of_earlier_run()
+        for attempt in range(1, FREE_PORT_ATTEMPTS + 1):
+            try:
+                self._start_nodes()
+                return
+            except NoClusterSupportError:
+                raise
+            except CommandError:
+                if not self.free_ports or attempt == FREE_PORT_ATTEMPTS:
+                    raise
+            for node in self.nodes:  # this attempt's own, on ports given up
+                (node.directory / CLUSTER_CONFIG_FILE).unlink(missing_ok=True)
+            self.nodes = self._make_nodes(free_node_ports(len(self.nodes)))
+
+    def _start_nodes(self) -> None:
         for node in self.nodes:
             node.directory.mkdir(parents=True, exist_ok=True)
         try:
