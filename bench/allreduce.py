@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from bench.records import machine_info, save, utc_now
 from engine.distributed.group import NO_MULTICAST_ENV
-from engine.distributed.peer_allreduce import MAX_PEER_BYTES, PeerAllReduce, SymmetricGroup
+from engine.distributed.peer_allreduce import MAX_PEER_BYTES, PeerAllReduce
 
 METHODS = ("nccl", "one-shot", "two-shot")
 HIDDEN_SIZES = (4096, 8192)  # llama3-8b's and llama3-70b's
@@ -119,9 +119,7 @@ def _rank(rank: int, world: int, port: int, measure: Measure, queue: Any) -> Non
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    peer = PeerAllReduce(
-        SymmetricGroup.of(dist.group.WORLD), torch.device("cuda", rank), "one-shot"
-    )
+    peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "one-shot")
     rows = measure(peer, rank, world)
     if rank == 0:
         queue.put(rows)

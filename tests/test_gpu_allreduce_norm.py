@@ -128,7 +128,6 @@ def _graph_errors(norm: Any, rank: int) -> dict[str, Any]:
 
 def _rank(rank: int, port: int, queue: Any) -> None:
     from engine.distributed.group import NO_MULTICAST_ENV
-    from engine.distributed.peer_allreduce import SymmetricGroup
     from engine.distributed.peer_norm import PeerAllReduceNorm
 
     os.environ.update(NO_MULTICAST_ENV)
@@ -137,7 +136,7 @@ def _rank(rank: int, port: int, queue: Any) -> None:
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
     )
     try:
-        norm = PeerAllReduceNorm(SymmetricGroup.of(dist.group.WORLD), torch.device("cuda", rank))
+        norm = PeerAllReduceNorm(dist.group.WORLD, torch.device("cuda", rank), rank)
         queue.put((rank, {"eager": _eager_rows(norm, rank), "graph": _graph_errors(norm, rank)}))
     except Exception as exc:  # the parent reports it rather than waiting for a result
         queue.put((rank, {"error": repr(exc)}))

@@ -3,10 +3,6 @@ tests/test_gpu_tensor_parallel.py)."""
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-from typing import Any
-
 import pytest
 
 from bench.allreduce import suggested_bands
@@ -14,12 +10,10 @@ from engine.distributed.peer_allreduce import (
     ALLREDUCE_ENV,
     MAX_PEER_BYTES,
     SizeTable,
-    SymmetricGroup,
     requested_method,
     size_table,
 )
 from engine.errors import ConfigError
-from worker.local_stack import free_port
 
 
 def test_bands_pick_the_first_that_holds_the_message_and_nccl_past_them() -> None:
@@ -52,37 +46,3 @@ def test_an_unknown_path_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(ALLREDUCE_ENV, "ring")
     with pytest.raises(ConfigError, match="expected one of auto, nccl, one-shot, two-shot"):
         requested_method()
-
-
-def _register_twice(rank: int, ports: list[int], queue: Any) -> None:
-    """One rank of two engines in turn, each with its own store (as ``RankProcesses``
-    makes one per engine): the symmetric-memory names it registered."""
-    import torch.distributed as dist
-
-    names = []
-    for port in ports:
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=_STORE_TIMEOUT)
-        names.append(SymmetricGroup.register(store, rank, 2).name)
-    queue.put((rank, names))
-
-
-_STORE_TIMEOUT = datetime.timedelta(seconds=30)
-
-
-def test_each_engine_registers_its_own_symmetric_group_name_on_every_rank() -> None:
-    """Issue 28's hang: torch keeps a name's store for the process's life, and a second
-    engine's process group comes back under the first one's name; each engine's buffers
-    take a new name, the same on every rank, which torch accepts (it refuses a name twice)."""
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    ports = [free_port(), free_port()]
-    ranks = [context.Process(target=_register_twice, args=(r, ports, queue)) for r in (0, 1)]
-    for process in ranks:
-        process.start()
-    results = dict(queue.get(timeout=120) for _ in ranks)
-    for process in ranks:
-        process.join(30)
-        assert process.exitcode == 0
-    assert results[0] == results[1]
-    first, second = results[0]
-    assert first != second and all(n.startswith("pagestream-tp-") for n in (first, second))

@@ -26,10 +26,8 @@ or ``nccl``, nor with ``PAGESTREAM_TP_FUSED_NORM=0``.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,47 +79,6 @@ SIZE_TABLES = {
 }
 
 
-@dataclass(frozen=True)
-class SymmetricGroup:
-    """The ranks that map each other's buffers, by the name torch's symmetric memory knows
-    them under (its rendezvous finds the group's store by that name)."""
-
-    name: str
-    rank: int
-    size: int
-
-    @property
-    def key(self) -> Any:  # newer torch types group names as ``c10d.GroupName``, a str
-        return self.name
-
-    @classmethod
-    def of(cls, group: Any) -> SymmetricGroup:
-        """``group`` under its own name: for a process that forms one group in its life
-        (torch keeps a name's store for the life of the process)."""
-        return cls(group.group_name, dist.get_rank(group), dist.get_world_size(group))
-
-    @classmethod
-    def register(cls, store: dist.Store, rank: int, size: int) -> SymmetricGroup:
-        """A name of this group's own, on every rank, for the buffers of an engine that may
-        not be the process's first. Torch registers a name's store once and keeps it: a
-        second engine in the same process gets its process group under the first one's
-        name (``"0"`` again), and its rendezvous then went to the first engine's store,
-        where the new ranks never wrote, and waited forever (issue 28's hang of the second
-        two-GPU test). Rank 0 picks the name; the others read it from ``store``."""
-        from torch._C._distributed_c10d import _SymmetricMemory
-
-        if rank == 0:
-            name = f"pagestream-tp-{os.getpid()}-{next(_GROUP_SERIAL)}-{uuid.uuid4().hex[:8]}"
-            store.set(SYMMETRIC_NAME_KEY, name)
-        name = store.get(SYMMETRIC_NAME_KEY).decode()
-        _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(name, store))
-        return cls(name, rank, size)
-
-
-SYMMETRIC_NAME_KEY = "pagestream-symmetric-memory-group"
-_GROUP_SERIAL = itertools.count()
-
-
 def requested_method() -> str:
     """``PAGESTREAM_TP_ALLREDUCE``, checked."""
     method = os.environ.get(ALLREDUCE_ENV, "auto").strip().lower() or "auto"
@@ -142,36 +99,34 @@ class PeerAllReduce:
     """
 
     def __init__(
-        self, group: SymmetricGroup, device: torch.device, method: str, fuse_norm: bool = True
+        self, group: Any, device: torch.device, method: str, fuse_norm: bool = True
     ) -> None:
         from torch.distributed import _symmetric_memory as symm_mem  # CUDA builds only
 
-        self.group_name = group.name
-        self.world_size = group.size
+        self.group_name: str = group.group_name
+        self.world_size = dist.get_world_size(group)
         self.method = method
         self.table = size_table(self.world_size)
         self.fused_max_bytes = _fused_max_bytes(method, self.table) if fuse_norm else 0
         # one byte buffer; each message views its prefix in its own dtype
         self.buffer = symm_mem.empty(MAX_PEER_BYTES, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group.key)
+        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.ops = torch.ops.symm_mem
         # both ops exist in the torch releases this runs on; check at once, not mid-capture
         self.ops.one_shot_all_reduce_out, self.ops.two_shot_all_reduce_out  # noqa: B018
         self.norm: PeerAllReduceNorm | None = None  # the sum fused with residual add + RMSNorm
         if self.fused_max_bytes > 0:
-            self.norm = PeerAllReduceNorm(group, device)
+            self.norm = PeerAllReduceNorm(group, device, dist.get_rank(group))
 
     @classmethod
-    def create(
-        cls, store: dist.Store, device: torch.device, rank: int, world_size: int
-    ) -> PeerAllReduce | None:
-        """The peer all-reduce for rank ``rank`` of ``world_size`` on ``device``, the group
-        whose store is ``store``, or None: not CUDA, NCCL asked for, more ranks than one
-        host's NVLink domain, or a peer this device cannot map. Every rank gets the same
-        answer (the devices are one host's)."""
+    def create(cls, group: Any, device: torch.device, rank: int) -> PeerAllReduce | None:
+        """The peer all-reduce for ``group`` on ``device`` (rank ``rank``'s), or None: not
+        CUDA, NCCL asked for, more ranks than one host's NVLink domain, or a peer this device
+        cannot map. Every rank gets the same answer (the devices are one host's)."""
         method, fuse_norm = requested_method(), fused_norm_requested()
         if device.type != "cuda" or method == "nccl":
             return None
+        world_size = dist.get_world_size(group)
         if not 2 <= world_size <= MAX_RANKS:
             return None
         table = size_table(world_size)
@@ -182,7 +137,7 @@ class PeerAllReduce:
             logger.info("tensor parallel: no peer access between the GPUs; all-reduce on NCCL")
             return None
         try:
-            return cls(SymmetricGroup.register(store, rank, world_size), device, method, fuse_norm)
+            return cls(group, device, method, fuse_norm)
         except (RuntimeError, ImportError, AttributeError) as exc:  # torch without the ops
             logger.warning("tensor parallel: peer all-reduce unavailable (%s); using NCCL", exc)
             return None

@@ -15,14 +15,11 @@ through ``group.PartialSum``: the layer hands the norm its unsummed share.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.errors import ConfigError
-
-if TYPE_CHECKING:
-    from engine.distributed.peer_allreduce import SymmetricGroup
 
 FUSED_NORM_ENV = "PAGESTREAM_TP_FUSED_NORM"
 # The largest fused message: 128 rows of llama3-8b's 4096 bf16, 64 of llama3-70b's 8192.
@@ -45,7 +42,7 @@ class PeerAllReduceNorm:
     kernel. Made by ``PeerAllReduce`` on every rank at the same point (the buffer exchange is
     a collective)."""
 
-    def __init__(self, group: SymmetricGroup, device: torch.device) -> None:
+    def __init__(self, group: Any, device: torch.device, rank: int) -> None:
         from torch.distributed import _symmetric_memory as symm_mem  # CUDA builds only
 
         # Triton: imported where it runs (a CPU-only install never imports it)
@@ -58,8 +55,7 @@ class PeerAllReduceNorm:
 
         self.kernel = allreduce_add_rms_norm
         self.buffer = symm_mem.empty(NUM_SLOTS * FUSED_SLOT_BYTES, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(self.buffer, group.key)
-        rank = group.rank
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)
         pad_bytes = getattr(type(handle), "signal_pad_size", DEFAULT_SIGNAL_PAD_BYTES)
         if SIGNAL_PAD_BYTES_PER_RANK * len(handle.buffer_ptrs) > pad_bytes:
             raise RuntimeError(f"a signal pad of {pad_bytes} bytes is too small for the group")
