@@ -5,8 +5,10 @@ ranks that were gone or stuck, forever (issue 28)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import signal
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,9 +38,30 @@ SMALL = dict(max_seqs=8, max_batched_tokens=512)
 
 def _tokens(model: str, **settings: object) -> tuple[list[list[int]], bool]:
     """Greedy tokens of ``PROMPTS``, and whether decode steps replayed CUDA graphs."""
+    tokens, graphed, _ = _tokens_and_sums(model, **settings)
+    return tokens, graphed
+
+
+def _tokens_and_sums(model: str, **settings: object) -> tuple[list[list[int]], bool, str]:
+    """``_tokens``, and which path summed the decode steps' all-reduces: ``nccl``, the peer
+    method, and ``+norm`` where the sums before a norm were fused with it (a peer path
+    that failed to set up falls back to NCCL with a warning: the tests must see it).
+
+    A two-GPU engine runs in a new process of its own: peer buffers are mapped once per
+    process (``peer_allreduce.agree_to_map``), and each test is to get them."""
+    if settings.get("tensor_parallel_size", 1) == 1:
+        return _run_tokens_and_sums(model, **settings)
+    spawn = multiprocessing.get_context("spawn")  # the environment as the test set it
+    with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
+        return fresh.submit(_run_tokens_and_sums, model, **settings).result(timeout=300)
+
+
+def _run_tokens_and_sums(model: str, **settings: object) -> tuple[list[list[int]], bool, str]:
     with LLM(model, device="cuda", **SMALL, **settings) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        return [out.token_ids for out in outputs], llm.engine.runner.uses_cuda_graphs
+        peer = llm.engine.runner.group.peer
+        sums = "nccl" if peer is None else peer.method + ("+norm" if peer.norm else "")
+        return [out.token_ids for out in outputs], llm.engine.runner.uses_cuda_graphs, sums
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: its one KV head on both ranks
@@ -49,9 +72,12 @@ def test_two_gpus_fp32_give_the_tokens_of_one(
     model = str(tiny_model_dirs[kind])
     settings = dict(dtype="float32", pa_block_size=16, pa_context_len=160, max_model_len=160)
     expected, _ = _tokens(model, **settings)
-    sharded, graphed = _tokens(model, tensor_parallel_size=2, cuda_graphs=cuda_graphs, **settings)
+    sharded, graphed, sums = _tokens_and_sums(
+        model, tensor_parallel_size=2, cuda_graphs=cuda_graphs, **settings
+    )
     assert sharded == expected
     assert graphed == cuda_graphs
+    assert sums == "auto+norm"
 
 
 @pytest.mark.parametrize("path", ["nccl", "one-shot", "two-shot"])
@@ -63,7 +89,8 @@ def test_each_all_reduce_path_gives_the_tokens_of_one_gpu(
     model = str(tiny_model_dirs["llama"])
     settings = dict(dtype="float32", pa_block_size=16, pa_context_len=160, max_model_len=160)
     expected, _ = _tokens(model, **settings)
-    assert _tokens(model, tensor_parallel_size=2, **settings) == (expected, True)
+    sums = {"nccl": "nccl", "one-shot": "one-shot+norm", "two-shot": "two-shot"}[path]
+    assert _tokens_and_sums(model, tensor_parallel_size=2, **settings) == (expected, True, sums)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +112,8 @@ def test_sums_fused_with_the_norm_give_the_unfused_tokens(
         monkeypatch.setenv("PAGESTREAM_TP_ALLREDUCE", "nccl")
         expected, _ = _tokens(model, tensor_parallel_size=2, **settings)
         monkeypatch.setenv("PAGESTREAM_TP_ALLREDUCE", "auto")
-    assert _tokens(model, tensor_parallel_size=2, **settings) == (expected, True)
+    sums = "auto+norm" if fused == "1" else "auto"
+    assert _tokens_and_sums(model, tensor_parallel_size=2, **settings) == (expected, True, sums)
 
 
 def test_peer_sums_equal_the_fp32_sum_at_every_size() -> None:

@@ -10,6 +10,7 @@ from engine.distributed.peer_allreduce import (
     ALLREDUCE_ENV,
     MAX_PEER_BYTES,
     SizeTable,
+    agree_to_map,
     requested_method,
     size_table,
 )
@@ -46,3 +47,33 @@ def test_an_unknown_path_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(ALLREDUCE_ENV, "ring")
     with pytest.raises(ConfigError, match="expected one of auto, nccl, one-shot, two-shot"):
         requested_method()
+
+
+def test_rank_0_maps_peer_buffers_once_per_process_and_every_rank_follows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 28's hang: torch's symmetric memory numbers its rendezvous exchanges per
+    process, so a second group of a long-lived rank 0 with new ranks would wait forever.
+    Rank 0 maps for its process's first group only, and a new rank (whose own process never
+    mapped) follows rank 0's word rather than its own state."""
+    import threading
+
+    import torch.distributed as dist
+
+    from engine.distributed import peer_allreduce
+
+    monkeypatch.setattr(peer_allreduce, "_process", {"mapped": False})
+
+    def group_of_two(possible: bool) -> list[bool]:
+        store, answers = dist.HashStore(), [False, False]
+        follower = threading.Thread(
+            target=lambda: answers.__setitem__(1, agree_to_map(store, 1, possible))
+        )
+        follower.start()  # waits for rank 0's word
+        answers[0] = agree_to_map(store, 0, possible)
+        follower.join(10)
+        return answers
+
+    assert group_of_two(possible=False) == [False, False]  # nothing mapped: the first is next
+    assert group_of_two(possible=True) == [True, True]
+    assert group_of_two(possible=True) == [False, False]  # rank 0's process mapped before

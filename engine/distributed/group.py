@@ -73,7 +73,7 @@ class TensorParallelGroup:
         # its own gloo group, also on the CPU: the ranks wait there for rank 0's next step for
         # as long as the engine idles, where a collective's timeout would end them
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        peer = PeerAllReduce.create(dist.group.WORLD, device, rank)
+        peer = PeerAllReduce.create(dist.group.WORLD, store, device, rank)
         if rank == 0:
             logger.info(
                 "tensor parallel: all-reduce on %s%s",

@@ -119,28 +119,39 @@ class PeerAllReduce:
             self.norm = PeerAllReduceNorm(group, device, dist.get_rank(group))
 
     @classmethod
-    def create(cls, group: Any, device: torch.device, rank: int) -> PeerAllReduce | None:
-        """The peer all-reduce for ``group`` on ``device`` (rank ``rank``'s), or None: not
-        CUDA, NCCL asked for, more ranks than one host's NVLink domain, or a peer this device
-        cannot map. Every rank gets the same answer (the devices are one host's)."""
-        method, fuse_norm = requested_method(), fused_norm_requested()
-        if device.type != "cuda" or method == "nccl":
-            return None
-        world_size = dist.get_world_size(group)
-        if not 2 <= world_size <= MAX_RANKS:
-            return None
-        table = size_table(world_size)
-        fuses = fuse_norm and _fused_max_bytes(method, table) > 0
-        if method == "auto" and all(m == "nccl" for _, m in table.bands) and not fuses:
-            return None  # NCCL is the fastest at every size measured: no buffer to map
-        if not _peers_reachable(device, rank, world_size):
-            logger.info("tensor parallel: no peer access between the GPUs; all-reduce on NCCL")
+    def create(
+        cls, group: Any, store: dist.Store, device: torch.device, rank: int
+    ) -> PeerAllReduce | None:
+        """The peer all-reduce for ``group`` (its store ``store``) on ``device`` (rank
+        ``rank``'s), or None: not CUDA, NCCL asked for, more ranks than one host's NVLink
+        domain, a peer this device cannot map, or rank 0's process mapped peer buffers for
+        an earlier group (``agree_to_map``). Every rank gets the same answer."""
+        if not agree_to_map(store, rank, cls._possible(group, device, rank)):
             return None
         try:
-            return cls(group, device, method, fuse_norm)
+            return cls(group, device, requested_method(), fused_norm_requested())
         except (RuntimeError, ImportError, AttributeError) as exc:  # torch without the ops
             logger.warning("tensor parallel: peer all-reduce unavailable (%s); using NCCL", exc)
             return None
+
+    @staticmethod
+    def _possible(group: Any, device: torch.device, rank: int) -> bool:
+        """Whether this rank's side allows the peer path (the devices are one host's, so
+        every rank finds the same)."""
+        method, fuse_norm = requested_method(), fused_norm_requested()
+        if device.type != "cuda" or method == "nccl":
+            return False
+        world_size = dist.get_world_size(group)
+        if not 2 <= world_size <= MAX_RANKS:
+            return False
+        table = size_table(world_size)
+        fuses = fuse_norm and _fused_max_bytes(method, table) > 0
+        if method == "auto" and all(m == "nccl" for _, m in table.bands) and not fuses:
+            return False  # NCCL is the fastest at every size measured: no buffer to map
+        if not _peers_reachable(device, rank, world_size):
+            logger.info("tensor parallel: no peer access between the GPUs; all-reduce on NCCL")
+            return False
+        return True
 
     def method_for(self, x: torch.Tensor) -> str | None:
         """The peer path that sums ``x`` (``one-shot``/``two-shot``), or None: NCCL does."""
@@ -180,6 +191,32 @@ class PeerAllReduce:
         else:
             self.ops.two_shot_all_reduce_out(staged, "sum", self.group_name, out.view(-1))
         return out
+
+
+MAP_DECISION_KEY = "pagestream-peer-buffers"
+_process = {"mapped": False}  # this process has mapped peer buffers for a group
+
+
+def agree_to_map(store: dist.Store, rank: int, possible: bool) -> bool:
+    """Whether this group maps peer buffers: rank 0 decides and tells the others through the
+    group's ``store`` (they wait for it), so no rank waits at a rendezvous another skipped.
+
+    Once per process of rank 0: torch's symmetric memory numbers the store exchanges of its
+    rendezvous with one counter per process, so a second group formed by a long-lived rank 0
+    with new rank processes (a second engine in one script) would wait on exchange keys its
+    new peers never write, forever (issue 28's hang of the second two-GPU test, on two
+    H100s). That group sums on NCCL instead, and says so."""
+    if rank != 0:
+        return bool(store.get(MAP_DECISION_KEY) == b"1")
+    decision = possible and not _process["mapped"]
+    if possible and not decision:
+        logger.warning(
+            "tensor parallel: this process mapped peer buffers for an earlier engine, and "
+            "torch's symmetric memory sets them up once per process; all-reduce on NCCL"
+        )
+    store.set(MAP_DECISION_KEY, "1" if decision else "0")
+    _process["mapped"] = _process["mapped"] or decision
+    return decision
 
 
 def _fused_max_bytes(method: str, table: SizeTable) -> int:

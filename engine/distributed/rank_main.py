@@ -4,10 +4,12 @@
 It runs the steps rank 0 sends until rank 0 sends the stop message, then leaves its groups
 without waiting on rank 0 (which waits for this process to end) and exits. Ctrl-C is rank 0's
 to handle: it stops or kills this process; when rank 0's process is gone, this one ends too.
+``kill -USR1`` prints every thread's stack to its stderr (a rank that seems stuck).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
@@ -66,6 +68,7 @@ def rank_main(spec: RankSpec) -> int:
     # a terminal's Ctrl-C reaches every process of its group, and a rank interrupted
     # mid-collective would leave the others waiting; rank 0 stops this one
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: its stacks
     logging.basicConfig(
         level=spec.log_level, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s"
     )
