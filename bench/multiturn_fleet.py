@@ -69,13 +69,12 @@ def run_multiturn_fleet(
 
 
 def _vocab_size(args: argparse.Namespace) -> int:
-    from engine import LLMEngine
-    from engine.config_flags import engine_config_from_args
+    """The model's vocabulary from its config alone: an engine built here to ask (as this
+    did) kept its pool's GPU memory in this process after its shutdown, and on a GPU host the
+    first worker on that GPU ran out of memory (two H100s, dummy llama3-8b)."""
+    from engine.loader import find_model
 
-    engine = LLMEngine(engine_config_from_args(args))
-    vocab_size = int(engine.loaded.arch.vocab_size)
-    engine.shutdown()
-    return vocab_size
+    return int(find_model(args.model).arch.vocab_size)
 
 
 def _run_point(
