@@ -14,6 +14,7 @@ import contextlib
 import gc
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -55,17 +56,31 @@ def gc_frozen() -> Iterator[None]:
     CPU, three of them in 1,500 steps of 256 rows of ``dummy:tiny``. Frozen, a full collection
     walks only what the loop made, and the longest pause fell to 17 ms
     (docs/performance.md#cpu). The objects go back at the end, so that an engine dropped
-    afterwards is collected as before. Inside a block that froze them already, nothing
-    changes. Nothing is frozen when ``PAGESTREAM_GC_FREEZE`` is 0.
+    afterwards is collected as before. Inside a block that froze them already (in any
+    thread), nothing changes. Objects that someone else froze before (a pre-forking server
+    does) do not stop the freeze, but then the block hands nothing back: ``gc.unfreeze``
+    cannot tell their objects from the loop's. Nothing is frozen when ``PAGESTREAM_GC_FREEZE``
+    is 0.
     """
-    if gc.get_freeze_count() or os.environ.get(GC_FREEZE_ENV, "1") == "0":
+    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
         yield
         return
-    gc.freeze()
+    with _gc_lock:
+        _gc_state["depth"] += 1
+        if _gc_state["depth"] == 1:
+            _gc_state["thaw"] = gc.get_freeze_count() == 0
+            gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _gc_lock:
+            _gc_state["depth"] -= 1
+            if _gc_state["depth"] == 0 and _gc_state["thaw"]:
+                gc.unfreeze()
+
+
+_gc_lock = threading.Lock()
+_gc_state = {"depth": 0, "thaw": True}  # gc_frozen blocks open in this process
 
 
 def prefer_expandable_segments() -> None:

@@ -12,6 +12,13 @@ from engine import LLM, SamplingParams
 from engine.memory import GC_FREEZE_ENV, gc_frozen
 
 
+@pytest.fixture(autouse=True)
+def _thawed() -> None:
+    """Start with nothing frozen: on the GPU host something froze objects before these tests
+    ran (375 of them, after the structured-output tests; not found)."""
+    gc.unfreeze()
+
+
 def test_the_block_freezes_then_hands_the_objects_back() -> None:
     assert gc.get_freeze_count() == 0
     alive = [object(), [1, 2]]
@@ -29,6 +36,37 @@ def test_a_failure_inside_still_hands_them_back() -> None:
     with pytest.raises(RuntimeError), gc_frozen():
         raise RuntimeError("step failed")
     assert gc.get_freeze_count() == 0
+
+
+def test_objects_frozen_before_still_freeze_and_stay_frozen() -> None:
+    """A server that froze its objects before forking: the loop still freezes its own, and
+    thaws nothing afterwards (``gc.unfreeze`` cannot tell the two apart)."""
+    kept = [object()]
+    gc.freeze()
+    before = gc.get_freeze_count()
+    made = [[index] for index in range(1000)]
+    with gc_frozen():
+        assert gc.get_freeze_count() >= before + len(made)
+    assert gc.get_freeze_count() >= before + len(made)
+    assert kept and made
+
+
+def test_a_block_in_another_thread_leaves_the_freeze_to_the_first() -> None:
+    import threading
+
+    inner: list[int] = []
+    with gc_frozen():
+        frozen = gc.get_freeze_count()
+        worker = threading.Thread(target=lambda: _count_inside(inner))
+        worker.start()
+        worker.join(10)
+        assert gc.get_freeze_count() == frozen  # the thread's block ended without thawing
+    assert inner == [frozen] and gc.get_freeze_count() == 0
+
+
+def _count_inside(counts: list[int]) -> None:
+    with gc_frozen():
+        counts.append(gc.get_freeze_count())
 
 
 def test_zero_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
