@@ -2,7 +2,8 @@
 
 With routing on, ``AsyncClient.submit`` reads, in one pipelined round trip, the holders of
 each link of the request's chain (``{p}:px:{link}``, sorted sets the workers write) and the
-session's pin, then the heartbeats of those workers, and enqueues to the chosen worker's own
+session's pin and the routing workers' names, then the heartbeats of those workers (the
+holders', the pin's, and every routing worker's, for the fleet's balance), and enqueues to the chosen worker's own
 stream, ``{p}:requests:{name}``, or to the request's shard (``{p}:requests`` with one). The
 enqueue is a script that appends only while the chosen worker's stream exists, in the same
 atomic step: an entry never lands in a stream already pruned (a worker's stream is pruned
@@ -61,18 +62,22 @@ class Router:
     async def choose(self, request: Request) -> str | None:
         """The worker to route ``request`` to, or None for the shared stream."""
         chain = request_chain(request)
+        if not chain and request.session is None:
+            return None
         pipe = self.redis.pipeline(transaction=False)
         for link in chain:
             pipe.zrange(link_key(self.keys.prefix, link), 0, -1)
         if request.session is not None:
             pipe.get(self.keys.session(request.session))
-        replies = await pipe.execute() if chain or request.session is not None else []
+        pipe.smembers(self.keys.routed_workers)  # every routing worker: the fleet's balance
+        replies = await pipe.execute()
         holders = [[protocol_text(name) for name in names] for names in replies[: len(chain)]]
-        pinned = protocol_text(replies[-1]) if request.session is not None and replies[-1] else None
+        pinned = protocol_text(replies[-2]) if request.session is not None and replies[-2] else None
         named = {name for names in holders for name in names}
-        names = sorted(named if pinned is None else named | {pinned})
-        if not names:
+        if not named and pinned is None:
             return None
+        fleet = {protocol_text(name) for name in replies[-1]}
+        names = sorted(named | fleet | ({pinned} if pinned is not None else set()))
         beats = await get_many(self.redis, [self.keys.worker(name) for name in names])
         loads = {name: _load(beat) for name, beat in zip(names, beats, strict=True) if beat}
         live = {name: load for name, load in loads.items() if load is not None}

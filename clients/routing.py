@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from clients.protocol import Request
@@ -100,6 +100,11 @@ class WorkerLoad:
     num_waiting: int  # requests waiting inside its engine
 
     @property
+    def load(self) -> int:
+        """Requests it holds: running and waiting in its engine."""
+        return self.num_in_flight + self.num_waiting
+
+    @property
     def is_busy(self) -> bool:
         """Affinity yields: it has no free slot (past its admission capacity), or a backlog
         waits in its engine (for memory). One or two waiting are normal between a read and the
@@ -108,25 +113,46 @@ class WorkerLoad:
         return self.num_in_flight >= self.max_in_flight or self.num_waiting >= backlog
 
 
+# Affinity yields to a fleet out of balance, as SGLang's cache-aware router switches to the
+# shortest queue: a holder with at least BALANCE_GAP more requests than the least loaded live
+# worker, and more than BALANCE_RATIO times as many.
+BALANCE_GAP = 4
+BALANCE_RATIO = 2.0
+
+
 def choose_worker(
     holders: Sequence[Sequence[str]], live: Mapping[str, WorkerLoad], pinned: str | None = None
 ) -> str | None:
-    """The worker to route to, from each link's holders (in chain order): the live holder of
-    the deepest link that any live worker holds, since it served a request holding every link
-    up to there. A session's ``pinned`` worker comes first while it is live and not busy. None
-    (the shared stream) when no live worker holds any link; when that holder is busy (affinity
-    yields to load); or when several live workers hold that link (a system prompt every worker
-    has seen: any of them serves it, and the shared stream, where idle workers pull, balances
-    the load better than heartbeats seconds old would)."""
+    """The worker to route to, from each link's holders (in chain order) and the heartbeats
+    of the live routing workers (``live``: holders or not): the live holder of the deepest
+    link that any live worker holds, since it served a request holding every link up to
+    there. A session's ``pinned`` worker comes first while it is live and not busy. None (the
+    shared stream) when no live worker holds any link; when that holder is busy or far busier
+    than the least loaded live worker (affinity yields to load: ``out_of_balance``); or when
+    several live workers hold that link (a system prompt every worker has seen: any of them
+    serves it, and the shared stream, where idle workers pull, balances the load better than
+    heartbeats seconds old would)."""
     if pinned is not None and pinned in live and not live[pinned].is_busy:
         return pinned
     for names in reversed(holders):
         alive = [name for name in names if name in live]
         if len(alive) == 1:
-            return None if live[alive[0]].is_busy else alive[0]
+            holder = alive[0]
+            yields = live[holder].is_busy or out_of_balance(live[holder], live.values())
+            return None if yields else holder
         if alive:
             return None
     return None
+
+
+def out_of_balance(holder: WorkerLoad, fleet: Iterable[WorkerLoad]) -> bool:
+    """Whether ``holder`` carries so much more than the least loaded of ``fleet`` that its
+    cache is not worth the wait: its conversations, once they start on it, stay, and without
+    this a worker that pulled more new conversations early kept them (two workers on one H100
+    finished 145 and 47 requests). Yielding sends the entry to the shared stream, where the
+    idle worker pulls it (a heartbeat is seconds old: no worker is picked from it)."""
+    least = min((worker.load for worker in fleet), default=holder.load)
+    return holder.load - least >= BALANCE_GAP and holder.load > BALANCE_RATIO * least
 
 
 def request_chain(request: Request) -> list[bytes]:

@@ -14,6 +14,7 @@ from clients.routing import (
     WorkerLoad,
     choose_worker,
     link_key,
+    out_of_balance,
     prefix_chain,
 )
 
@@ -67,6 +68,24 @@ def test_the_deepest_live_holder_wins_and_a_busy_one_yields() -> None:
     assert choose_worker([["a", "b"]], {"a": idle, "b": idler}) is None
     assert choose_worker([["a", "b"]], {"a": idle}) == "a"  # b is gone
     assert link_key("ps", bytes([1, 255])) == "ps:px:01ff"
+
+
+def test_a_holder_far_busier_than_the_least_loaded_worker_yields() -> None:
+    """SGLang's balance rule: at least BALANCE_GAP more requests than the least loaded live
+    worker, and more than BALANCE_RATIO times as many, sends the entry to the shared stream."""
+
+    def load(n: int) -> WorkerLoad:
+        return WorkerLoad(num_in_flight=n, max_in_flight=256, num_waiting=0)
+
+    holders = [["a"], []]
+    assert choose_worker(holders, {"a": load(12), "b": load(4)}) is None  # 8 more, 3x
+    assert choose_worker(holders, {"a": load(8), "b": load(4)}) == "a"  # 2x: not more than
+    assert choose_worker(holders, {"a": load(5), "b": load(0)}) is None
+    assert choose_worker(holders, {"a": load(3), "b": load(0)}) == "a"  # fewer than 4 more
+    assert choose_worker(holders, {"a": load(12)}) == "a"  # alone: nothing to balance
+    waiting = WorkerLoad(num_in_flight=4, max_in_flight=256, num_waiting=8)
+    assert choose_worker(holders, {"a": waiting, "b": load(4)}) is None  # waiting counts
+    assert out_of_balance(load(9), [load(9), load(4)]) and not out_of_balance(load(4), [load(4)])
 
 
 def test_a_pinned_session_wins_while_it_is_live_and_not_busy() -> None:

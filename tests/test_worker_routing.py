@@ -33,7 +33,14 @@ def tokens(seed: int, count: int) -> list[int]:
     return [rng.randrange(5, 200) for _ in range(count)]
 
 
-def fake_worker(server: RedisServer, name: str, *, beat: bool = True, num_waiting: int = 0) -> None:
+def fake_worker(
+    server: RedisServer,
+    name: str,
+    *,
+    beat: bool = True,
+    num_waiting: int = 0,
+    num_in_flight: int = 0,
+) -> None:
     """A worker that never reads: its routed stream and group, its listing, its heartbeat."""
     r = server.client()
     for stream in (KEYS.requests, KEYS.routed(name)):
@@ -46,7 +53,7 @@ def fake_worker(server: RedisServer, name: str, *, beat: bool = True, num_waitin
     if beat:
         status = WorkerStatus(
             name=name, host="h", pid=1, model="m", started_at_ms=0, updated_at_ms=0,
-            num_in_flight=0, max_in_flight=8, num_running=0, num_waiting=num_waiting,
+            num_in_flight=num_in_flight, max_in_flight=8, num_running=0, num_waiting=num_waiting,
             num_pages_free=0, num_steps=0, step_time_s=0.0,
         )  # fmt: skip
         r.set(KEYS.worker(name), protocol.encode(status), ex=30)
@@ -102,6 +109,29 @@ def test_a_busy_worker_yields_and_a_session_pins(redis_server: RedisServer) -> N
         assert await router.choose(pinned) == "pin"
         await redis.delete(KEYS.worker("pin"))  # its worker is gone: the prefix decides
         assert await router.choose(pinned) == "idle"
+        await redis.aclose(close_connection_pool=True)
+
+    asyncio.run(main(redis_server))
+
+
+def test_a_holder_far_busier_than_an_idle_worker_that_holds_nothing_yields(
+    redis_server: RedisServer,
+) -> None:
+    """The router reads every routing worker's heartbeat, not only the holders': an idle
+    worker that never saw the conversation still puts the fleet out of balance."""
+
+    async def main(server: RedisServer) -> None:
+        redis = aioredis.Redis(port=server.port)
+        router = Router(redis, KEYS)
+        history = tokens(4, 100)
+        request = protocol.new_request("r", token_ids=history, now_ms=0)
+        fake_worker(server, "loaded", num_in_flight=6)
+        holds(server, "loaded", history)
+        assert await router.choose(request) == "loaded"  # alone: nothing to balance against
+        fake_worker(server, "spare", num_in_flight=4)
+        assert await router.choose(request) == "loaded"  # 6 against 4: in balance
+        fake_worker(server, "spare", num_in_flight=0)
+        assert await router.choose(request) is None  # 6 against 0: the shared stream
         await redis.aclose(close_connection_pool=True)
 
     asyncio.run(main(redis_server))
