@@ -8,7 +8,8 @@ session's turns (system + history + a new user turn, token ids), up to ``concurr
 flight across the fleet, a session going to the back of the line after each reply. The row of
 a run: the prefix hit rate (the prompt tokens the workers' caches served, from each ``done``
 event's usage, over all prompt tokens), TTFT p50/p90 from submit to the first token, output
-tokens/s over the run, and the requests each worker finished.
+tokens/s over the run, the requests each worker finished, and (routed) how many turns went to
+a worker's own stream and why the others went to the shared one.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ async def _drive(
         started_s = time.perf_counter()
         await asyncio.gather(*(lane(client) for _ in range(workload.concurrency)))
         elapsed_s = time.perf_counter() - started_s
+        choices = dict(client.router.choices) if client.router is not None else {}
     ttft = percentiles(ttfts_s)
     return {
         "prefix_hit_rate": tokens["cached"] / max(tokens["prompt"], 1),
@@ -172,6 +174,7 @@ async def _drive(
         "prompt_tokens": tokens["prompt"],
         "cached_prompt_tokens": tokens["cached"],
         "requests_per_worker": sorted(per_worker.values(), reverse=True),
+        "routing_choices": choices,  # routed turns: where each went and why
         "load_avg_1m": os.getloadavg()[0],
     }
 
@@ -199,4 +202,5 @@ def format_row(row: dict[str, Any]) -> str:
         f"{row['mode']:>6} x{row['workers']}: prefix hit {row['prefix_hit_rate']:.3f}, "
         f"TTFT p50 {row['ttft_s']['p50'] * 1000:.0f} ms p90 {row['ttft_s']['p90'] * 1000:.0f} ms, "
         f"{row['output_tok_s']:.1f} output tok/s, per worker {row['requests_per_worker']}"
+        + (f", choices {row['routing_choices']}" if row.get("routing_choices") else "")
     )

@@ -14,12 +14,13 @@ one key, so it runs in a Redis Cluster too.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 from clients import protocol
 from clients.connect import get_many
 from clients.protocol import Keys, Request, WorkerStatus
-from clients.routing import WorkerLoad, choose_worker, link_key, request_chain
+from clients.routing import WorkerLoad, choose_worker_why, link_key, request_chain
 
 ROUTING_ENV = "PAGESTREAM_ROUTING"
 SHARDS_ENV = "PAGESTREAM_SHARDS"
@@ -58,12 +59,19 @@ class Router:
         self.redis = redis
         self.keys = keys
         self._enqueue = redis.register_script(ENQUEUE_SCRIPT)
+        # where this client's entries went and why (``choose_worker_why``'s reasons, and
+        # ``stream gone`` for a routed entry whose stream was pruned): benchmarks read it
+        self.choices: Counter[str] = Counter()
 
     async def choose(self, request: Request) -> str | None:
         """The worker to route ``request`` to, or None for the shared stream."""
+        return (await self.choose_why(request))[0]
+
+    async def choose_why(self, request: Request) -> tuple[str | None, str]:
+        """``choose``'s answer and its reason (``routing.choose_worker_why``)."""
         chain = request_chain(request)
         if not chain and request.session is None:
-            return None
+            return None, "no holder"
         pipe = self.redis.pipeline(transaction=False)
         for link in chain:
             pipe.zrange(link_key(self.keys.prefix, link), 0, -1)
@@ -75,22 +83,24 @@ class Router:
         pinned = protocol_text(replies[-2]) if request.session is not None and replies[-2] else None
         named = {name for names in holders for name in names}
         if not named and pinned is None:
-            return None
+            return None, "no holder"
         fleet = {protocol_text(name) for name in replies[-1]}
         names = sorted(named | fleet | ({pinned} if pinned is not None else set()))
         beats = await get_many(self.redis, [self.keys.worker(name) for name in names])
         loads = {name: _load(beat) for name, beat in zip(names, beats, strict=True) if beat}
         live = {name: load for name, load in loads.items() if load is not None}
-        return choose_worker(holders, live, pinned)
+        return choose_worker_why(holders, live, pinned)
 
     async def enqueue(self, request: Request, payload: bytes) -> str | None:
         """Enqueue ``payload`` (the encoded ``request``); returns the worker it was routed to,
         None when it went to the shared stream."""
-        chosen = await self.choose(request)
+        chosen, why = await self.choose_why(request)
         if chosen is not None and await self._enqueue(
             keys=[self.keys.routed(chosen)], args=[payload]
         ):
+            self.choices[why] += 1
             return chosen
+        self.choices[why if chosen is None else "stream gone"] += 1
         shard = self.keys.shard_for(request.id, request.session)
         await self.redis.xadd(shard, {protocol.PAYLOAD_FIELD: payload})
         return None

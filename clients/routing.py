@@ -131,18 +131,29 @@ def choose_worker(
     than the least loaded live worker (affinity yields to load: ``out_of_balance``); or when
     several live workers hold that link (a system prompt every worker has seen: any of them
     serves it, and the shared stream, where idle workers pull, balances the load better than
-    heartbeats seconds old would)."""
+    heartbeats seconds old would). ``choose_worker_why`` says which."""
+    return choose_worker_why(holders, live, pinned)[0]
+
+
+def choose_worker_why(
+    holders: Sequence[Sequence[str]], live: Mapping[str, WorkerLoad], pinned: str | None = None
+) -> tuple[str | None, str]:
+    """``choose_worker``'s answer and its reason: ``pinned``, ``holder``, or for the shared
+    stream ``no holder``, ``several hold``, ``busy``, ``out of balance``."""
     if pinned is not None and pinned in live and not live[pinned].is_busy:
-        return pinned
+        return pinned, "pinned"
     for names in reversed(holders):
         alive = [name for name in names if name in live]
         if len(alive) == 1:
             holder = alive[0]
-            yields = live[holder].is_busy or out_of_balance(live[holder], live.values())
-            return None if yields else holder
+            if live[holder].is_busy:
+                return None, "busy"
+            if out_of_balance(live[holder], live.values()):
+                return None, "out of balance"
+            return holder, "holder"
         if alive:
-            return None
-    return None
+            return None, "several hold"
+    return None, "no holder"
 
 
 def out_of_balance(holder: WorkerLoad, fleet: Iterable[WorkerLoad]) -> bool:

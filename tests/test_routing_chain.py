@@ -13,6 +13,7 @@ from clients.routing import (
     MIN_TOKENS_PER_LINK,
     WorkerLoad,
     choose_worker,
+    choose_worker_why,
     link_key,
     out_of_balance,
     prefix_chain,
@@ -86,6 +87,10 @@ def test_a_holder_far_busier_than_the_least_loaded_worker_yields() -> None:
     waiting = WorkerLoad(num_in_flight=4, max_in_flight=256, num_waiting=8)
     assert choose_worker(holders, {"a": waiting, "b": load(4)}) is None  # waiting counts
     assert out_of_balance(load(9), [load(9), load(4)]) and not out_of_balance(load(4), [load(4)])
+    assert choose_worker_why(holders, {"a": load(12), "b": load(4)}) == (None, "out of balance")
+    assert choose_worker_why(holders, {"a": load(8), "b": load(4)}) == ("a", "holder")
+    assert choose_worker_why([["a", "b"]], {"a": load(1), "b": load(1)}) == (None, "several hold")
+    assert choose_worker_why([[]], {"a": load(1)}) == (None, "no holder")
 
 
 def test_a_pinned_session_wins_while_it_is_live_and_not_busy() -> None:
