@@ -35,6 +35,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputs
 from engine.structured.grammars import GrammarCompiler
 from engine.structured.tokenizers import bundled_tokenizer
 
+PROFILE_ROWS = 128  # the decode batch --profile-steps profiles
+
 MIN_RECORDS = 80  # ~20 tokens each: past the workload's 1024 output tokens
 RECORD: dict[str, Any] = {
     "type": "object",
@@ -76,6 +78,13 @@ def main() -> None:
         help="a Hugging Face tokenizer directory for a dummy: model (default SmolLM2's)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON record here")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="then profile this many decode steps of 128 rows, unconstrained and constrained: "
+        "the ops by device time per step, in the record and printed (0: none)",
+    )
     args = parser.parse_args()
     workload = ThroughputWorkload(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len
@@ -84,9 +93,8 @@ def main() -> None:
     vllm = _vllm_runs(args, workload) if args.compare_vllm else None
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
     tokenizer = _grammar_tokenizer(engine, args.tokenizer)
-    free, constrained = _engine_runs(
-        engine, make_random_prompts(workload, engine.loaded.arch.vocab_size)
-    )
+    prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
+    free, constrained = _engine_runs(engine, prompts)
     record: dict[str, Any] = {
         "kind": "structured",
         "created_utc": utc_now(),
@@ -104,6 +112,8 @@ def main() -> None:
             "validity": _check_validity(engine, tokenizer),
         },
     }
+    if args.profile_steps > 0:
+        record["results"]["decode_profile"] = _profiles(engine, prompts, args.profile_steps)
     if vllm is not None:
         record["results"]["vllm"] = vllm
         record["results"]["vs_vllm_json_schema"] = (
@@ -137,6 +147,26 @@ def _engine_runs(
     # the part of the fill that the step waited for (the rest overlapped its other host work)
     constrained["mask_wait_ms_per_step"] = (masks.wait_s - wait_s_before) * 1000 / max(num_fills, 1)
     return free, constrained
+
+
+def _profiles(
+    engine: LLMEngine, prompts: list[BenchPrompt], steps: int, rows: int = PROFILE_ROWS
+) -> dict[str, Any]:
+    """A decode window of ``rows`` of the prompts, profiled unconstrained then under
+    ``LONG_SCHEMA`` (other tokens: the first is in the prefix cache), printed as it goes."""
+    from bench.step_kernels import format_profile, profile_decode_steps
+
+    batch = [prompt.token_ids for prompt in prompts[:rows]]
+    long_schema = StructuredOutputs(json_schema=json.dumps(LONG_SCHEMA))
+    profiles = {
+        "unconstrained": profile_decode_steps(engine, batch, steps),
+        "json_schema": profile_decode_steps(
+            engine, [ids[1:] + ids[:1] for ids in batch], steps, long_schema
+        ),
+    }
+    for name, profile in profiles.items():
+        print(format_profile(name, profile))
+    return profiles
 
 
 def _vllm_runs(args: argparse.Namespace, workload: ThroughputWorkload) -> dict[str, Any]:

@@ -22,3 +22,29 @@ def test_the_constrained_run_finds_nothing_of_the_free_run_in_the_cache(
     assert constrained["prefix_hit_rate"] == 0.0
     assert constrained["mask_fill_ms_per_step"] > 0
     assert constrained["mask_wait_ms_per_step"] > 0
+
+
+def test_a_decode_window_is_profiled_op_by_op_then_the_batch_is_gone(
+    smollm2_vocab_model: Path,
+) -> None:
+    """``--profile-steps``: the ops of a few decode steps, per step; the constrained
+    window's include the mask's work, and nothing of either batch stays in the engine."""
+    import json
+
+    from bench.step_kernels import format_profile, profile_decode_steps
+    from bench.structured import LONG_SCHEMA
+    from engine import StructuredOutputs
+
+    engine = LLMEngine(EngineConfig(model=str(smollm2_vocab_model), max_model_len=256))
+    prompts = [[5 + i, 17, 23, 42, 7] * 4 for i in range(3)]
+    free = profile_decode_steps(engine, prompts, steps=2)
+    schema = StructuredOutputs(json_schema=json.dumps(LONG_SCHEMA))
+    constrained = profile_decode_steps(engine, prompts, steps=2, structured=schema)
+    assert not engine.has_unfinished_requests()
+    for profile in (free, constrained):
+        assert profile["steps"] == 2 and profile["rows"] == 3 and profile["time"] == "cpu"
+        assert profile["ops"] and all(op["us_per_step"] > 0 for op in profile["ops"])
+    assert format_profile("json_schema", constrained).startswith("json_schema: 3 rows, 2 steps")
+    free_ops = {op["name"] for op in free["ops"]}
+    # the reference mask on the CPU: -inf where a bit is clear
+    assert "aten::masked_fill_" in {op["name"] for op in constrained["ops"]} - free_ops
