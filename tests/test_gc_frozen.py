@@ -84,6 +84,7 @@ def test_generate_steps_with_the_engine_frozen_and_ends_thawed(
     tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     llm = LLM(str(tiny_model_dirs["llama"]), device="cpu", max_model_len=64)
+    gc.unfreeze()  # what building it imported may have frozen objects (torch does on import)
     counts: list[int] = []
     step = llm.engine.step
 
@@ -103,6 +104,7 @@ def test_the_pause_bench_records_each_generation_frozen_and_not(
     from bench.gc_pauses import run_once
 
     llm = LLM(str(tiny_model_dirs["llama"]), device="cpu", max_model_len=64)
+    gc.unfreeze()  # what building it imported may have frozen objects (torch does on import)
     rows = [run_once(llm, num_prompts=4, output_len=8, frozen=frozen) for frozen in (False, True)]
     assert [row["frozen"] for row in rows] == [False, True]
     for row in rows:
