@@ -2,9 +2,9 @@
 # The GPU results recorded in bench/results: run from the repository root on a CUDA machine,
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
-#                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|moe|moe_more|
+#                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
 #                       moe_throughput|moe_latency]...
-# (default: all but vllm, matrix, allreduce, tp, tp_vllm, data_parallel and the moe steps,
+# (default: all but vllm, matrix, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
@@ -161,10 +161,19 @@ allreduce() {  # two GPUs: NCCL against the peer-buffer sums, by message size
 
 tp() {  # two GPUs: tensor parallelism (tests first: TP2 gives TP1's tokens)
     log gpu tests, tensor parallel
-    # a stuck test is dumped by a watchdog thread (the main thread may wait inside NCCL, where
-    # a signal handler never runs), and its rank processes killed with it
-    python -m pytest -q -x -p no:cacheprovider --timeout 240 --timeout-method thread \
-        tests/test_gpu_tensor_parallel.py || { pkill -9 -f multiprocessing.spawn; return 1; }
+    # each two-GPU engine runs in a fresh process (about 20-30 s a test). A stuck rank prints
+    # its stacks on SIGUSR1, which a watcher sends to any rank alive past 100 s: the
+    # watchdog thread of pytest-timeout never ran while the main thread held the GIL inside
+    # torch's symmetric-memory rendezvous (the hang of issue 28, two sessions)
+    ( while sleep 20; do for pid in $(pgrep -f engine.distributed.rank_main); do
+        [ "$(ps -o etimes= -p "$pid" | tr -d ' ')" -gt 100 ] 2>/dev/null && kill -USR1 "$pid"
+      done; done ) &
+    local watcher=$!
+    python -m pytest -q -s -p no:cacheprovider --timeout 240 --timeout-method thread \
+        tests/test_gpu_tensor_parallel.py
+    local status=$?
+    kill "$watcher"
+    [ "$status" = 0 ] || { pkill -9 -f engine.distributed.rank_main; return 1; }
     log latency llama3-8b on one GPU, on two with NCCL only, on two, unfused norm: tp-scaling-CARD.json
     local latency=("${PS[@]}" bench latency --batch-sizes 1,8,64 --max-model-len 4096 --no-progress)
     "${latency[@]}" --model dummy:llama3-8b --output-json "$OUT/latency-llama3-8b-tp1.json"
@@ -199,15 +208,22 @@ data_parallel() {  # two GPUs: one worker per GPU on one stream, against one wor
         --output-json "$OUT/serve-fleet-dp-$(card).json"
 }
 
+routing() {  # prefix-aware routing against the shared group, 2 workers (one per GPU with two)
+    log multiturn fleet llama3-8b, history-heavy: fleet-routing-llama3-8b-CARD.json
+    "${PS[@]}" bench multiturn --model dummy:llama3-8b --workers 2 --num-sessions 96 \
+        --num-turns 4 --system-len 256 --user-len 256-512 --output-len 64 --concurrency 16 \
+        --max-model-len 8192 --no-progress --output-json "$OUT/fleet-routing-llama3-8b-$(card).json"
+}
+
 structured() {  # constrained decoding: tests first (CUDA defaults), then the workload with and
     # without a JSON schema; with vLLM importable, vLLM's structured outputs on the same prompts
     log gpu tests, structured outputs
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu_structured.py \
-        tests/test_token_bitmask.py || return 1
+        tests/test_token_bitmask.py tests/test_gc_frozen.py || return 1
     log structured outputs qwen3-0.6b
     local compare=()
     python -c "import vllm" 2>/dev/null && compare=(--compare-vllm)
-    python -m bench.structured --model dummy:qwen3-0.6b "${compare[@]}" \
+    python -m bench.structured --model dummy:qwen3-0.6b "${compare[@]}" --profile-steps 20 \
         --out "$OUT/structured-qwen3-0.6b.json"
 }
 
