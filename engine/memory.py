@@ -57,30 +57,30 @@ def gc_frozen() -> Iterator[None]:
     walks only what the loop made, and the longest pause fell to 17 ms
     (docs/performance.md#cpu). The objects go back at the end, so that an engine dropped
     afterwards is collected as before. Inside a block that froze them already (in any
-    thread), nothing changes. Objects that someone else froze before (a pre-forking server
-    does) do not stop the freeze, but then the block hands nothing back: ``gc.unfreeze``
-    cannot tell their objects from the loop's. Nothing is frozen when ``PAGESTREAM_GC_FREEZE``
-    is 0.
+    thread), nothing changes. Objects someone else froze before the block (importing torch
+    2.11 on the GPU host freezes 375) are thawed with the loop's at its end: ``gc.unfreeze``
+    cannot tell them apart, and leaving the loop's frozen would keep a dropped engine's
+    reference cycles, and the device memory they hold, forever. Nothing is frozen when
+    ``PAGESTREAM_GC_FREEZE`` is 0.
     """
     if os.environ.get(GC_FREEZE_ENV, "1") == "0":
         yield
         return
     with _gc_lock:
-        _gc_state["depth"] += 1
-        if _gc_state["depth"] == 1:
-            _gc_state["thaw"] = gc.get_freeze_count() == 0
+        _gc_depth[0] += 1
+        if _gc_depth[0] == 1:
             gc.freeze()
     try:
         yield
     finally:
         with _gc_lock:
-            _gc_state["depth"] -= 1
-            if _gc_state["depth"] == 0 and _gc_state["thaw"]:
+            _gc_depth[0] -= 1
+            if _gc_depth[0] == 0:
                 gc.unfreeze()
 
 
 _gc_lock = threading.Lock()
-_gc_state = {"depth": 0, "thaw": True}  # gc_frozen blocks open in this process
+_gc_depth = [0]  # gc_frozen blocks open in this process, in any thread
 
 
 def prefer_expandable_segments() -> None:

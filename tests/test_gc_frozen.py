@@ -43,16 +43,18 @@ def test_a_failure_inside_still_hands_them_back() -> None:
     assert gc.get_freeze_count() == 0
 
 
-def test_objects_frozen_before_still_freeze_and_stay_frozen() -> None:
-    """A server that froze its objects before forking: the loop still freezes its own, and
-    thaws nothing afterwards (``gc.unfreeze`` cannot tell the two apart)."""
+def test_objects_frozen_before_do_not_stop_the_freeze_and_are_thawed_with_it() -> None:
+    """Importing torch 2.11 on the GPU host froze 375 objects, and the freeze took them for
+    an outer block of its own and stood down. Now the loop freezes its own, and at its end
+    thaws all (``gc.unfreeze`` cannot tell them apart, and a dropped engine's cycles must
+    not stay frozen)."""
     kept = [object()]
     gc.freeze()
     before = gc.get_freeze_count()
     made = [[index] for index in range(1000)]
     with gc_frozen():
         assert gc.get_freeze_count() >= before + len(made)
-    assert gc.get_freeze_count() >= before + len(made)
+    assert gc.get_freeze_count() == 0
     assert kept and made
 
 
