@@ -1,9 +1,9 @@
 """The client's side of prefix-aware routing (docs/routing.md): which stream an entry goes to.
 
 With routing on, ``AsyncClient.submit`` reads, in one pipelined round trip, the holders of
-each link of the request's chain (``{p}:px:{link}``, sorted sets the workers write) and the
-session's pin and the routing workers' names, then the heartbeats of those workers (the
-holders', the pin's, and every routing worker's, for the fleet's balance), and enqueues to the chosen worker's own
+each link of the request's chain (``{p}:px:{link}``, sorted sets the workers write), the
+session's pin and the routing workers' names, then the heartbeats of those workers (every
+routing worker's, for the fleet's balance), and enqueues to the chosen worker's own
 stream, ``{p}:requests:{name}``, or to the request's shard (``{p}:requests`` with one). The
 enqueue is a script that appends only while the chosen worker's stream exists, in the same
 atomic step: an entry never lands in a stream already pruned (a worker's stream is pruned
