@@ -2,8 +2,8 @@
 
 With routing on, ``AsyncClient.submit`` reads, in one pipelined round trip, the holders of
 each link of the request's chain (``{p}:px:{link}``, sorted sets the workers write), the
-session's pin and the routing workers' names, then the heartbeats of those workers (every
-routing worker's, for the fleet's balance), and enqueues to the chosen worker's own
+session's pin; takes every routing worker's load from their heartbeats (read at most once a
+second, for the fleet's balance); and enqueues to the chosen worker's own
 stream, ``{p}:requests:{name}``, or to the request's shard (``{p}:requests`` with one). The
 enqueue is a script that appends only while the chosen worker's stream exists, in the same
 atomic step: an entry never lands in a stream already pruned (a worker's stream is pruned
@@ -14,6 +14,7 @@ one key, so it runs in a Redis Cluster too.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from typing import Any
 
@@ -23,6 +24,7 @@ from clients.protocol import Keys, Request, WorkerStatus
 from clients.routing import WorkerLoad, choose_worker_why, link_key, request_chain
 
 ROUTING_ENV = "PAGESTREAM_ROUTING"
+FLEET_REFRESH_S = 1.0  # how long a client reuses its reading of the fleet's heartbeats
 SHARDS_ENV = "PAGESTREAM_SHARDS"
 
 # KEYS: the chosen worker's stream. ARGV: the payload. Returns the entry id, or false when
@@ -55,13 +57,16 @@ def shards_from_env() -> int:
 class Router:
     """Chooses a request's stream and enqueues it there (``route``)."""
 
-    def __init__(self, redis: Any, keys: Keys) -> None:
+    def __init__(self, redis: Any, keys: Keys, fleet_refresh_s: float = FLEET_REFRESH_S) -> None:
         self.redis = redis
         self.keys = keys
+        self.fleet_refresh_s = fleet_refresh_s
         self._enqueue = redis.register_script(ENQUEUE_SCRIPT)
         # where this client's entries went and why (``choose_worker_why``'s reasons, and
         # ``stream gone`` for a routed entry whose stream was pruned): benchmarks read it
         self.choices: Counter[str] = Counter()
+        self._fleet: dict[str, WorkerLoad] = {}
+        self._fleet_read_s = -float("inf")  # never read
 
     async def choose(self, request: Request) -> str | None:
         """The worker to route ``request`` to, or None for the shared stream."""
@@ -77,19 +82,32 @@ class Router:
             pipe.zrange(link_key(self.keys.prefix, link), 0, -1)
         if request.session is not None:
             pipe.get(self.keys.session(request.session))
-        pipe.smembers(self.keys.routed_workers)  # every routing worker: the fleet's balance
         replies = await pipe.execute()
         holders = [[protocol_text(name) for name in names] for names in replies[: len(chain)]]
-        pinned = protocol_text(replies[-2]) if request.session is not None and replies[-2] else None
+        pinned = protocol_text(replies[-1]) if request.session is not None and replies[-1] else None
         named = {name for names in holders for name in names}
         if not named and pinned is None:
             return None, "no holder"
-        fleet = {protocol_text(name) for name in replies[-1]}
-        names = sorted(named | fleet | ({pinned} if pinned is not None else set()))
-        beats = await get_many(self.redis, [self.keys.worker(name) for name in names])
-        loads = {name: _load(beat) for name, beat in zip(names, beats, strict=True) if beat}
-        live = {name: load for name, load in loads.items() if load is not None}
+        live = await self._fleet_loads()
+        wanted = named if pinned is None else named | {pinned}
+        unseen = sorted(name for name in wanted if name not in live)
+        if unseen:  # a worker newer than the fleet's last reading
+            beats = await get_many(self.redis, [self.keys.worker(name) for name in unseen])
+            live.update(_live_loads(unseen, beats))
         return choose_worker_why(holders, live, pinned)
+
+    async def _fleet_loads(self) -> dict[str, WorkerLoad]:
+        """Every live routing worker's load from its heartbeat (``{p}:routed``'s members),
+        read at most every ``fleet_refresh_s``: a heartbeat is seconds old already, and a
+        fleet of a hundred workers is not read again for every request."""
+        now_s = time.monotonic()
+        if now_s - self._fleet_read_s >= self.fleet_refresh_s:
+            names = sorted(
+                protocol_text(n) for n in await self.redis.smembers(self.keys.routed_workers)
+            )
+            beats = await get_many(self.redis, [self.keys.worker(name) for name in names])
+            self._fleet, self._fleet_read_s = _live_loads(names, beats), now_s
+        return dict(self._fleet)
 
     async def enqueue(self, request: Request, payload: bytes) -> str | None:
         """Enqueue ``payload`` (the encoded ``request``); returns the worker it was routed to,
@@ -104,6 +122,12 @@ class Router:
         shard = self.keys.shard_for(request.id, request.session)
         await self.redis.xadd(shard, {protocol.PAYLOAD_FIELD: payload})
         return None
+
+
+def _live_loads(names: list[str], beats: list[Any]) -> dict[str, WorkerLoad]:
+    """The loads of the workers whose heartbeat is there and readable."""
+    loads = {name: _load(beat) for name, beat in zip(names, beats, strict=True) if beat}
+    return {name: load for name, load in loads.items() if load is not None}
 
 
 def _load(beat: bytes) -> WorkerLoad | None:

@@ -122,7 +122,7 @@ def test_a_holder_far_busier_than_an_idle_worker_that_holds_nothing_yields(
 
     async def main(server: RedisServer) -> None:
         redis = aioredis.Redis(port=server.port)
-        router = Router(redis, KEYS)
+        router = Router(redis, KEYS, fleet_refresh_s=0.0)  # every heartbeat read anew
         history = tokens(4, 100)
         request = protocol.new_request("r", token_ids=history, now_ms=0)
         fake_worker(server, "loaded", num_in_flight=6)
@@ -132,6 +132,14 @@ def test_a_holder_far_busier_than_an_idle_worker_that_holds_nothing_yields(
         assert await router.choose(request) == "loaded"  # 6 against 4: in balance
         fake_worker(server, "spare", num_in_flight=0)
         assert await router.choose(request) is None  # 6 against 0: the shared stream
+        # a client reads the fleet at most once a second (by default): a change within it
+        # is seen after it
+        cached = Router(redis, KEYS)
+        assert await cached.choose(request) is None
+        fake_worker(server, "spare", num_in_flight=4)
+        assert await cached.choose(request) is None  # the reading of a moment ago
+        cached.fleet_refresh_s = 0.0
+        assert await cached.choose(request) == "loaded"
         await redis.aclose(close_connection_pool=True)
 
     asyncio.run(main(redis_server))
