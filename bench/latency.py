@@ -74,6 +74,7 @@ def run_latency(
             **dataclasses.asdict(engine.config),
             **dataclasses.asdict(workload),
             "dtype_resolved": str(engine.dtype).removeprefix("torch."),
+            "all_reduce": engine.group.sums,  # which path summed (a later engine: NCCL)
         },
         "copy_bytes_per_s": copy_bytes_per_s,
         "weights_bytes": engine.loaded.weights_bytes,

@@ -206,6 +206,7 @@ def resolved_settings(engine: LLMEngine) -> dict[str, Any]:
         "paged_attention": engine.config.use_paged_attention(),
         "cuda_graphs": engine.runner.uses_cuda_graphs,
         "tensor_parallel_size": engine.group.size,
+        "all_reduce": engine.group.sums,  # which path summed (a later engine: NCCL)
         "num_kv_pages": engine.kv_cache.num_blocks,
         "num_offload_pages": engine.kv_cache.offload_pages.shape[0],  # host prefix tier
         "kv_page_tokens": engine.kv_cache.spec.block_size,

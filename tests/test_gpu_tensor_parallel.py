@@ -59,8 +59,7 @@ def _tokens_and_sums(model: str, **settings: object) -> tuple[list[list[int]], b
 def _run_tokens_and_sums(model: str, **settings: object) -> tuple[list[list[int]], bool, str]:
     with LLM(model, device="cuda", **SMALL, **settings) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        peer = llm.engine.runner.group.peer
-        sums = "nccl" if peer is None else peer.method + ("+norm" if peer.norm else "")
+        sums = llm.engine.runner.group.sums
         return [out.token_ids for out in outputs], llm.engine.runner.uses_cuda_graphs, sums
 
 

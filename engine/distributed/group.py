@@ -51,6 +51,18 @@ class TensorParallelGroup:
     steps: StepChannel | None = None  # rank 0's step messages (else the control group)
 
     @property
+    def sums(self) -> str:
+        """Which path sums the model's all-reduces: ``none`` (one rank), ``gloo``, ``nccl``,
+        or the peer method (``auto``, ``one-shot``, ``two-shot``) with ``+norm`` where the
+        sums before a norm are fused with it. Benchmarks record it; tests check it."""
+        if self.size == 1:
+            return "none"
+        if self.peer is None:
+            backend = dist.get_backend(self.device_group) if dist.is_initialized() else "nccl"
+            return str(backend)
+        return self.peer.method + ("+norm" if self.peer.norm is not None else "")
+
+    @property
     def is_driver(self) -> bool:
         """Rank 0: schedules, samples, and tells the others what to run."""
         return self.rank == 0
