@@ -82,6 +82,24 @@ def _assert_residual(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, atol=INTERPRETED_BF16_ATOL, rtol=2.0**-7)
 
 
+def _fused_and_expected(
+    partials: torch.Tensor,  # [world, T, H]: every rank's share
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    fake: FakePeers,
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's (normed, new residual) as rank ``rank``, and the reference's, taken
+    before the kernel adds into ``residual`` in place."""
+    expected_normed, expected_sum = allreduce_add_rms_norm_ref(
+        partials.cpu(), None if residual is None else residual.cpu(), weight.cpu(), EPS
+    )
+    normed, total = allreduce_norm_triton.allreduce_add_rms_norm(
+        partials[rank], residual, weight, EPS, fake.peers
+    )
+    return normed, total, expected_normed, expected_sum
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(("world_size", "rank", "rows", "size"), [(2, 0, 1, 128), (3, 1, 5, 96)])
 def test_the_sum_plus_residual_and_its_norm_match_the_reference(
@@ -90,11 +108,8 @@ def test_the_sum_plus_residual_and_its_norm_match_the_reference(
     partials, residual, weight = _inputs(world_size, rows, size, dtype, seed=rows + size)
     fake = FakePeers(world_size, rank, dtype)
     fake.post(partials, slot=0)
-    expected_normed, expected_sum = allreduce_add_rms_norm_ref(
-        partials.cpu(), residual.cpu(), weight.cpu(), EPS
-    )
-    normed, new_residual = allreduce_norm_triton.allreduce_add_rms_norm(
-        partials[rank], residual, weight, EPS, fake.peers
+    normed, new_residual, expected_normed, expected_sum = _fused_and_expected(
+        partials, residual, weight, fake, rank
     )
     assert new_residual.data_ptr() == residual.data_ptr()  # in place, as fused_add_rms_norm
     _assert_residual(new_residual.cpu(), expected_sum)
@@ -109,11 +124,8 @@ def test_without_a_residual_the_sum_is_the_new_residual_and_fp32_weights_promote
     weight = weight.float()
     fake = FakePeers(2, 1, torch.bfloat16)
     fake.post(partials, slot=0)
-    normed, total = allreduce_norm_triton.allreduce_add_rms_norm(
-        partials[1], None, weight, EPS, fake.peers
-    )
-    expected_normed, expected_sum = allreduce_add_rms_norm_ref(
-        partials.cpu(), None, weight.cpu(), EPS
+    normed, total, expected_normed, expected_sum = _fused_and_expected(
+        partials, None, weight, fake, rank=1
     )
     assert normed.dtype == torch.float32 and total.dtype == torch.bfloat16
     _assert_residual(total.cpu(), expected_sum)
@@ -131,11 +143,8 @@ def test_calls_alternate_slots_and_more_rows_than_programs_loop() -> None:
         slot = call % 2
         fake.buffers[0, slot].zero_()
         fake.post(partials, slot)
-        expected_normed, expected_sum = allreduce_add_rms_norm_ref(
-            partials.cpu(), residual.cpu(), weight.cpu(), EPS
-        )
-        normed, total = allreduce_norm_triton.allreduce_add_rms_norm(
-            partials[0], residual, weight, EPS, fake.peers
+        normed, total, expected_normed, expected_sum = _fused_and_expected(
+            partials, residual, weight, fake, rank=0
         )
         assert torch.equal(total.cpu(), expected_sum)
         torch.testing.assert_close(normed.cpu(), expected_normed, atol=2e-5, rtol=2e-5)
@@ -160,11 +169,8 @@ def test_the_barrier_takes_the_other_ranks_arrival_and_leaves_its_own() -> None:
     fake.post(partials, slot=0)
     for program in range(rows):
         fake.pads[0, fake.signal_slot(program, rank=1)] = 1
-    expected_normed, expected_sum = allreduce_add_rms_norm_ref(
-        partials.cpu(), residual.cpu(), weight.cpu(), EPS
-    )
-    normed, total = allreduce_norm_triton.allreduce_add_rms_norm(
-        partials[0], residual, weight, EPS, fake.peers
+    normed, total, expected_normed, expected_sum = _fused_and_expected(
+        partials, residual, weight, fake, rank=0
     )
     assert torch.equal(total.cpu(), expected_sum)
     torch.testing.assert_close(normed.cpu(), expected_normed, atol=2e-5, rtol=2e-5)

@@ -15,12 +15,7 @@ from engine.memory import GC_FREEZE_ENV, gc_frozen
 @pytest.fixture(autouse=True)
 def _thawed() -> None:
     """Start with nothing frozen: importing torch 2.11 on the GPU host froze 375 objects (the
-    check these tests make of a count of 0 failed there). Triton is imported first, as the
-    engine will, in case it does the same."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is not None:
-        import triton  # noqa: F401
+    checks below of a count of 0 failed there)."""
     gc.unfreeze()
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.distributed.peer_allreduce import PeerAllReduce
+from engine.distributed.peer_allreduce import MAX_PEER_BYTES, PeerAllReduce
 from engine.distributed.step_channel import StepChannel
 from engine.host_inputs import StepMessage
 
@@ -49,6 +49,7 @@ class TensorParallelGroup:
     control_group: Any = None
     peer: PeerAllReduce | None = None  # small all-reduces on CUDA
     steps: StepChannel | None = None  # rank 0's step messages (else the control group)
+    backend: str = "none"  # the device group's: nccl, or gloo on the CPU
 
     @property
     def sums(self) -> str:
@@ -58,8 +59,7 @@ class TensorParallelGroup:
         if self.size == 1:
             return "none"
         if self.peer is None:
-            backend = dist.get_backend(self.device_group) if dist.is_initialized() else "nccl"
-            return str(backend)
+            return self.backend
         return self.peer.method + ("+norm" if self.peer.norm is not None else "")
 
     @property
@@ -86,15 +86,14 @@ class TensorParallelGroup:
         # as long as the engine idles, where a collective's timeout would end them
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         peer = PeerAllReduce.create(dist.group.WORLD, store, device, rank)
+        group = cls(rank, size, dist.group.WORLD, control, peer, backend=backend)
         if rank == 0:
             logger.info(
-                "tensor parallel: all-reduce on %s%s",
-                "NCCL" if peer is None else f"peer buffers ({peer.method}) and NCCL",
-                ""
-                if peer is None or peer.norm is None
-                else f"; fused with the norm up to {peer.fused_max_bytes} bytes",
-            )
-        return cls(rank, size, dist.group.WORLD, control, peer)
+                "tensor parallel: all-reduce on %s%s", group.sums,
+                "" if peer is None else f" (peer buffers up to {MAX_PEER_BYTES} bytes, "
+                f"{backend} past them; +norm: up to {peer.fused_max_bytes} with the norm)",
+            )  # fmt: skip
+        return group
 
     @staticmethod
     def ready_key(rank: int) -> str:
