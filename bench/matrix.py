@@ -135,16 +135,21 @@ def run_matrix(
     path: Path,
     resume: bool,
     use_tqdm: bool = True,
+    profile_every: int = 0,
 ) -> dict[str, Any]:
-    """Run every missing side of every row of ``groups``; the record, saved after each."""
+    """Run every missing side of every row of ``groups``; the record, saved after each.
+
+    ``profile_every``: both sides profile one step in that many of each throughput row
+    (``bench/kernel_sample.py``): the rows then say where the kernel time goes, and their
+    figures are a profiled run's."""
     if path.exists() and not resume:
         raise ConfigError(
             f"{path} exists: pass --resume to add to it, or another --output-json to start anew"
         )
     record = (
-        load_for_resume(path, config, peer, scale)
+        load_for_resume(path, config, peer, scale, profile_every)
         if path.exists()
-        else new_record(config, peer, scale)
+        else new_record(config, peer, scale, profile_every)
     )
     sides = [*([peer] if peer else []), ENGINE]  # the peer first, on an empty GPU
     todo = [
@@ -160,9 +165,14 @@ def run_matrix(
             progress.starting(side, group.label)
             group_config = dataclasses.replace(config, model=group.model)
             if side == ENGINE:
-                _run_engine(record, path, group, group_config, workloads, progress, use_tqdm)
+                _run_engine(
+                    record, path, group, group_config, workloads, progress, use_tqdm, profile_every
+                )
             else:
-                _run_peer(record, path, group, group_config, workloads, side, scale, progress)
+                _run_peer(
+                    record, path, group, group_config, workloads, side, scale, progress,
+                    profile_every,
+                )  # fmt: skip
             _plot(record, path)
     finally:
         progress.close()
@@ -177,11 +187,13 @@ def _run_engine(
     workloads: list[MatrixWorkload],
     progress: _Progress,
     use_tqdm: bool,
+    profile_every: int,
 ) -> None:
     engine = LLMEngine(config)
     try:
         record["engines"][group.model] = engine_info(engine)
-        for workload, result in engine_results(engine, workloads, use_tqdm=use_tqdm):
+        results = engine_results(engine, workloads, use_tqdm=use_tqdm, profile_every=profile_every)
+        for workload, result in results:
             row = add_result(record, group.label, group.model, workload, ENGINE, result)
             save_record(record, path)
             progress.done(ENGINE, row)
@@ -200,6 +212,7 @@ def _run_peer(
     peer: str,
     scale: float,
     progress: _Progress,
+    profile_every: int,
 ) -> None:
     """The peer in its own process; each result saved as the child reports it."""
     by_name = {w.name: w for w in workloads}
@@ -219,11 +232,13 @@ def _run_peer(
     if peer == "vllm":
         from bench.vllm_peer import matrix_peer_args, run_vllm_peer
 
-        run_vllm_peer("matrix", matrix_peer_args(config, workloads, scale), on_record)
+        peer_args = matrix_peer_args(config, workloads, scale, profile_every)
+        run_vllm_peer("matrix", peer_args, on_record)
     else:
         arguments = [
             "--config-json", json.dumps(dataclasses.asdict(config)),
             "--workloads", ",".join(by_name), "--scale", repr(scale),
+            "--profile-every", str(profile_every),
         ]  # fmt: skip
         run_peer_module("bench.matrix_engine", arguments, name="self", on_record=on_record)
 

@@ -28,17 +28,20 @@ from engine.llm_engine import LLMEngine
 
 
 def engine_results(
-    engine: LLMEngine, workloads: list[MatrixWorkload], *, use_tqdm: bool
+    engine: LLMEngine, workloads: list[MatrixWorkload], *, use_tqdm: bool, profile_every: int = 0
 ) -> Iterator[tuple[MatrixWorkload, dict[str, Any]]]:
-    """Each workload's result on ``engine``, as it finishes: a throughput run's results, or a
-    latency batch's (with ``tpot_s``, its mean time per output token)."""
+    """Each workload's result on ``engine``, as it finishes: a throughput run's results (with
+    ``kernel_profile`` when ``profile_every``), or a latency batch's (with ``tpot_s``, its
+    mean time per output token)."""
     copy_bytes_per_s: float | None = None
     for workload in workloads:
         if workload.latency is None:
             assert workload.throughput is not None
             yield (
                 workload,
-                run_throughput(engine, workload.throughput, use_tqdm=use_tqdm)["results"],
+                run_throughput(
+                    engine, workload.throughput, use_tqdm=use_tqdm, profile_every=profile_every
+                )["results"],
             )
             continue
         if copy_bytes_per_s is None and engine.device.type == "cuda":
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-json", required=True, help="the EngineConfig's fields")
     parser.add_argument("--workloads", required=True, help="matrix workload names")
     parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--profile-every", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     config = EngineConfig(**json.loads(args.config_json))
@@ -77,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {"peer": "self", "kind": "matrix", **engine_info(engine)}
     record["results"] = []
     write_json_atomically(out, record)
-    for workload, result in engine_results(engine, workloads, use_tqdm=False):
+    results = engine_results(engine, workloads, use_tqdm=False, profile_every=args.profile_every)
+    for workload, result in results:
         record["results"].append({"workload": workload.name, **result})
         write_json_atomically(out, record)  # the parent follows it result by result
     engine.shutdown()

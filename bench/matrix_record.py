@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.kernel_sample import category_gap, format_gap
 from bench.matrix_workloads import (
     TOK_S_TARGET,
     TPOT_TARGET,
@@ -42,7 +43,9 @@ def _device(config: EngineConfig) -> str | None:
     return None if config.device == "auto" else config.device
 
 
-def new_record(config: EngineConfig, peer: str | None, scale: float) -> dict[str, Any]:
+def new_record(
+    config: EngineConfig, peer: str | None, scale: float, profile_every: int = 0
+) -> dict[str, Any]:
     return {
         "kind": "matrix",
         "created_utc": utc_now(),
@@ -50,6 +53,7 @@ def new_record(config: EngineConfig, peer: str | None, scale: float) -> dict[str
         "machine": machine_info(_device(config)),
         "peer": peer,
         "scale": scale,
+        "profile_every": profile_every,
         "targets": {"output_tok_s": TOK_S_TARGET, "tpot_s": TPOT_TARGET},
         "settings": {"model": "", "models": [], **_engine_settings(config)},
         "workloads": {},
@@ -60,9 +64,10 @@ def new_record(config: EngineConfig, peer: str | None, scale: float) -> dict[str
 
 
 def load_for_resume(
-    path: Path, config: EngineConfig, peer: str | None, scale: float
+    path: Path, config: EngineConfig, peer: str | None, scale: float, profile_every: int = 0
 ) -> dict[str, Any]:
-    """The record at ``path``, checked to be the same matrix (peer, scale, card, settings)."""
+    """The record at ``path``, checked to be the same matrix (peer, scale, profiling, card,
+    settings)."""
     try:
         record: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -75,6 +80,7 @@ def load_for_resume(
         for name, record_value, value in (
             ("peer", record["peer"], peer),
             ("scale", record["scale"], scale),
+            ("profile_every", record.get("profile_every", 0), profile_every),
             ("card", record["machine"]["device_name"], here["device_name"]),
             ("host", record["machine"]["hostname"], here["hostname"]),
         )
@@ -160,6 +166,9 @@ def _update_figures(row: dict[str, Any], peer: str | None) -> None:
             row[f"{side}_{suffix}"] = row[side][metric]
     if peer is None or ENGINE not in row or peer not in row:
         return
+    if "kernel_profile" in row[ENGINE] and "kernel_profile" in row[peer]:
+        gap = category_gap(row[ENGINE]["kernel_profile"], row[peer]["kernel_profile"])
+        row["kernel_gap_s"] = gap  # per kind of kernel: our seconds minus the peer's
     ratio = row[ENGINE][metric] / row[peer][metric]
     lower_is_better = row["better"] == "lower"
     row["ratio"] = ratio
@@ -172,10 +181,13 @@ def save_record(record: dict[str, Any], path: Path) -> None:
     write_json_atomically(path, record)
 
 
-def default_path(root: Path, config: EngineConfig, scale: float) -> Path:
-    """``<root>/matrix-<card>.json`` (``-scale<F>`` before ``.json`` for a scaled run)."""
+def default_path(root: Path, config: EngineConfig, scale: float, profile_every: int = 0) -> Path:
+    """``<root>/matrix-<card>.json`` (``-scale<F>`` before ``.json`` for a scaled run,
+    ``-profile`` for a profiled one, whose figures are not the measured ones)."""
     card = card_slug(machine_info(_device(config))["device_name"])
-    return root / (f"matrix-{card}.json" if scale == 1 else f"matrix-{card}-scale{scale:g}.json")
+    scaled = "" if scale == 1 else f"-scale{scale:g}"
+    profiled = "-profile" if profile_every else ""
+    return root / f"matrix-{card}{scaled}{profiled}.json"
 
 
 def card_slug(device_name: str) -> str:
@@ -202,6 +214,11 @@ def format_matrix(record: dict[str, Any]) -> str:
                 else f"{ratio:5.2f}  {'met' if row['meets_target'] else 'missed'}"
             )
         )
+    for row in record["results"]:
+        ours, theirs = row.get(ENGINE, {}), row.get(peer, {})
+        if "kernel_profile" in ours and "kernel_profile" in theirs:
+            label = f"{row['model']} {row['workload']}"
+            lines.append(format_gap(label, ours["kernel_profile"], theirs["kernel_profile"], peer))
     return "\n".join(lines)
 
 

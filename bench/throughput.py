@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from bench.kernel_sample import KernelSampler
 from bench.records import machine_info, percentiles, speculative_counts
 from bench.workloads import (
     NUM_WARMUP_PROMPTS,
@@ -28,6 +30,7 @@ from engine.errors import ConfigError
 from engine.llm import LLM
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.memory import gc_frozen
+from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from engine.step_profile import StepProfiler
 from engine.structured import StructuredOutputs
@@ -36,14 +39,22 @@ BYTES_PER_GB = 1e9
 
 
 def run_throughput(
-    llm_or_engine: LLM | LLMEngine, workload: ThroughputWorkload, *, use_tqdm: bool = True
+    llm_or_engine: LLM | LLMEngine,
+    workload: ThroughputWorkload,
+    *,
+    use_tqdm: bool = True,
+    profile_every: int = 0,
 ) -> dict[str, Any]:
-    """Run every prompt of ``workload`` at once; the benchmark record (see module docstring)."""
+    """Run every prompt of ``workload`` at once; the benchmark record (see module docstring).
+
+    ``profile_every``: profile one step in that many (``bench/kernel_sample.py``) and add the
+    run's kernel time by category as ``kernel_profile`` (0: none)."""
     engine = llm_or_engine.engine if isinstance(llm_or_engine, LLM) else llm_or_engine
     _check_fits(engine, workload)
     prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
     created_utc = datetime.now(timezone.utc)
-    results = _measure(engine, prompts, use_tqdm, workload.num_warmup_prompts)
+    sampler = KernelSampler(profile_every, engine.device) if profile_every else None
+    results = _measure(engine, prompts, use_tqdm, workload.num_warmup_prompts, sampler=sampler)
     return {
         "kind": "throughput",
         "created_utc": created_utc.isoformat(timespec="seconds"),
@@ -92,8 +103,10 @@ def _measure(
     use_tqdm: bool,
     num_warmup_prompts: int = NUM_WARMUP_PROMPTS,
     structured: StructuredOutputs | None = None,
+    sampler: KernelSampler | None = None,
 ) -> dict[str, Any]:
-    """One timed run of ``prompts`` (each under ``structured`` when given: bench/structured.py)."""
+    """One timed run of ``prompts`` (each under ``structured`` when given: bench/structured.py;
+    one step in ``sampler.every`` profiled when given)."""
     _warm_up(engine, warmup_prompts(prompts, num_warmup_prompts), structured)
     stats_before = engine.stats()
     if engine.device.type == "cuda":
@@ -102,11 +115,13 @@ def _measure(
     start_s = time.perf_counter()
     for index, prompt in enumerate(prompts):
         _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len, structured)
-    tally = _step_until_done(engine, len(prompts), start_s, use_tqdm)
+    step = engine.step if sampler is None else sampler.wrapping(engine.step)
+    tally = _step_until_done(engine, step, len(prompts), start_s, use_tqdm)
     elapsed_s = time.perf_counter() - start_s
     engine.step_profiler = StepProfiler(enabled=False)
     num_input_tokens = sum(len(p.token_ids) for p in prompts)
     weights_bytes = engine.loaded.weights_bytes
+    profiled = {} if sampler is None else {"kernel_profile": sampler.summary()}
     return {
         "elapsed_s": elapsed_s,
         "num_requests": len(prompts),
@@ -129,6 +144,7 @@ def _measure(
         "step_profile": profiler.summary(elapsed_s),
         # speculative decoding (random prompts give prompt lookup little to find)
         "speculative": speculative_counts(stats_before, engine.stats()),
+        **profiled,
     }
 
 
@@ -165,7 +181,11 @@ def _add(
 
 
 def _step_until_done(
-    engine: LLMEngine, num_requests: int, start_s: float, use_tqdm: bool
+    engine: LLMEngine,
+    step: Callable[[], list[StepOutput]],
+    num_requests: int,
+    start_s: float,
+    use_tqdm: bool,
 ) -> _Tally:
     tally = _Tally()
     with (
@@ -173,7 +193,7 @@ def _step_until_done(
         gc_frozen(),  # as the worker's engine thread and LLM.generate run
     ):
         while engine.has_unfinished_requests():
-            step_outputs = engine.step()
+            step_outputs = step()
             now_s = time.perf_counter()
             tally.num_steps += 1
             for out in step_outputs:

@@ -150,7 +150,7 @@ def speculative_peer_args(
 
 
 def matrix_peer_args(
-    config: EngineConfig, workloads: list[MatrixWorkload], scale: float
+    config: EngineConfig, workloads: list[MatrixWorkload], scale: float, profile_every: int = 0
 ) -> list[str]:
     """The child's flags for ``bench matrix``: the engine's limits and the workloads by name."""
     return [
@@ -158,6 +158,7 @@ def matrix_peer_args(
         "--workloads", ",".join(w.name for w in workloads),
         "--scale", repr(scale),
         "--seed", str(config.seed),
+        "--profile-every", str(profile_every),
     ]  # fmt: skip
 
 
@@ -248,7 +249,8 @@ def _results(llm: Any, vocab_size: int, args: argparse.Namespace) -> Iterator[di
         from bench.matrix_workloads import select_workloads
 
         for row in select_workloads(args.workloads, seed=args.seed, scale=args.scale):
-            yield {"workload": row.name, **_matrix_result(llm, vocab_size, row)}
+            result = _matrix_result(llm, vocab_size, row, args.profile_every)
+            yield {"workload": row.name, **result}
     else:
         for batch in args.batch_sizes:
             yield _latency(llm, vocab_size, _latency_workload(args, batch), batch)
@@ -280,6 +282,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--workloads", type=_names, default=(), help="matrix workload names")
     parser.add_argument("--scale", type=float, default=1.0, help="matrix workload scale")
+    parser.add_argument(
+        "--profile-every", type=int, default=0, help="matrix: profile one step in N (0: none)"
+    )
     parser.add_argument("--json-schema", help="throughput: a file holding a JSON schema")
     return parser
 
@@ -437,19 +442,32 @@ def _throughput_workload(args: argparse.Namespace, num: int) -> ThroughputWorklo
 
 
 def _throughput(
-    llm: Any, vocab_size: int, workload: ThroughputWorkload, json_schema: str | None = None
+    llm: Any,
+    vocab_size: int,
+    workload: ThroughputWorkload,
+    json_schema: str | None = None,
+    profile_every: int = 0,
 ) -> dict[str, Any]:
     """The engine's throughput run: the same prompts and warm-up, all submitted at once (each
-    under ``json_schema`` when given)."""
+    under ``json_schema`` when given; one step in ``profile_every`` profiled, as pagestream's
+    are: ``bench/kernel_sample.py``)."""
+    from bench.kernel_sample import KernelSampler
     from bench.workloads import make_random_prompts, warmup_prompts
 
     prompts = make_random_prompts(workload, vocab_size)
     warm = warmup_prompts(prompts, workload.num_warmup_prompts)  # the engine's own warm-up
     _generate(llm, [p.token_ids for p in warm], [p.output_len for p in warm], json_schema)
+    sampler = KernelSampler(profile_every, "cuda") if profile_every else None
+    if sampler is not None:  # LLM.generate's loop calls llm_engine.step(): sample through it
+        llm.llm_engine.step = sampler.wrapping(llm.llm_engine.step)
     start_s = time.perf_counter()
-    outs = _generate(
-        llm, [p.token_ids for p in prompts], [p.output_len for p in prompts], json_schema
-    )
+    try:
+        outs = _generate(
+            llm, [p.token_ids for p in prompts], [p.output_len for p in prompts], json_schema
+        )
+    finally:
+        if sampler is not None:
+            del llm.llm_engine.step  # the class's method again
     elapsed_s = time.perf_counter() - start_s
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p.token_ids) for p in prompts)
@@ -459,16 +477,19 @@ def _throughput(
         "output_tokens": num_out,
         "output_tok_s": num_out / elapsed_s,
         "total_tok_s": (num_in + num_out) / elapsed_s,
+        **({} if sampler is None else {"kernel_profile": sampler.summary()}),
     }
     print(f"vllm throughput {len(prompts)} prompts: {result['output_tok_s']:.0f} out tok/s")
     return result
 
 
-def _matrix_result(llm: Any, vocab_size: int, workload: MatrixWorkload) -> dict[str, Any]:
+def _matrix_result(
+    llm: Any, vocab_size: int, workload: MatrixWorkload, profile_every: int = 0
+) -> dict[str, Any]:
     if workload.latency is not None:
         return _latency(llm, vocab_size, workload.latency, workload.latency.batch_sizes[0])
     assert workload.throughput is not None
-    return _throughput(llm, vocab_size, workload.throughput)
+    return _throughput(llm, vocab_size, workload.throughput, profile_every=profile_every)
 
 
 def _speculative(llm: Any, vocab_size: int, args: argparse.Namespace, batch: int) -> dict[str, Any]:

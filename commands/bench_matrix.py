@@ -52,6 +52,15 @@ def configure_matrix(parser: argparse.ArgumentParser) -> None:
         help="every prompt count and length times F (at most 1), for a quick check that the "
         "whole matrix runs; the record says so (default 1)",
     )
+    w.add_argument(
+        "--profile-every",
+        type=_profile_every,
+        default=0,
+        metavar="N",
+        help="profile one step in N of every throughput row, on both sides, and record the "
+        "kernel time by kind (attention, GEMM, ...): where a row's gap is. The figures are a "
+        "profiled run's; the record defaults to matrix-<card>-profile.json (default 0: off)",
+    )
     finish_engine_bench(parser, w, _run_bench_matrix)
     parser.set_defaults(model=None)  # --models names them; --model would be ignored
 
@@ -73,6 +82,16 @@ def _scale(text: str) -> float:
     if not 0 < scale <= 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return scale
+
+
+def _profile_every(text: str) -> int:
+    try:
+        every = int(text)
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps (0: off), got {text!r}")
+    return every
 
 
 def _workloads(text: str) -> tuple[str, ...]:
@@ -106,10 +125,10 @@ def _run_bench_matrix(args: argparse.Namespace) -> int:
         workloads = select_workloads(args.workloads, seed=config.seed, scale=args.scale)
         groups = plan_groups(list(args.models), workloads, config)
         if args.output_json is None or path.is_dir():  # matrix-<card>.json in that folder
-            path = default_path(path, config, args.scale)
+            path = default_path(path, config, args.scale, args.profile_every)
         record = run_matrix(
             config, groups, peer=args.compare, scale=args.scale, path=path,
-            resume=args.resume, use_tqdm=not args.no_progress,
+            resume=args.resume, use_tqdm=not args.no_progress, profile_every=args.profile_every,
         )  # fmt: skip
     except (PagestreamError, PeerError) as exc:
         raise CommandError(str(exc)) from exc

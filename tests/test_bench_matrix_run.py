@@ -81,3 +81,35 @@ def test_a_matrix_against_itself_then_resumed(
     assert after["shared-prefix"] == before["shared-prefix"]
     assert after["tpot-b64"]["pagestream"]["batch"] == 1  # 64 at scale 0.02
     assert after["tpot-b64"]["self"]["batch"] == 1
+
+
+def test_a_profiled_matrix_says_where_each_sides_time_goes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "out"
+    folder.mkdir()
+    code, out, _ = run_cli(
+        [*_matrix(folder, "standard-64,tpot-b1", "--profile-every", "2")], capsys
+    )
+    assert code == 0
+    path = folder / "matrix-cpu-scale0.02-profile.json"  # never mistaken for measured figures
+    record = json.loads(path.read_text())
+    assert record["profile_every"] == 2
+    row = _rows(path)["standard-64"]
+    for side in ("pagestream", "self"):
+        profile = row[side]["kernel_profile"]
+        assert profile["every"] == 2 and profile["time"] == "cpu"
+        assert profile["steps"] == row[side]["num_steps"] if side == "pagestream" else True
+        assert profile["sampled_steps"] == profile["steps"] // 2 > 0
+        assert profile["kernel_s"] == pytest.approx(sum(profile["categories_s"].values()))
+        assert profile["categories_s"]["gemm"] > 0  # the projections' aten::mm on the CPU
+    gap = row["kernel_gap_s"]
+    ours, theirs = row["pagestream"]["kernel_profile"], row["self"]["kernel_profile"]
+    assert gap["gemm"] == pytest.approx(
+        ours["categories_s"]["gemm"] - theirs["categories_s"]["gemm"]
+    )
+    assert "kernel_profile" not in _rows(path)["tpot-b1"]["pagestream"]  # latency rows: none
+    assert "tiny standard-64: kernel seconds" in out and "gemm" in out
+    # a profiled record is not resumed as a plain one, nor the other way round
+    code, _, err = run_cli(_matrix(path, "tpot-b64", "--resume"), capsys)
+    assert code == 1 and "profile_every 2 (now 0)" in err

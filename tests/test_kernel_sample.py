@@ -1,0 +1,83 @@
+"""bench/kernel_sample.py: kernels sorted by kind from their names (ours, vLLM's, cuBLAS's),
+and one step in N profiled and scaled up to the run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.kernel_sample import CATEGORIES, KernelSampler, category, category_gap, format_gap
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("_prefill_kernel", "attention"),
+        ("_decode_kernel", "attention"),
+        ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<", "attention"),
+        ("kernel_unified_attention_2d", "attention"),
+        ("nvjet_sm90_tst_256x64_64x5_4x1_v_bz_TNT", "gemm"),
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+        ("_gemv_kernel", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("_rms_norm_kernel", "elementwise"),
+        ("_rotary_write_kv_kernel", "elementwise"),
+        ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>", "elementwise"),
+        ("triton_poi_fused_add_mul_rsqrt_0", "elementwise"),
+        ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", "elementwise"),
+        ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, "
+         "at::native::ArgMaxOps<float>>>", "sampling"),
+        ("_apply_token_bitmask_kernel", "sampling"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
+        ("void (anonymous namespace)::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>", "communication"),
+        ("_fused_allreduce_rms_norm_kernel", "communication"),
+        ("_fused_moe_kernel", "moe"),
+        ("Memcpy HtoD (Pinned -> Device)", "copy"),
+        ("aten::mm", "gemm"),
+        ("aten::add", "elementwise"),
+        ("some_kernel_nobody_named", "other"),
+    ],
+)  # fmt: skip
+def test_kernels_sort_by_kind(name: str, kind: str) -> None:
+    assert category(name) == kind
+    assert kind in CATEGORIES
+
+
+def test_one_step_in_n_is_profiled_and_scaled_up_to_the_run() -> None:
+    sampler = KernelSampler(3, "cpu")
+    a = torch.randn(128, 128)
+    results = [sampler.step(lambda: a @ a) for _ in range(7)]
+    assert all(torch.equal(r, a @ a) for r in results)  # each call's own result, profiled or not
+    summary = sampler.summary()
+    assert (summary["steps"], summary["sampled_steps"], summary["every"]) == (7, 2, 3)
+    # two sampled steps of one matmul each, scaled by 7 / 2
+    mm = next(row for row in summary["top_kernels"] if row["name"] == "aten::mm")
+    assert mm["calls_per_step"] == 1 and mm["category"] == "gemm"
+    assert summary["categories_s"]["gemm"] >= mm["s"] > 0  # with aten::matmul's own time
+    assert summary["kernel_s"] == pytest.approx(sum(summary["categories_s"].values()))
+    wrapped = KernelSampler(1, "cpu")
+    step = wrapped.wrapping(lambda: a @ a)
+    step(), step()
+    assert wrapped.summary()["sampled_steps"] == 2
+
+
+def test_nothing_sampled_is_zero_not_a_division_by_zero() -> None:
+    sampler = KernelSampler(10, "cpu")
+    sampler.step(lambda: None)
+    assert sampler.summary()["kernel_s"] == 0 and sampler.summary()["sampled_steps"] == 0
+    with pytest.raises(ValueError, match="at least 1"):
+        KernelSampler(0, "cpu")
+
+
+def test_the_gap_is_ours_minus_the_peers_largest_first() -> None:
+    def profile(**seconds: float) -> dict[str, object]:
+        cats = dict.fromkeys(CATEGORIES, 0.0) | seconds
+        return {"every": 4, "kernel_s": sum(cats.values()), "categories_s": cats}
+
+    ours, theirs = profile(attention=9.0, gemm=3.0), profile(attention=6.0, gemm=3.5)
+    gap = category_gap(ours, theirs)
+    assert gap["attention"] == 3.0 and gap["gemm"] == -0.5 and gap["copy"] == 0
+    text = format_gap("qwen3 long", ours, theirs, "vllm").splitlines()
+    assert "pagestream 12.00 / vllm 9.50" in text[0]
+    assert text[1].split()[0] == "attention" and text[2].split()[0] == "gemm"
+    assert len(text) == 3  # categories both sides left at zero are not listed
