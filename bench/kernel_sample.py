@@ -1,7 +1,13 @@
 """Where a whole run's device time goes, by kind of kernel, for any engine whose loop calls a
-step function: one step in every ``every`` runs under ``torch.profiler`` (device activity only
-on CUDA), its kernels are summed by name and sorted into categories, and the sums are scaled
-up to the run's step count.
+step function: about one step in every ``every`` (drawn at random, seeded: a fixed stride
+could fall in step with a periodic schedule) runs under ``torch.profiler`` (device activity
+only on CUDA), its kernels are summed by name and sorted into categories, and the sums are
+scaled up to the run's step count.
+
+Kernels that overlap share no time: each instant of the step goes to the kernel that started
+first. A kernel launched early with programmatic dependent launch (PDL) waits inside its
+predecessor, and its own span would count that wait again (a split-KV decode's reduction
+showed as long as the decode it waited for).
 
 ``bench matrix --profile-every N`` samples both sides this way (pagestream's step loop, and
 vLLM's ``LLMEngine.step`` in its peer process), so a row's record shows which kind of kernel
@@ -14,6 +20,7 @@ On the CPU (tests) there are no device kernels: the CPU ops' self times stand in
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -56,10 +63,11 @@ def category(kernel_name: str) -> str:
 class KernelSampler:
     """Wraps a run's step calls: ``sampler.step(engine.step)`` in place of ``engine.step()``."""
 
-    def __init__(self, every: int, device: torch.device | str) -> None:
+    def __init__(self, every: int, device: torch.device | str, seed: int = 0) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         self.every = every
+        self._draw = random.Random(seed)
         self.on_cuda = torch.device(device).type == "cuda"
         self.num_steps = 0
         self.num_sampled = 0
@@ -67,9 +75,9 @@ class KernelSampler:
         self._calls: dict[str, int] = defaultdict(int)
 
     def step(self, fn: Callable[[], T]) -> T:
-        """Call ``fn`` (one engine step); profile it if it is the ``every``-th call."""
+        """Call ``fn`` (one engine step); profile it with probability 1 / ``every``."""
         self.num_steps += 1
-        if self.num_steps % self.every:
+        if self.every > 1 and self._draw.randrange(self.every):
             return fn()
         from torch.profiler import ProfilerActivity, profile
 
@@ -120,19 +128,31 @@ class KernelSampler:
 
 
 def _kernel_times(prof: Any, on_cuda: bool) -> list[tuple[str, float, int]]:
-    """(name, microseconds, calls) of each device kernel, copy and set; on the CPU, of each
-    op's self time (its children's excluded, so nested ops are not counted twice)."""
+    """(name, microseconds, calls) of each device kernel, copy and set, overlaps given to the
+    one that started first (``exclusive_spans``); on the CPU, of each op's self time (its
+    children's excluded, so nested ops are not counted twice)."""
     if on_cuda:
-        return [
-            (event.name, event.time_range.elapsed_us(), 1)
+        spans = [
+            (event.time_range.start, event.time_range.end, event.name)
             for event in prof.events()
             if event.device_type == torch.autograd.DeviceType.CUDA
         ]
+        return [(name, us, 1) for name, us in exclusive_spans(spans)]
     return [
         (event.key, event.self_cpu_time_total, event.count)
         for event in prof.key_averages()
         if event.self_cpu_time_total > 0
     ]
+
+
+def exclusive_spans(spans: list[tuple[float, float, str]]) -> list[tuple[str, float]]:
+    """``(start, end, name)`` intervals -> ``(name, time of it no earlier-started interval
+    covers)``, in start order: the parts add up to the union of the intervals."""
+    out, covered_until = [], float("-inf")
+    for start, end, name in sorted(spans, key=lambda span: (span[0], span[1])):
+        out.append((name, max(0.0, end - max(start, covered_until))))
+        covered_until = max(covered_until, end)
+    return out
 
 
 def category_gap(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:

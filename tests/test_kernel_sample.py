@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.kernel_sample import CATEGORIES, KernelSampler, category, category_gap, format_gap
+from bench.kernel_sample import (
+    CATEGORIES,
+    KernelSampler,
+    category,
+    category_gap,
+    exclusive_spans,
+    format_gap,
+)
 
 
 @pytest.mark.parametrize(
@@ -43,22 +50,36 @@ def test_kernels_sort_by_kind(name: str, kind: str) -> None:
     assert kind in CATEGORIES
 
 
-def test_one_step_in_n_is_profiled_and_scaled_up_to_the_run() -> None:
-    sampler = KernelSampler(3, "cpu")
+def test_about_one_step_in_n_is_profiled_and_scaled_up_to_the_run() -> None:
+    sampler = KernelSampler(3, "cpu", seed=1)
     a = torch.randn(128, 128)
-    results = [sampler.step(lambda: a @ a) for _ in range(7)]
+    results = [sampler.step(lambda: a @ a) for _ in range(30)]
     assert all(torch.equal(r, a @ a) for r in results)  # each call's own result, profiled or not
     summary = sampler.summary()
-    assert (summary["steps"], summary["sampled_steps"], summary["every"]) == (7, 2, 3)
-    # two sampled steps of one matmul each, scaled by 7 / 2
+    assert (summary["steps"], summary["every"]) == (30, 3)
+    assert 3 <= summary["sampled_steps"] <= 20  # drawn, about 10
+    again = KernelSampler(3, "cpu", seed=1)
+    for _ in range(30):
+        again.step(lambda: None)
+    assert again.summary()["sampled_steps"] == summary["sampled_steps"]  # seeded
+    # one matmul a sampled step, scaled up to all 30
     mm = next(row for row in summary["top_kernels"] if row["name"] == "aten::mm")
     assert mm["calls_per_step"] == 1 and mm["category"] == "gemm"
     assert summary["categories_s"]["gemm"] >= mm["s"] > 0  # with aten::matmul's own time
     assert summary["kernel_s"] == pytest.approx(sum(summary["categories_s"].values()))
-    wrapped = KernelSampler(1, "cpu")
-    step = wrapped.wrapping(lambda: a @ a)
+    every_step = KernelSampler(1, "cpu")
+    step = every_step.wrapping(lambda: a @ a)
     step(), step()
-    assert wrapped.summary()["sampled_steps"] == 2
+    assert every_step.summary()["sampled_steps"] == 2
+
+
+def test_overlapping_kernels_share_no_time() -> None:
+    # a decode (0-10), its reduction launched early with PDL (2-12: waits inside the
+    # decode, works 10-12), then a norm after a gap (15-16)
+    spans = [(2.0, 12.0, "reduce"), (0.0, 10.0, "decode"), (15.0, 16.0, "norm")]
+    assert exclusive_spans(spans) == [("decode", 10.0), ("reduce", 2.0), ("norm", 1.0)]
+    # a kernel wholly inside another gets nothing
+    assert exclusive_spans([(0.0, 10.0, "a"), (1.0, 2.0, "b")]) == [("a", 10.0), ("b", 0.0)]
 
 
 def test_nothing_sampled_is_zero_not_a_division_by_zero() -> None:

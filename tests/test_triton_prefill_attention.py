@@ -69,7 +69,7 @@ def test_prefill_after_decodes_with_a_window_wider_than_the_context() -> None:
 
 
 def test_config_keys_round_trip_and_bad_configs_are_refused() -> None:
-    assert PrefillConfig.from_key("m128n64w8s3") == HOPPER
+    assert PrefillConfig.from_key("m128n128w8s3") == HOPPER
     assert PrefillConfig.from_key(FALLBACK.key) == FALLBACK
     for bad in (dict(block_m=48), dict(block_n=8), dict(num_warps=3), dict(num_stages=0)):
         fields = dict(block_m=64, block_n=64, num_warps=4, num_stages=2) | bad
