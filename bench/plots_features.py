@@ -66,11 +66,23 @@ def speculative(plt: Any, record: dict[str, Any]) -> Any:
 def matrix(plt: Any, record: dict[str, Any]) -> Any:
     """Per workload, one bar per model: how far ahead of the peer pagestream is (``speedup``:
     the tok/s ratio, or the peer's TPOT over ours), with the 1.0 and target lines. Rows still
-    missing a side are left out."""
+    missing a side are left out. A profiled matrix (``--profile-every``) adds, per row, both
+    sides' kernel seconds stacked by kind."""
     rows = [row for row in record["results"] if "speedup" in row]
+    peer = record["peer"] or "peer"
+    profiled = [
+        row
+        for row in rows
+        if "kernel_profile" in row["pagestream"] and "kernel_profile" in row[peer]
+    ]
     workloads = list(dict.fromkeys(row["workload"] for row in record["results"]))
     models = record["settings"]["models"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(workloads) + 2), 3.8))
+    width_in = max(6.0, 0.9 * len(workloads) + 2)
+    if profiled:
+        fig, (ax, kinds_ax) = plt.subplots(1, 2, figsize=(width_in + 1.2 * len(profiled) + 2, 3.8))
+        _kernel_kinds(kinds_ax, profiled, peer)
+    else:
+        fig, ax = plt.subplots(figsize=(width_in, 3.8))
     width = 0.8 / max(len(models), 1)
     for index, model in enumerate(models):
         cells = {row["workload"]: row["speedup"] for row in rows if row["model"] == model}
@@ -85,9 +97,28 @@ def matrix(plt: Any, record: dict[str, Any]) -> Any:
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.axhline(target, color="tab:red", linestyle="--", linewidth=0.8, label=f"target {target}")
     ax.set_xticks(range(len(workloads)), workloads, rotation=30, ha="right", fontsize=8)
-    peer = record["peer"] or "peer"
     ax.set_ylabel(f"pagestream / {peer}\n(TPOT rows: {peer} TPOT / ours)", fontsize=8)
     top = max([row["speedup"] for row in rows] + [target])
     ax.set_ylim(0, top * 1.15)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
+
+
+def _kernel_kinds(ax: Any, rows: list[dict[str, Any]], peer: str) -> None:
+    """Two stacked bars a row (pagestream, then the peer): estimated kernel seconds by kind."""
+    from bench.kernel_sample import CATEGORIES
+
+    labels, stacks = [], []
+    for row in rows:
+        for side in ("pagestream", peer):
+            labels.append(f"{row['model']} {row['workload']}\n{side}")
+            stacks.append(row[side]["kernel_profile"]["categories_s"])
+    bottoms = [0.0] * len(stacks)
+    for kind in CATEGORIES:
+        heights = [stack.get(kind, 0.0) for stack in stacks]
+        if any(heights):
+            ax.bar(range(len(stacks)), heights, 0.7, bottom=bottoms, label=kind)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set_xticks(range(len(stacks)), labels, rotation=30, ha="right", fontsize=6)
+    ax.set_ylabel("kernel seconds over the run (sampled steps, scaled)", fontsize=8)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))

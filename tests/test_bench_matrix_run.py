@@ -110,6 +110,8 @@ def test_a_profiled_matrix_says_where_each_sides_time_goes(
     )
     assert "kernel_profile" not in _rows(path)["tpot-b1"]["pagestream"]  # latency rows: none
     assert "tiny standard-64: kernel seconds" in out and "gemm" in out
+    if importlib.util.find_spec("matplotlib"):  # the ratios beside both sides' kinds of kernel
+        assert path.with_suffix(".png").stat().st_size > 0
     # a profiled record is not resumed as a plain one, nor the other way round
     code, _, err = run_cli(_matrix(path, "tpot-b64", "--resume"), capsys)
     assert code == 1 and "profile_every 2 (now 0)" in err
