@@ -3,10 +3,10 @@
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
-#                       moe_throughput|moe_latency]...
-# (default: all but vllm, matrix, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
+#                       moe_throughput|moe_latency|matrix_profile]...
+# (default: all but vllm, matrix, matrix_profile, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
 # which need vLLM, two GPUs or a call of their own)
-# vllm, matrix, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
+# vllm, matrix, matrix_profile, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
 # VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
 # MATRIX_ARGS picks a part of the matrix (e.g. "--models llama3-8b --workloads long-context");
@@ -114,6 +114,12 @@ matrix() {  # every workload on qwen3-0.6b and llama3-8b against vLLM 0.26: $OUT
     # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
     "${PS[@]}" bench matrix --compare vllm --resume --no-progress --output-json "$OUT" \
         ${MATRIX_ARGS:-}
+}
+
+matrix_profile() {  # where the rows below target spend their time, both sides: matrix-CARD-profile.json
+    log profiled matrix against vllm
+    "${PS[@]}" bench matrix --compare vllm --resume --no-progress --profile-every 4 \
+        --workloads standard-256,prefill-heavy,long-context --output-json "$OUT" ${MATRIX_ARGS:-}
 }
 
 offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: host tier off/on
