@@ -139,7 +139,7 @@ def run_matrix(
 ) -> dict[str, Any]:
     """Run every missing side of every row of ``groups``; the record, saved after each.
 
-    ``profile_every``: both sides profile one step in that many of each throughput row
+    ``profile_every``: both sides profile about one step in that many of each throughput row
     (``bench/kernel_sample.py``): the rows then say where the kernel time goes, and their
     figures are a profiled run's."""
     if path.exists() and not resume:

@@ -47,7 +47,7 @@ def run_throughput(
 ) -> dict[str, Any]:
     """Run every prompt of ``workload`` at once; the benchmark record (see module docstring).
 
-    ``profile_every``: profile one step in that many (``bench/kernel_sample.py``) and add the
+    ``profile_every``: profile about one step in that many (``bench/kernel_sample.py``) and add the
     run's kernel time by category as ``kernel_profile`` (0: none)."""
     engine = llm_or_engine.engine if isinstance(llm_or_engine, LLM) else llm_or_engine
     _check_fits(engine, workload)
@@ -106,7 +106,7 @@ def _measure(
     sampler: KernelSampler | None = None,
 ) -> dict[str, Any]:
     """One timed run of ``prompts`` (each under ``structured`` when given: bench/structured.py;
-    one step in ``sampler.every`` profiled when given)."""
+    about one step in ``sampler.every`` profiled when given)."""
     _warm_up(engine, warmup_prompts(prompts, num_warmup_prompts), structured)
     stats_before = engine.stats()
     if engine.device.type == "cuda":

@@ -283,7 +283,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", type=_names, default=(), help="matrix workload names")
     parser.add_argument("--scale", type=float, default=1.0, help="matrix workload scale")
     parser.add_argument(
-        "--profile-every", type=int, default=0, help="matrix: profile one step in N (0: none)"
+        "--profile-every", type=int, default=0, help="matrix: profile about one step in N (0: none)"
     )
     parser.add_argument("--json-schema", help="throughput: a file holding a JSON schema")
     return parser
@@ -449,7 +449,7 @@ def _throughput(
     profile_every: int = 0,
 ) -> dict[str, Any]:
     """The engine's throughput run: the same prompts and warm-up, all submitted at once (each
-    under ``json_schema`` when given; one step in ``profile_every`` profiled, as pagestream's
+    under ``json_schema`` when given; about one step in ``profile_every`` profiled, as pagestream's
     are: ``bench/kernel_sample.py``)."""
     from bench.kernel_sample import KernelSampler
     from bench.workloads import make_random_prompts, warmup_prompts

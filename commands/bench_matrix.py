@@ -57,7 +57,7 @@ def configure_matrix(parser: argparse.ArgumentParser) -> None:
         type=_profile_every,
         default=0,
         metavar="N",
-        help="profile one step in N of every throughput row, on both sides, and record the "
+        help="profile about one step in N of every throughput row, on both sides, and record the "
         "kernel time by kind (attention, GEMM, ...): where a row's gap is. The figures are a "
         "profiled run's; the record defaults to matrix-<card>-profile.json (default 0: off)",
     )
