@@ -73,7 +73,7 @@ def matrix(plt: Any, record: dict[str, Any]) -> Any:
     profiled = [
         row
         for row in rows
-        if "kernel_profile" in row["pagestream"] and "kernel_profile" in row[peer]
+        if "kernel_profile" in row.get("pagestream", {}) and "kernel_profile" in row.get(peer, {})
     ]
     workloads = list(dict.fromkeys(row["workload"] for row in record["results"]))
     models = record["settings"]["models"]

@@ -124,13 +124,15 @@ def test_a_workload_longer_than_the_context_moves_to_the_long_context_sibling() 
 def test_the_vllm_child_builds_the_same_workloads_from_its_flags() -> None:
     workloads = select_workloads(("shared-prefix", "tpot-b64"), seed=3, scale=0.5)
     config = EngineConfig(model="dummy:qwen3-0.6b", max_seqs=128, seed=3)
-    flags = matrix_peer_args(config, workloads, 0.5)
+    flags = matrix_peer_args(config, workloads, 0.5, profile_every=4)
     assert flags == [
         "--model", "dummy:qwen3-0.6b", "--max-seqs", "128",
         "--workloads", "shared-prefix,tpot-b64", "--scale", "0.5", "--seed", "3",
+        "--profile-every", "4",
     ]  # fmt: skip
     child = vllm_child_parser().parse_args(["matrix", *flags, "--out", "x.json"])
     assert select_workloads(child.workloads, seed=child.seed, scale=child.scale) == workloads
+    assert child.profile_every == 4  # the child samples its steps as the engine does
 
 
 @pytest.mark.parametrize(
