@@ -87,7 +87,7 @@ class KernelSampler:
             out = fn()
             self._synchronize()  # all of its kernels inside
         self.num_sampled += 1
-        for name, us, calls in _kernel_times(prof, self.on_cuda):
+        for name, us, calls in kernel_times(prof, self.on_cuda):
             self._us[name] += us
             self._calls[name] += calls
         return out
@@ -127,7 +127,7 @@ class KernelSampler:
             torch.cuda.synchronize()
 
 
-def _kernel_times(prof: Any, on_cuda: bool) -> list[tuple[str, float, int]]:
+def kernel_times(prof: Any, on_cuda: bool) -> list[tuple[str, float, int]]:
     """(name, microseconds, calls) of each device kernel, copy and set, overlaps given to the
     one that started first (``exclusive_spans``); on the CPU, of each op's self time (its
     children's excluded, so nested ops are not counted twice)."""

@@ -4,15 +4,19 @@
 ``bench.structured --profile-steps N`` runs it on the same batch unconstrained and under the
 JSON schema, so the record shows what a constrained step adds on the GPU (the bitmask's copy,
 the mask kernel, the sampling outside the decode graph) where the step timings only show that
-it adds. On the CPU (tests) the ops are the CPU's.
+it adds. On CUDA the rows are kernels, copies and sets only (``kernel_sample.kernel_times``:
+an op beside its own kernels would count them twice, and a PDL launch's wait in its
+predecessor once more); on the CPU (tests) they are the CPU ops' self times.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
 
+from bench.kernel_sample import kernel_times
 from engine import SamplingParams, StructuredOutputs
 from engine.llm_engine import LLMEngine
 from engine.memory import gc_frozen
@@ -40,7 +44,7 @@ def profile_decode_steps(
     ids = [f"profile-{index}" for index in range(len(prompts))]
     for request_id, token_ids in zip(ids, prompts, strict=True):
         engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
     with gc_frozen():
         started: set[str] = set()
         for _ in range(max_warmup_steps):
@@ -50,7 +54,7 @@ def profile_decode_steps(
         engine.step()  # the step in flight, if any, resolved: decode steps from here
         if on_cuda:
             torch.cuda.synchronize(engine.device)
-        with profile(activities=activities) as prof:
+        with profile(activities=[activity]) as prof:
             for _ in range(steps):
                 engine.step()
             if on_cuda:
@@ -63,28 +67,22 @@ def profile_decode_steps(
         "steps": steps,
         "rows": len(prompts),
         "time": "device" if on_cuda else "cpu",
-        "ops": _top_ops(prof.key_averages(), steps, on_cuda),
+        "ops": _top_ops(kernel_times(prof, on_cuda), steps),
     }
 
 
-def _top_ops(averages: Any, steps: int, on_cuda: bool) -> list[dict[str, Any]]:
-    """The ops with the most self time (device or CPU), in microseconds per step."""
-    rows = []
-    for event in averages:
-        if on_cuda:  # torch renamed cuda_* to device_* (2.4); both stand in some releases
-            self_us = getattr(event, "self_device_time_total", None)
-            if self_us is None:
-                self_us = event.self_cuda_time_total
-        else:
-            self_us = event.self_cpu_time_total
-        if self_us > 0:
-            rows.append(
-                {
-                    "name": event.key,
-                    "us_per_step": self_us / steps,
-                    "calls_per_step": event.count / steps,
-                }
-            )
+def _top_ops(times: list[tuple[str, float, int]], steps: int) -> list[dict[str, Any]]:
+    """The kernels (ops on the CPU) with the most time, in microseconds per step."""
+    us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for name, elapsed_us, count in times:
+        us[name] += elapsed_us
+        calls[name] += count
+    rows = [
+        {"name": name, "us_per_step": total / steps, "calls_per_step": calls[name] / steps}
+        for name, total in us.items()
+        if total > 0
+    ]
     rows.sort(key=lambda row: -row["us_per_step"])
     return rows[:TOP_OPS]
 
