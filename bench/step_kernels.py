@@ -78,13 +78,11 @@ def _top_ops(times: list[tuple[str, float, int]], steps: int) -> list[dict[str, 
     for name, elapsed_us, count in times:
         us[name] += elapsed_us
         calls[name] += count
-    rows = [
+    top = sorted((item for item in us.items() if item[1] > 0), key=lambda item: -item[1])
+    return [
         {"name": name, "us_per_step": total / steps, "calls_per_step": calls[name] / steps}
-        for name, total in us.items()
-        if total > 0
+        for name, total in top[:TOP_OPS]
     ]
-    rows.sort(key=lambda row: -row["us_per_step"])
-    return rows[:TOP_OPS]
 
 
 def format_profile(name: str, profile: dict[str, Any], limit: int = 12) -> str:
