@@ -70,7 +70,10 @@ def pending_of(server: RedisServer, consumer: str) -> int:
 
 
 def num_streaming(server: RedisServer, consumer: str) -> int:
-    """Entries pending under ``consumer`` whose request has events on its out stream."""
+    """Entries pending under ``consumer`` whose request is mid-stream: events on its out
+    stream, none of them terminal, and fewer than half of ``LONG_TOKENS``. (An entry that is
+    still pending may be finished already: its worker writes ``done`` before it acknowledges,
+    and a kill in that window leaves the taker nothing to restart.)"""
     r = server.client()
     try:
         rows = r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 100, consumername=consumer)
@@ -78,7 +81,12 @@ def num_streaming(server: RedisServer, consumer: str) -> int:
         for row in rows:
             entries = r.xrange(KEYS.requests, row["message_id"], row["message_id"])
             request_id = protocol.peek_request_id(entries[0][1][b"msg"]) if entries else None
-            count += bool(request_id and r.xlen(KEYS.out(request_id)))
+            if not request_id:
+                continue
+            events = [protocol.decode_event(f[b"msg"]) for _, f in r.xrange(KEYS.out(request_id))]
+            count += 0 < len(events) < LONG_TOKENS // 2 and not any(
+                isinstance(e, protocol.TERMINAL_EVENTS) for e in events
+            )
         return count
     finally:
         r.close()
