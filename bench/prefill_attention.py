@@ -41,6 +41,18 @@ CANDIDATES = [
     PrefillConfig(m, n, w, s)
     for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
 ]
+# The Hopper options: TMA tiles of one 32-token page (the default page), and the bulk loop
+# warp-specialized; off Hopper they fail their check and are recorded as such.
+CANDIDATES += [
+    PrefillConfig(m, 32, w, s, tma=True)
+    for m, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))
+    if m == 128 or w == 4
+]
+CANDIDATES += [
+    PrefillConfig(128, n, w, 3, tma=n == 32, warp_specialize=True)
+    for n, w in itertools.product((32, 64, 128), (4, 8))
+    if n != 64 or w == 4
+]
 INSTALL_MARGIN = 0.03  # a config must beat the current choice by this much (noise)
 
 
@@ -50,13 +62,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--install", action="store_true", help="write the tuned table")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--top", type=int, default=3, help="sweep winners timed everywhere")
+    parser.add_argument(
+        "--candidates", help="comma-separated config keys to sweep (default: all CANDIDATES)"
+    )
     args = parser.parse_args(argv)
+    try:
+        candidates = (
+            [PrefillConfig.from_key(key) for key in args.candidates.split(",")]
+            if args.candidates
+            else CANDIDATES
+        )
+    except ValueError as error:
+        parser.error(str(error))
     if not torch.cuda.is_available():
         sys.exit("bench.prefill_attention times CUDA kernels; no CUDA device is visible")
     device = torch.device("cuda")
     shapes = real_shapes(args.models.split(","))
     sweep_shapes = [s for s in shapes if is_sweep_shape(s, shapes[0].model)]
-    record = run(shapes, sweep_shapes, CANDIDATES, args.top, device)
+    record = run(shapes, sweep_shapes, candidates, args.top, device)
     if args.install:
         record["installed"] = install_faster(record, torch.cuda.get_device_name(device))
     write_record(record, args.out)

@@ -77,3 +77,12 @@ def test_install_only_a_clear_win(tmp_path: Path) -> None:
     }
     assert bench.install_faster(_record({other: 1.0}, current), "H", path) == {"row": other}
     assert json.loads(path.read_text()) == {"G": {"row": other}, "H": {"row": other}}
+
+
+def test_candidates_flag_refuses_a_bad_key(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--out", "x.json", "--candidates", "m128n128w8s3,m128n32-tma"])
+    assert "not a prefill config key" in capsys.readouterr().err
+    # every candidate's key names it again, the Hopper options included
+    assert all(PrefillConfig.from_key(c.key) == c for c in bench.CANDIDATES)
+    assert any(c.tma for c in bench.CANDIDATES) and any(c.warp_specialize for c in bench.CANDIDATES)

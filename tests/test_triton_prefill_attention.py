@@ -16,7 +16,12 @@ import torch
 from kernels.attention import prefill_tuning
 from kernels.attention.paged_attention import write_kv_ref
 from kernels.attention.prefill_tuning import FALLBACK, HOPPER, PrefillConfig, default_config
-from tests.test_triton_paged_attention import FP8, assert_matches_reference, make_batch
+from tests.test_triton_paged_attention import (
+    FP8,
+    POISON,
+    assert_matches_reference,
+    make_batch,
+)
 
 # A fresh prompt, a chunk over a context, a short chunk: keys past several whole tiles
 QUERY_LENS = [37, 21, 6]
@@ -34,6 +39,12 @@ CASES = [  # (block_size, num_heads, num_kv_heads, config, window, cache_dtype)
     (32, 4, 2, PrefillConfig(32, 64, 4, 2), 40, None),
     # fp8 pages, GQA 2, with a window
     (16, 4, 2, PrefillConfig(32, 32, 4, 2), 30, FP8),
+    # TMA loads, a tile per page (the last page's rows past the end are garbage: zeroed),
+    # then with the bulk loop warp-specialized, and with a window
+    (16, 8, 2, PrefillConfig(32, 16, 4, 2, tma=True), None, None),
+    (16, 4, 2, PrefillConfig(64, 16, 4, 3, tma=True, warp_specialize=True), None, None),
+    (32, 4, 4, PrefillConfig(32, 32, 4, 2, tma=True), 40, None),
+    (16, 4, 2, PrefillConfig(32, 32, 4, 2, warp_specialize=True), None, None),
 ]
 
 
@@ -77,6 +88,35 @@ def test_config_keys_round_trip_and_bad_configs_are_refused() -> None:
             PrefillConfig(**fields)
     with pytest.raises(ValueError, match="not a prefill config key"):
         PrefillConfig.from_key("m128n64w8")
+    hopper_options = PrefillConfig(128, 32, 8, 3, tma=True, warp_specialize=True)
+    assert hopper_options.key == "m128n32w8s3-tma-ws"
+    assert PrefillConfig.from_key(hopper_options.key) == hopper_options
+    assert PrefillConfig.from_key("m64n64w4s2-ws") == PrefillConfig(64, 64, 4, 2, False, True)
+    with pytest.raises(ValueError, match="not a prefill config key"):
+        PrefillConfig.from_key("m128n64w8s3-ws-tma")  # one order only
+
+
+def test_tma_tiles_ignore_nan_in_the_rows_past_a_sequence() -> None:
+    # A TMA tile is a whole page; the rows past the sequence's end may hold anything. With
+    # them NaN, the output still equals the reference (taken while they were finite).
+    batch = make_batch(
+        [13, 5], [0, 20], block_size=16, num_heads=4, num_kv_heads=2, head_dim=16,
+        dtype=torch.bfloat16, seed=2, write=write_kv_ref,
+    )  # fmt: skip
+    expected = batch.reference()
+    for cache in (batch.k_cache, batch.v_cache):
+        cache[cache == POISON] = float("nan")
+    out = batch.run(prefill_config=PrefillConfig(32, 16, 4, 2, tma=True))
+    torch.testing.assert_close(out, expected, atol=2.5e-2, rtol=2.5e-2)
+
+
+def test_a_tma_config_needs_a_tile_of_one_page() -> None:
+    batch = make_batch(
+        [9], [20], block_size=16, num_heads=2, num_kv_heads=2, head_dim=16,
+        dtype=torch.bfloat16, seed=1, write=write_kv_ref,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="block_n must be the page size, 16"):
+        assert_matches_reference(batch, None, prefill_config=PrefillConfig(32, 32, 4, 2, True))
 
 
 def test_defaults_by_capability_head_dim_and_dtype() -> None:

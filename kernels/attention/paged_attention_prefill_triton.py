@@ -12,6 +12,11 @@ A program's keys fall in three runs of ``BLOCK_N``-key tiles: the window's edge 
 sliding window), where some rows see a key and others do not; the bulk, which every row of the
 block sees, so it runs with no mask at all; and the diagonal, the tiles at and after the
 block's first query position. Tile shapes, warps and stages come from ``prefill_tuning``.
+
+Two Hopper options of the config: with ``tma`` a tile is one page and the tensor memory
+accelerator fetches its K and V rows (a descriptor over the pool seen as
+``[NB * BS, Hkv * D]``), instead of the threads gathering them; with ``warp_specialize``
+Triton splits the loop over the bulk tiles into warps that load and warps that compute.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+try:  # Triton >= 3.4; older releases run without the TMA option
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 from kernels.attention.paged_attention_common import (
     E4M3_MAX,
@@ -34,7 +44,7 @@ from kernels.attention.prefill_tuning import PrefillConfig, config_for
 # Ints that change from step to step are not specialized (see _decode_kernel).
 @triton.jit(do_not_specialize=["first_seq", "num_seqs", "num_token_blocks", "stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e), > 0
     window,  # keys with pos > q_pos - window are kept (if HAS_WINDOW)
@@ -58,6 +68,8 @@ def _prefill_kernel(
     IS_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dot operand dtype
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,  # K/V tiles from k_desc/v_desc (BLOCK_N == BLOCK_SIZE)
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     # 0. program -> (kv head, sequence, token block): kv heads vary fastest, then sequences;
     # token blocks last and in reverse, so the blocks with the most keys start first and the
@@ -88,11 +100,12 @@ def _prefill_kernel(
         acc, l_i = _attend_runs(
             q, q_pos, context_len + token0, seq_len, window,
             k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
+            k_desc, v_desc, kv_head * HEAD_DIM,
             k_scale_ptr + kv_head * stride_sh, v_scale_ptr + kv_head * stride_sh,
             block_tables_ptr + seq * stride_bt, offs_d, qk_scale,
             stride_cb, stride_cs, stride_cd, stride_sb, stride_ss,
             TOKENS_PER_BLOCK, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE, HAS_WINDOW,
-            IS_FP8, DOT_DTYPE, DOT_PRECISION,
+            IS_FP8, DOT_DTYPE, DOT_PRECISION, USE_TMA, WARP_SPECIALIZE,
         )  # fmt: skip
         # 5. normalize and store
         if IS_FP8:
@@ -106,12 +119,12 @@ def _prefill_kernel(
 @triton.jit
 def _attend_runs(
     q, q_pos, first_pos, seq_len, window,
-    k_base, v_base, k_scale_base, v_scale_base, table_ptr, offs_d, qk_scale,
-    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss,
+    k_base, v_base, k_desc, v_desc, desc_col, k_scale_base, v_scale_base, table_ptr, offs_d,
+    qk_scale, stride_cb, stride_cs, stride_cd, stride_sb, stride_ss,
     TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """The block's key tiles: returns (unnormalized acc [BLOCK_M, BLOCK_D], row sums [BLOCK_M]).
 
@@ -133,28 +146,28 @@ def _attend_runs(
         for start_n in range(edge_lo, full_lo, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, q_pos, start_n, hi, window,
-                k_base, v_base, k_scale_base, v_scale_base, table_ptr, offs_d, qk_scale,
-                stride_cb, stride_cs, stride_cd, stride_sb, stride_ss,
-                HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW,
-                IS_FP8, DOT_DTYPE, DOT_PRECISION,
+                k_base, v_base, k_desc, v_desc, desc_col, k_scale_base, v_scale_base,
+                table_ptr, offs_d, qk_scale, stride_cb, stride_cs, stride_cd, stride_sb,
+                stride_ss, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW,
+                IS_FP8, DOT_DTYPE, DOT_PRECISION, USE_TMA,
             )  # fmt: skip
     # -- the bulk: whole tiles every row sees, no masks
-    for start_n in range(full_lo, diag, BLOCK_N):
+    for start_n in tl.range(full_lo, diag, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, q_pos, start_n, hi, window,
-            k_base, v_base, k_scale_base, v_scale_base, table_ptr, offs_d, qk_scale,
-            stride_cb, stride_cs, stride_cd, stride_sb, stride_ss,
-            HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW,
-            IS_FP8, DOT_DTYPE, DOT_PRECISION,
+            k_base, v_base, k_desc, v_desc, desc_col, k_scale_base, v_scale_base,
+            table_ptr, offs_d, qk_scale, stride_cb, stride_cs, stride_cd, stride_sb,
+            stride_ss, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW,
+            IS_FP8, DOT_DTYPE, DOT_PRECISION, USE_TMA,
         )  # fmt: skip
     # -- the diagonal: causal per row, and the sequence's end
     for start_n in range(diag, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, q_pos, start_n, hi, window,
-            k_base, v_base, k_scale_base, v_scale_base, table_ptr, offs_d, qk_scale,
-            stride_cb, stride_cs, stride_cd, stride_sb, stride_ss,
-            HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW,
-            IS_FP8, DOT_DTYPE, DOT_PRECISION,
+            k_base, v_base, k_desc, v_desc, desc_col, k_scale_base, v_scale_base,
+            table_ptr, offs_d, qk_scale, stride_cb, stride_cs, stride_cd, stride_sb,
+            stride_ss, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW,
+            IS_FP8, DOT_DTYPE, DOT_PRECISION, USE_TMA,
         )  # fmt: skip
     return acc, l_i
 
@@ -162,11 +175,12 @@ def _attend_runs(
 @triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, q_pos, start_n, hi, window,
-    k_base, v_base, k_scale_base, v_scale_base, table_ptr, offs_d, qk_scale,
-    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss,
+    k_base, v_base, k_desc, v_desc, desc_col, k_scale_base, v_scale_base, table_ptr, offs_d,
+    qk_scale, stride_cb, stride_cs, stride_cd, stride_sb, stride_ss,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys ``start_n .. start_n + BLOCK_N`` folded into the online softmax (base
     2, fp8 v scales folded into p). ``MASKED``: keys may lie past ``hi`` or outside a row's
@@ -175,9 +189,18 @@ def _attend_tile(
     mask_n = offs_n < hi
     # -- gather K, V [BLOCK_N, BLOCK_D]
     pages, rows = _tile_pages(table_ptr, start_n, hi, offs_n, mask_n, BLOCK_N, BLOCK_SIZE, MASKED)
-    kv_offs = pages * stride_cb + rows * stride_cs
-    k = _load_rows(k_base, kv_offs, offs_d, mask_n, stride_cd, HEAD_DIM, BLOCK_D, MASKED)
-    v = _load_rows(v_base, kv_offs, offs_d, mask_n, stride_cd, HEAD_DIM, BLOCK_D, MASKED)
+    if USE_TMA:
+        # the tile is one page: its rows, whole, then finite zeros past the sequence's end
+        # (the page's unwritten rows may hold anything, NaN too)
+        page_row = tl.load(table_ptr + start_n // BLOCK_SIZE) * BLOCK_SIZE
+        k = k_desc.load([page_row, desc_col])
+        v = v_desc.load([page_row, desc_col])
+        if MASKED:
+            v = tl.where(mask_n[:, None], v, tl.zeros_like(v))
+    else:
+        kv_offs = pages * stride_cb + rows * stride_cs
+        k = _load_rows(k_base, kv_offs, offs_d, mask_n, stride_cd, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_rows(v_base, kv_offs, offs_d, mask_n, stride_cd, HEAD_DIM, BLOCK_D, MASKED)
     # -- scores [BLOCK_M, BLOCK_N], unscaled; fp8 scales are per key, so per column
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     if IS_FP8:
@@ -280,9 +303,10 @@ def launch_prefill(
     num_token_blocks = triton.cdiv(max_query_len, tokens_per_block)
     is_fp8 = k_scale is not None
     scales = k_scale if k_scale is not None else k_cache  # placeholder pointer when not fp8
+    k_desc, v_desc = _page_descriptors(k_cache, v_cache, config) if config.tma else (None, None)
     grid = (num_token_blocks * num_seqs * num_kv_heads,)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, scales, v_scale if v_scale is not None else k_cache,
+        q, k_cache, v_cache, k_desc, v_desc, scales, v_scale if v_scale is not None else k_cache,
         block_tables, seq_lens, query_start_loc, out,
         scale * LOG2_E, sliding_window or 0, first_seq, num_seqs, num_token_blocks,
         *q.stride(), *out.stride(), *k_cache.stride(),
@@ -299,6 +323,30 @@ def launch_prefill(
         IS_FP8=is_fp8,
         DOT_DTYPE=dot_dtype(q, k_cache),
         DOT_PRECISION=dot_precision(q.dtype),
+        USE_TMA=config.tma,
+        WARP_SPECIALIZE=config.warp_specialize,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
+
+
+def _page_descriptors(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, config: PrefillConfig
+) -> tuple[object, object]:
+    """TMA descriptors over the K and V pools seen as ``[NB * BS, Hkv * D]`` rows, a box of
+    one page of one kv head. Raises ValueError where a ``tma`` config cannot run."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if TensorDescriptor is None:
+        raise ValueError("tma configs need Triton >= 3.4 (triton.tools.tensor_descriptor)")
+    if config.block_n != block_size:
+        raise ValueError(f"a tma config's block_n must be the page size, {block_size}")
+    if head_dim != pow2_at_least(head_dim, 16):
+        raise ValueError(f"a tma config needs a power-of-two head dim, got {head_dim}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("a tma config needs contiguous K/V pools")
+    rows, width = num_blocks * block_size, num_kv_heads * head_dim
+    k_desc, v_desc = (
+        TensorDescriptor(cache.view(rows, width), [rows, width], [width, 1], [block_size, head_dim])
+        for cache in (k_cache, v_cache)
+    )
+    return k_desc, v_desc

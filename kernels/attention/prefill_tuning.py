@@ -1,8 +1,11 @@
 """Launch shapes of the prefill attention kernel: built-in defaults and a measured table.
 
 A ``PrefillConfig`` is the kernel's tile (``block_m`` dot rows = tokens x heads of the GQA
-group, ``block_n`` keys) and its warps and pipeline stages. The launcher asks
-``config_for``, which answers, in order:
+group, ``block_n`` keys), its warps and pipeline stages, and two Hopper options: ``tma``
+(K and V tiles fetched by the tensor memory accelerator, one page per tile, so ``block_n``
+must equal the page size) and ``warp_specialize`` (the compiler splits the loop over whole
+key tiles into producer and consumer warps). The launcher asks ``config_for``, which
+answers, in order:
 
 1. the measured table ``prefill_configs.json`` (beside this file, written by
    ``python -m bench.prefill_attention --install``): device name
@@ -35,6 +38,8 @@ class PrefillConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    tma: bool = False  # K/V tiles by TMA descriptor loads: sm_90+, block_n == page size
+    warp_specialize: bool = False  # the unmasked key loop warp-specialized (Triton's own)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -48,17 +53,20 @@ class PrefillConfig:
 
     @property
     def key(self) -> str:
-        """``m128n64w8s3``: how the table and the bench records name a config."""
-        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        """``m128n64w8s3`` (``-tma``, ``-ws`` after it when set): how the table and the bench
+        records name a config."""
+        key = f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        return key + "-tma" * self.tma + "-ws" * self.warp_specialize
 
     @classmethod
     def from_key(cls, key: str) -> PrefillConfig:
         """``key``'s inverse."""
-        match = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", key)
+        match = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(-tma)?(-ws)?", key)
         if match is None:
-            raise ValueError(f"not a prefill config key (like m128n64w8s3): {key!r}")
-        block_m, block_n, num_warps, num_stages = map(int, match.groups())
-        return cls(block_m, block_n, num_warps, num_stages)
+            raise ValueError(f"not a prefill config key (like m128n64w8s3-tma): {key!r}")
+        block_m, block_n, num_warps, num_stages = map(int, match.groups()[:4])
+        tma, warp_specialize = (flag is not None for flag in match.groups()[4:])
+        return cls(block_m, block_n, num_warps, num_stages, tma, warp_specialize)
 
 
 # The shape before the table: 64 x 64 tiles, 4 warps, 2 stages. Safe on every GPU that runs
