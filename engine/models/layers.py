@@ -61,16 +61,45 @@ def gemv_config(
     return tuned_config(weight, x.shape[0], silu_mul, default)
 
 
-def input_linear(x: torch.Tensor | Int8Rows, linear: nn.Module) -> torch.Tensor:
+def input_linear(
+    x: torch.Tensor | Int8Rows,
+    linear: nn.Module,
+    out: torch.Tensor | None = None,  # [T, out_features], contiguous (``linear_into``)
+) -> torch.Tensor:  # [T, out_features]: ``out`` where given
     """``linear(x)`` for qkv and gate_up: cuBLAS, or the GEMV where ``bench.gemv --install``
     measured a launch shape of it faster than cuBLAS on this GPU (one rank's shard of a
-    tensor-parallel layer is a narrower matrix, which cuBLAS streams less well)."""
+    tensor-parallel layer is a narrower matrix, which cuBLAS streams less well). With ``out``
+    the product lands there (``linear_into``)."""
     config = gemv_config(x, linear, False, None)
     if config is not None:
         assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
-        return gemv(x, linear.weight, config=config)
+        return gemv(x, linear.weight, config=config, out=out)
+    if out is not None:
+        return linear_into(x, linear, out)
     result: torch.Tensor = linear(x)
     return result
+
+
+def linear_into(
+    x: torch.Tensor | Int8Rows,  # [T, in_features]
+    linear: nn.Module,
+    out: torch.Tensor,  # [T, out_features], contiguous
+) -> torch.Tensor:  # out
+    """``out.copy_(linear(x))``, but written by the matmul itself where it can: cuBLAS for a
+    plain linear (``mm``, or ``addmm`` with a bias: the calls ``F.linear`` makes, so the same
+    result bit for bit), a quantized linear's kernels (``QuantizedLinear.forward`` copies once
+    where its path cannot). Any other module: its result, copied once. An ``out`` strided
+    across rows works too, but there cuBLAS adds a bias outside its epilogue (rounded once
+    more). Inference only: a matmul into a given ``out`` refuses arguments that take
+    gradients."""
+    if isinstance(linear, QuantizedLinear):
+        written: torch.Tensor = linear(x, out=out)
+        return written
+    if isinstance(linear, nn.Linear) and isinstance(x, torch.Tensor):
+        if linear.bias is None:
+            return torch.mm(x, linear.weight.t(), out=out)
+        return torch.addmm(linear.bias, x, linear.weight.t(), out=out)
+    return out.copy_(linear(x))
 
 
 def takes_int8_rows(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -168,12 +197,14 @@ class Attention(nn.Module):
     def project(
         self,
         x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where qkv_proj takes int8 rows
+        out: torch.Tensor | None = None,  # [T, (Hq + 2 * Hkv) * D]: where the projection goes
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
         """The new tokens' queries, keys and values, not yet normed (Qwen3) nor rotated:
         attention does both to q and k, fused with the KV write (one kernel launch where the
-        two norms, rotary and the write were four)."""
+        two norms, rotary and the write were four). All three are views of one row block
+        (``out`` where given), strided across rows, as attention takes them."""
         num_tokens = x.shape[0]
-        q, k, v = input_linear(x, self.qkv_proj).split(
+        q, k, v = input_linear(x, self.qkv_proj, out).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1
         )
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -272,6 +303,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor | PartialSum,  # [T, hidden]: the last layer's output, or the embeddings
         residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
+        qkv_out: torch.Tensor | None = None,  # [T, (Hq + 2 * Hkv) * D]: q, k, v's rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
         qkv_proj = self.self_attn.qkv_proj
         normed: torch.Tensor | Int8Rows
@@ -280,7 +312,7 @@ class DecoderLayer(nn.Module):
             normed = self.input_layernorm.norm_for(residual, qkv_proj)
         else:
             normed, residual = self.input_layernorm.add_and_norm_for(x, residual, qkv_proj)
-        return (*self.self_attn.project(normed), residual)
+        return (*self.self_attn.project(normed, qkv_out), residual)
 
     def post_attention(
         self,

@@ -68,7 +68,13 @@ class QuantizedLinear(nn.Module):
         device = device if device is not None else torch.get_default_device()
         for name, plane in empty_planes(fmt, out_features, in_features, device).items():
             self.register_buffer(name, plane)
-        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+        # Inference only, as the planes (buffers): a bias that took gradients would stop the
+        # matmuls that write into a given ``out`` (cuBLAS's addmm refuses it then)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, device=device), requires_grad=False)
+            if bias
+            else None
+        )
         self.scratch = scratch if scratch is not None else DequantScratch()
         self.scratch.reserve(out_features, in_features)
 
@@ -99,10 +105,8 @@ class QuantizedLinear(nn.Module):
         if self.takes_dequant_gemm(x):
             scratch = self.scratch.buffer(x.dtype, x.device)
             return dequant_matmul(x, self.fmt, self.planes(), scratch, bias=self.bias, out=out)
-        if self.bias is None:
-            return quant_matmul(x, self.fmt, self.planes(), self.in_features, out=out)
-        y = quant_matmul(x, self.fmt, self.planes(), self.in_features) + self.bias
-        return y if out is None else out.copy_(y)
+        y = quant_matmul(x, self.fmt, self.planes(), self.in_features, out=out)
+        return y if self.bias is None else y.add_(self.bias)
 
     def takes_int8_rows(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` would round ``x`` to int8 for an int8 kernel (GEMV or tensor

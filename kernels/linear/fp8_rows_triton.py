@@ -87,7 +87,11 @@ def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scale
 
 
-def fp8_scaled_mm(x: torch.Tensor, planes: dict[str, torch.Tensor]) -> torch.Tensor:
+def fp8_scaled_mm(
+    x: torch.Tensor,  # [M, K]
+    planes: dict[str, torch.Tensor],
+    out: torch.Tensor | None = None,  # [M, N] bf16, last stride 1
+) -> torch.Tensor:  # [M, N] bf16: ``out`` where given
     """``x [M, K] @ w.T`` on fp8 tensor cores: x quantized per row, ``torch._scaled_mm`` with
     both row scales (W8A8; bf16 out). For prefill and decode batches beyond the GEMV, where
     the fp8 matmul's speed pays for the activations' rounding; the GEMV keeps x in its dtype
@@ -98,5 +102,5 @@ def fp8_scaled_mm(x: torch.Tensor, planes: dict[str, torch.Tensor]) -> torch.Ten
         x_fp8, x_scale = quantize_rows_fp8(x)
     w, w_scale = planes["w"], planes["scale"]  # [N, K] e4m3, [N, 1] f32
     return torch._scaled_mm(
-        x_fp8, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16
+        x_fp8, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16, out=out
     )

@@ -163,10 +163,11 @@ def dequant_matmul(
         )
     if chunk_rows == num_cols:  # the usual case: one slice, bias fused into cuBLAS
         weight = dequantize_into(fmt, planes, scratch[: num_cols * size_k].view(num_cols, -1))
-        if out is not None and bias is None:
+        if out is None:
+            return F.linear(x, weight, bias)
+        if bias is None:  # the calls F.linear makes, written into out
             return torch.mm(x, weight.t(), out=out)
-        y = F.linear(x, weight, bias)
-        return y if out is None else out.copy_(y)
+        return torch.addmm(bias, x, weight.t(), out=out)
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     for start in range(0, num_cols, chunk_rows):

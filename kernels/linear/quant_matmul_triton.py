@@ -62,8 +62,7 @@ def quant_matmul(
     num_cols = pointers[0].shape[0]
     _check(x, size_k)
     if config is None and uses_scaled_mm(x, fmt, num_cols, size_k):
-        y = fp8_scaled_mm(x, planes)  # W8A8 on fp8 tensor cores
-        return y if out is None else out.copy_(y)
+        return fp8_scaled_mm(x, planes, out=out)  # W8A8 on fp8 tensor cores
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
