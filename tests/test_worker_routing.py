@@ -86,6 +86,19 @@ def test_a_conversations_turns_stay_on_the_worker_that_holds_its_prefix(
             assert all(count >= 64 for count in cached[1:]), cached  # its history's pages
 
 
+def test_with_routing_a_worker_takes_one_new_entry_at_a_time_from_a_shard(
+    start_worker: Any,
+) -> None:
+    # A shard's entry is a new conversation, and its later turns follow the worker that took
+    # it: a reader that took a whole burst kept every conversation in it (116 against 76 on
+    # two H100s). Its own stream and a fleet without routing still read their share.
+    routed = start_worker("w1", routing=True).service
+    plain = start_worker("w2").service
+    assert routed.read_count(KEYS.requests, 64) == 1
+    assert routed.read_count(KEYS.routed("w1"), 64) == 32  # half of the free slots: 2 sources
+    assert plain.read_count(KEYS.requests, 64) == 64
+
+
 def test_a_busy_worker_yields_and_a_session_pins(redis_server: RedisServer) -> None:
     async def main(server: RedisServer) -> None:
         redis = aioredis.Redis(port=server.port)

@@ -238,6 +238,18 @@ class WorkerService:
     def free_slots(self) -> int:
         return 0 if self._stop.is_set() else self.settings.max_in_flight - len(self.in_flight)
 
+    def read_count(self, stream: str, free: int) -> int:
+        """How many new entries one read of ``stream`` may take: its share of the ``free``
+        slots; with routing, one at a time from a shard. A shard's entry there is a new
+        conversation (or one whose worker yielded it), and the worker that takes it keeps its
+        later turns: a reader that took a whole burst at once kept the burst's conversations
+        for the rest of their lives (two workers on two H100s finished 116 and 76 requests,
+        and routed TTFT p50 was 1.5x the shared group's). One at a time, the fleet's blocked
+        readers take turns, as a queue's prefetch of one shares work fairly."""
+        if self.routing is not None and stream != self.routing.own:
+            return 1
+        return -(-free // len(self.sources()))  # ceil: one free slot is still read for
+
     async def ensure_groups(self) -> None:
         """Create each shard and its group where missing (at start, or when Redis lost them)."""
         for shard in self.keys.shards:
@@ -259,8 +271,9 @@ class WorkerService:
             if not self._stop.is_set():
                 await self._slots_changed.wait()
             return
-        share = -(-free // len(self.sources()))  # ceil: one free slot is still read for
-        entries = await self.stream.read_new(share, self.settings.read_block_ms, (stream,))
+        entries = await self.stream.read_new(
+            self.read_count(stream, free), self.settings.read_block_ms, (stream,)
+        )
         for entry in entries:
             await self.requests.serve(entry)
 
