@@ -136,6 +136,7 @@ async def _drive(
     ttfts_s: list[float] = []
     tokens = Counter[str]()
     per_worker = Counter[str]()
+    first_turns = Counter[str]()  # where each conversation started: its later turns follow
 
     async def lane(client: AsyncClient) -> None:
         while waiting:
@@ -154,6 +155,8 @@ async def _drive(
                     tokens["cached"] += event.usage.cached_prompt_tokens
                     tokens["output"] += len(reply)
                     per_worker[event.worker] += 1
+                    if session.num_done == 0:
+                        first_turns[event.worker] += 1
             ttfts_s.append((first_s or time.perf_counter()) - started_s)
             session.add_reply(reply)
             if session.num_done < workload.num_turns:
@@ -174,6 +177,7 @@ async def _drive(
         "prompt_tokens": tokens["prompt"],
         "cached_prompt_tokens": tokens["cached"],
         "requests_per_worker": sorted(per_worker.values(), reverse=True),
+        "first_turns_per_worker": sorted(first_turns.values(), reverse=True),
         "routing_choices": choices,  # routed turns: where each went and why
         "load_avg_1m": os.getloadavg()[0],
     }

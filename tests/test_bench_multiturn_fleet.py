@@ -30,6 +30,7 @@ def test_multiturn_fleet_record_and_routing_keeps_the_hit_rate(tmp_path: Path) -
     assert [(row["mode"], row["workers"]) for row in rows] == [("routed", 1), ("routed", 2)]
     for row in rows:
         assert row["num_requests"] == SESSIONS * TURNS == sum(row["requests_per_worker"])
+        assert sum(row["first_turns_per_worker"]) == SESSIONS  # where each one started
         assert 0 < row["prefix_hit_rate"] < 1 and row["output_tok_s"] > 0
         assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p90"]
         # every turn's choice counted: a session's first turn finds no holder
