@@ -12,7 +12,9 @@ FLOPs: 4 D Hq per visible (query, key) pair) and the fraction of torch's flash S
 same problem laid out contiguously (K/V expanded to Hq heads). ``--install`` writes each
 table row's (head dim, group, dtypes, page size) best config into
 ``kernels/attention/prefill_configs.json`` for this GPU where it beats the current choice by
-more than ``INSTALL_MARGIN``. CUDA for real timings; on the CPU (the interpreter) only tiny
+more than ``INSTALL_MARGIN``. ``CANDIDATES`` include the Hopper options (``-tma`` page
+tiles, ``-ws`` warp specialization; elsewhere they fail their check and are recorded so);
+``--candidates KEY,...`` sweeps only those named. CUDA for real timings; on the CPU (the interpreter) only tiny
 shapes are practical, which is how the tests run it.
 """
 
