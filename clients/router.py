@@ -3,7 +3,9 @@
 With routing on, ``AsyncClient.submit`` reads, in one pipelined round trip, the holders of
 each link of the request's chain (``{p}:px:{link}``, sorted sets the workers write), the
 session's pin; takes every routing worker's load from their heartbeats (read at most once a
-second, for the fleet's balance); and enqueues to the chosen worker's own
+second, for the fleet's balance) and from its own count of the requests it placed on each
+worker and has not seen end (``placed_counts``: a new conversation goes to the least loaded
+worker); and enqueues to the chosen worker's own
 stream, ``{p}:requests:{name}``, or to the request's shard (``{p}:requests`` with one). The
 enqueue is a script that appends only while the chosen worker's stream exists, in the same
 atomic step: an entry never lands in a stream already pruned (a worker's stream is pruned
@@ -25,6 +27,10 @@ from clients.routing import WorkerLoad, choose_worker_why, link_key, request_cha
 
 ROUTING_ENV = "PAGESTREAM_ROUTING"
 FLEET_REFRESH_S = 1.0  # how long a client reuses its reading of the fleet's heartbeats
+# A request this client placed on a worker counts toward that worker's load until the client
+# sees its terminal event (``finished``), or this long after it was placed: a caller that
+# submits and never reads still lets the count fall.
+PLACED_TTL_S = 60.0
 SHARDS_ENV = "PAGESTREAM_SHARDS"
 
 # KEYS: the chosen worker's stream. ARGV: the payload. Returns the entry id, or false when
@@ -67,6 +73,9 @@ class Router:
         self.choices: Counter[str] = Counter()
         self._fleet: dict[str, WorkerLoad] = {}
         self._fleet_read_s = -float("inf")  # never read
+        # request id -> (worker, monotonic time placed): what this client routed to a worker
+        # and has not seen end, in placement order (``placed_counts``)
+        self._placed: dict[str, tuple[str, float]] = {}
 
     async def choose(self, request: Request) -> str | None:
         """The worker to route ``request`` to, or None for the shared stream."""
@@ -75,26 +84,40 @@ class Router:
     async def choose_why(self, request: Request) -> tuple[str | None, str]:
         """``choose``'s answer and its reason (``routing.choose_worker_why``)."""
         chain = request_chain(request)
-        if not chain and request.session is None:
-            return None, "no holder"
-        pipe = self.redis.pipeline(transaction=False)
-        for link in chain:
-            pipe.zrange(link_key(self.keys.prefix, link), 0, -1)
-        if request.session is not None:
-            pipe.get(self.keys.session(request.session))
-        replies = await pipe.execute()
-        holders = [[protocol_text(name) for name in names] for names in replies[: len(chain)]]
-        pinned = protocol_text(replies[-1]) if request.session is not None and replies[-1] else None
-        named = {name for names in holders for name in names}
-        if not named and pinned is None:
-            return None, "no holder"
+        holders: list[list[str]] = []
+        pinned = None
+        if chain or request.session is not None:
+            pipe = self.redis.pipeline(transaction=False)
+            for link in chain:
+                pipe.zrange(link_key(self.keys.prefix, link), 0, -1)
+            if request.session is not None:
+                pipe.get(self.keys.session(request.session))
+            replies = await pipe.execute()
+            holders = [[protocol_text(name) for name in names] for names in replies[: len(chain)]]
+            if request.session is not None and replies[-1]:
+                pinned = protocol_text(replies[-1])
         live = await self._fleet_loads()
+        named = {name for names in holders for name in names}
         wanted = named if pinned is None else named | {pinned}
         unseen = sorted(name for name in wanted if name not in live)
         if unseen:  # a worker newer than the fleet's last reading
             beats = await get_many(self.redis, [self.keys.worker(name) for name in unseen])
             live.update(_live_loads(unseen, beats))
-        return choose_worker_why(holders, live, pinned)
+        return choose_worker_why(holders, live, pinned, self.placed_counts())
+
+    def placed_counts(self) -> Counter[str]:
+        """Per worker, the requests this client placed there and has not seen end (those
+        placed more than ``PLACED_TTL_S`` ago no longer count)."""
+        oldest_s = time.monotonic() - PLACED_TTL_S
+        for request_id, (_, placed_s) in list(self._placed.items()):
+            if placed_s >= oldest_s:
+                break  # in placement order: the rest are newer
+            del self._placed[request_id]
+        return Counter(worker for worker, _ in self._placed.values())
+
+    def finished(self, request_id: str) -> None:
+        """The client saw ``request_id``'s terminal event: it no longer counts as load."""
+        self._placed.pop(request_id, None)
 
     async def _fleet_loads(self) -> dict[str, WorkerLoad]:
         """Every live routing worker's load from its heartbeat (``{p}:routed``'s members),
@@ -117,6 +140,8 @@ class Router:
             keys=[self.keys.routed(chosen)], args=[payload]
         ):
             self.choices[why] += 1
+            self._placed.pop(request.id, None)  # an id submitted again: placed anew, last
+            self._placed[request.id] = (chosen, time.monotonic())
             return chosen
         self.choices[why if chosen is None else "stream gone"] += 1
         shard = self.keys.shard_for(request.id, request.session)
