@@ -74,8 +74,9 @@ class Router:
         self._fleet: dict[str, WorkerLoad] = {}
         self._fleet_read_s = -float("inf")  # never read
         # request id -> (worker, monotonic time placed): what this client routed to a worker
-        # and has not seen end, in placement order (``placed_counts``)
+        # and has not seen end, in placement order; and its count per worker
         self._placed: dict[str, tuple[str, float]] = {}
+        self._placed_counts: Counter[str] = Counter()
 
     async def choose(self, request: Request) -> str | None:
         """The worker to route ``request`` to, or None for the shared stream."""
@@ -109,15 +110,23 @@ class Router:
         """Per worker, the requests this client placed there and has not seen end (those
         placed more than ``PLACED_TTL_S`` ago no longer count)."""
         oldest_s = time.monotonic() - PLACED_TTL_S
-        for request_id, (_, placed_s) in list(self._placed.items()):
+        while self._placed:
+            request_id, (_, placed_s) = next(iter(self._placed.items()))
             if placed_s >= oldest_s:
                 break  # in placement order: the rest are newer
-            del self._placed[request_id]
-        return Counter(worker for worker, _ in self._placed.values())
+            self.finished(request_id)
+        return +self._placed_counts  # a copy, without zero counts
+
+    def _place(self, request_id: str, worker: str) -> None:
+        self.finished(request_id)  # an id submitted again: placed anew, last
+        self._placed[request_id] = (worker, time.monotonic())
+        self._placed_counts[worker] += 1
 
     def finished(self, request_id: str) -> None:
         """The client saw ``request_id``'s terminal event: it no longer counts as load."""
-        self._placed.pop(request_id, None)
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            self._placed_counts[placed[0]] -= 1
 
     async def _fleet_loads(self) -> dict[str, WorkerLoad]:
         """Every live routing worker's load from its heartbeat (``{p}:routed``'s members),
@@ -140,8 +149,7 @@ class Router:
             keys=[self.keys.routed(chosen)], args=[payload]
         ):
             self.choices[why] += 1
-            self._placed.pop(request.id, None)  # an id submitted again: placed anew, last
-            self._placed[request.id] = (chosen, time.monotonic())
+            self._place(request.id, chosen)
             return chosen
         self.choices[why if chosen is None else "stream gone"] += 1
         shard = self.keys.shard_for(request.id, request.session)

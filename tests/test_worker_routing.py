@@ -16,6 +16,7 @@ import redis
 import redis.asyncio as aioredis
 
 from clients import AsyncClient, Client, RestartEvent, TokenEvent, protocol
+from clients import router as router_module
 from clients.protocol import Keys, WorkerStatus
 from clients.router import Router
 from clients.routing import link_key, prefix_chain
@@ -164,6 +165,26 @@ def test_a_burst_of_new_conversations_is_spread_by_the_clients_own_counts(
         r.close()
 
     asyncio.run(main(redis_server))
+
+
+def test_a_placed_request_counts_until_its_end_or_its_ttl(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer
+) -> None:
+    router = Router(aioredis.Redis(port=redis_server.port), KEYS)
+    now_s = [100.0]
+    monkeypatch.setattr(router_module.time, "monotonic", lambda: now_s[0])
+    router._place("r1", "a")
+    router._place("r2", "b")
+    now_s[0] += 30
+    router._place("r3", "a")
+    assert router.placed_counts() == {"a": 2, "b": 1}
+    router.finished("r2")
+    router.finished("never-placed")
+    assert router.placed_counts() == {"a": 2}
+    now_s[0] += router_module.PLACED_TTL_S - 29  # r1 placed more than the TTL ago
+    assert router.placed_counts() == {"a": 1}
+    router._place("r3", "b")  # the same id submitted again: placed anew
+    assert router.placed_counts() == {"b": 1}
 
 
 def test_a_holder_far_busier_than_an_idle_worker_that_holds_nothing_yields(
