@@ -44,6 +44,7 @@ CASES = [  # (block_size, num_heads, num_kv_heads, config, window, cache_dtype)
     (16, 8, 2, PrefillConfig(32, 16, 4, 2, tma=True), None, None),
     (16, 4, 2, PrefillConfig(64, 16, 4, 3, tma=True, warp_specialize=True), None, None),
     (32, 4, 4, PrefillConfig(32, 32, 4, 2, tma=True), 40, None),
+    (16, 4, 2, PrefillConfig(32, 16, 4, 2, tma=True), 30, FP8),  # scales by page and row
     (16, 4, 2, PrefillConfig(32, 32, 4, 2, warp_specialize=True), None, None),
 ]
 

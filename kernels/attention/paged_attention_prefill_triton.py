@@ -188,16 +188,20 @@ def _attend_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
     # -- gather K, V [BLOCK_N, BLOCK_D]
-    pages, rows = _tile_pages(table_ptr, start_n, hi, offs_n, mask_n, BLOCK_N, BLOCK_SIZE, MASKED)
     if USE_TMA:
-        # the tile is one page: its rows, whole, then finite zeros past the sequence's end
-        # (the page's unwritten rows may hold anything, NaN too)
-        page_row = tl.load(table_ptr + start_n // BLOCK_SIZE) * BLOCK_SIZE
-        k = k_desc.load([page_row, desc_col])
-        v = v_desc.load([page_row, desc_col])
+        # the tile is one page (BLOCK_N == BLOCK_SIZE): its rows, whole, then finite zeros
+        # past the sequence's end (the page's unwritten rows may hold anything, NaN too)
+        page = tl.load(table_ptr + start_n // BLOCK_SIZE)
+        k = k_desc.load([page * BLOCK_SIZE, desc_col])
+        v = v_desc.load([page * BLOCK_SIZE, desc_col])
         if MASKED:
             v = tl.where(mask_n[:, None], v, tl.zeros_like(v))
+        pages = tl.zeros([BLOCK_N], dtype=tl.int64) + page.to(tl.int64)  # for fp8 scales
+        rows = offs_n % BLOCK_SIZE
     else:
+        pages, rows = _tile_pages(
+            table_ptr, start_n, hi, offs_n, mask_n, BLOCK_N, BLOCK_SIZE, MASKED
+        )
         kv_offs = pages * stride_cb + rows * stride_cs
         k = _load_rows(k_base, kv_offs, offs_d, mask_n, stride_cd, HEAD_DIM, BLOCK_D, MASKED)
         v = _load_rows(v_base, kv_offs, offs_d, mask_n, stride_cd, HEAD_DIM, BLOCK_D, MASKED)
