@@ -134,6 +134,11 @@ async def _drive(
 ) -> dict[str, Any]:
     waiting = deque(range(len(sessions)))
     ttfts_s: list[float] = []
+    # each turn's TTFT split by the done event's timings: "queue", submitted -> read by a
+    # worker (the client's choice, Redis, the worker's reader); "engine", admitted -> first
+    # token event made; "rest", the admission's own Redis calls and the token's way back
+    parts_s: dict[str, list[float]] = {"queue": [], "engine": [], "rest": []}
+    ttft_by_turn: dict[int, list[float]] = {}
     tokens = Counter[str]()
     per_worker = Counter[str]()
     first_turns = Counter[str]()  # where each conversation started: its later turns follow
@@ -143,6 +148,7 @@ async def _drive(
             index = waiting.popleft()
             session = sessions[index]
             reply, first_s, started_s = [], None, time.perf_counter()
+            turn, done = session.num_done, None
             async for event in client.stream(
                 token_ids=session.next_prompt(system), max_tokens=workload.output_len,
                 ignore_eos=True, temperature=0.0,
@@ -151,13 +157,18 @@ async def _drive(
                     first_s = first_s or time.perf_counter()
                     reply += event.token_ids
                 elif isinstance(event, DoneEvent) and event.usage is not None:
+                    done = event
                     tokens["prompt"] += event.usage.prompt_tokens
                     tokens["cached"] += event.usage.cached_prompt_tokens
                     tokens["output"] += len(reply)
                     per_worker[event.worker] += 1
                     if session.num_done == 0:
                         first_turns[event.worker] += 1
-            ttfts_s.append((first_s or time.perf_counter()) - started_s)
+            ttft_s = (first_s or time.perf_counter()) - started_s
+            ttfts_s.append(ttft_s)
+            ttft_by_turn.setdefault(turn, []).append(ttft_s)
+            if done is not None:
+                _split(ttft_s, done, parts_s)
             session.add_reply(reply)
             if session.num_done < workload.num_turns:
                 waiting.append(index)
@@ -171,6 +182,12 @@ async def _drive(
     return {
         "prefix_hit_rate": tokens["cached"] / max(tokens["prompt"], 1),
         "ttft_s": {"p50": ttft["p50"], "p90": ttft["p90"]},
+        "ttft_parts_p50_s": {
+            part: percentiles(values)["p50"] for part, values in parts_s.items() if values
+        },
+        "ttft_p50_s_by_turn": {
+            str(turn): percentiles(values)["p50"] for turn, values in sorted(ttft_by_turn.items())
+        },
         "output_tok_s": tokens["output"] / elapsed_s,
         "num_requests": len(ttfts_s),
         "elapsed_s": elapsed_s,
@@ -181,6 +198,17 @@ async def _drive(
         "routing_choices": choices,  # routed turns: where each went and why
         "load_avg_1m": os.getloadavg()[0],
     }
+
+
+def _split(ttft_s: float, done: DoneEvent, parts_s: dict[str, list[float]]) -> None:
+    """Add a turn's TTFT parts from its ``done`` timings (the queue part spans the client's
+    and the worker's wall clocks: one host here)."""
+    queue_ms, engine_ms = done.timings.queue_ms, done.timings.time_to_first_token_ms
+    if queue_ms is None or engine_ms is None:
+        return
+    parts_s["queue"].append(queue_ms / 1000)
+    parts_s["engine"].append(engine_ms / 1000)
+    parts_s["rest"].append(ttft_s - (queue_ms + engine_ms) / 1000)
 
 
 def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -206,5 +234,12 @@ def format_row(row: dict[str, Any]) -> str:
         f"{row['mode']:>6} x{row['workers']}: prefix hit {row['prefix_hit_rate']:.3f}, "
         f"TTFT p50 {row['ttft_s']['p50'] * 1000:.0f} ms p90 {row['ttft_s']['p90'] * 1000:.0f} ms, "
         f"{row['output_tok_s']:.1f} output tok/s, per worker {row['requests_per_worker']}"
+        + (
+            ", TTFT p50 parts "
+            + " ".join(f"{k} {v * 1000:.1f}" for k, v in row["ttft_parts_p50_s"].items())
+            + " ms"
+            if row.get("ttft_parts_p50_s")
+            else ""
+        )
         + (f", choices {row['routing_choices']}" if row.get("routing_choices") else "")
     )

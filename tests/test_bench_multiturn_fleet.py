@@ -33,6 +33,11 @@ def test_multiturn_fleet_record_and_routing_keeps_the_hit_rate(tmp_path: Path) -
         assert sum(row["first_turns_per_worker"]) == SESSIONS  # where each one started
         assert 0 < row["prefix_hit_rate"] < 1 and row["output_tok_s"] > 0
         assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p90"]
+        # TTFT split by the done events' timings (each part of the same turns), and by turn
+        parts = row["ttft_parts_p50_s"]
+        assert set(parts) == {"queue", "engine", "rest"} and parts["engine"] > 0
+        assert parts["queue"] >= 0 and parts["engine"] < 2 * row["ttft_s"]["p90"]
+        assert list(row["ttft_p50_s_by_turn"]) == [str(turn) for turn in range(TURNS)]
         # every turn's choice counted: a session's first turn has no single holder, and is
         # placed on the least loaded worker (of those holding its system prompt, if several)
         choices = row["routing_choices"]
