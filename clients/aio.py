@@ -232,8 +232,6 @@ class AsyncClient:
                     raise item
                 entry_id, payload = item
                 event = protocol.decode_event(payload, entry_id)
-                if isinstance(event, protocol.TERMINAL_EVENTS) and self.router is not None:
-                    self.router.finished(request_id)  # no longer load where it ran
                 yield event
                 if isinstance(event, protocol.TERMINAL_EVENTS):
                     return

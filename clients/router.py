@@ -3,9 +3,7 @@
 With routing on, ``AsyncClient.submit`` reads, in one pipelined round trip, the holders of
 each link of the request's chain (``{p}:px:{link}``, sorted sets the workers write), the
 session's pin; takes every routing worker's load from their heartbeats (read at most once a
-second, for the fleet's balance) and from its own count of the requests it placed on each
-worker and has not seen end (``placed_counts``: a new conversation goes to the least loaded
-worker); and enqueues to the chosen worker's own
+second, for the fleet's balance); and enqueues to the chosen worker's own
 stream, ``{p}:requests:{name}``, or to the request's shard (``{p}:requests`` with one). The
 enqueue is a script that appends only while the chosen worker's stream exists, in the same
 atomic step: an entry never lands in a stream already pruned (a worker's stream is pruned
@@ -27,10 +25,6 @@ from clients.routing import WorkerLoad, choose_worker_why, link_key, request_cha
 
 ROUTING_ENV = "PAGESTREAM_ROUTING"
 FLEET_REFRESH_S = 1.0  # how long a client reuses its reading of the fleet's heartbeats
-# A request this client placed on a worker counts toward that worker's load until the client
-# sees its terminal event (``finished``), or this long after it was placed: a caller that
-# submits and never reads still lets the count fall.
-PLACED_TTL_S = 60.0
 SHARDS_ENV = "PAGESTREAM_SHARDS"
 
 # KEYS: the chosen worker's stream. ARGV: the payload. Returns the entry id, or false when
@@ -73,10 +67,6 @@ class Router:
         self.choices: Counter[str] = Counter()
         self._fleet: dict[str, WorkerLoad] = {}
         self._fleet_read_s = -float("inf")  # never read
-        # request id -> (worker, monotonic time placed): what this client routed to a worker
-        # and has not seen end, in placement order; and its count per worker
-        self._placed: dict[str, tuple[str, float]] = {}
-        self._placed_counts: Counter[str] = Counter()
 
     async def choose(self, request: Request) -> str | None:
         """The worker to route ``request`` to, or None for the shared stream."""
@@ -85,48 +75,26 @@ class Router:
     async def choose_why(self, request: Request) -> tuple[str | None, str]:
         """``choose``'s answer and its reason (``routing.choose_worker_why``)."""
         chain = request_chain(request)
-        holders: list[list[str]] = []
-        pinned = None
-        if chain or request.session is not None:
-            pipe = self.redis.pipeline(transaction=False)
-            for link in chain:
-                pipe.zrange(link_key(self.keys.prefix, link), 0, -1)
-            if request.session is not None:
-                pipe.get(self.keys.session(request.session))
-            replies = await pipe.execute()
-            holders = [[protocol_text(name) for name in names] for names in replies[: len(chain)]]
-            if request.session is not None and replies[-1]:
-                pinned = protocol_text(replies[-1])
-        live = await self._fleet_loads()
+        if not chain and request.session is None:
+            return None, "no holder"
+        pipe = self.redis.pipeline(transaction=False)
+        for link in chain:
+            pipe.zrange(link_key(self.keys.prefix, link), 0, -1)
+        if request.session is not None:
+            pipe.get(self.keys.session(request.session))
+        replies = await pipe.execute()
+        holders = [[protocol_text(name) for name in names] for names in replies[: len(chain)]]
+        pinned = protocol_text(replies[-1]) if request.session is not None and replies[-1] else None
         named = {name for names in holders for name in names}
+        if not named and pinned is None:
+            return None, "no holder"
+        live = await self._fleet_loads()
         wanted = named if pinned is None else named | {pinned}
         unseen = sorted(name for name in wanted if name not in live)
         if unseen:  # a worker newer than the fleet's last reading
             beats = await get_many(self.redis, [self.keys.worker(name) for name in unseen])
             live.update(_live_loads(unseen, beats))
-        return choose_worker_why(holders, live, pinned, self.placed_counts())
-
-    def placed_counts(self) -> Counter[str]:
-        """Per worker, the requests this client placed there and has not seen end (those
-        placed more than ``PLACED_TTL_S`` ago no longer count)."""
-        oldest_s = time.monotonic() - PLACED_TTL_S
-        while self._placed:
-            request_id, (_, placed_s) = next(iter(self._placed.items()))
-            if placed_s >= oldest_s:
-                break  # in placement order: the rest are newer
-            self.finished(request_id)
-        return +self._placed_counts  # a copy, without zero counts
-
-    def _place(self, request_id: str, worker: str) -> None:
-        self.finished(request_id)  # an id submitted again: placed anew, last
-        self._placed[request_id] = (worker, time.monotonic())
-        self._placed_counts[worker] += 1
-
-    def finished(self, request_id: str) -> None:
-        """The client saw ``request_id``'s terminal event: it no longer counts as load."""
-        placed = self._placed.pop(request_id, None)
-        if placed is not None:
-            self._placed_counts[placed[0]] -= 1
+        return choose_worker_why(holders, live, pinned)
 
     async def _fleet_loads(self) -> dict[str, WorkerLoad]:
         """Every live routing worker's load from its heartbeat (``{p}:routed``'s members),
@@ -149,7 +117,6 @@ class Router:
             keys=[self.keys.routed(chosen)], args=[payload]
         ):
             self.choices[why] += 1
-            self._place(request.id, chosen)
             return chosen
         self.choices[why if chosen is None else "stream gone"] += 1
         shard = self.keys.shard_for(request.id, request.session)

@@ -7,9 +7,7 @@ The Redis side is ``clients/router.py`` (the client's choice) and ``worker/routi
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import random
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -114,13 +112,6 @@ class WorkerLoad:
         backlog = max(2, self.max_in_flight // 4)
         return self.num_in_flight >= self.max_in_flight or self.num_waiting >= backlog
 
-    def with_at_least(self, num_in_flight: int) -> WorkerLoad:
-        """This load, with at least ``num_in_flight`` requests in flight (a client's own
-        count of what it sent there, fresher than the heartbeat)."""
-        if num_in_flight <= self.num_in_flight:
-            return self
-        return dataclasses.replace(self, num_in_flight=num_in_flight)
-
 
 # Affinity yields to a fleet out of balance, as SGLang's cache-aware router switches to the
 # shortest queue: a holder with at least BALANCE_GAP more requests than the least loaded live
@@ -130,10 +121,7 @@ BALANCE_RATIO = 2.0
 
 
 def choose_worker(
-    holders: Sequence[Sequence[str]],
-    live: Mapping[str, WorkerLoad],
-    pinned: str | None = None,
-    placed: Mapping[str, int] | None = None,
+    holders: Sequence[Sequence[str]], live: Mapping[str, WorkerLoad], pinned: str | None = None
 ) -> str | None:
     """The worker to route to, from each link's holders (in chain order) and the heartbeats
     of the live routing workers (``live``: holders or not): the live holder of the deepest
@@ -142,31 +130,16 @@ def choose_worker(
     shared stream) when no live worker holds any link; when that holder is busy or far busier
     than the least loaded live worker (affinity yields to load: ``out_of_balance``); or when
     several live workers hold that link (a system prompt every worker has seen: any of them
-    serves it, so the shared stream, where idle workers pull).
-
-    ``placed``: the caller's own count of requests in flight on each worker (what it routed
-    there and has not seen end), fresher than the heartbeats. With it a request that no
-    single live worker holds is placed on the least loaded worker that is not busy (of the
-    deepest link's holders when several hold it; of every live worker when none does), its
-    load the larger of its heartbeat's and that count, ties drawn at random so that clients
-    with equal counts spread; not sent to the shared stream, since the worker that takes a
-    new conversation keeps its later turns, and a burst pulled from the shared stream could
-    all go to whichever worker read first. The holder's rules (busy, out of balance) read
-    the heartbeats alone: fed the fresher counts, the balance rule sent turns away from
-    their cache more often, for no gain (CPU, 2 workers: hit rate 0.64 against 0.67).
-    ``choose_worker_why`` says which."""
-    return choose_worker_why(holders, live, pinned, placed)[0]
+    serves it, and the shared stream, where idle workers pull, balances the load better than
+    heartbeats seconds old would). ``choose_worker_why`` says which."""
+    return choose_worker_why(holders, live, pinned)[0]
 
 
 def choose_worker_why(
-    holders: Sequence[Sequence[str]],
-    live: Mapping[str, WorkerLoad],
-    pinned: str | None = None,
-    placed: Mapping[str, int] | None = None,
+    holders: Sequence[Sequence[str]], live: Mapping[str, WorkerLoad], pinned: str | None = None
 ) -> tuple[str | None, str]:
-    """``choose_worker``'s answer and its reason: ``pinned``, ``holder``, ``least loaded
-    holder``, ``least loaded``, or for the shared stream ``no holder``, ``several hold``,
-    ``busy``, ``out of balance``."""
+    """``choose_worker``'s answer and its reason: ``pinned``, ``holder``, or for the shared
+    stream ``no holder``, ``several hold``, ``busy``, ``out of balance``."""
     if pinned is not None and pinned in live and not live[pinned].is_busy:
         return pinned, "pinned"
     for names in reversed(holders):
@@ -179,23 +152,8 @@ def choose_worker_why(
                 return None, "out of balance"
             return holder, "holder"
         if alive:
-            chosen = least_loaded(alive, live, placed) if placed is not None else None
-            return (chosen, "least loaded holder") if chosen else (None, "several hold")
-    chosen = least_loaded(list(live), live, placed) if placed is not None else None
-    return (chosen, "least loaded") if chosen else (None, "no holder")
-
-
-def least_loaded(
-    names: Sequence[str], live: Mapping[str, WorkerLoad], placed: Mapping[str, int]
-) -> str | None:
-    """The least loaded of ``names`` that is not busy, each at least at its ``placed`` count
-    (ties drawn at random); None if all are busy."""
-    loads = {name: live[name].with_at_least(placed.get(name, 0)) for name in names}
-    free = [name for name, load in loads.items() if not load.is_busy]
-    if not free:
-        return None
-    least = min(loads[name].load for name in free)
-    return random.choice([name for name in free if loads[name].load == least])
+            return None, "several hold"
+    return None, "no holder"
 
 
 def out_of_balance(holder: WorkerLoad, fleet: Iterable[WorkerLoad]) -> bool:

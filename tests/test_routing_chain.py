@@ -100,34 +100,3 @@ def test_a_pinned_session_wins_while_it_is_live_and_not_busy() -> None:
     assert choose_worker(holders, {"a": idle, "b": idle, "c": idle}, pinned="c") == "c"
     assert choose_worker(holders, {"a": idle, "b": idle, "c": full}, pinned="c") == "b"
     assert choose_worker(holders, {"a": idle, "b": idle}, pinned="c") == "b"  # c is gone
-
-
-def test_with_the_clients_own_counts_new_conversations_go_to_the_least_loaded() -> None:
-    """``placed``: what this client sent to each worker and has not seen end. A request no
-    single worker holds goes to the least loaded worker that is not busy (of the holders when
-    several hold), its load at least that count, instead of the shared stream."""
-
-    def load(n: int, max_in_flight: int = 256) -> WorkerLoad:
-        return WorkerLoad(num_in_flight=n, max_in_flight=max_in_flight, num_waiting=0)
-
-    live = {"a": load(0), "b": load(0), "c": load(0)}
-    assert choose_worker_why([[]], live, placed={"a": 2, "b": 1}) == ("c", "least loaded")
-    assert choose_worker_why([[]], live, placed={})[1] == "least loaded"  # any of the three
-    # several hold the deepest link: the least loaded of them, not of everyone
-    assert choose_worker_why([["a", "b"]], live, placed={"a": 3}) == ("b", "least loaded holder")
-    # the heartbeat says 5 in flight, the client's own count 1: the heartbeat's stands
-    assert choose_worker_why([[]], {"a": load(5), "b": load(2)}, placed={"b": 1})[0] == "b"
-    # a holder's rules read the heartbeats alone: the client's count of 9 does not make it
-    # out of balance
-    holders = [["a"], []]
-    live2 = {"a": load(1), "b": load(0)}
-    assert choose_worker_why(holders, live2, placed={"a": 9}) == ("a", "holder")
-    # a worker the client filled up is busy to it
-    assert choose_worker_why([[]], {"a": load(0, 8), "b": load(3, 8)}, placed={"a": 8})[0] == "b"
-    # every candidate busy: the shared stream, as without counts
-    full = {"a": load(8, 8), "b": load(8, 8)}
-    assert choose_worker_why([[]], full, placed={}) == (None, "no holder")
-    assert choose_worker_why([["a", "b"]], full, placed={}) == (None, "several hold")
-    assert choose_worker_why([[]], {}, placed={}) == (None, "no holder")  # no routing worker
-    # ties drawn at random: every tied worker comes up
-    assert {choose_worker([[]], live, placed={}) for _ in range(200)} == {"a", "b", "c"}

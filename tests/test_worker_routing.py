@@ -16,7 +16,6 @@ import redis
 import redis.asyncio as aioredis
 
 from clients import AsyncClient, Client, RestartEvent, TokenEvent, protocol
-from clients import router as router_module
 from clients.protocol import Keys, WorkerStatus
 from clients.router import Router
 from clients.routing import link_key, prefix_chain
@@ -112,7 +111,7 @@ def test_a_busy_worker_yields_and_a_session_pins(redis_server: RedisServer) -> N
         assert await router.choose(request) is None  # its holder is busy: affinity yields
         fake_worker(server, "idle")
         holds(server, "idle", history)
-        assert await router.choose(request) == "idle"  # two hold it: the least loaded not busy
+        assert await router.choose(request) is None  # two hold it: the shared stream balances
         longer = history + tokens(2, 100)  # the next turn, served by "idle" alone
         holds(server, "idle", longer)
         request = protocol.new_request("r2", token_ids=longer + tokens(3, 20), now_ms=0)
@@ -126,65 +125,6 @@ def test_a_busy_worker_yields_and_a_session_pins(redis_server: RedisServer) -> N
         await redis.aclose(close_connection_pool=True)
 
     asyncio.run(main(redis_server))
-
-
-def test_a_burst_of_new_conversations_is_spread_by_the_clients_own_counts(
-    redis_server: RedisServer,
-) -> None:
-    """Heartbeats are seconds old, so a burst of new conversations looks alike to them; the
-    client's count of what it placed and has not seen end keeps the burst even, and a
-    terminal event it reads frees the place."""
-
-    async def main(server: RedisServer) -> None:
-        for name in ("a", "b"):
-            fake_worker(server, name)
-        async with AsyncClient(server.url, routing=True) as client:
-            assert client.router is not None
-            ids = [
-                await client.submit(token_ids=tokens(100 + n, 80), request_id=f"new-{n}", **GREEDY)
-                for n in range(8)
-            ]
-            assert client.router.placed_counts() == {"a": 4, "b": 4}
-            assert client.router.choices == {"least loaded": 8}
-            # a (fake) worker answers one of a's: reading its end frees a's place
-            first_on_a = next(i for i in ids if client.router._placed[i][0] == "a")
-            await client.redis.xadd(
-                KEYS.out(first_on_a),
-                {protocol.PAYLOAD_FIELD: protocol.encode(protocol.DoneEvent(
-                    finish_reason="length", worker="a",
-                    usage=protocol.Usage(prompt_tokens=80, completion_tokens=4)))},
-            )  # fmt: skip
-            async for _ in client.events(first_on_a):
-                pass
-            assert client.router.placed_counts() == {"a": 3, "b": 4}
-            await client.submit(token_ids=tokens(200, 80), request_id="next", **GREEDY)
-            assert client.router._placed["next"][0] == "a"
-        r = server.client()
-        assert (r.xlen(KEYS.routed("a")), r.xlen(KEYS.routed("b"))) == (5, 4)
-        assert r.xlen(KEYS.requests) == 0
-        r.close()
-
-    asyncio.run(main(redis_server))
-
-
-def test_a_placed_request_counts_until_its_end_or_its_ttl(
-    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer
-) -> None:
-    router = Router(aioredis.Redis(port=redis_server.port), KEYS)
-    now_s = [100.0]
-    monkeypatch.setattr(router_module.time, "monotonic", lambda: now_s[0])
-    router._place("r1", "a")
-    router._place("r2", "b")
-    now_s[0] += 30
-    router._place("r3", "a")
-    assert router.placed_counts() == {"a": 2, "b": 1}
-    router.finished("r2")
-    router.finished("never-placed")
-    assert router.placed_counts() == {"a": 2}
-    now_s[0] += router_module.PLACED_TTL_S - 29  # r1 placed more than the TTL ago
-    assert router.placed_counts() == {"a": 1}
-    router._place("r3", "b")  # the same id submitted again: placed anew
-    assert router.placed_counts() == {"b": 1}
 
 
 def test_a_holder_far_busier_than_an_idle_worker_that_holds_nothing_yields(
