@@ -113,6 +113,8 @@ def _measure(
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.step_profiler = profiler = StepProfiler()  # two device events per step
     start_s = time.perf_counter()
+    if structured is not None:  # every matcher made at once on threads, as LLM.generate does
+        engine.grammars.prebuild([structured] * len(prompts))
     for index, prompt in enumerate(prompts):
         _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len, structured)
     step = engine.step if sampler is None else sampler.wrapping(engine.step)

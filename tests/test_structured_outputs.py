@@ -363,6 +363,37 @@ def test_prebuilt_matchers_are_handed_out_each_at_the_start_of_its_grammar(llm: 
         compiler.matcher_for(bad)
 
 
+def test_matchers_built_ahead_for_one_request_are_taken_by_it(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``build_ahead`` (a worker's compile off its loop) keeps one matcher per sample, which
+    ``matcher_for`` hands out without compiling; an uncompilable constraint raises there and
+    keeps nothing; with the pool full it only checks."""
+    import engine.structured.grammars as grammars_module
+    from engine.structured.grammars import GrammarCompiler
+
+    engine = llm.engine
+    compiler = GrammarCompiler(
+        engine.tokenizer, engine.loaded.arch.vocab_size, engine.eos_token_ids
+    )
+    digits = structured(regex="[0-9]{3}")
+    compiler.build_ahead(digits, count=2)
+    assert compiler.num_prebuilt == 2
+    made = []
+    monkeypatch.setattr(compiler, "_new_matcher", lambda *args: made.append(args))
+    first, second = compiler.matcher_for(digits), compiler.matcher_for(digits)
+    assert made == [] and first.matcher is not second.matcher  # both ready, each its own
+    assert compiler.num_prebuilt == 0
+    monkeypatch.undo()
+    with pytest.raises(InvalidRequestError):
+        compiler.build_ahead(structured(regex="(unclosed"))
+    assert compiler.num_prebuilt == 0
+    monkeypatch.setattr(grammars_module, "MAX_PREBUILT_MATCHERS", 1)
+    compiler.build_ahead(digits, count=3)  # room for one
+    compiler.build_ahead(digits)  # none: compiled to check, not kept
+    assert compiler.num_prebuilt == 1
+
+
 def test_a_batch_makes_its_matchers_ahead_and_every_output_is_valid(llm: LLM) -> None:
     grammars = llm.engine.grammars
     kind = structured(regex="[a-z]{2}[0-9]{2}")

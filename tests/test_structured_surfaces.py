@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,16 +33,23 @@ SCHEMA: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_vocab_model: Path, tmp_path_factory: Any) -> Iterator[Client]:
+def served(
+    smollm2_vocab_model: Path, tmp_path_factory: Any
+) -> Iterator[tuple[Client, BatchWorker]]:
     server = RedisServer(tmp_path_factory.mktemp("structured-surfaces"), appendonly=False)
     server.start()
     worker = BatchWorker(smollm2_vocab_model, server.url)
     try:
         with Client(server.url) as sync_client:
-            yield sync_client
+            yield sync_client, worker
     finally:
         worker.stop()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: tuple[Client, BatchWorker]) -> Client:
+    return served[0]
 
 
 def test_the_request_field_round_trips_and_old_payloads_still_decode() -> None:
@@ -73,6 +81,31 @@ def test_an_uncompilable_schema_is_an_error_event_for_that_request_only(client: 
     fine = client.complete("x", structured_outputs={"regex": "[0-9]{3}"}, max_tokens=8,
                            timeout_s=WAIT_S)  # fmt: skip
     assert re.fullmatch("[0-9]{3}", fine.text)
+
+
+def test_the_worker_makes_a_requests_matchers_before_the_engine_takes_it(
+    served: tuple[Client, BatchWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One matcher per sample, made off the worker's loop before the request is added; the
+    engine's thread takes them ready and compiles none (about 1 ms each on its step path)."""
+    client, worker = served
+    grammars = worker.engine.grammars
+    made_on: list[str] = []
+    new_matcher = grammars._new_matcher
+
+    def spy(*args: Any) -> Any:
+        made_on.append(threading.current_thread().name)
+        return new_matcher(*args)
+
+    monkeypatch.setattr(grammars, "_new_matcher", spy)
+    done = client.complete(
+        "x", structured_outputs={"regex": "[0-9]{3}"}, n=2, max_tokens=8, temperature=1.0,
+        timeout_s=WAIT_S,
+    )  # fmt: skip
+    assert len(done.choices) == 2
+    assert all(re.fullmatch("[0-9]{3}", choice.text) for choice in done.choices)
+    assert len(made_on) == 2 and "pagestream-engine" not in made_on
+    assert grammars.num_prebuilt == 0  # both taken
 
 
 def test_batch_lines_and_defaults_carry_structured_outputs(client: Client) -> None:

@@ -105,7 +105,7 @@ class GrammarCompiler:
 
     @property
     def num_prebuilt(self) -> int:
-        """Matchers made by ``prebuild`` that no request has taken yet."""
+        """Matchers made by ``prebuild`` or ``build_ahead`` that no request has taken yet."""
         return self._num_prebuilt
 
     def prebuild(self, constraints: Iterable[StructuredOutputs]) -> None:
@@ -137,6 +137,21 @@ class GrammarCompiler:
         if rest:
             with ThreadPoolExecutor(min(MAX_PREBUILD_THREADS, len(rest))) as pool:
                 built += [result for result in pool.map(build, rest) if result is not None]
+        self._keep(built)
+
+    def build_ahead(self, structured: StructuredOutputs, count: int = 1) -> None:
+        """Make ``count`` matchers of ``structured`` on this thread (one per sample to come),
+        for ``matcher_for`` to hand out: a worker compiles a request's matchers off its event
+        loop before adding it, so that adding it compiles nothing on the engine's thread.
+        Raises ``InvalidRequestError`` when the constraint cannot be compiled. Past
+        ``MAX_PREBUILT_MATCHERS`` waiting it compiles one, to check, and keeps none."""
+        with self._lock:
+            room = max(0, MAX_PREBUILT_MATCHERS - self._num_prebuilt)
+        built = [self._compile(structured) for _ in range(max(1, min(count, room)))]
+        if room:
+            self._keep([(structured.cache_key, matcher) for matcher in built])
+
+    def _keep(self, built: list[tuple[tuple[str, str], Any]]) -> None:
         with self._lock:
             for key, matcher in built:
                 self._prebuilt.setdefault(key, deque()).append(matcher)
