@@ -134,10 +134,11 @@ async def _drive(
 ) -> dict[str, Any]:
     waiting = deque(range(len(sessions)))
     ttfts_s: list[float] = []
-    # each turn's TTFT split by the done event's timings: "queue", submitted -> read by a
-    # worker (the client's choice, Redis, the worker's reader); "engine", admitted -> first
-    # token event made; "rest", the admission's own Redis calls and the token's way back
-    parts_s: dict[str, list[float]] = {"queue": [], "engine": [], "rest": []}
+    # each turn's TTFT split by the done event's timings: "submit", the client's route and
+    # enqueue; "queue", then until a worker read it (Redis, the worker's reader); "engine",
+    # admitted -> first token event made; "rest", the admission's own Redis calls and the
+    # token's way back
+    parts_s: dict[str, list[float]] = {"submit": [], "queue": [], "engine": [], "rest": []}
     ttft_by_turn: dict[int, list[float]] = {}
     tokens = Counter[str]()
     per_worker = Counter[str]()
@@ -149,10 +150,12 @@ async def _drive(
             session = sessions[index]
             reply, first_s, started_s = [], None, time.perf_counter()
             turn, done = session.num_done, None
-            async for event in client.stream(
+            request_id = await client.submit(
                 token_ids=session.next_prompt(system), max_tokens=workload.output_len,
                 ignore_eos=True, temperature=0.0,
-            ):  # fmt: skip
+            )  # fmt: skip
+            submit_s = time.perf_counter() - started_s  # the client's part: route and enqueue
+            async for event in client.resume(request_id):
                 if isinstance(event, TokenEvent):
                     first_s = first_s or time.perf_counter()
                     reply += event.token_ids
@@ -168,7 +171,7 @@ async def _drive(
             ttfts_s.append(ttft_s)
             ttft_by_turn.setdefault(turn, []).append(ttft_s)
             if done is not None:
-                _split(ttft_s, done, parts_s)
+                _split(ttft_s, submit_s, done, parts_s)
             session.add_reply(reply)
             if session.num_done < workload.num_turns:
                 waiting.append(index)
@@ -200,13 +203,17 @@ async def _drive(
     }
 
 
-def _split(ttft_s: float, done: DoneEvent, parts_s: dict[str, list[float]]) -> None:
-    """Add a turn's TTFT parts from its ``done`` timings (the queue part spans the client's
-    and the worker's wall clocks: one host here)."""
+def _split(
+    ttft_s: float, submit_s: float, done: DoneEvent, parts_s: dict[str, list[float]]
+) -> None:
+    """Add a turn's TTFT parts from the client's submit time and its ``done`` timings (whose
+    queue spans the client's and the worker's wall clocks, one host here, from before the
+    client's route: its submit part is taken out)."""
     queue_ms, engine_ms = done.timings.queue_ms, done.timings.time_to_first_token_ms
     if queue_ms is None or engine_ms is None:
         return
-    parts_s["queue"].append(queue_ms / 1000)
+    parts_s["submit"].append(submit_s)
+    parts_s["queue"].append(max(queue_ms / 1000 - submit_s, 0.0))
     parts_s["engine"].append(engine_ms / 1000)
     parts_s["rest"].append(ttft_s - (queue_ms + engine_ms) / 1000)
 

@@ -35,8 +35,9 @@ def test_multiturn_fleet_record_and_routing_keeps_the_hit_rate(tmp_path: Path) -
         assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p90"]
         # TTFT split by the done events' timings (each part of the same turns), and by turn
         parts = row["ttft_parts_p50_s"]
-        assert set(parts) == {"queue", "engine", "rest"} and parts["engine"] > 0
-        assert parts["queue"] >= 0 and parts["engine"] < 2 * row["ttft_s"]["p90"]
+        assert set(parts) == {"submit", "queue", "engine", "rest"} and parts["engine"] > 0
+        assert parts["submit"] > 0 and parts["queue"] >= 0
+        assert parts["engine"] < 2 * row["ttft_s"]["p90"]
         assert list(row["ttft_p50_s_by_turn"]) == [str(turn) for turn in range(TURNS)]
         # every turn's choice counted: a session's first turn finds no holder
         assert sum(row["routing_choices"].values()) == row["num_requests"]
