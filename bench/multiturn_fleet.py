@@ -46,6 +46,7 @@ def run_multiturn_fleet(
             rows.append(row)
     return {
         "benchmark": "multiturn-fleet",
+        "kind": "multiturn-fleet",
         "date": utc_now(),
         "machine": machine_info(),
         "settings": {

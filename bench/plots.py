@@ -33,9 +33,10 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "speculative": plots_features.speculative,
         "tp-scaling": _tp_scaling,
         "matrix": plots_features.matrix,
+        "multiturn-fleet": plots_features.multiturn_fleet,
         "redis-scale": redis_scale_plot.plot,
     }
-    draw = draws.get(record.get("kind", ""))
+    draw = draws.get(record.get("kind") or record.get("benchmark", ""))
     if draw is None:  # e.g. kv_quality: a handful of numbers read better as a table
         if required:
             raise ConfigError(f"no plot for a record of kind {record.get('kind')!r}")

@@ -122,3 +122,69 @@ def _kernel_kinds(ax: Any, rows: list[dict[str, Any]], peer: str) -> None:
     ax.set_xticks(range(len(stacks)), labels, rotation=30, ha="right", fontsize=6)
     ax.set_ylabel("kernel seconds over the run (sampled steps, scaled)", fontsize=8)
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+FLEET_PARTS = (  # TTFT p50 parts of a multiturn-fleet row, bottom to top
+    ("submit", "client's route", "tab:purple"),
+    ("queue", "queue", "tab:orange"),
+    ("engine", "engine", "tab:blue"),
+    ("rest", "rest", "tab:gray"),
+)
+
+
+def multiturn_fleet(plt: Any, record: dict[str, Any]) -> Any:
+    """Shared group against routing, per worker count: TTFT p50 (split into its parts where the
+    row has them, p90 marked), the prefix hit rate and output tokens/s."""
+    rows = record["rows"]
+    counts = sorted({row["workers"] for row in rows})
+    modes = [mode for mode in ("shared", "routed") if any(row["mode"] == mode for row in rows)]
+    by = {(row["mode"], row["workers"]): row for row in rows}
+    fig, (ttft, hits, rate) = plt.subplots(1, 3, figsize=(12, 3.5))
+    width = 0.8 / len(modes)
+    for index, mode in enumerate(modes):
+        xs = [i + (index - (len(modes) - 1) / 2) * width for i in range(len(counts))]
+        present = [(x, by[(mode, n)]) for x, n in zip(xs, counts, strict=True) if (mode, n) in by]
+        _ttft_bars(ttft, present, width, labelled=index == 0)
+        for x, _ in present:
+            ttft.annotate(mode, (x, 0), ha="center", va="bottom", fontsize=6, rotation=90,
+                          color="white")  # fmt: skip
+        hatch = "" if mode == "shared" else "//"
+        hits.bar([x for x, _ in present], [row["prefix_hit_rate"] for _, row in present], width,
+                 label=mode, color="tab:green", hatch=hatch, edgecolor="black")  # fmt: skip
+        rate.bar([x for x, _ in present], [row["output_tok_s"] for _, row in present], width,
+                 label=mode, color="tab:blue", hatch=hatch, edgecolor="black")  # fmt: skip
+    workload = record["settings"]["workload"]
+    ttft.set_title(f"TTFT p50 (p90 marked): {workload['num_sessions']} sessions x "
+                   f"{workload['num_turns']} turns, {workload['concurrency']} at once",
+                   fontsize=9)  # fmt: skip
+    ttft.set_ylabel("ms")
+    ttft.legend(fontsize=7)
+    hits.set_title("prefix hit rate", fontsize=9)
+    hits.set_ylim(0, 1)
+    rate.set_title("output tokens / s", fontsize=9)
+    for ax in (ttft, hits, rate):
+        ax.set_xticks(range(len(counts)), [f"{n} worker{'s' * (n > 1)}" for n in counts])
+    hits.legend(fontsize=7)
+    return fig
+
+
+def _ttft_bars(ax: Any, present: list[tuple[float, dict[str, Any]]], width: float,
+               labelled: bool) -> None:  # fmt: skip
+    """One mode's TTFT p50 bars, stacked by part where the rows split it, and p90 ticks."""
+    xs = [x for x, _ in present]
+    if all(row.get("ttft_parts_p50_s") for _, row in present):
+        bottoms = [0.0] * len(present)
+        # rows before the client's part was split out hold it in their queue
+        parts = [
+            p for p in FLEET_PARTS if all(p[0] in row["ttft_parts_p50_s"] for _, row in present)
+        ]
+        for key, label, color in parts:
+            values = [row["ttft_parts_p50_s"].get(key, 0.0) * 1e3 for _, row in present]
+            ax.bar(xs, values, width, bottom=bottoms, color=color,
+                   label=label if labelled else None)  # fmt: skip
+            bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    else:
+        ax.bar(xs, [row["ttft_s"]["p50"] * 1e3 for _, row in present], width, color="tab:blue",
+               label="p50" if labelled else None)  # fmt: skip
+    ax.scatter(xs, [row["ttft_s"]["p90"] * 1e3 for _, row in present], marker="_", s=200,
+               color="black", label="p90" if labelled else None)  # fmt: skip

@@ -26,6 +26,7 @@ def test_multiturn_fleet_record_and_routing_keeps_the_hit_rate(tmp_path: Path) -
     assert code == 0
     record = json.loads(out.read_text())
     assert record["benchmark"] == "multiturn-fleet" and record["machine"]["device"] == "cpu"
+    assert out.with_suffix(".png").stat().st_size > 0  # TTFT parts, hit rate, throughput
     rows = record["rows"]
     assert [(row["mode"], row["workers"]) for row in rows] == [("routed", 1), ("routed", 2)]
     for row in rows:
