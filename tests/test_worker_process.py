@@ -130,15 +130,20 @@ def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
             # behind a `restart`. (A fixed sleep raced A finishing them; killing A as soon as it
             # held entries raced its claiming them, and a request never claimed runs afresh.)
             # On a loaded host the watch can miss A's short window, A finishing its share
-            # between two looks: then another batch, up to three.
+            # between two looks: then another batch, up to three. A is stopped (SIGSTOP)
+            # before the second look, which decides: a kill after one look alone found A
+            # finished in between on a loaded host, and nothing was restarted.
             for seed in (4, 5, 6):
                 texts = prompts(8, seed=seed)
                 task = asyncio.create_task(complete_all(redis_server, texts, LONG_TOKENS))
                 while not task.done():
                     if await asyncio.to_thread(num_streaming, redis_server, "A") > 0:
-                        a.send_signal(signal.SIGKILL)
-                        results.extend(await task)
-                        return texts
+                        a.send_signal(signal.SIGSTOP)
+                        if await asyncio.to_thread(num_streaming, redis_server, "A") > 0:
+                            a.send_signal(signal.SIGKILL)
+                            results.extend(await task)
+                            return texts
+                        a.send_signal(signal.SIGCONT)
                     await asyncio.sleep(0.05)
                 await task
             raise AssertionError("A streamed none of three batches while it held them")
