@@ -21,7 +21,13 @@ from typing import Any
 from clients import protocol
 from clients.connect import get_many
 from clients.protocol import Keys, Request, WorkerStatus
-from clients.routing import WorkerLoad, choose_worker_why, link_key, request_chain
+from clients.routing import (
+    WorkerLoad,
+    choose_worker_why,
+    link_key,
+    probed_links,
+    request_chain,
+)
 
 ROUTING_ENV = "PAGESTREAM_ROUTING"
 FLEET_REFRESH_S = 1.0  # how long a client reuses its reading of the fleet's heartbeats
@@ -77,6 +83,7 @@ class Router:
         chain = request_chain(request)
         if not chain and request.session is None:
             return None, "no holder"
+        chain = [chain[index] for index in probed_links(len(chain))]  # about log2 of them
         pipe = self.redis.pipeline(transaction=False)
         for link in chain:
             pipe.zrange(link_key(self.keys.prefix, link), 0, -1)

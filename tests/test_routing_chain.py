@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -100,3 +101,35 @@ def test_a_pinned_session_wins_while_it_is_live_and_not_busy() -> None:
     assert choose_worker(holders, {"a": idle, "b": idle, "c": idle}, pinned="c") == "c"
     assert choose_worker(holders, {"a": idle, "b": idle, "c": full}, pinned="c") == "b"
     assert choose_worker(holders, {"a": idle, "b": idle}, pinned="c") == "b"  # c is gone
+
+
+def test_a_client_reads_about_log2_of_a_chains_links_the_last_and_the_first() -> None:
+    from clients.routing import probed_links
+
+    assert probed_links(0) == [] and probed_links(1) == [0] and probed_links(3) == [0, 1, 2]
+    assert probed_links(11) == [0, 3, 7, 9, 10]
+    for num_links in range(1, 300):
+        probes = probed_links(num_links)
+        assert probes == sorted(set(probes)) and probes[0] == 0 and probes[-1] == num_links - 1
+        assert len(probes) <= num_links.bit_length() + 1
+        # each gap at most twice the one after it: the deepest held link is near a probe
+        gaps = [b - a for a, b in itertools.pairwise(probes)]
+        assert all(gap <= 2 * later for gap, later in itertools.pairwise(gaps))
+
+
+def test_token_cuts_walk_only_the_marked_ids_and_give_the_general_rules_spans() -> None:
+    """``_token_cuts`` (the fast walk) against ``_cuts`` with the per-token rule: the same
+    spans, so links stay those that earlier clients and workers compute."""
+    from clients.routing import TOKENS_PER_LINK, _cuts, _token_cuts
+
+    rng = random.Random(5)
+    for _ in range(400):
+        vocab = rng.choice([3, 40, 150_000])  # few ids: long runs with and without marks
+        token_ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 900))]
+
+        def cut_after(i: int, token_ids: list[int] = token_ids) -> bool:
+            mixed = (token_ids[i] * 0x9E3779B1) & 0xFFFFFFFF
+            return (mixed >> 16) % TOKENS_PER_LINK == 0
+
+        expected = _cuts(len(token_ids), cut_after, MIN_TOKENS_PER_LINK, MAX_TOKENS_PER_LINK)
+        assert _token_cuts(token_ids) == expected

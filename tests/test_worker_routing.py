@@ -127,6 +127,36 @@ def test_a_busy_worker_yields_and_a_session_pins(redis_server: RedisServer) -> N
     asyncio.run(main(redis_server))
 
 
+def test_the_router_reads_a_few_links_and_still_finds_the_deepest_single_holder(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long conversation: a system prompt both workers hold, then a history only "deep"
+    holds, then a new turn nobody holds. The router reads about log2 of the ~300 links and
+    routes to "deep"."""
+
+    async def main(server: RedisServer) -> None:
+        redis = aioredis.Redis(port=server.port)
+        router = Router(redis, KEYS)
+        system, history = tokens(7, 300), tokens(8, 6000)
+        for name in ("wide", "deep"):
+            fake_worker(server, name)
+            holds(server, name, system)
+        holds(server, "deep", system + history)
+        request = protocol.new_request("r", token_ids=system + history + tokens(9, 400), now_ms=0)
+        read: list[str] = []
+        zrange = type(redis.pipeline()).zrange
+        monkeypatch.setattr(
+            type(redis.pipeline()), "zrange",
+            lambda pipe, key, *args: (read.append(key), zrange(pipe, key, *args))[1],
+        )  # fmt: skip
+        assert await router.choose_why(request) == ("deep", "holder")
+        num_links = len(prefix_chain(token_ids=request.token_ids or []))
+        assert num_links > 150 and len(read) <= num_links.bit_length() + 1
+        await redis.aclose(close_connection_pool=True)
+
+    asyncio.run(main(redis_server))
+
+
 def test_a_holder_far_busier_than_an_idle_worker_that_holds_nothing_yields(
     redis_server: RedisServer,
 ) -> None:
