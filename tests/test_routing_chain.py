@@ -103,16 +103,19 @@ def test_a_pinned_session_wins_while_it_is_live_and_not_busy() -> None:
     assert choose_worker(holders, {"a": idle, "b": idle}, pinned="c") == "b"  # c is gone
 
 
-def test_a_client_reads_about_log2_of_a_chains_links_the_last_and_the_first() -> None:
-    from clients.routing import probed_links
+def test_a_client_reads_a_chains_last_links_each_and_probes_the_rest() -> None:
+    from clients.routing import DENSE_TAIL_LINKS, probed_links
 
-    assert probed_links(0) == [] and probed_links(1) == [0] and probed_links(3) == [0, 1, 2]
-    assert probed_links(11) == [0, 3, 7, 9, 10]
-    for num_links in range(1, 300):
+    assert probed_links(0) == [] and probed_links(3) == [0, 1, 2]
+    assert probed_links(DENSE_TAIL_LINKS) == list(range(DENSE_TAIL_LINKS))
+    assert probed_links(DENSE_TAIL_LINKS + 11)[:5] == [0, 3, 7, 9, 10]
+    for num_links in range(1, 400):
         probes = probed_links(num_links)
         assert probes == sorted(set(probes)) and probes[0] == 0 and probes[-1] == num_links - 1
-        assert len(probes) <= num_links.bit_length() + 1
-        # each gap at most twice the one after it: the deepest held link is near a probe
+        dense = max(num_links - DENSE_TAIL_LINKS, 0)
+        assert probes[len(probes) - (num_links - dense) :] == list(range(dense, num_links))
+        assert len(probes) <= DENSE_TAIL_LINKS + dense.bit_length() + 1
+        # each gap before the dense part at most twice the one after it
         gaps = [b - a for a, b in itertools.pairwise(probes)]
         assert all(gap <= 2 * later for gap, later in itertools.pairwise(gaps))
 
