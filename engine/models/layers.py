@@ -24,6 +24,7 @@ from engine.distributed.group import PartialSum, TensorParallelGroup, summed
 from engine.models.arch import ModelArch
 from engine.models.moe import SparseMoeBlock
 from engine.quant.linear import QuantizedLinear
+from kernels.linear.common import linear_out
 from kernels.linear.gemv_triton import GemvConfig, gemv
 from kernels.linear.gemv_tuning import tuned_config
 from kernels.linear.int8_rows_triton import Int8Rows
@@ -86,8 +87,7 @@ def linear_into(
     out: torch.Tensor,  # [T, out_features], contiguous
 ) -> torch.Tensor:  # out
     """``out.copy_(linear(x))``, but written by the matmul itself where it can: cuBLAS for a
-    plain linear (``mm``, or ``addmm`` with a bias: the calls ``F.linear`` makes, so the same
-    result bit for bit), a quantized linear's kernels (``QuantizedLinear.forward`` copies once
+    plain linear (``linear_out``: the same result bit for bit), a quantized linear's kernels (``QuantizedLinear.forward`` copies once
     where its path cannot). Any other module: its result, copied once. An ``out`` strided
     across rows works too, but there cuBLAS adds a bias outside its epilogue (rounded once
     more). Inference only: a matmul into a given ``out`` refuses arguments that take
@@ -96,9 +96,7 @@ def linear_into(
         written: torch.Tensor = linear(x, out=out)
         return written
     if isinstance(linear, nn.Linear) and isinstance(x, torch.Tensor):
-        if linear.bias is None:
-            return torch.mm(x, linear.weight.t(), out=out)
-        return torch.addmm(linear.bias, x, linear.weight.t(), out=out)
+        return linear_out(x, linear.weight, linear.bias, out)
     return out.copy_(linear(x))
 
 

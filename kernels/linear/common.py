@@ -27,6 +27,21 @@ import triton.language as tl
 
 from kernels.pdl import pdl_launch, wait_for_producers
 
+
+def linear_out(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    out: torch.Tensor,  # [M, N]
+) -> torch.Tensor:  # out
+    """``F.linear(x, weight, bias)`` written into ``out`` by cuBLAS: the calls ``F.linear``
+    makes (``mm``, or ``addmm`` with the bias in its epilogue), so the same result bit for
+    bit where ``out`` is contiguous."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
 ADD_PLANES_BLOCK = 1024  # output elements per program of the plane sum
 
 

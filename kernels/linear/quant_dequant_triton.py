@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.linear.common import tile_offsets
+from kernels.linear.common import linear_out, tile_offsets
 from kernels.linear.gemv_triton import SUPPORTED_DTYPES
 from kernels.linear.quant import QuantFormat
 from kernels.linear.quant_gemm_triton import weight_tile
@@ -163,11 +163,7 @@ def dequant_matmul(
         )
     if chunk_rows == num_cols:  # the usual case: one slice, bias fused into cuBLAS
         weight = dequantize_into(fmt, planes, scratch[: num_cols * size_k].view(num_cols, -1))
-        if out is None:
-            return F.linear(x, weight, bias)
-        if bias is None:  # the calls F.linear makes, written into out
-            return torch.mm(x, weight.t(), out=out)
-        return torch.addmm(bias, x, weight.t(), out=out)
+        return F.linear(x, weight, bias) if out is None else linear_out(x, weight, bias, out)
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     for start in range(0, num_cols, chunk_rows):
