@@ -9,7 +9,8 @@ by the expected rows per expert.
 
 One ``block_m`` serves both GEMMs (they share the sorted layout); ``block_n``, ``block_k``,
 warps and stages are each GEMM's own. ``block_m == DIRECT_BLOCK_M`` (1) is the path without
-the sort, a program per (token, slot) pair (``direct_triton.py``), for a handful of pairs.
+the sort, a program per (token, slot) pair (``direct_triton.py``), for a handful of pairs;
+there the down tile's ``split_slots`` picks between its two down kernels.
 """
 
 from __future__ import annotations
@@ -29,12 +30,29 @@ DIRECT_MAX_PAIRS = 16  # the default takes the direct path up to this many pairs
 
 @dataclass(frozen=True)
 class GemmTile:
-    """One GEMM's launch: its tile's N and K, and the compiler's warps and stages."""
+    """One GEMM's launch: its tile's N and K, and the compiler's warps and stages.
+
+    ``split_slots`` (the direct path's down GEMM only): a program per (token, column tile,
+    slot) instead of one walking the token's ``top_k`` slots, the last to finish summing the
+    terms in slot order (``direct_triton.py``). Written to JSON only when set, so tables from
+    before it read and write unchanged.
+    """
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_slots: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if not self.split_slots:
+            del data["split_slots"]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GemmTile:
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -43,12 +61,19 @@ class MoeConfig:
     gate_up: GemmTile
     down: GemmTile
 
+    def __post_init__(self) -> None:
+        if self.gate_up.split_slots or (self.down.split_slots and self.block_m != DIRECT_BLOCK_M):
+            raise ValueError(f"split_slots is for the direct path's down GEMM only (block_m "
+                             f"{DIRECT_BLOCK_M}), got {self}")  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"block_m": self.block_m, "gate_up": self.gate_up.to_json(),
+                "down": self.down.to_json()}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MoeConfig:
-        return cls(data["block_m"], GemmTile(**data["gate_up"]), GemmTile(**data["down"]))
+        gate_up, down = GemmTile.from_json(data["gate_up"]), GemmTile.from_json(data["down"])
+        return cls(data["block_m"], gate_up, down)
 
 
 @dataclass(frozen=True)
