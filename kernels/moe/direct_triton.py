@@ -10,6 +10,13 @@ float32), with the epilogue of ``grouped_gemm_triton.py``'s gate/up (SiLU-and-mu
 takes a program per token instead, walking the token's experts in slot order, so the
 routing weights and the top-k sum land in its epilogue: no terms buffer, no sum launch, and
 the same rounding points. ``MoeConfig.block_m == DIRECT_BLOCK_M`` selects the path.
+
+At batch 1 that down kernel has only ``H / BLOCK_N`` programs, each reading ``top_k``
+experts' rows one after another: too few to keep a large GPU's memory busy. A down tile
+with ``split_slots`` runs a program per pair instead (``top_k`` times the programs); each
+parks its term in a kept buffer and takes a ticket from an atomic counter, and the token's
+last program sums the terms in slot order, so the output is the same bit for bit (buffers
+and their ownership: ``split_slot_buffers.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import triton.language as tl
 from kernels.linear.common import tile_offsets
 from kernels.linear.int8_rows_triton import TL_FLOAT_DTYPES
 from kernels.moe.config import GemmTile
+from kernels.moe.split_slot_buffers import SlotTerms, SplitSlotBuffers
 from kernels.pdl import pdl_launch, wait_for_producers
 
 
@@ -77,6 +85,45 @@ def _gate_up_silu_direct_kernel(
 
 
 @triton.jit
+def _down_term(
+    act_ptr,
+    w_ptr,
+    w_scale_ptr,
+    weights_ptr,
+    ids_ptr,
+    pair,
+    offs_n,
+    mask_n,
+    K,
+    stride_ap,
+    stride_we,
+    stride_wn,
+    stride_se,
+    W_SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """``pair``'s weighted down output at columns ``offs_n``, in DTYPE: its expert's rows
+    against its activation row in float32, rounded as the sorted path's terms are."""
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + pair * stride_ap + offs_k
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        out += tl.sum(w.to(tl.float32) * a, axis=1)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if W_SCALED:
+        out *= tl.load(w_scale_ptr + expert * stride_se + offs_n, mask=mask_n, other=0.0)
+    return (out.to(DTYPE).to(tl.float32) * tl.load(weights_ptr + pair)).to(DTYPE)
+
+
+@triton.jit
 def _down_sum_direct_kernel(
     act_ptr,  # [T * TOP_K, K], last stride 1
     w_ptr,  # [E, N, K], last stride 1
@@ -101,27 +148,68 @@ def _down_sum_direct_kernel(
     wait_for_producers(PDL)
     token, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
-    offs_k = tl.arange(0, BLOCK_K)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):  # the token's experts in slot order: a fixed sum
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_ptrs = act_ptr + pair * stride_ap + offs_k
-        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            mask_k = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            out += tl.sum(w.to(tl.float32) * a, axis=1)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        if W_SCALED:
-            out *= tl.load(w_scale_ptr + expert * stride_se + offs_n, mask=mask_n, other=0.0)
-        # each term rounded as the sorted path's terms are, then summed in float32
-        term = (out.to(DTYPE).to(tl.float32) * tl.load(weights_ptr + pair)).to(DTYPE)
-        total += term.to(tl.float32)
+        term = _down_term(
+            act_ptr, w_ptr, w_scale_ptr, weights_ptr, ids_ptr, token * TOP_K + slot, offs_n,
+            mask_n, K, stride_ap, stride_we, stride_wn, stride_se, W_SCALED, BLOCK_N, BLOCK_K,
+            DTYPE,
+        )  # fmt: skip
+        total += term.to(tl.float32)  # summed in float32, rounded once
     tl.store(out_ptr + token * stride_ot + offs_n, total.to(DTYPE), mask=mask_n)
+
+
+@triton.jit
+def _down_sum_split_slots_kernel(
+    act_ptr,  # [T * TOP_K, K], last stride 1
+    w_ptr,  # [E, N, K], last stride 1
+    w_scale_ptr,  # [E, N] float32 with W_SCALED
+    weights_ptr,  # [T * TOP_K] float32: each pair's routing weight
+    out_ptr,  # [T, N], last stride 1
+    ids_ptr,  # [T * TOP_K] int32
+    terms_ptr,  # [T * TOP_K, N] float32, contiguous: each pair's term, for the last program
+    tickets_ptr,  # [T, N] int32, contiguous, zero between calls: (token, tile) arrivals
+    N,
+    K,
+    stride_ap,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_producers(PDL)
+    token, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
+    pair = token * TOP_K + slot
+    # 1. this pair's term (as _down_sum_direct_kernel's), parked for the token's last program
+    term = _down_term(
+        act_ptr, w_ptr, w_scale_ptr, weights_ptr, ids_ptr, pair, offs_n, mask_n, K, stride_ap,
+        stride_we, stride_wn, stride_se, W_SCALED, BLOCK_N, BLOCK_K, DTYPE,
+    )  # fmt: skip
+    terms_row = terms_ptr + token * TOP_K * N + offs_n  # the token's slot-0 term
+    tl.store(terms_row + slot * N, term.to(tl.float32), mask=mask_n)
+    # 2. a ticket. The barrier has every thread's store issued before the one thread that
+    # does a scalar atomic releases them (older Tritons put no barrier there themselves); the
+    # acquire, and the barrier after it, order the last program's loads after every release.
+    tl.debug_barrier()
+    ticket_ptr = tickets_ptr + token * N + pid_n
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == TOP_K - 1:
+        # 3. the last of the token's TOP_K programs: the terms in slot order, in float32
+        tl.debug_barrier()
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for s in tl.static_range(TOP_K):  # .cg: from L2, where the other SMs' stores are
+            total += tl.load(terms_row + s * N, mask=mask_n, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + token * stride_ot + offs_n, total.to(DTYPE), mask=mask_n)
+        # zero for the next call: every ticket of this tile is drawn, and the next kernel to
+        # use the counters runs after this one on the stream
+        tl.store(ticket_ptr, 0)
 
 
 def gate_up_silu_direct(
@@ -153,15 +241,26 @@ def down_sum_direct(
     tile: GemmTile,
     out: torch.Tensor,  # [T, H], act's dtype
     w2_scale: torch.Tensor | None = None,  # [E, H] float32
+    buffers: SplitSlotBuffers | None = None,  # tile.split_slots: kept scratch, else per call
 ) -> torch.Tensor:  # out
-    """``down_weighted`` and ``sum_topk`` in one: a program per token and ``block_n``
-    columns walks the token's experts in slot order (no terms buffer, no atomics)."""
+    """``down_weighted`` and ``sum_topk`` in one, the same output bit for bit either way: a
+    program per token and ``block_n`` columns walks the token's experts in slot order (no
+    terms buffer, no atomics), or with ``tile.split_slots`` a program per pair and
+    ``block_n`` columns, the token's last to finish summing the terms in slot order."""
     num_tokens, top_k = topk_ids.shape
     hidden = w2.shape[1]
     scale, stride_se = (w2, 0) if w2_scale is None else (w2_scale, w2_scale.stride(0))
-    _down_sum_direct_kernel[(num_tokens, triton.cdiv(hidden, tile.block_n))](
-        act, w2, scale, topk_weights, out, topk_ids, hidden, act.shape[1], act.stride(0),
-        w2.stride(0), w2.stride(1), stride_se, out.stride(0), TOP_K=top_k,
+    grid: tuple[int, ...] = (num_tokens, triton.cdiv(hidden, tile.block_n))
+    scratch: tuple[torch.Tensor, ...] = ()  # split_slots: the terms and ticket counters
+    kernel = _down_sum_direct_kernel
+    if tile.split_slots:
+        shape = (num_tokens, top_k, hidden, act.device)
+        slot_terms = SlotTerms.allocate(*shape) if buffers is None else buffers.take(*shape)
+        grid, kernel = (*grid, top_k), _down_sum_split_slots_kernel
+        scratch = (slot_terms.terms, slot_terms.tickets)
+    kernel[grid](
+        act, w2, scale, topk_weights, out, topk_ids, *scratch, hidden, act.shape[1],
+        act.stride(0), w2.stride(0), w2.stride(1), stride_se, out.stride(0), TOP_K=top_k,
         W_SCALED=w2_scale is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         DTYPE=TL_FLOAT_DTYPES[act.dtype], num_warps=tile.num_warps, num_stages=tile.num_stages,
         **pdl_launch(act),

@@ -20,6 +20,7 @@ from kernels.moe.config import DIRECT_BLOCK_M, MoeConfig, MoeShape, pick_config
 from kernels.moe.direct_triton import down_sum_direct, gate_up_silu_direct
 from kernels.moe.grouped_gemm_triton import down_weighted, gate_up_silu, sum_topk
 from kernels.moe.router_triton import route_topk
+from kernels.moe.split_slot_buffers import SplitSlotBuffers
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
@@ -35,8 +36,13 @@ def fused_moe(
     config: MoeConfig | None = None,  # None: the table's for this shape and token count
     w13_scale: torch.Tensor | None = None,  # [E, 2 * I] float32: w13 in float8 e4m3
     w2_scale: torch.Tensor | None = None,  # [E, H] float32: w2 in float8 e4m3
+    direct_buffers: SplitSlotBuffers | None = None,  # kept scratch of a split-slot down tile
 ) -> torch.Tensor:  # [T, H] in x's dtype
-    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` over each token's ``top_k`` experts."""
+    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` over each token's ``top_k`` experts.
+
+    ``direct_buffers``: where a config's direct down tile has ``split_slots``, its ticket
+    counters and terms, kept by the caller across calls (``split_slot_buffers.py``); without
+    them each such call allocates and zeroes its own."""
     _check(x, w13, w2, router_logits, w13_scale is not None, w2_scale is not None)
     num_tokens = x.shape[0]
     out = torch.empty_like(x)
@@ -47,7 +53,9 @@ def fused_moe(
     topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
     if config.block_m == DIRECT_BLOCK_M:  # a few pairs: a program each, nothing to sort
         act = gate_up_silu_direct(x, w13, topk_ids, config.gate_up, w13_scale)
-        return down_sum_direct(act, w2, topk_weights, topk_ids, config.down, out, w2_scale)
+        return down_sum_direct(
+            act, w2, topk_weights, topk_ids, config.down, out, w2_scale, direct_buffers
+        )
     align = align_pairs(topk_ids, w13.shape[0], config.block_m)
     act = gate_up_silu(x, w13, align, top_k, config.gate_up, w13_scale)  # [T * k, I]
     terms = down_weighted(act, w2, topk_weights, align, config.down, w2_scale)  # [T * k, H]
