@@ -7,6 +7,7 @@ CUDA). ``PAGESTREAM_ATTN_BACKEND=torch`` picks the references on a GPU too, for 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -198,6 +199,7 @@ class TritonAttentionBackend:
         )
         from kernels.elementwise.rotary_kv_write_triton import rotary_write_kv
         from kernels.moe.fused_moe_triton import fused_moe
+        from kernels.moe.split_slot_buffers import SplitSlotBuffers
 
         self.ops = LayerOps(
             rms_norm,
@@ -206,7 +208,8 @@ class TritonAttentionBackend:
             rms_norm_int8=rms_norm_int8,
             fused_add_rms_norm_int8=fused_add_rms_norm_int8,
             silu_and_mul_int8=silu_and_mul_int8,
-            fused_moe=fused_moe,
+            # the model's MoE layers run one after another: one set of split-slot buffers
+            fused_moe=functools.partial(fused_moe, direct_buffers=SplitSlotBuffers()),
         )
         self._rotary_write_kv = rotary_write_kv
         self._paged_attention = paged_attention
