@@ -9,10 +9,12 @@ ranks holds) and each token count, on random routing: for every ``block_m`` of `
 up to four times the rows per expert, every tile of ``TILE_GRID`` for gate/up and for down
 is timed with ``triton.testing.do_bench`` (median; the L2 flushed between calls, as a
 model's next layer finds it), and up to ``DIRECT_MAX_PAIRS`` pairs the direct path's GEMV
-tiles (``DIRECT_GRID``, ``block_m`` 1) too. Each ``block_m``'s best tiles make a candidate;
-the candidate whose whole MoE layer (route to sum) runs fastest is the entry, checked
-against the torch reference and timed beside the default config
-(``kernels/moe/config.default_config``).
+tiles (``DIRECT_GRID``, ``block_m`` 1) too, its down GEMM both ways: a program per token
+walking the slots, and split over the slots (``split_slots``; the record's
+``direct_down`` has the best tile and time of each). Each ``block_m``'s best tiles make a candidate (the
+direct path two, one per down kernel); the candidate whose whole MoE layer (route to sum)
+runs fastest is the entry, checked against the torch reference and timed beside the default
+config (``kernels/moe/config.default_config``).
 
 The record's ``entries`` are the table ``kernels/moe/config.py`` reads: ``--install`` merges
 them into ``kernels/moe/tuned_configs.json`` (replacing entries of the same device, shape and
@@ -27,7 +29,7 @@ import json
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ from kernels.moe.fused_moe_triton import fused_moe, moe_shape
 from kernels.moe.grouped_gemm_triton import down_weighted, gate_up_silu
 from kernels.moe.moe import fused_moe_ref, quantize_experts_fp8
 from kernels.moe.router_triton import route_topk
+from kernels.moe.split_slot_buffers import SplitSlotBuffers
 
 DTYPE = torch.bfloat16
 TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
@@ -88,6 +91,8 @@ class Layer:
     renormalize: bool
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    # kept as the engine keeps them: a split-slot call allocates nothing
+    direct_buffers: SplitSlotBuffers = field(default_factory=SplitSlotBuffers)
 
     @property
     def shape(self) -> MoeShape:
@@ -96,7 +101,7 @@ class Layer:
     def run(self, config: MoeConfig) -> torch.Tensor:
         return fused_moe(
             self.x, self.w13, self.w2, self.logits, self.top_k, self.renormalize, config,
-            self.w13_scale, self.w2_scale,
+            self.w13_scale, self.w2_scale, self.direct_buffers,
         )  # fmt: skip
 
     def reference(self) -> torch.Tensor:
@@ -187,25 +192,29 @@ def sweep_block_m(layer: Layer, block_m: int) -> tuple[MoeConfig, float]:
     return MoeConfig(block_m, gate_up, down), align_us + gate_up_us + down_us
 
 
-def sweep_direct(layer: Layer) -> tuple[MoeConfig, float]:
-    """The fastest GEMV tiles of the direct path (no sort) and the time of its two kernels
-    (gate/up, then down with the top-k sum)."""
+def sweep_direct(layer: Layer) -> tuple[list[MoeConfig], dict[str, Any]]:
+    """The fastest GEMV tiles of the direct path (no sort): a config with the best down tile
+    of each down kernel (slots walked in order, split over the slots), and per kernel its
+    best tile and time."""
     weights, ids = route_topk(layer.logits, layer.top_k, layer.renormalize)
     act = gate_up_silu_direct(layer.x, layer.w13, ids, DIRECT_GRID[0], layer.w13_scale)
-    gate_up, gate_up_us = best_tile(
+    gate_up, _ = best_tile(
         {
             t: partial(gate_up_silu_direct, layer.x, layer.w13, ids, t, layer.w13_scale)
             for t in DIRECT_GRID
         }
     )
     out = torch.empty_like(layer.x)
-    down, down_us = best_tile(
-        {
-            t: partial(down_sum_direct, act, layer.w2, weights, ids, t, out, layer.w2_scale)
-            for t in DIRECT_GRID
-        }
-    )
-    return MoeConfig(DIRECT_BLOCK_M, gate_up, down), gate_up_us + down_us
+    down = partial(down_sum_direct, act, layer.w2, weights, ids, out=out,
+                   w2_scale=layer.w2_scale, buffers=layer.direct_buffers)  # fmt: skip
+    # each grid's first tile runs alone before the threads: the split one allocates the buffers
+    configs, downs = [], {}
+    split_grid = [replace(tile, split_slots=True) for tile in DIRECT_GRID]
+    for kind, grid in (("slot_order", DIRECT_GRID), ("split_slots", split_grid)):
+        tile, down_us = best_tile({t: partial(down, tile=t) for t in grid})
+        configs.append(MoeConfig(DIRECT_BLOCK_M, gate_up, tile))
+        downs[kind] = {"tile": tile.to_json(), "us": down_us}
+    return configs, downs
 
 
 def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
@@ -214,8 +223,10 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
     rows_per_expert = tokens * layer.top_k / layer.w13.shape[0]
     block_ms = [bm for bm in BLOCK_MS if bm == BLOCK_MS[0] or bm <= 4 * rows_per_expert]
     candidates = [sweep_block_m(layer, bm)[0] for bm in block_ms]
+    direct_downs: dict[str, Any] = {}
     if tokens * layer.top_k <= DIRECT_MAX_PAIRS:
-        candidates.append(sweep_direct(layer)[0])
+        direct, direct_downs = sweep_direct(layer)
+        candidates += direct
     # each block_m's best tiles, then the whole layer (route to sum) timed: the winner
     whole_us = {config: time_us(partial(layer.run, config)) for config in candidates}
     config = min(whole_us, key=whole_us.__getitem__)
@@ -227,12 +238,17 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
         "shape": layer.shape.key(),
         "num_tokens": tokens,
         "config": config.to_json(),
-        "candidates_us": {f"block_m={c.block_m}": us for c, us in whole_us.items()},
+        "candidates_us": {candidate_name(c): us for c, us in whole_us.items()},
+        "direct_down": direct_downs,  # each direct down kernel's best tile and time
         "fused_us": whole_us[config],
         "default_fused_us": time_us(partial(layer.run, default)),
         "max_abs_error": error,
         "checked": error <= CHECK_TOLERANCE * max(1.0, float(out.float().abs().max())),
     }
+
+
+def candidate_name(config: MoeConfig) -> str:
+    return f"block_m={config.block_m}" + (" split_slots" if config.down.split_slots else "")
 
 
 def install(entries: list[dict[str, Any]], path: Path = TUNED_CONFIGS_PATH) -> None:

@@ -6,6 +6,7 @@ and uneven on purpose: an expert no token picks, an expert every token picks, on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -275,15 +276,22 @@ def test_sweep_point_picks_checks_and_records(monkeypatch: pytest.MonkeyPatch) -
     clock = iter(range(1000, 0, -1))  # every call looks faster than the one before
     monkeypatch.setattr(moe_sweep, "time_us", lambda fn: float(next(clock)))
     arch = ModelArch.from_hf_config(dummy_hf_config("tiny-moe"))
-    # 5 tokens: 10 pairs, the direct path competes (timed last, "fastest"); 40: 80 pairs, not
+    # 5 tokens: 10 pairs, the direct path competes (its down split over the slots timed last,
+    # "fastest"); 40: 80 pairs, not
     for fp8, tokens, block_m in ((False, 5, 1), (True, 40, 32)):
         weights = moe_sweep.make_weights(arch, tp=1, fp8=fp8, seed=0, device=DEVICE)
         entry = moe_sweep.sweep_point(moe_sweep.make_layer(arch, weights, tokens), "cpu")
         assert entry["checked"], entry
         assert entry["shape"] == f"E8_H64_I32_k2_bfloat16{'_w8' if fp8 else ''}"
         config = MoeConfig.from_json(entry["config"])
-        assert config.gate_up == grid[1] and config.down == grid[1]  # the later, "faster" ones
+        direct = block_m == 1
+        assert config.gate_up == grid[1]  # the later, "faster" ones
+        assert config.down == replace(grid[1], split_slots=direct)
         assert config.block_m == block_m
+        assert ("block_m=1 split_slots" in entry["candidates_us"]) == direct
+        if direct:  # each direct down kernel's best tile
+            assert entry["direct_down"]["slot_order"]["tile"] == grid[1].to_json()
+            assert entry["direct_down"]["split_slots"]["tile"]["split_slots"]
 
 
 @pytest.mark.parametrize("config", ["table", "direct"])
