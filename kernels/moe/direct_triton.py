@@ -14,8 +14,9 @@ the same rounding points. ``MoeConfig.block_m == DIRECT_BLOCK_M`` selects the pa
 At batch 1 that down kernel has only ``H / BLOCK_N`` programs, each reading ``top_k``
 experts' rows one after another: too few to keep a large GPU's memory busy. A down tile
 with ``split_slots`` runs a program per pair instead (``top_k`` times the programs); each
-parks its term in a kept buffer and takes a ticket from an atomic counter, and the token's
-last program sums the terms in slot order, so the output is the same bit for bit (buffers
+parks its product in a kept buffer and takes a ticket from an atomic counter, and the
+token's last program weighs and sums the products in slot order, so the output is the same
+bit for bit (buffers
 and their ownership: ``split_slot_buffers.py``).
 """
 
@@ -85,11 +86,10 @@ def _gate_up_silu_direct_kernel(
 
 
 @triton.jit
-def _down_term(
+def _down_dot(
     act_ptr,
     w_ptr,
     w_scale_ptr,
-    weights_ptr,
     ids_ptr,
     pair,
     offs_n,
@@ -102,10 +102,9 @@ def _down_term(
     W_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    DTYPE: tl.constexpr,
 ):
-    """``pair``'s weighted down output at columns ``offs_n``, in DTYPE: its expert's rows
-    against its activation row in float32, rounded as the sorted path's terms are."""
+    """``pair``'s down output at columns ``offs_n`` before its routing weight: its expert's
+    rows against its activation row in float32."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pair * stride_ap + offs_k
@@ -120,7 +119,15 @@ def _down_term(
         w_ptrs += BLOCK_K
     if W_SCALED:
         out *= tl.load(w_scale_ptr + expert * stride_se + offs_n, mask=mask_n, other=0.0)
-    return (out.to(DTYPE).to(tl.float32) * tl.load(weights_ptr + pair)).to(DTYPE)
+    return out
+
+
+@triton.jit
+def _weighted_term(dot, weight, DTYPE: tl.constexpr):
+    """A pair's term as the sorted path rounds it, in float32 for the sum. Both down kernels
+    add it to their total in the same expression, so where DTYPE is float32 and the compiler
+    fuses the product into the add, it does so in both."""
+    return (dot.to(DTYPE).to(tl.float32) * weight).to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -150,12 +157,12 @@ def _down_sum_direct_kernel(
     offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):  # the token's experts in slot order: a fixed sum
-        term = _down_term(
-            act_ptr, w_ptr, w_scale_ptr, weights_ptr, ids_ptr, token * TOP_K + slot, offs_n,
-            mask_n, K, stride_ap, stride_we, stride_wn, stride_se, W_SCALED, BLOCK_N, BLOCK_K,
-            DTYPE,
+        pair = token * TOP_K + slot
+        dot = _down_dot(
+            act_ptr, w_ptr, w_scale_ptr, ids_ptr, pair, offs_n, mask_n, K, stride_ap, stride_we,
+            stride_wn, stride_se, W_SCALED, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        total += term.to(tl.float32)  # summed in float32, rounded once
+        total += _weighted_term(dot, tl.load(weights_ptr + pair), DTYPE)  # rounded once
     tl.store(out_ptr + token * stride_ot + offs_n, total.to(DTYPE), mask=mask_n)
 
 
@@ -167,7 +174,7 @@ def _down_sum_split_slots_kernel(
     weights_ptr,  # [T * TOP_K] float32: each pair's routing weight
     out_ptr,  # [T, N], last stride 1
     ids_ptr,  # [T * TOP_K] int32
-    terms_ptr,  # [T * TOP_K, N] float32, contiguous: each pair's term, for the last program
+    terms_ptr,  # [T * TOP_K, N] float32, contiguous: each pair's product, for the last program
     tickets_ptr,  # [T, N] int32, contiguous, zero between calls: (token, tile) arrivals
     N,
     K,
@@ -187,13 +194,15 @@ def _down_sum_split_slots_kernel(
     token, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     pair = token * TOP_K + slot
-    # 1. this pair's term (as _down_sum_direct_kernel's), parked for the token's last program
-    term = _down_term(
-        act_ptr, w_ptr, w_scale_ptr, weights_ptr, ids_ptr, pair, offs_n, mask_n, K, stride_ap,
-        stride_we, stride_wn, stride_se, W_SCALED, BLOCK_N, BLOCK_K, DTYPE,
+    # 1. this pair's product before its weight, parked for the token's last program, which
+    # weighs and adds it as _down_sum_direct_kernel does (the weight applied here and the
+    # product stored would keep a float32 product from fusing into the add, as it does there)
+    dot = _down_dot(
+        act_ptr, w_ptr, w_scale_ptr, ids_ptr, pair, offs_n, mask_n, K, stride_ap, stride_we,
+        stride_wn, stride_se, W_SCALED, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-    terms_row = terms_ptr + token * TOP_K * N + offs_n  # the token's slot-0 term
-    tl.store(terms_row + slot * N, term.to(tl.float32), mask=mask_n)
+    terms_row = terms_ptr + token * TOP_K * N + offs_n  # the token's slot-0 product
+    tl.store(terms_row + slot * N, dot, mask=mask_n)
     # 2. a ticket. The barrier has every thread's store issued before the one thread that
     # does a scalar atomic releases them (older Tritons put no barrier there themselves); the
     # acquire, and the barrier after it, order the last program's loads after every release.
@@ -201,11 +210,12 @@ def _down_sum_split_slots_kernel(
     ticket_ptr = tickets_ptr + token * N + pid_n
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == TOP_K - 1:
-        # 3. the last of the token's TOP_K programs: the terms in slot order, in float32
+        # 3. the last of the token's TOP_K programs: the products weighed and summed in slot order
         tl.debug_barrier()
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for s in tl.static_range(TOP_K):  # .cg: from L2, where the other SMs' stores are
-            total += tl.load(terms_row + s * N, mask=mask_n, other=0.0, cache_modifier=".cg")
+            dot = tl.load(terms_row + s * N, mask=mask_n, other=0.0, cache_modifier=".cg")
+            total += _weighted_term(dot, tl.load(weights_ptr + token * TOP_K + s), DTYPE)
         tl.store(out_ptr + token * stride_ot + offs_n, total.to(DTYPE), mask=mask_n)
         # zero for the next call: every ticket of this tile is drawn, and the next kernel to
         # use the counters runs after this one on the stream
@@ -246,12 +256,12 @@ def down_sum_direct(
     """``down_weighted`` and ``sum_topk`` in one, the same output bit for bit either way: a
     program per token and ``block_n`` columns walks the token's experts in slot order (no
     terms buffer, no atomics), or with ``tile.split_slots`` a program per pair and
-    ``block_n`` columns, the token's last to finish summing the terms in slot order."""
+    ``block_n`` columns, the token's last to finish weighing and summing the products in slot order."""
     num_tokens, top_k = topk_ids.shape
     hidden = w2.shape[1]
     scale, stride_se = (w2, 0) if w2_scale is None else (w2_scale, w2_scale.stride(0))
     grid: tuple[int, ...] = (num_tokens, triton.cdiv(hidden, tile.block_n))
-    scratch: tuple[torch.Tensor, ...] = ()  # split_slots: the terms and ticket counters
+    scratch: tuple[torch.Tensor, ...] = ()  # split_slots: the products and ticket counters
     kernel = _down_sum_direct_kernel
     if tile.split_slots:
         shape = (num_tokens, top_k, hidden, act.device)

@@ -1,9 +1,10 @@
 """The buffers of the direct path's split-slot down kernel (``direct_triton.py``), kept across
 calls.
 
-That kernel runs a program per (token, column tile, slot): each parks its pair's term in
+That kernel runs a program per (token, column tile, slot): each parks its pair's product in
 ``terms`` and takes a ticket from its (token, tile) counter in ``tickets``; the program that
-draws the last ticket sums the token's terms in slot order and sets the counter back to 0.
+draws the last ticket weighs and sums the token's products in slot order and sets the
+counter back to 0.
 So the counters are zero between calls and need zeroing only once, when they are made: a
 ``SplitSlotBuffers`` allocates them at the first call of a shape and hands the same tensors
 to every later one (no allocation, no memset per call).
