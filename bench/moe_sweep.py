@@ -10,11 +10,14 @@ up to four times the rows per expert, every tile of ``TILE_GRID`` for gate/up an
 is timed with ``triton.testing.do_bench`` (median; the L2 flushed between calls, as a
 model's next layer finds it), and up to ``DIRECT_MAX_PAIRS`` pairs the direct path's GEMV
 tiles (``DIRECT_GRID``, ``block_m`` 1) too, its down GEMM both ways: a program per token
-walking the slots, and split over the slots (``split_slots``; the record's
-``direct_down`` has the best tile and time of each). Each ``block_m``'s best tiles make a candidate (the
-direct path two, one per down kernel); the candidate whose whole MoE layer (route to sum)
-runs fastest is the entry, checked against the torch reference and timed beside the default
-config (``kernels/moe/config.default_config``).
+walking the slots, and split over the slots (``split_slots``; the record's ``direct`` has
+the best tile and time of each, and of its gate/up). Each ``block_m``'s best tiles make a
+candidate (the direct path two, one per down kernel); the candidate whose whole MoE layer
+(route to sum) runs fastest is the entry, checked against the torch reference and timed
+beside the default config (``kernels/moe/config.default_config``). Up to
+``GRAPHED_MAX_TOKENS`` tokens, kernels and layers are timed replayed from a CUDA graph, as
+the engine runs decode steps: launched from Python, a kernel of a few microseconds is timed
+at the launches' pace.
 
 The record's ``entries`` are the table ``kernels/moe/config.py`` reads: ``--install`` merges
 them into ``kernels/moe/tuned_configs.json`` (replacing entries of the same device, shape and
@@ -75,6 +78,7 @@ DIRECT_GRID = [  # the direct path's GEMV tiles (block_n, block_k, num_warps, nu
     )
 ]  # fmt: skip
 DIRECT_MAX_PAIRS = 64  # token counts whose pairs are this few also try the direct path
+GRAPHED_MAX_TOKENS = 256  # the engine's decode graphs: up to max_seqs (256 by default) rows
 COMPILE_THREADS = min(16, os.cpu_count() or 1)
 CHECK_TOLERANCE = 2e-2  # bf16: the kernels and the reference round at the same points
 
@@ -97,6 +101,12 @@ class Layer:
     @property
     def shape(self) -> MoeShape:
         return moe_shape(self.w13, self.top_k, DTYPE)
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the engine replays this many tokens from a CUDA graph (and so the sweep
+        times them so)."""
+        return self.x.is_cuda and self.x.shape[0] <= GRAPHED_MAX_TOKENS
 
     def run(self, config: MoeConfig) -> torch.Tensor:
         return fused_moe(
@@ -143,6 +153,20 @@ def time_us(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")) * 1e3
 
 
+def replayed(fn: Callable[[], object], graphed: bool) -> Callable[[], object]:
+    """``fn`` to time: as it is, or (``graphed``) captured once in a CUDA graph and replayed.
+    A kernel of a few microseconds launched from Python is timed at the launch's pace, not
+    its own; the engine replays decode steps from graphs, so that is the time that counts."""
+    if not graphed:
+        return fn
+    fn()  # compiled, and any kept buffers made, before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def compile_all(fns: list[Callable[[], object]]) -> list[bool]:
     """Run each once, side by side in threads (the compiles dominate otherwise); False where
     a tile needs more shared memory than the GPU has."""
@@ -163,9 +187,13 @@ def compile_all(fns: list[Callable[[], object]]) -> list[bool]:
     return ok
 
 
-def best_tile(fns: dict[GemmTile, Callable[[], object]]) -> tuple[GemmTile, float]:
+def best_tile(fns: dict[GemmTile, Callable[[], object]], graphed: bool) -> tuple[GemmTile, float]:
     ok = compile_all(list(fns.values()))
-    times = {tile: time_us(fn) for (tile, fn), fits in zip(fns.items(), ok, strict=True) if fits}
+    times = {
+        tile: time_us(replayed(fn, graphed))
+        for (tile, fn), fits in zip(fns.items(), ok, strict=True)
+        if fits
+    }
     tile = min(times, key=times.__getitem__)
     return tile, times[tile]
 
@@ -180,41 +208,44 @@ def sweep_block_m(layer: Layer, block_m: int) -> tuple[MoeConfig, float]:
         {
             t: partial(gate_up_silu, layer.x, layer.w13, align, layer.top_k, t, layer.w13_scale)
             for t in TILE_GRID
-        }
+        },
+        layer.graphed,
     )
     down, down_us = best_tile(
         {
             t: partial(down_weighted, act, layer.w2, weights, align, t, layer.w2_scale)
             for t in TILE_GRID
-        }
+        },
+        layer.graphed,
     )
-    align_us = time_us(lambda: align_pairs(ids, num_experts, block_m))
+    align_us = time_us(replayed(partial(align_pairs, ids, num_experts, block_m), layer.graphed))
     return MoeConfig(block_m, gate_up, down), align_us + gate_up_us + down_us
 
 
 def sweep_direct(layer: Layer) -> tuple[list[MoeConfig], dict[str, Any]]:
     """The fastest GEMV tiles of the direct path (no sort): a config with the best down tile
-    of each down kernel (slots walked in order, split over the slots), and per kernel its
-    best tile and time."""
+    of each down kernel (slots walked in order, split over the slots), and per kernel (the
+    gate/up and both downs) its best tile and time."""
     weights, ids = route_topk(layer.logits, layer.top_k, layer.renormalize)
     act = gate_up_silu_direct(layer.x, layer.w13, ids, DIRECT_GRID[0], layer.w13_scale)
-    gate_up, _ = best_tile(
+    gate_up, gate_up_us = best_tile(
         {
             t: partial(gate_up_silu_direct, layer.x, layer.w13, ids, t, layer.w13_scale)
             for t in DIRECT_GRID
-        }
+        },
+        layer.graphed,
     )
     out = torch.empty_like(layer.x)
     down = partial(down_sum_direct, act, layer.w2, weights, ids, out=out,
                    w2_scale=layer.w2_scale, buffers=layer.direct_buffers)  # fmt: skip
     # each grid's first tile runs alone before the threads: the split one allocates the buffers
-    configs, downs = [], {}
+    configs, kernels = [], {"gate_up": {"tile": gate_up.to_json(), "us": gate_up_us}}
     split_grid = [replace(tile, split_slots=True) for tile in DIRECT_GRID]
     for kind, grid in (("slot_order", DIRECT_GRID), ("split_slots", split_grid)):
-        tile, down_us = best_tile({t: partial(down, tile=t) for t in grid})
+        tile, down_us = best_tile({t: partial(down, tile=t) for t in grid}, layer.graphed)
         configs.append(MoeConfig(DIRECT_BLOCK_M, gate_up, tile))
-        downs[kind] = {"tile": tile.to_json(), "us": down_us}
-    return configs, downs
+        kernels[kind] = {"tile": tile.to_json(), "us": down_us}
+    return configs, kernels
 
 
 def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
@@ -223,12 +254,15 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
     rows_per_expert = tokens * layer.top_k / layer.w13.shape[0]
     block_ms = [bm for bm in BLOCK_MS if bm == BLOCK_MS[0] or bm <= 4 * rows_per_expert]
     candidates = [sweep_block_m(layer, bm)[0] for bm in block_ms]
-    direct_downs: dict[str, Any] = {}
+    direct_kernels: dict[str, Any] = {}
     if tokens * layer.top_k <= DIRECT_MAX_PAIRS:
-        direct, direct_downs = sweep_direct(layer)
+        direct, direct_kernels = sweep_direct(layer)
         candidates += direct
     # each block_m's best tiles, then the whole layer (route to sum) timed: the winner
-    whole_us = {config: time_us(partial(layer.run, config)) for config in candidates}
+    whole_us = {
+        config: time_us(replayed(partial(layer.run, config), layer.graphed))
+        for config in candidates
+    }
     config = min(whole_us, key=whole_us.__getitem__)
     out = layer.run(config)
     error = float((out.float() - layer.reference().float()).abs().max())
@@ -239,9 +273,10 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
         "num_tokens": tokens,
         "config": config.to_json(),
         "candidates_us": {candidate_name(c): us for c, us in whole_us.items()},
-        "direct_down": direct_downs,  # each direct down kernel's best tile and time
+        "direct": direct_kernels,  # the direct path: gate/up and each down kernel, best tile and time
         "fused_us": whole_us[config],
-        "default_fused_us": time_us(partial(layer.run, default)),
+        "default_fused_us": time_us(replayed(partial(layer.run, default), layer.graphed)),
+        "timed": "cuda graph" if layer.graphed else "eager",
         "max_abs_error": error,
         "checked": error <= CHECK_TOLERANCE * max(1.0, float(out.float().abs().max())),
     }

@@ -290,8 +290,8 @@ def test_sweep_point_picks_checks_and_records(monkeypatch: pytest.MonkeyPatch) -
         assert config.block_m == block_m
         assert ("block_m=1 split_slots" in entry["candidates_us"]) == direct
         if direct:  # each direct down kernel's best tile
-            assert entry["direct_down"]["slot_order"]["tile"] == grid[1].to_json()
-            assert entry["direct_down"]["split_slots"]["tile"]["split_slots"]
+            assert entry["direct"]["slot_order"]["tile"] == grid[1].to_json()
+            assert entry["direct"]["split_slots"]["tile"]["split_slots"]
 
 
 @pytest.mark.parametrize("config", ["table", "direct"])
