@@ -75,6 +75,13 @@ DIRECT_GRID = [  # the direct path's GEMV tiles (block_n, block_k, num_warps, nu
     for tile in (
         (4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3),
         (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 8, 3), (64, 128, 4, 3), (16, 1024, 8, 2),
+        (4, 1024, 4, 2), (8, 1024, 8, 2), (8, 512, 8, 3), (16, 256, 8, 3), (8, 128, 4, 4),
+        (16, 128, 4, 4), (32, 128, 8, 4), (8, 2048, 8, 1), (4, 2048, 4, 1),
+        # a row or a few per program and one or two warps: at 1-8 tokens the most programs
+        # keep the most bytes in flight (on an H200 these won gate/up and down, 1-8 tokens)
+        (4, 256, 2, 4), (8, 256, 2, 4), (2, 1024, 2, 2), (4, 512, 2, 3), (4, 1024, 2, 2),
+        (2, 1024, 4, 2), (2, 2048, 2, 1), (1, 2048, 2, 1), (2, 512, 1, 3), (2, 1024, 1, 2),
+        (4, 512, 1, 3), (2, 256, 1, 4), (1, 2048, 1, 1), (1, 1024, 1, 2), (1, 512, 1, 3),
     )
 ]  # fmt: skip
 DIRECT_MAX_PAIRS = 64  # token counts whose pairs are this few also try the direct path
