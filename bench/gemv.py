@@ -35,7 +35,13 @@ from kernels.linear.gemv_triton import GemvConfig, default_config, gemv
 
 GRID = [
     GemvConfig(block_n=n, block_k=k, split_k=s, num_warps=w, num_stages=st)
-    for n, k, s, w, st in itertools.product((4, 8, 16), (256, 512, 1024), (1, 2, 4), (4,), (3, 4))
+    for n, k, s, w, st in [
+        *itertools.product((4, 8, 16), (256, 512, 1024), (1, 2, 4), (4,), (3, 4)),
+        # a row or two per program and one or two warps: the most programs in flight (they
+        # won the MoE direct path's GEMVs at 1-8 tokens on an H200)
+        *itertools.product((1, 2), (512, 1024, 2048), (1, 2), (1, 2), (2, 3)),
+        *itertools.product((4, 8), (512, 1024), (1, 2), (1, 2), (3,)),
+    ]
 ]
 
 
