@@ -5,9 +5,11 @@
 
 For each linear of one decoder layer (and the LM head) and each batch size in ``--rows``,
 times ``F.linear`` and every GEMV launch shape of a small grid under CUDA-graph replay (as
-decode runs), and the MLP's down projection with ``silu_and_mul`` fused into the GEMV
-against the activation kernel plus ``F.linear``. Reports achieved bandwidth against the copy
-bandwidth measured in the same run, and the best launch shape per linear.
+decode runs; each replay walks copies of the weight that outsize the L2, so each call reads
+its weight from memory, as a decode step does), and the MLP's down projection with
+``silu_and_mul`` fused into the GEMV against the activation kernel plus ``F.linear``.
+Reports achieved bandwidth against the copy bandwidth measured in the same run, and the best
+launch shape per linear.
 ``--tensor-parallel-size N`` times one rank's shard of each linear (qkv, gate_up and the LM
 head split their outputs, o and down their inputs). ``--install`` writes, per linear, the
 fastest of cuBLAS and the GEMV's launch shapes into ``kernels/linear/gemv_configs.json`` for
@@ -147,14 +149,15 @@ def _measure(
     from kernels.elementwise.activation_triton import silu_and_mul
 
     x = torch.randn(rows, 2 * size_k if silu_mul else size_k, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(num_cols, size_k, device="cuda", dtype=torch.bfloat16) * 0.02
+    weights = _weight_copies(num_cols, size_k)
+    weight = weights[0]
     weight_bytes = weight.numel() * weight.element_size()
 
-    def cublas() -> torch.Tensor:
-        return F.linear(silu_and_mul(x) if silu_mul else x, weight)
+    def cublas(w: torch.Tensor = weight) -> torch.Tensor:
+        return F.linear(silu_and_mul(x) if silu_mul else x, w)
 
     reference = cublas().float()
-    timings = {"cublas": _time_us(cublas)}
+    timings = {"cublas": _time_us(cublas, weights)}
     from engine.models.layers import LAYER_GEMV_CONFIG
 
     for config in [*GRID, default_config(num_cols, size_k), LAYER_GEMV_CONFIG]:
@@ -163,7 +166,7 @@ def _measure(
         scale = reference.abs().max().item()
         assert error <= 2e-2 * scale + 1e-3, (name, config, error, scale)
         timings[config_key(config)] = _time_us(
-            lambda c=config: gemv(x, weight, silu_mul=silu_mul, config=c)
+            lambda w, c=config: gemv(x, w, silu_mul=silu_mul, config=c), weights
         )
     best = min((k for k in timings if k != "cublas"), key=timings.__getitem__)
     default_key = config_key(default_config(num_cols, size_k))
@@ -183,10 +186,30 @@ def _measure(
     return {"summary": summary, "timings_us": timings}
 
 
-def _time_us(fn: Any) -> float:
+L2_MULTIPLE = 3  # the weight copies a timed replay walks hold this many L2s, at least
+
+
+def _weight_copies(num_cols: int, size_k: int) -> list[torch.Tensor]:
+    """Copies of one random weight, enough of them to hold ``L2_MULTIPLE`` times the GPU's
+    L2: a decode step reads each layer's weights once, from memory, and a replay that read
+    one copy again and again would time a weight that fits the L2 (50 MB on an H200) at the
+    L2's speed."""
+    weight = torch.randn(num_cols, size_k, device="cuda", dtype=torch.bfloat16) * 0.02
+    l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    copies = -(-L2_MULTIPLE * l2_bytes // (weight.numel() * weight.element_size()))
+    return [weight] + [weight.clone() for _ in range(copies - 1)]
+
+
+def _time_us(fn: Any, weights: list[torch.Tensor]) -> float:
+    """Microseconds a call of ``fn`` on one of ``weights``, from a CUDA graph replay that
+    calls it on each in turn."""
     import triton.testing
 
-    return float(triton.testing.do_bench_cudagraph(fn, rep=50)) * 1000.0
+    def each() -> None:
+        for weight in weights:
+            fn(weight)
+
+    return float(triton.testing.do_bench_cudagraph(each, rep=50)) * 1000.0 / len(weights)
 
 
 if __name__ == "__main__":
