@@ -280,7 +280,7 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
         "num_tokens": tokens,
         "config": config.to_json(),
         "candidates_us": {candidate_name(c): us for c, us in whole_us.items()},
-        "direct": direct_kernels,  # the direct path: gate/up and each down kernel, best tile and time
+        "direct": direct_kernels,  # the direct path's kernels: each one's best tile and time
         "fused_us": whole_us[config],
         "default_fused_us": time_us(replayed(partial(layer.run, default), layer.graphed)),
         "timed": "cuda graph" if layer.graphed else "eager",

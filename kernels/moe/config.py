@@ -34,8 +34,8 @@ class GemmTile:
 
     ``split_slots`` (the direct path's down GEMM only): a program per (token, column tile,
     slot) instead of one walking the token's ``top_k`` slots, the last to finish weighing and
-    summing the products in slot order (``direct_triton.py``). Written to JSON only when set, so tables from
-    before it read and write unchanged.
+    summing the products in slot order (``direct_triton.py``). Written to JSON only when
+    set, so tables from before it read and write unchanged.
     """
 
     block_n: int

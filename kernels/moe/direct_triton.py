@@ -16,8 +16,7 @@ experts' rows one after another: too few to keep a large GPU's memory busy. A do
 with ``split_slots`` runs a program per pair instead (``top_k`` times the programs); each
 parks its product in a kept buffer and takes a ticket from an atomic counter, and the
 token's last program weighs and sums the products in slot order, so the output is the same
-bit for bit (buffers
-and their ownership: ``split_slot_buffers.py``).
+bit for bit (buffers and their ownership: ``split_slot_buffers.py``).
 """
 
 from __future__ import annotations
@@ -210,7 +209,7 @@ def _down_sum_split_slots_kernel(
     ticket_ptr = tickets_ptr + token * N + pid_n
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == TOP_K - 1:
-        # 3. the last of the token's TOP_K programs: the products weighed and summed in slot order
+        # 3. the token's last program: the products weighed and summed in slot order
         tl.debug_barrier()
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for s in tl.static_range(TOP_K):  # .cg: from L2, where the other SMs' stores are
@@ -256,7 +255,8 @@ def down_sum_direct(
     """``down_weighted`` and ``sum_topk`` in one, the same output bit for bit either way: a
     program per token and ``block_n`` columns walks the token's experts in slot order (no
     terms buffer, no atomics), or with ``tile.split_slots`` a program per pair and
-    ``block_n`` columns, the token's last to finish weighing and summing the products in slot order."""
+    ``block_n`` columns, the token's last to finish weighing and summing the products in
+    slot order."""
     num_tokens, top_k = topk_ids.shape
     hidden = w2.shape[1]
     scale, stride_se = (w2, 0) if w2_scale is None else (w2_scale, w2_scale.stride(0))
