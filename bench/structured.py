@@ -8,6 +8,9 @@ JSON schema, against the same prompts unconstrained in the same run, then a vali
    least ``MIN_RECORDS`` records, longer than any output, so both runs put out the same tokens
    and differ only by the masks (filled on the host while the GPU runs, applied on the GPU).
    The record holds both runs, their ratio and the host time spent filling masks.
+   ``--repeat N`` runs N such pairs one after another (each run on prompts of its own) and
+   records each pair's ratio and their median: where the host sets the pace, one pair's
+   ratio moves from run to run by more than the gaps worth measuring.
 2. Validity: ``NUM_CHECKED`` requests (greedy and sampled) under the bounded ``CHECK_SCHEMA``;
    every output must parse and validate (CUDA graphs, asynchronous scheduling and the Triton
    mask kernel are the engine's defaults on CUDA).
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -85,7 +89,15 @@ def main() -> None:
         help="then profile this many decode steps of 128 rows, unconstrained and constrained: "
         "the ops by device time per step, in the record and printed (0: none)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="pairs of timed runs (unconstrained, then constrained); the ratio is their median",
+    )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     workload = ThroughputWorkload(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len
     )
@@ -94,7 +106,9 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
     tokenizer = _grammar_tokenizer(engine, args.tokenizer)
     prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
-    free, constrained = _engine_runs(engine, prompts)
+    pairs = _engine_runs(engine, prompts, args.repeat)
+    free, constrained = pairs[0]
+    ratios = [c["output_tok_s"] / f["output_tok_s"] for f, c in pairs]
     record: dict[str, Any] = {
         "kind": "structured",
         "created_utc": utc_now(),
@@ -108,7 +122,9 @@ def main() -> None:
         "results": {
             "unconstrained": free,
             "json_schema": constrained,
-            "output_tok_s_ratio": constrained["output_tok_s"] / free["output_tok_s"],
+            # the median of the pairs' ratios (one pair: its ratio)
+            "output_tok_s_ratio": statistics.median(ratios),
+            "pairs": [_pair_summary(f, c) for f, c in pairs],
             "validity": _check_validity(engine, tokenizer),
         },
     }
@@ -117,42 +133,68 @@ def main() -> None:
     if vllm is not None:
         record["results"]["vllm"] = vllm
         record["results"]["vs_vllm_json_schema"] = (
-            constrained["output_tok_s"] / vllm["output_tok_s"]["json_schema"]
+            statistics.median(c["output_tok_s"] for _, c in pairs)
+            / vllm["output_tok_s"]["json_schema"]
         )
     text = json.dumps(record, indent=2)
     summary = {k: record["results"][k] for k in ("output_tok_s_ratio", "validity")}
     print(json.dumps(summary, indent=2))
-    print(f"unconstrained {free['output_tok_s']:.0f} out tok/s, json_schema "
-          f"{constrained['output_tok_s']:.0f} ({constrained['mask_fill_ms_per_step']:.2f} ms "
-          f"mask fill per step, {constrained['mask_wait_ms_per_step']:.2f} waited for)")  # fmt: skip
+    for free, constrained in pairs:
+        print(f"unconstrained {free['output_tok_s']:.0f} out tok/s, json_schema "
+              f"{constrained['output_tok_s']:.0f} ({constrained['mask_fill_ms_per_step']:.2f} ms "
+              f"mask fill per step, {constrained['mask_wait_ms_per_step']:.2f} waited for)")  # fmt: skip
+    if len(pairs) > 1:
+        print(f"ratio: median {statistics.median(ratios):.3f} of {len(pairs)} pairs "
+              f"({', '.join(f'{r:.3f}' for r in ratios)})")  # fmt: skip
     if args.out is not None:
         args.out.write_text(text + "\n")
 
 
 def _engine_runs(
-    engine: LLMEngine, prompts: list[BenchPrompt]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The timed run of ``prompts`` unconstrained, then under ``LONG_SCHEMA``."""
+    engine: LLMEngine, prompts: list[BenchPrompt], repeat: int = 1
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """``repeat`` pairs of timed runs of ``prompts``: unconstrained, then under
+    ``LONG_SCHEMA``. Each run takes the prompts rotated by a count of its own (the same
+    lengths, other tokens): an earlier run's prompts, and its warm-up's (reversed), are in
+    the prefix cache and would spare a later run their prefill."""
     long_schema = StructuredOutputs(json_schema=json.dumps(LONG_SCHEMA))
     engine.grammars.matcher_for(long_schema)  # the tokenizer's grammar view, once (~1 s)
-    free = _measure(engine, prompts, use_tqdm=False)
     masks = engine.runner.grammar_masks
-    fill_s_before, wait_s_before, fills_before = masks.fill_s, masks.wait_s, masks.num_fills
-    # the same lengths, other tokens: the first run's prompts (and its warm-up's, which are
-    # reversed) are in the prefix cache, and would spare this run their prefill
-    rotated = [BenchPrompt(_rotated(p.token_ids), p.output_len) for p in prompts]
-    constrained = _measure(engine, rotated, use_tqdm=False, structured=long_schema)
-    num_fills = masks.num_fills - fills_before
-    constrained["mask_fill_ms_per_step"] = (masks.fill_s - fill_s_before) * 1000 / max(num_fills, 1)
-    # the part of the fill that the step waited for (the rest overlapped its other host work)
-    constrained["mask_wait_ms_per_step"] = (masks.wait_s - wait_s_before) * 1000 / max(num_fills, 1)
-    return free, constrained
+    pairs = []
+    for index in range(repeat):
+        free = _measure(engine, _rotated_prompts(prompts, 2 * index), use_tqdm=False)
+        fill_s_before, wait_s_before, fills_before = masks.fill_s, masks.wait_s, masks.num_fills
+        constrained = _measure(
+            engine, _rotated_prompts(prompts, 2 * index + 1), use_tqdm=False,
+            structured=long_schema,
+        )  # fmt: skip
+        num_fills = max(masks.num_fills - fills_before, 1)
+        constrained["mask_fill_ms_per_step"] = (masks.fill_s - fill_s_before) * 1000 / num_fills
+        # the part of the fill that the step waited for (the rest overlapped its other work)
+        constrained["mask_wait_ms_per_step"] = (masks.wait_s - wait_s_before) * 1000 / num_fills
+        pairs.append((free, constrained))
+    return pairs
 
 
-def _rotated(token_ids: list[int]) -> list[int]:
-    """The same tokens, other prompt: the first moved to the end, so the prefix cache holds
-    none of its pages from the unconstrained run."""
-    return token_ids[1:] + token_ids[:1]
+def _pair_summary(free: dict[str, Any], constrained: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "unconstrained_tok_s": free["output_tok_s"],
+        "json_schema_tok_s": constrained["output_tok_s"],
+        "output_tok_s_ratio": constrained["output_tok_s"] / free["output_tok_s"],
+        "mask_fill_ms_per_step": constrained["mask_fill_ms_per_step"],
+        "mask_wait_ms_per_step": constrained["mask_wait_ms_per_step"],
+    }
+
+
+def _rotated_prompts(prompts: list[BenchPrompt], by: int) -> list[BenchPrompt]:
+    return [BenchPrompt(_rotated(p.token_ids, by), p.output_len) for p in prompts]
+
+
+def _rotated(token_ids: list[int], by: int = 1) -> list[int]:
+    """The same tokens, another prompt: the first ``by`` moved to the end, so the prefix
+    cache holds none of its pages from a run on another rotation."""
+    by %= len(token_ids)
+    return token_ids[by:] + token_ids[:by]
 
 
 def _profiles(

@@ -11,17 +11,19 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
 
-def test_the_constrained_run_finds_nothing_of_the_free_run_in_the_cache(
-    smollm2_vocab_model: Path,
-) -> None:
+def test_no_run_finds_an_earlier_runs_prompts_in_the_cache(smollm2_vocab_model: Path) -> None:
+    """Two pairs (``--repeat 2``): every run, the second pair's too, prefills all of its
+    prompts, and each constrained run fills masks."""
     engine = LLMEngine(EngineConfig(model=str(smollm2_vocab_model), max_model_len=256))
     workload = ThroughputWorkload(num_prompts=3, input_len=(40, 48), output_len=(6, 6))
     prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
-    free, constrained = _engine_runs(engine, prompts)
-    assert free["output_tokens"] == constrained["output_tokens"] == 18
-    assert constrained["prefix_hit_rate"] == 0.0
-    assert constrained["mask_fill_ms_per_step"] > 0
-    assert constrained["mask_wait_ms_per_step"] > 0
+    pairs = _engine_runs(engine, prompts, repeat=2)
+    assert len(pairs) == 2
+    for free, constrained in pairs:
+        assert free["output_tokens"] == constrained["output_tokens"] == 18
+        assert free["prefix_hit_rate"] == constrained["prefix_hit_rate"] == 0.0
+        assert constrained["mask_fill_ms_per_step"] > 0
+        assert constrained["mask_wait_ms_per_step"] > 0
 
 
 def test_a_decode_window_is_profiled_op_by_op_then_the_batch_is_gone(
