@@ -229,7 +229,7 @@ structured() {  # constrained decoding: tests first (CUDA defaults), then the wo
     log structured outputs qwen3-0.6b
     local compare=()
     python -c "import vllm" 2>/dev/null && compare=(--compare-vllm)
-    python -m bench.structured --model dummy:qwen3-0.6b "${compare[@]}" --profile-steps 20 \
+    python -m bench.structured --model dummy:qwen3-0.6b "${compare[@]}" --repeat 3 --profile-steps 20 \
         --out "$OUT/structured-qwen3-0.6b.json"
 }
 
