@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -40,6 +38,7 @@ from typing import Any
 import torch
 import triton
 
+from bench.first_calls import first_calls
 from bench.records import machine_info, utc_now, write_record
 from engine.loader.dummy import dummy_hf_config
 from engine.models.arch import ModelArch
@@ -86,7 +85,6 @@ DIRECT_GRID = [  # the direct path's GEMV tiles (block_n, block_k, num_warps, nu
 ]  # fmt: skip
 DIRECT_MAX_PAIRS = 64  # token counts whose pairs are this few also try the direct path
 GRAPHED_MAX_TOKENS = 256  # the engine's decode graphs: up to max_seqs (256 by default) rows
-COMPILE_THREADS = min(16, os.cpu_count() or 1)
 CHECK_TOLERANCE = 2e-2  # bf16: the kernels and the reference round at the same points
 
 
@@ -174,28 +172,8 @@ def replayed(fn: Callable[[], object], graphed: bool) -> Callable[[], object]:
     return graph.replay
 
 
-def compile_all(fns: list[Callable[[], object]]) -> list[bool]:
-    """Run each once, side by side in threads (the compiles dominate otherwise); False where
-    a tile needs more shared memory than the GPU has."""
-
-    def first_call(fn: Callable[[], object]) -> bool:
-        try:
-            fn()
-            return True
-        except triton.runtime.errors.OutOfResources:
-            return False
-
-    ok = [first_call(fns[0])]  # the JIT's per-device caches exist before threads share them
-    if not torch.cuda.is_available():  # the interpreter (tests) patches triton.language: in turn
-        return ok + [first_call(fn) for fn in fns[1:]]
-    with ThreadPoolExecutor(COMPILE_THREADS) as pool:
-        ok += list(pool.map(first_call, fns[1:]))
-    torch.cuda.synchronize()
-    return ok
-
-
 def best_tile(fns: dict[GemmTile, Callable[[], object]], graphed: bool) -> tuple[GemmTile, float]:
-    ok = compile_all(list(fns.values()))
+    ok = [result is not None for result in first_calls(list(fns.values()))]
     times = {
         tile: time_us(replayed(fn, graphed))
         for (tile, fn), fits in zip(fns.items(), ok, strict=True)

@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
 
+from bench.first_calls import first_calls
 from bench.kernels import measure_copy_bandwidth
 from bench.records import machine_info, save
 from engine.loader.dummy import dummy_hf_config
@@ -106,7 +104,6 @@ ROTATION_BYTES = 256 << 20  # weight copies cycled through: 5x an H100's 50 MiB 
 MAX_COPIES = 16
 GRAPH_MS = 5.0  # a timed graph holds enough calls to run this long
 NUM_REPLAYS = 5
-COMPILE_THREADS = min(16, os.cpu_count() or 1)
 
 
 def linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
@@ -167,7 +164,7 @@ def measure(
         configs["mma_default"] = default_mma_config(rows, shape.num_cols, size_k, fmt)
     runs = {key: _triton_call(shape, x, config) for key, config in configs.items()}
     w8a8 = _w8a8_reference(shape, x) if fmt.name == "fp8" else reference
-    for (key, run), got in zip(runs.items(), _first_calls(list(runs.values())), strict=True):
+    for (key, run), got in zip(runs.items(), first_calls(list(runs.values())), strict=True):
         if got is None:  # the launch shape does not fit the GPU (shared memory)
             continue
         expected = w8a8 if configs[key].mma else reference
@@ -195,28 +192,6 @@ def _triton_call(
 ) -> Callable[[], torch.Tensor]:
     planes_of = _cycler(shape.planes)
     return lambda: quant_matmul(x, shape.fmt, planes_of(), shape.size_k, config=config)
-
-
-def _first_calls(fns: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor | None]:
-    """Each function's first result, None where its launch shape needs more shared memory
-    than the GPU has. On CUDA the calls run in threads, so that the kernels
-    of a launch-shape grid compile side by side: about 130 compiles of a second or more for
-    three formats, most of the run in turn. ptxas is a process and Triton's passes release
-    the GIL in part (four GEMV compiles on two busy cores: 5.0 s in threads, 7.6 s in turn)."""
-    first = fns[0]()  # the JIT's per-device caches exist before threads share them
-    if DEVICE != "cuda":  # the interpreter patches triton.language while it runs: in turn
-        return [first, *(_fitting(fn) for fn in fns[1:])]
-    with ThreadPoolExecutor(COMPILE_THREADS) as pool:
-        rest = list(pool.map(_fitting, fns[1:]))
-    torch.cuda.synchronize()
-    return [first, *rest]
-
-
-def _fitting(fn: Callable[[], torch.Tensor]) -> torch.Tensor | None:
-    try:
-        return fn()
-    except triton.runtime.errors.OutOfResources:
-        return None
 
 
 def _w8a8_reference(shape: Shape, x: torch.Tensor) -> torch.Tensor:
