@@ -63,22 +63,24 @@ def direct_inputs(
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
     w13 = torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.2
     w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) * 0.2
-    scales: dict[str, torch.Tensor] = {}
-    if fp8:
-        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = (
-            quantize_experts_fp8(w13),
-            quantize_experts_fp8(w2),
-        )
-    else:
-        w13, w2 = w13.to(dtype), w2.to(dtype)
-    w13, w2 = w13.to(DEVICE), w2.to(DEVICE)
-    scales = {name: scale.to(DEVICE) for name, scale in scales.items()}
+    w13, w2, scales = held_experts(w13.to(DEVICE), w2.to(DEVICE), dtype, fp8)
     # distinct experts per token (as top-k picks them), some shared between tokens
     ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:top_k] for _ in x])
     ids = ids.to(DEVICE, torch.int32)
     weights = torch.rand(num_tokens, top_k, generator=gen).to(DEVICE)
     act = direct_triton.gate_up_silu_direct(x, w13, ids, TILE, scales.get("w13_scale"))
     return DirectInputs(x, w13, w2, weights, ids, act, scales)
+
+
+def held_experts(
+    w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The experts' weights as a layer holds them: in ``dtype``, or (``fp8``) in float8 with
+    their row scales (``w13_scale``, ``w2_scale``)."""
+    if not fp8:
+        return w13.to(dtype), w2.to(dtype), {}
+    (w13, w13_scale), (w2, w2_scale) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)
+    return w13, w2, {"w13_scale": w13_scale, "w2_scale": w2_scale}
 
 
 def kept_tickets(buffers: SplitSlotBuffers) -> torch.Tensor:
@@ -229,14 +231,7 @@ def qwen3_direct(num_tokens: int, fp8: bool, seed: int) -> DirectInputs:
     x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
     w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.03
     w2 = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) * 0.03
-    scales: dict[str, torch.Tensor] = {}
-    if fp8:
-        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = (
-            quantize_experts_fp8(w13),
-            quantize_experts_fp8(w2),
-        )
-    else:
-        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    w13, w2, scales = held_experts(w13, w2, torch.bfloat16, fp8)
     logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
     weights, ids = KERNELS["router_triton"].route_topk(logits, 8, True)
     act = direct_triton.gate_up_silu_direct(x, w13, ids, GPU_TILE, scales.get("w13_scale"))

@@ -4,8 +4,7 @@ calls.
 That kernel runs a program per (token, column tile, slot): each parks its pair's product in
 ``terms`` and takes a ticket from its (token, tile) counter in ``tickets``; the program that
 draws the last ticket weighs and sums the token's products in slot order and sets the
-counter back to 0.
-So the counters are zero between calls and need zeroing only once, when they are made: a
+counter back to 0. So the counters are zero between calls and need zeroing only once, when they are made: a
 ``SplitSlotBuffers`` allocates them at the first call of a shape and hands the same tensors
 to every later one (no allocation, no memset per call).
 
@@ -28,10 +27,10 @@ import torch
 @dataclass(frozen=True)
 class SlotTerms:
     """One call's scratch: the (token, column tile) ticket counters, zero between calls, and
-    each pair's weighted term."""
+    each pair's product before its routing weight."""
 
     tickets: torch.Tensor  # [T, H] int32: a token's tile ``n`` counts at [t, n], zero at rest
-    terms: torch.Tensor  # [T * top_k, H] float32: each (token, slot) pair's term
+    terms: torch.Tensor  # [T * top_k, H] float32: each (token, slot) pair's product
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, hidden: int, device: torch.device) -> SlotTerms:
