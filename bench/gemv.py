@@ -3,7 +3,8 @@
     python -m bench.gemv --model llama3-8b --rows 1,4 --out bench/results/gemv-h100.json
     python -m bench.gemv --model llama3-8b --tensor-parallel-size 2 --rows 1,64 --out OUT.json
 
-For each linear of one decoder layer (and the LM head) and each batch size in ``--rows``,
+For each linear of one decoder layer (a mixture of experts' router too; its experts are
+``bench.moe_sweep``'s) and the LM head, and each batch size in ``--rows``,
 times ``F.linear`` and every GEMV launch shape of a small grid under CUDA-graph replay (as
 decode runs; each replay walks copies of the weight that outsize the L2, so each call reads
 its weight from memory, as a decode step does), and the MLP's down projection with
@@ -61,14 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     arch = ModelArch.from_hf_config(dummy_hf_config(args.model))
     device = torch.device("cuda")
     copy_bytes_per_s = measure_copy_bandwidth(device)
-    q_kv = arch.num_heads * arch.head_dim + 2 * arch.num_kv_heads * arch.head_dim
-    shapes = {  # name: (N, K, fused silu_mul), of one rank's shard
-        "qkv": (q_kv // tp, arch.hidden_size, False),
-        "o": (arch.hidden_size, arch.num_heads * arch.head_dim // tp, False),
-        "gate_up": (2 * arch.intermediate_size // tp, arch.hidden_size, False),
-        "down+silu": (arch.hidden_size, arch.intermediate_size // tp, True),
-        "lm_head": (-(-arch.vocab_size // tp), arch.hidden_size, False),
-    }
+    shapes = decode_linears(arch, tp)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name, (num_cols, size_k, silu_mul) in shapes.items():
@@ -83,13 +77,33 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps(record, indent=1))
 
 
+def decode_linears(arch: ModelArch, tp: int = 1) -> dict[str, tuple[int, int, bool]]:
+    """The linears a decode step of ``arch`` runs, by name: (N, K, fused silu_mul) of one
+    rank's shard. A mixture of experts adds its router (the experts' own GEMVs are
+    ``bench.moe_sweep``'s), and has no dense MLP where every layer is sparse."""
+    q_kv = arch.num_heads * arch.head_dim + 2 * arch.num_kv_heads * arch.head_dim
+    shapes = {
+        "qkv": (q_kv // tp, arch.hidden_size, False),
+        "o": (arch.hidden_size, arch.num_heads * arch.head_dim // tp, False),
+    }
+    moe = arch.moe
+    if moe is None or len(moe.sparse_layers) < arch.num_layers:
+        shapes["gate_up"] = (2 * arch.intermediate_size // tp, arch.hidden_size, False)
+        shapes["down+silu"] = (arch.hidden_size, arch.intermediate_size // tp, True)
+    if moe is not None:  # every rank routes on the whole router (it is not split)
+        shapes["router"] = (moe.num_experts, arch.hidden_size, False)
+    shapes["lm_head"] = (-(-arch.vocab_size // tp), arch.hidden_size, False)
+    return shapes
+
+
 INSTALL_MARGIN = 0.03  # a choice must beat the current one by this much (noise)
 
 
 def engine_default(linear: str, num_cols: int, size_k: int) -> GemvConfig | None:
     """What the engine runs ``linear`` on where the table says nothing (``None``: cuBLAS):
-    the GEMV for o, down (the activation fused) and the LM head, cuBLAS for qkv and gate_up."""
-    from engine.models.layers import LAYER_GEMV_CONFIG
+    the GEMV for o, down (the activation fused) and the LM head, cuBLAS for qkv, gate_up and
+    a mixture of experts' router."""
+    from engine.models.linears import LAYER_GEMV_CONFIG
 
     if linear in ("o", "down+silu"):
         return LAYER_GEMV_CONFIG
@@ -160,7 +174,7 @@ def _measure(
 
     reference = cublas().float()
     timings = {"cublas": _time_us(cublas, weights)}
-    from engine.models.layers import LAYER_GEMV_CONFIG
+    from engine.models.linears import LAYER_GEMV_CONFIG
 
     configs = [*GRID, default_config(num_cols, size_k), LAYER_GEMV_CONFIG]
     results = first_calls(

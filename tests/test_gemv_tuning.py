@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
-from bench.gemv import INSTALL_MARGIN, config_key, install_faster, parse_key
-from engine.models.layers import LAYER_GEMV_CONFIG
+from bench.gemv import INSTALL_MARGIN, config_key, decode_linears, install_faster, parse_key
+from engine.loader.dummy import dummy_hf_config
+from engine.models.arch import ModelArch
+from engine.models.linears import LAYER_GEMV_CONFIG
 from kernels.linear.gemv_triton import GemvConfig, default_config
 from kernels.linear.gemv_tuning import shape_key, tuned_config, tuned_for
 
@@ -27,6 +29,17 @@ def _result(
 
 def test_keys_round_trip() -> None:
     assert parse_key(config_key(FAST)) == FAST
+
+
+def test_the_sweep_takes_the_linears_a_decode_step_runs() -> None:
+    dense = decode_linears(ModelArch.from_hf_config(dummy_hf_config("llama3-8b")))
+    assert list(dense) == ["qkv", "o", "gate_up", "down+silu", "lm_head"]
+    assert dense["gate_up"] == (2 * 14336, 4096, False) and dense["down+silu"][2]
+    # every layer of qwen3-30b-a3b is sparse: its router, no dense MLP; the router whole on
+    # every rank, the attention split
+    moe = decode_linears(ModelArch.from_hf_config(dummy_hf_config("qwen3-30b-a3b")), tp=2)
+    assert list(moe) == ["qkv", "o", "router", "lm_head"]
+    assert moe["router"] == (128, 2048, False) and moe["o"] == (2048, 4096 // 2, False)
 
 
 def test_install_takes_only_clear_wins_and_the_engine_reads_them(tmp_path: Path) -> None:

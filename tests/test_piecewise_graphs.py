@@ -18,7 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM, SamplingParams
-from engine.models.layers import DecoderLayer, input_linear
+from engine.models.layers import DecoderLayer
+from engine.models.linears import input_linear
 from engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 from engine.quant.linear import QuantizedLinear
 from kernels.elementwise.norm import rms_norm_ref

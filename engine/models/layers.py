@@ -1,6 +1,6 @@
 """The layers of the Llama-family decoder (``engine.models.llama``): RMSNorm, attention, the
 MLP and the decoder layer that joins them, and which path each linear takes (the Triton GEMV
-at one row, int8 rows, cuBLAS).
+at one row, int8 rows, cuBLAS; a plain linear's choice is ``engine.models.linears``').
 
 Under tensor parallelism o_proj's and down's outputs are this rank's share of a sum. Where
 the sum can run in one kernel with the residual add and RMSNorm after it, the layer hands the
@@ -22,82 +22,11 @@ from engine.attention import (
 )
 from engine.distributed.group import PartialSum, TensorParallelGroup, summed
 from engine.models.arch import ModelArch
+from engine.models.linears import LAYER_GEMV_CONFIG, gemv_config, input_linear
 from engine.models.moe import SparseMoeBlock
 from engine.quant.linear import QuantizedLinear
-from kernels.linear.common import linear_out
-from kernels.linear.gemv_triton import GemvConfig, gemv
-from kernels.linear.gemv_tuning import tuned_config
+from kernels.linear.gemv_triton import gemv
 from kernels.linear.int8_rows_triton import Int8Rows
-
-GEMV_MAX_ROWS = 1  # rows that take the Triton GEMV instead of cuBLAS (measured at one)
-GEMV_DTYPES = (torch.bfloat16, torch.float16)
-# o_proj's and down's GEMV launch shape (the LM head keeps gemv's default). H100, llama3-8b,
-# one row, weights not in L2: o_proj 13.9-14.8 us against cuBLAS's 16.0, down 42.3 against
-# 44.4 (and the activation kernel folds into it); the batch-1 decode step 6.26 -> 6.10 ms.
-LAYER_GEMV_CONFIG = GemvConfig(block_n=8, block_k=1024)
-
-
-def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
-    """Whether ``linear(x)`` streams through the GEMV: a decode row (at most GEMV_MAX_ROWS)
-    in bf16/fp16 on CUDA, and a plain linear without bias (quantized ones have their own)."""
-    return (
-        x.is_cuda
-        and x.shape[0] <= GEMV_MAX_ROWS
-        and isinstance(linear, nn.Linear)
-        and linear.bias is None
-        and linear.weight.dtype in GEMV_DTYPES
-    )
-
-
-def gemv_config(
-    x: torch.Tensor | Int8Rows, linear: nn.Module, silu_mul: bool, default: GemvConfig | None
-) -> GemvConfig | None:
-    """The GEMV launch shape that runs ``linear(x)`` (``silu_mul``: x is a gate_up row),
-    or None for cuBLAS: where ``x`` takes the GEMV at all, the tuned table's choice for this
-    GPU and shape (``bench.gemv --install``), else ``default``."""
-    if not (isinstance(x, torch.Tensor) and takes_gemv(x, linear)):
-        return None
-    weight = linear.weight
-    assert isinstance(weight, torch.Tensor)
-    return tuned_config(weight, x.shape[0], silu_mul, default)
-
-
-def input_linear(
-    x: torch.Tensor | Int8Rows,
-    linear: nn.Module,
-    out: torch.Tensor | None = None,  # [T, out_features], contiguous (``linear_into``)
-) -> torch.Tensor:  # [T, out_features]: ``out`` where given
-    """``linear(x)`` for qkv and gate_up: cuBLAS, or the GEMV where ``bench.gemv --install``
-    measured a launch shape of it faster than cuBLAS on this GPU (one rank's shard of a
-    tensor-parallel layer is a narrower matrix, which cuBLAS streams less well). With ``out``
-    the product lands there (``linear_into``)."""
-    config = gemv_config(x, linear, False, None)
-    if config is not None:
-        assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
-        return gemv(x, linear.weight, config=config, out=out)
-    if out is not None:
-        return linear_into(x, linear, out)
-    result: torch.Tensor = linear(x)
-    return result
-
-
-def linear_into(
-    x: torch.Tensor | Int8Rows,  # [T, in_features]
-    linear: nn.Module,
-    out: torch.Tensor,  # [T, out_features], contiguous
-) -> torch.Tensor:  # out
-    """``out.copy_(linear(x))``, but written by the matmul itself where it can: cuBLAS for a
-    plain linear (``linear_out``: the same result bit for bit), a quantized linear's kernels
-    (``QuantizedLinear.forward`` copies once where its path cannot). Any other module: its result, copied once. An ``out`` strided
-    across rows works too, but there cuBLAS adds a bias outside its epilogue (rounded once
-    more). Inference only: a matmul into a given ``out`` refuses arguments that take
-    gradients."""
-    if isinstance(linear, QuantizedLinear):
-        written: torch.Tensor = linear(x, out=out)
-        return written
-    if isinstance(linear, nn.Linear) and isinstance(x, torch.Tensor):
-        return linear_out(x, linear.weight, linear.bias, out)
-    return out.copy_(linear(x))
 
 
 def takes_int8_rows(x: torch.Tensor, linear: nn.Module) -> bool:

@@ -27,7 +27,8 @@ from engine.distributed.group import PartialSum, TensorParallelGroup
 from engine.distributed.shard import ShardPlan
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
-from engine.models.layers import DecoderLayer, RMSNorm, gemv_config
+from engine.models.layers import DecoderLayer, RMSNorm
+from engine.models.linears import gemv_config
 from engine.models.moe import (
     Fp8StackedExperts,
     expert_target,
