@@ -52,10 +52,10 @@ def input_linear(
     linear: nn.Module,
     out: torch.Tensor | None = None,  # [T, out_features], contiguous (``linear_into``)
 ) -> torch.Tensor:  # [T, out_features]: ``out`` where given
-    """``linear(x)`` for qkv and gate_up: cuBLAS, or the GEMV where ``bench.gemv --install``
-    measured a launch shape of it faster than cuBLAS on this GPU (one rank's shard of a
-    tensor-parallel layer is a narrower matrix, which cuBLAS streams less well). With ``out``
-    the product lands there (``linear_into``)."""
+    """``linear(x)`` for qkv, gate_up and a MoE router: cuBLAS, or the GEMV where
+    ``bench.gemv --install`` measured a launch shape of it faster than cuBLAS on this GPU (one
+    rank's shard of a tensor-parallel layer is a narrower matrix, which cuBLAS streams less
+    well). With ``out`` the product lands there (``linear_into``)."""
     config = gemv_config(x, linear, False, None)
     if config is not None:
         assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
