@@ -73,10 +73,10 @@ def linear_into(
 ) -> torch.Tensor:  # out
     """``out.copy_(linear(x))``, but written by the matmul itself where it can: cuBLAS for a
     plain linear (``linear_out``: the same result bit for bit), a quantized linear's kernels
-    (``QuantizedLinear.forward`` copies once where its path cannot). Any other module: its result, copied once. An ``out`` strided
-    across rows works too, but there cuBLAS adds a bias outside its epilogue (rounded once
-    more). Inference only: a matmul into a given ``out`` refuses arguments that take
-    gradients."""
+    (``QuantizedLinear.forward`` copies once where its path cannot). Any other module: its
+    result, copied once. An ``out`` strided across rows works too, but there cuBLAS adds a
+    bias outside its epilogue (rounded once more). Inference only: a matmul into a given
+    ``out`` refuses arguments that take gradients."""
     if isinstance(linear, QuantizedLinear):
         written: torch.Tensor = linear(x, out=out)
         return written
