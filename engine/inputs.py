@@ -135,13 +135,15 @@ class PromptEncoder:
     def _check(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise InvalidRequestError("prompt", "is empty")
-        for index, token in enumerate(token_ids):
-            if not is_int(token) or not 0 <= token < self.vocab_size:
-                raise InvalidRequestError(
-                    "token_ids",
-                    f"[{index}] = {token!r} is not a token id of this model "
-                    f"(0..{self.vocab_size - 1})",
-                )
+        if not _plain_ids_in(token_ids, self.vocab_size):
+            # the first one that is not a token id, by name (or an int subclass: it passes)
+            for index, token in enumerate(token_ids):
+                if not is_int(token) or not 0 <= token < self.vocab_size:
+                    raise InvalidRequestError(
+                        "token_ids",
+                        f"[{index}] = {token!r} is not a token id of this model "
+                        f"(0..{self.vocab_size - 1})",
+                    )
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -176,6 +178,15 @@ def max_tokens_within_context(
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plain_ids_in(token_ids: list[int], vocab_size: int) -> bool:
+    """Whether every id is a plain int in ``[0, vocab_size)``, in three passes at C speed:
+    the engine checks every prompt's ids as it takes the request, and a loop over each id
+    took 0.3 s of the step's thread for 256 prompts of 4,096 tokens."""
+    return (
+        set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and (max(token_ids) < vocab_size)
+    )
 
 
 def check_request_fields(priority: object, tenant: object, timeout_s: object) -> None:

@@ -8,6 +8,7 @@ that cannot be loaded raise ``ModelLoadError``, bad settings ``ConfigError``.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from engine import (
     SamplingParams,
     UnsupportedModelError,
 )
+from engine.inputs import PromptEncoder
 from engine.sampling_params import DEFAULT_MAX_TOKENS
 from tests.conftest import TINY_COMMON, hf_greedy
 
@@ -206,6 +208,18 @@ def test_bad_request_is_refused_and_the_engine_keeps_serving(
 ) -> None:
     engine = LLMEngine(EngineConfig(model=str(text_model_dir), max_model_len=MAX_MODEL_LEN))
     check_refused_while_serving(engine, *BAD_REQUESTS[case], good_reference)
+
+
+def test_token_ids_are_checked_whole_and_the_first_bad_one_is_named() -> None:
+    class Id(int):  # an int subclass is an int, as it always was; a bool is not
+        pass
+
+    encoder = PromptEncoder("m", None, vocab_size=100, max_model_len=1000)
+    assert encoder.encode(prompt_token_ids=[0, 99, Id(5)]) == [0, 99, 5]
+    for ids, named in (([1, 2, 100, -1], "[2] = 100"), ([1, -3], "[1] = -3"),
+                       ([1, 2.0], "[1] = 2.0"), ([False, 1], "[0] = False")):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=re.escape(named)):
+            encoder.encode(prompt_token_ids=ids)
 
 
 def test_text_prompt_for_a_model_without_tokenizer() -> None:
