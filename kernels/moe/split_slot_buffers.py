@@ -4,9 +4,9 @@ calls.
 That kernel runs a program per (token, column tile, slot): each parks its pair's product in
 ``terms`` and takes a ticket from its (token, tile) counter in ``tickets``; the program that
 draws the last ticket weighs and sums the token's products in slot order and sets the
-counter back to 0. So the counters are zero between calls and need zeroing only once, when they are made: a
-``SplitSlotBuffers`` allocates them at the first call of a shape and hands the same tensors
-to every later one (no allocation, no memset per call).
+counter back to 0. So the counters are zero between calls and need zeroing only once, when
+they are made: a ``SplitSlotBuffers`` allocates them at the first call of a shape and hands
+the same tensors to every later one (no allocation, no memset per call).
 
 Ownership: whoever launches the kernels keeps one ``SplitSlotBuffers`` (the Triton backend,
 one for its model's MoE layers; ``bench/moe_sweep.py``, one per layer it times). Calls that
