@@ -245,7 +245,7 @@ def test_shutdown_hands_back_unfinished_work(start_worker: Any, redis_server: Re
         time.sleep(0.02)
         return step(**kwargs)
 
-    first.engine.step = slow_step  # type: ignore[method-assign]
+    first.engine.step = slow_step
     with Client(redis_server.url) as client:
         request_id = client.submit("w5", max_tokens=250, ignore_eos=True, temperature=0)
         events = client.resume(request_id, timeout_s=60)
