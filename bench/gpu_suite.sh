@@ -3,8 +3,8 @@
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
-#                       moe_throughput|moe_latency|matrix_profile]...
-# (default: all but vllm, matrix, matrix_profile, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
+#                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa]...
+# (default: all but vllm, matrix, matrix_profile, prefill_sdpa, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
@@ -120,6 +120,14 @@ matrix_profile() {  # where the rows below target spend their time, both sides: 
     log profiled matrix against vllm
     "${PS[@]}" bench matrix --compare vllm --resume --no-progress --profile-every 4 \
         --workloads standard-256,prefill-heavy,long-context --output-json "$OUT" ${MATRIX_ARGS:-}
+}
+
+prefill_sdpa() {  # the cuDNN prefill path: its GPU tests, then per shape against the Triton kernel
+    log prefill sdpa path
+    python -m pytest -q -x -p no:cacheprovider tests/test_prefill_sdpa.py || return 1
+    # the current Triton config only (the sweep's table is already measured) beside the path
+    python -m bench.prefill_attention --candidates m128n128w8s3 --top 1 \
+        --out "$OUT/prefill-attention-sdpa-path-$(card).json"
 }
 
 offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: host tier off/on
@@ -277,7 +285,7 @@ tests() {
         tests/test_triton_paged_attention.py tests/test_kv_offload.py tests/test_quant_kernels.py \
         tests/test_quant_model.py tests/test_quant_dequant.py tests/test_gpu_speculative.py \
         tests/test_quant_mma_int8.py tests/test_quant_gemv_int8.py tests/test_int8_producers.py \
-        tests/test_rotary_kv_write.py tests/test_gemv.py tests/test_pdl.py
+        tests/test_rotary_kv_write.py tests/test_gemv.py tests/test_pdl.py tests/test_prefill_sdpa.py
 }
 
 for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant structured tests}"; do

@@ -9,7 +9,10 @@ shapes (qwen3-0.6b, pages of 32); the ``--top`` best of them, the current choice
 shape run on the rest. Each config's output is checked against ``paged_attention_ref`` before
 it is timed (a failure is recorded with its reason and skipped). Reports TFLOP/s (causal
 FLOPs: 4 D Hq per visible (query, key) pair) and the fraction of torch's flash SDPA on the
-same problem laid out contiguously (K/V expanded to Hq heads). ``--install`` writes each
+same problem laid out contiguously (K/V expanded to Hq heads); and per shape the engine's
+other prefill path, ``PAGESTREAM_PREFILL_ATTN=sdpa`` (``sdpa_path``: the context copied out of
+its pages and attended by cuDNN, copy and merge in the time) with its speedup over the best
+config. ``--install`` writes each
 table row's (head dim, group, dtypes, page size) best config into
 ``kernels/attention/prefill_configs.json`` for this GPU where it beats the current choice by
 more than ``INSTALL_MARGIN``. ``CANDIDATES`` include the Hopper options (``-tma`` page
@@ -169,11 +172,26 @@ def measure(
         clock.say(f"{shape.name} {config.key}: {_ms_text(ms, shape)}")
     timed = {key: t["ms"] for key, t in timings.items() if "ms" in t}
     best = min(timed, key=timed.__getitem__) if timed else None
+    path = sdpa_path(problem, device)
+    clock.say(f"{shape.name} SDPA path: {_ms_text(path.get('ms'), shape)}{path.get('error', '')}")
     summary = {"shape": shape.name, "table_key": shape.table_key, "flops": shape.flops,
                "current": current.key, "best": best, "best_tflops": timings[best]["tflops"] if best else None,
                "best_of_sdpa": timings[best].get("of_sdpa") if best else None,
-               "sdpa_ms": sdpa_ms, "sdpa_error": sdpa_error}  # fmt: skip
+               "sdpa_ms": sdpa_ms, "sdpa_error": sdpa_error, "sdpa_path": path}  # fmt: skip
+    if best and "ms" in path:  # the engine's two prefill paths on this shape
+        path["speedup_over_best"] = round(timings[best]["ms"] / path["ms"], 3)
     return {"summary": summary, "shape": dataclasses.asdict(shape), "configs": timings}
+
+
+def sdpa_path(problem: PrefillProblem, device: torch.device) -> dict[str, Any]:
+    """The engine's ``PAGESTREAM_PREFILL_ATTN=sdpa`` path on the problem (the pages' copy, the
+    cuDNN calls and the merge, all in the time, called eagerly as the engine's mixed steps
+    call attention), checked, then timed; or why it could not."""
+    error = problem.check_sdpa_path()
+    if error is not None:
+        return {"error": error}
+    ms = time_ms(problem.run_sdpa_path, device, eager=True)
+    return {"ms": round(ms, 4), "tflops": problem.shape.flops / ms / 1e9}
 
 
 def rank(results: list[dict[str, Any]]) -> list[PrefillConfig]:

@@ -1,6 +1,6 @@
 """One prefill attention problem for bench.prefill_attention: its shape, random paged inputs,
-the reference output, a check, and the flash SDPA time of the same problem laid out
-contiguously."""
+the reference output, a check, the engine's SDPA path over it, and the flash SDPA time of the
+same problem laid out contiguously."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.attention.prefill_sdpa import FusedAttend, prefill_sdpa
 from kernels.attention.prefill_tuning import PrefillConfig, table_key
 
 DTYPE = torch.bfloat16
@@ -103,6 +104,33 @@ class PrefillProblem:
             out=self.out, prefill_config=config,
         )  # fmt: skip
 
+    def run_sdpa_path(self) -> torch.Tensor:
+        """The engine's ``PAGESTREAM_PREFILL_ATTN=sdpa`` path: each sequence's context copied
+        out of its pages, attended by cuDNN (two parts merged where there is context)."""
+        from kernels.attention.merge_states_triton import merge_states
+
+        shape = self.shape
+        seq_len = shape.context_len + shape.query_len
+        prefill_sdpa(
+            self.q, self.k_cache, self.v_cache, self.block_tables, [seq_len] * shape.num_seqs,
+            list(range(0, shape.num_seqs * shape.query_len + 1, shape.query_len)),
+            first_seq=0, scale=self.scale, out=self.out, attend=self._fused_attend,
+            merge=merge_states,
+        )  # fmt: skip
+        return self.out
+
+    @functools.cached_property
+    def _fused_attend(self) -> FusedAttend:
+        return FusedAttend()
+
+    def check_sdpa_path(self) -> str | None:
+        """None if the SDPA path runs and matches the reference, else why not."""
+        try:
+            out = self.run_sdpa_path()
+        except Exception as error:  # no cuDNN attention on this card, say: record it
+            return f"{type(error).__name__}: {str(error)[:300]}"
+        return mismatch(out, self.expected)
+
     def check(self, config: PrefillConfig) -> str | None:
         """None if ``config`` runs and matches the reference, else why not."""
         try:
@@ -177,13 +205,16 @@ def sdpa_flash_ms(problem: PrefillProblem) -> tuple[float | None, str | None]:
         return None, f"flash SDPA: {str(error)[:300]}"
 
 
-def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+def time_ms(fn: Callable[[], object], device: torch.device, *, eager: bool = False) -> float:
     """Median milliseconds of ``fn``, replayed from a CUDA graph (no launch or host cost in
-    the time: the smallest shapes take a few hundred microseconds); on the CPU, one run."""
+    the time: the smallest shapes take a few hundred microseconds), or with ``eager`` called
+    as the engine calls it (launches and host work in the time); on the CPU, one run."""
     if device.type != "cuda":
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
+    if eager:
+        return float(triton.testing.do_bench(fn, rep=TIMED_MS, return_mode="median"))
     return float(triton.testing.do_bench_cudagraph(fn, rep=TIMED_MS, return_mode="median"))

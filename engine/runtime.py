@@ -137,9 +137,16 @@ def build_runtime(
     if device.type == "cuda":
         # before the profile: the shared dequantized-weight room counts once, as used memory
         _allocate_dequant_scratch(config, [loaded, draft], dtype, device)
-        peaks = _measure_peaks(config, loaded, spec, sampler, max_model_len, device, use_graphs)
+        peak_bytes, graph_bytes = _measure_peaks(
+            config, loaded, spec, sampler, max_model_len, device, use_graphs
+        )
+        arch = loaded.model.arch  # this rank's heads
+        peak_bytes += backend.prefill_workspace_bytes(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, dtype, max_model_len,
+            min(config.prefill_chunk, config.max_batched_tokens),
+        )  # fmt: skip
         # read after the scratch pool is gone: what is used from here on stays used
-        profile = read_device_memory(device, loaded.weights_bytes, *peaks)
+        profile = read_device_memory(device, loaded.weights_bytes, peak_bytes, graph_bytes)
     plan = plan_pool(config, spec, device, max_model_len, profile)
     draft_spec = None
     if draft is not None:

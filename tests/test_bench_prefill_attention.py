@@ -51,6 +51,12 @@ def test_record_at_a_tiny_size(monkeypatch: pytest.MonkeyPatch) -> None:
         assert summary["current"] == FALLBACK.key  # the CPU's choice
         assert summary["best"] in (GOOD.key, FALLBACK.key) and summary["best_tflops"] > 0
         assert summary["sdpa_ms"] is None and "CUDA" in summary["sdpa_error"]
+        # the engine's SDPA path (plain torch on the CPU), checked against the reference
+        path = summary["sdpa_path"]
+        assert path["ms"] > 0 and path["tflops"] == pytest.approx(
+            summary["flops"] / path["ms"] / 1e9, rel=0.01
+        )
+        assert path["speedup_over_best"] > 0
         timed = result["configs"][summary["best"]]
         assert timed["tflops"] == pytest.approx(summary["flops"] / timed["ms"] / 1e9, rel=0.01)
     chosen = record["chosen"][SWEEP_SHAPE.table_key]
@@ -86,3 +92,11 @@ def test_candidates_flag_refuses_a_bad_key(capsys: pytest.CaptureFixture[str]) -
     # every candidate's key names it again, the Hopper options included
     assert all(PrefillConfig.from_key(c.key) == c for c in bench.CANDIDATES)
     assert any(c.tma for c in bench.CANDIDATES) and any(c.warp_specialize for c in bench.CANDIDATES)
+
+
+def test_a_wrong_sdpa_path_is_recorded_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = PrefillProblem.run_sdpa_path
+    monkeypatch.setattr(PrefillProblem, "run_sdpa_path", lambda self: run(self).mul_(2))
+    problem = PrefillProblem.build(OTHER_SHAPE, CPU)
+    path = bench.sdpa_path(problem, CPU)
+    assert set(path) == {"error"} and path["error"].startswith("off the reference")

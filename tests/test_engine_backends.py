@@ -72,3 +72,35 @@ def test_fp8_pool_holds_about_twice_the_tokens(tiny_model_dirs: dict[str, Path])
     # 1 byte per value plus a 4-byte scale per head, against 2 bytes per value
     expected = 2 * head_dim / (head_dim + 4)
     assert cache.num_blocks / full.num_blocks == pytest.approx(expected, rel=0.02)
+
+
+def test_long_chunks_through_sdpa_equal_the_torch_engine(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PAGESTREAM_PREFILL_ATTN=sdpa``: steps whose chunks are all long attend them over
+    their gathered context (plain torch here, cuDNN on CUDA) and their decodes by the Triton
+    kernel; tokens equal the torch engine's, and the path ran."""
+    from engine.attention import backend
+    from kernels.attention import prefill_sdpa
+
+    calls: list[int] = []
+    real = prefill_sdpa.prefill_sdpa
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls.append(int(kwargs["first_seq"]))  # type: ignore[call-overload]
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefill_sdpa, "prefill_sdpa", counted)
+    monkeypatch.setattr(backend, "SDPA_MIN_QUERY_LEN", 8)  # the chunks here are 7-32 tokens
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa")
+    model = str(tiny_model_dirs["qwen3"])
+    assert generate(model, "triton", monkeypatch) == generate(model, "torch", monkeypatch)
+    assert calls and any(first_seq > 0 for first_seq in calls)  # beside decodes too
+
+
+def test_an_unknown_prefill_attention_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.attention import backend
+
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "flash")
+    with pytest.raises(ValueError, match="PAGESTREAM_PREFILL_ATTN='flash'"):
+        backend.prefill_attention_choice()

@@ -8,6 +8,7 @@ CUDA). ``PAGESTREAM_ATTN_BACKEND=torch`` picks the references on a GPU too, for 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
 
 ATTN_BACKEND_ENV = "PAGESTREAM_ATTN_BACKEND"
 BACKEND_CHOICES = ("auto", "torch", "triton")
+# Which kernel attends the prefill chunks of the Triton backend's steps: the Triton kernel over
+# the pages, or (``sdpa``) a fused SDPA kernel over the chunk's context copied into rows,
+# cuDNN's on CUDA (kernels/attention/prefill_sdpa.py), for the steps whose chunks are all long.
+PREFILL_ATTN_ENV = "PAGESTREAM_PREFILL_ATTN"
+PREFILL_ATTN_CHOICES = ("triton", "sdpa")
+# A step takes the SDPA path when every prefill chunk has at least this many new tokens
+# (where the copy of its context is small beside the attention) and there are at most
+# SDPA_MAX_CHUNKS of them (one kernel launch pair per chunk).
+SDPA_MIN_QUERY_LEN = 512
+SDPA_MAX_CHUNKS = 8
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,14 @@ class AttentionBackend(Protocol):
         replays the first that holds its longest context."""
         ...
 
+    def prefill_workspace_bytes(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        max_seq_len: int, max_query_len: int,
+    ) -> int:  # fmt: skip
+        """Bytes a layer's attention may hold beyond what a step over fresh prompts shows (the
+        memory profile's step): a copy of a long context's K/V, say."""
+        ...
+
 
 TORCH_OPS = LayerOps(
     rms_norm=rms_norm_ref,
@@ -148,6 +167,12 @@ class TorchAttentionBackend:
         self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
     ) -> list[int]:
         return [max_seq_len]
+
+    def prefill_workspace_bytes(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        max_seq_len: int, max_query_len: int,
+    ) -> int:  # fmt: skip
+        return 0  # the CPU path: no device memory is planned
 
     def forward(
         self,
@@ -214,11 +239,46 @@ class TritonAttentionBackend:
         self._rotary_write_kv = rotary_write_kv
         self._paged_attention = paged_attention
         self._decode_graph_contexts = decode_graph_contexts
+        self._prefill_sdpa: Callable[..., None] | None = None
+        if prefill_attention_choice() == "sdpa":
+            from kernels.attention import prefill_sdpa
+            from kernels.attention.merge_states_triton import merge_states
+
+            self._prefill_sdpa = functools.partial(
+                prefill_sdpa.prefill_sdpa, attend=prefill_sdpa.FusedAttend(), merge=merge_states
+            )
 
     def decode_graph_contexts(
         self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
     ) -> list[int]:
         return self._decode_graph_contexts(num_seqs, num_kv_heads, device, max_seq_len)
+
+    def prefill_workspace_bytes(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        max_seq_len: int, max_query_len: int,
+    ) -> int:  # fmt: skip
+        if self._prefill_sdpa is None or max_query_len < SDPA_MIN_QUERY_LEN:
+            return 0
+        from kernels.attention.prefill_sdpa import workspace_bytes
+
+        return workspace_bytes(num_heads, num_kv_heads, head_dim, dtype, max_seq_len, max_query_len)
+
+    def _takes_sdpa(
+        self, meta: AttentionMetadata, cache: LayerCache, sliding_window: int | None
+    ) -> bool:
+        """Whether this step's prefill chunks go to the SDPA path: all long, few, over pages
+        of the model's dtype (not fp8), no sliding window, and not inside a graph capture
+        (the path reads the step's host-side lengths)."""
+        chunks = meta.num_seqs - meta.num_decodes
+        if self._prefill_sdpa is None or not 0 < chunks <= SDPA_MAX_CHUNKS:
+            return False
+        if sliding_window is not None or cache.k_scale is not None:
+            return False
+        chunk_starts = meta.query_start_loc_cpu[meta.num_decodes :]
+        shortest = min(end - start for start, end in itertools.pairwise(chunk_starts))
+        if shortest < SDPA_MIN_QUERY_LEN:
+            return False
+        return meta.seq_lens.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
     def forward(
         self,
@@ -238,6 +298,8 @@ class TritonAttentionBackend:
             q, k, v, rope.positions, rope.cos, rope.sin, cache.k, cache.v, meta.slot_mapping,
             k_scale=cache.k_scale, v_scale=cache.v_scale, head_norms=head_norms,
         )  # fmt: skip
+        if self._prefill_sdpa is not None and self._takes_sdpa(meta, cache, sliding_window):
+            return self._attend_with_sdpa(q, cache, meta, scale, out)
         return self._paged_attention(
             q,
             cache.k,
@@ -254,6 +316,42 @@ class TritonAttentionBackend:
             v_scale=cache.v_scale,
             out=out,
         )
+
+    def _attend_with_sdpa(
+        self,
+        q: torch.Tensor,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decodes by the Triton decode kernel, the prefill chunks by ``prefill_sdpa``."""
+        assert self._prefill_sdpa is not None
+        if out is None:
+            out = torch.empty_like(q)
+        decodes = meta.num_decodes
+        if decodes:
+            self._paged_attention(
+                q[:decodes], cache.k, cache.v, meta.block_tables[:decodes],
+                meta.seq_lens[:decodes], meta.query_start_loc[: decodes + 1], scale=scale,
+                max_query_len=1, num_decodes=decodes, max_seq_len=meta.max_seq_len,
+                out=out[:decodes],
+            )  # fmt: skip
+        self._prefill_sdpa(
+            q, cache.k, cache.v, meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu,
+            first_seq=decodes, scale=scale, out=out,
+        )  # fmt: skip
+        return out
+
+
+def prefill_attention_choice() -> str:
+    """``PAGESTREAM_PREFILL_ATTN``: ``triton`` (default) or ``sdpa``."""
+    choice = os.environ.get(PREFILL_ATTN_ENV, "triton")
+    if choice not in PREFILL_ATTN_CHOICES:
+        raise ValueError(
+            f"{PREFILL_ATTN_ENV}={choice!r}: expected one of {', '.join(PREFILL_ATTN_CHOICES)}"
+        )
+    return choice
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:

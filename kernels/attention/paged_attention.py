@@ -90,7 +90,7 @@ def paged_attention_ref(
         )  # fmt: skip
     for b in range(num_decodes, num_seqs):
         start, end = query_start_loc[b], query_start_loc[b + 1]
-        keys, values = _gather_context(k_cache, v_cache, block_tables[b], seq_lens[b])
+        keys, values = gather_context(k_cache, v_cache, block_tables[b], seq_lens[b])
         out[start:end] = _attend(q[start:end], keys, values, seq_lens[b], scale, sliding_window)
     return out
 
@@ -104,9 +104,11 @@ def _leading_single_token_queries(query_start_loc: list[int]) -> int:
     return count
 
 
-def _gather_context(
+def gather_context(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first ``seq_len`` keys and values, ``[seq_len, Hkv, D]`` each, in order:
+    a view of its page when it has one, else a contiguous copy of its pages' rows."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_blocks = -(-seq_len // block_size)
     if num_blocks == 1:  # one page (or a contiguous per-sequence slot): a view, no copy

@@ -1,0 +1,161 @@
+"""Long prefill chunks attended by a fused SDPA kernel over their pages copied into rows.
+
+The Triton prefill kernel (``paged_attention_prefill_triton.py``) reads K and V from the pages
+where they lie; on Hopper it runs at about 400 TFLOP/s, where cuDNN's fused attention, fed
+contiguous rows, is reported at FlashAttention 3's 580-630 (the prefill-heavy and long-context
+rows of ``bench matrix`` are bound by this kernel: docs/performance.md). For a chunk long enough
+that a copy of its context is cheap beside attending over it (the copy moves ``L * Hkv * D``
+values; the attention does ``4 * C * L * Hq * D`` FLOPs), this path copies the sequence's pages
+into contiguous rows (``gather_context``) and attends with a fused kernel.
+
+A chunk of ``C`` new tokens at the end of a context of ``L = P + C`` sees all ``P`` earlier
+keys and, causally, its own ``C``. A fused kernel's causal mask is only unambiguous when it is
+square, so the chunk is attended twice, over the ``P`` earlier keys with no mask and over its
+own ``C`` keys with the causal mask, and the two parts are merged by their log-sum-exps
+(``merge_states_ref``; ``merge_states_triton.py`` in one pass), which is exact: a softmax over
+two disjoint sets of keys. A chunk with no earlier context is one causal call.
+
+``attend``, the kernel, is a parameter: the engine's ``FusedAttend`` runs cuDNN's on CUDA and
+plain torch (``attend_math``) on a CPU, where the tests check the split, the merge and the
+layout; its GPU test checks cuDNN's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernels.attention.paged_attention import gather_context
+
+# (q [1, Hq, Q, D], k [1, Hkv, K, D], v, causal, scale) -> (o [1, Hq, Q, D], lse [1, Hq, Q]
+# float32); causal only with Q == K
+Attend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]
+]
+# (o1 [H, Q, D], lse1 [H, Q], o2, lse2, out [Q, H, D]) -> None
+Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def attend_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-torch ``Attend``: fp32 scores, GQA by repeating K/V heads."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, dim=1)
+    values = v.float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale  # [1, Hq, Q, K]
+    if causal:
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"a causal part must be square, got {q.shape[2]} x {k.shape[2]}")
+        scores = scores.masked_fill(
+            torch.ones_like(scores, dtype=torch.bool).triu(diagonal=1), float("-inf")
+        )
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.softmax(scores, dim=-1) @ values).to(q.dtype), lse
+
+
+class FusedAttend:
+    """The engine's ``Attend``: on CUDA, torch's cuDNN attention
+    (``_scaled_dot_product_cudnn_attention``, which returns the log-sum-exp beside the output);
+    elsewhere (the CPU runs of the Triton kernels under the interpreter), ``attend_math``.
+
+    K/V with fewer heads than q (GQA) go to cuDNN as they are; if it refuses them, once, every
+    later call repeats their heads first."""
+
+    def __init__(self) -> None:
+        self.native_gqa = True
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.device.type != "cuda":
+            return attend_math(q, k, v, causal, scale)
+        if k.shape[1] != q.shape[1] and self.native_gqa:
+            try:
+                return self._cudnn(q, k, v, causal, scale)
+            except RuntimeError:
+                self.native_gqa = False
+        if k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return self._cudnn(q, k, v, causal, scale)
+
+    @staticmethod
+    def _cudnn(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+        out, lse = result[0], result[1]
+        return out, lse.reshape(q.shape[:3]).float()
+
+
+def merge_states_ref(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Writes into ``out [Q, H, D]`` the merge of two parts ``o [H, Q, D], lse [H, Q]``
+    attended over disjoint keys (the module docstring's formula)."""
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - top)[..., None], torch.exp(lse2 - top)[..., None]
+    merged = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    out.copy_(merged.transpose(0, 1))
+
+
+def _heads_first(rows: torch.Tensor) -> torch.Tensor:
+    """``[S, H, D]`` rows -> ``[1, H, S, D]``, a view (the BSHD layout SDPA kernels take)."""
+    return rows.unsqueeze(0).transpose(1, 2)
+
+
+def prefill_sdpa(
+    q: torch.Tensor,  # [T, Hq, D], already rotated
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D], holding the new tokens' K/V already
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: list[int],  # [B] context lengths, new tokens included
+    query_start_loc: list[int],  # [B + 1]
+    *,
+    first_seq: int,  # sequences first_seq.. are prefill chunks; earlier ones are left alone
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D]: rows of sequences first_seq.. are written
+    attend: Attend,
+    merge: Merge = merge_states_ref,
+) -> None:
+    """Attention of each prefill chunk over its context, as ``paged_attention_ref`` computes
+    it (no sliding window, no fp8 pages), one sequence at a time."""
+    for seq in range(first_seq, len(seq_lens)):
+        start, end = query_start_loc[seq], query_start_loc[seq + 1]
+        query_len, seq_len = end - start, seq_lens[seq]
+        if query_len == 0:
+            continue
+        earlier = seq_len - query_len
+        keys, values = gather_context(k_cache, v_cache, block_tables[seq], seq_len)
+        queries = _heads_first(q[start:end].contiguous())
+        keys, values = _heads_first(keys), _heads_first(values)
+        if earlier == 0:
+            own, _ = attend(queries, keys, values, True, scale)
+            out[start:end].copy_(own[0].transpose(0, 1))
+            continue
+        before, lse_before = attend(queries, keys[:, :, :earlier], values[:, :, :earlier], False,
+                                    scale)  # fmt: skip
+        own, lse_own = attend(queries, keys[:, :, earlier:], values[:, :, earlier:], True, scale)
+        merge(before[0], lse_before[0], own[0], lse_own[0], out[start:end])
+
+
+def workspace_bytes(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    max_query_len: int,
+) -> int:
+    """Bytes this path holds at most beside a layer's usual temporaries: one sequence's K and
+    V rows copied out of the pages (with their heads repeated, should cuDNN refuse GQA), the
+    chunk's queries, the two parts and their log-sum-exps."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    rows = 2 * max_seq_len * num_heads * head_dim * element  # K/V rows, heads repeated
+    rows += 2 * max_seq_len * num_kv_heads * head_dim * element  # ... and as gathered
+    parts = 3 * max_query_len * num_heads * head_dim * element  # queries, the two parts
+    return rows + parts + 2 * max_query_len * num_heads * 4

@@ -1,0 +1,140 @@
+"""Prefill chunks attended over their gathered pages (``kernels/attention/prefill_sdpa.py``)
+against ``paged_attention_ref``: the split at the chunk's first token and the merge of the two
+parts on the CPU with the plain-torch kernel; the merge kernel through Triton's interpreter;
+cuDNN's kernel on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention.prefill_sdpa import (
+    FusedAttend,
+    attend_math,
+    merge_states_ref,
+    prefill_sdpa,
+    workspace_bytes,
+)
+from tests.test_triton_paged_attention import TOLERANCE, Batch, make_batch
+from tests.triton_interpret import CUDA, DEVICE, import_kernels
+
+merge_states = import_kernels(("kernels.attention.merge_states_triton",))[
+    "merge_states_triton"
+].merge_states
+
+# decodes first (left alone by this path), then chunks over 0, a partial page, many pages
+QUERY_LENS = [1, 1, 24, 9, 40, 5]
+CONTEXT_LENS = [30, 3, 0, 13, 70, 1]
+NUM_DECODES = 2
+
+
+def run(
+    batch: Batch, attend: object, merge: object = merge_states_ref, first_seq: int = NUM_DECODES
+) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    prefill_sdpa(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, first_seq=first_seq, scale=batch.q.shape[-1] ** -0.5,
+        out=out, attend=attend, merge=merge,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "dtype"),
+    [(16, 4, 4, torch.float32), (16, 8, 2, torch.float32), (32, 6, 3, torch.bfloat16)],
+)
+def test_chunks_match_the_reference_and_decodes_are_left_alone(
+    block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    batch = make_batch(
+        QUERY_LENS, CONTEXT_LENS, block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, dtype=dtype, seed=num_heads,
+    )  # fmt: skip
+    out = run(batch, attend_math)
+    first_chunk_row = batch.query_start_loc[NUM_DECODES]
+    assert out[:first_chunk_row].isnan().all()  # the decodes' rows are the caller's
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(
+        out[first_chunk_row:], batch.reference()[first_chunk_row:], atol=tol, rtol=tol
+    )
+
+
+def test_a_chunk_over_context_is_two_parts_merged() -> None:
+    """The chunk's queries see the 20 earlier keys unmasked, then its own 16 causally, and the
+    merge weighs the two by their log-sum-exps: either part alone is far off."""
+    batch = make_batch([16], [20], block_size=16, num_heads=4, num_kv_heads=2,
+                       dtype=torch.float32)  # fmt: skip
+    calls: list[tuple[int, bool]] = []
+
+    def recording(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((k.shape[2], causal))
+        return attend_math(q, k, v, causal, scale)
+
+    expected = batch.reference()
+    torch.testing.assert_close(run(batch, recording, first_seq=0), expected, atol=2e-5, rtol=2e-5)
+    assert calls == [(20, False), (16, True)]
+
+    def first_only(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
+                   out: torch.Tensor) -> None:  # fmt: skip
+        out.copy_(o1.transpose(0, 1))
+
+    def second_only(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
+                    out: torch.Tensor) -> None:  # fmt: skip
+        out.copy_(o2.transpose(0, 1))
+
+    for wrong in (first_only, second_only):
+        assert not torch.allclose(run(batch, attend_math, wrong, 0), expected, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_kernel_matches_the_reference(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    heads, queries, head_dim = 3, 5, 24  # a head_dim under its power-of-two block
+    o1, o2 = torch.randn(2, heads, queries, head_dim, device=DEVICE, dtype=dtype)
+    lse1, lse2 = torch.randn(2, heads, queries, device=DEVICE) * 4
+    lse2[0, 0] = lse1[0, 0] + 60  # one part all but absent: no overflow
+    expected = torch.empty(queries, heads, head_dim, device=DEVICE, dtype=dtype)
+    merge_states_ref(o1, lse1, o2, lse2, expected)
+    # the parts' layout as cuDNN writes them (heads inside rows): strided [H, Q, D] views
+    strided = torch.empty(queries, heads, head_dim, device=DEVICE, dtype=dtype).transpose(0, 1)
+    strided.copy_(o1)
+    out = torch.empty(queries, heads, head_dim, device=DEVICE, dtype=dtype)
+    merge_states(strided, lse1, o2, lse2, out)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(out[0, 0].float(), o2[0, 0].float(), atol=tol, rtol=tol)
+
+
+def test_merge_kernel_refuses_mismatched_parts() -> None:
+    o = torch.zeros(2, 3, 8, device=DEVICE)
+    lse = torch.zeros(2, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="out"):
+        merge_states(o, lse, o, lse, torch.zeros(2, 3, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="float32"):
+        merge_states(o, lse.double(), o, lse, torch.zeros(3, 2, 8, device=DEVICE))
+
+
+def test_workspace_counts_the_gathered_rows() -> None:
+    small = workspace_bytes(16, 8, 128, torch.bfloat16, 4096, 2048)
+    large = workspace_bytes(16, 8, 128, torch.bfloat16, 32768, 2048)
+    # each token of context adds its K and V rows, as gathered and with heads repeated
+    assert large - small == (32768 - 4096) * 2 * (16 + 8) * 128 * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(16, 8), (32, 8), (8, 8)])
+def test_cudnn_chunks_match_the_reference(num_heads: int, num_kv_heads: int) -> None:
+    batch = make_batch(
+        [1, 1, 640, 256, 1024], [100, 7, 0, 1500, 3000], block_size=32, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=128, dtype=torch.bfloat16,
+    )  # fmt: skip
+    out = run(batch, FusedAttend(), merge_states)
+    first_chunk_row = batch.query_start_loc[NUM_DECODES]
+    torch.testing.assert_close(
+        out[first_chunk_row:], batch.reference()[first_chunk_row:], atol=2.5e-2, rtol=2.5e-2
+    )
