@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -83,6 +84,26 @@ class InProcessWorker:
         assert not self._thread.is_alive(), "the worker did not stop"
         if self.error is not None:
             raise self.error
+
+
+def slow_steps(
+    engine: LLMEngine, delay_s: float = 0.02, monkeypatch: pytest.MonkeyPatch | None = None
+) -> None:
+    """Every later step of ``engine`` first sleeps ``delay_s`` (until ``monkeypatch`` undoes
+    it, if given: for an engine that outlives the test). The tiny CPU models write hundreds
+    of tokens a second, so a stop, cancel or Redis fault that a test sends once the first
+    token arrives could land after the request ended (a CI run lost that race); at 20 ms a
+    step, 200 tokens take 4 s and the request is still running when it lands."""
+    step = engine.step
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(delay_s)
+        return step(*args, **kwargs)
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(engine, "step", slow_step)
+    else:
+        engine.step = slow_step  # type: ignore[method-assign]
 
 
 def worker_settings(server: RedisServer, name: str, **overrides: Any) -> WorkerSettings:

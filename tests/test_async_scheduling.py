@@ -134,7 +134,9 @@ def test_cancel_frees_pages_in_the_same_step(llama: Path) -> None:
     prompts = random_prompts([20, 26], 320, seed=36)
     for index, prompt in enumerate(prompts):
         engine.add_request(
-            f"r{index}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=50)
+            f"r{index}",
+            prompt_token_ids=prompt,
+            sampling=SamplingParams(max_tokens=50, ignore_eos=True),  # running after 4 steps
         )
     for _ in range(4):
         engine.step()

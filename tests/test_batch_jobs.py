@@ -26,7 +26,7 @@ from clients.batch import BATCH_FUNCTION, BatchKeys, deserialize_job, serialize_
 from commands import main as cli_main
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.redis_server import RedisServer
-from tests.service_fixtures import FAST, STOP_TIMEOUT_S, spawn_worker
+from tests.service_fixtures import FAST, STOP_TIMEOUT_S, slow_steps, spawn_worker
 from tests.test_cli import MISTYPED_FIELDS, mistyped_lines
 from tests.test_worker_service import random_prompts
 from worker.batch import BatchSettings
@@ -217,8 +217,9 @@ def test_unreadable_input_file_fails_the_job(worker: BatchWorker, client: Client
 
 
 def test_progress_is_readable_while_running_and_abort_stops_the_job(
-    worker: BatchWorker, client: Client
+    worker: BatchWorker, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    slow_steps(worker.engine, 0.005, monkeypatch)  # the job runs for seconds: the abort lands
     lines = [json.dumps({"prompt": f"w{5 + i}", "max_tokens": 48, "ignore_eos": True})
              for i in range(200)]  # fmt: skip
     job_id = client.submit_batch(lines=lines)

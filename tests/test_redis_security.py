@@ -25,7 +25,7 @@ from clients import Client, DoneEvent, FinishReason, TokenEvent
 from clients.batch import BatchState
 from commands import main as cli_main
 from tests.redis_server import RedisServer
-from tests.service_fixtures import STOP_TIMEOUT_S, InProcessWorker, worker_settings
+from tests.service_fixtures import STOP_TIMEOUT_S, InProcessWorker, slow_steps, worker_settings
 from worker.batch import BatchSettings
 from worker.batch_runner import BatchRunner, serve_with_batches
 from worker.engine_thread import EngineThread
@@ -135,6 +135,7 @@ def test_least_privilege_users_stream_cancel_batch_and_check_health(
     urls = create_users(admin, redis_server.port)
     client_url = url_of(urls, client_user)
     worker = BatchingWorker(text_model_dir, redis_server, urls["worker"]).start()
+    slow_steps(worker.engine)  # the cancel and the abort land while their work runs
     try:
         with Client(client_url) as client:
             events = list(client.stream("w5 w6 w7", max_tokens=6, ignore_eos=True, timeout_s=60))

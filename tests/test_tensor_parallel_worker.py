@@ -23,7 +23,7 @@ from tests.test_worker_process import (
     wait_until,
 )
 
-NUM_TOKENS = 80
+NUM_TOKENS = 200  # mid-stream by num_streaming (under 75 events) leaves 125 or more to go
 
 
 def child_pids(pid: int) -> list[int]:

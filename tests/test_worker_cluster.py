@@ -21,8 +21,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from clients import Client, DoneEvent, FinishReason, RestartEvent, TokenEvent, protocol
 from clients.connect import TRANSIENT_CLUSTER_ERRORS, connect
 from clients.protocol import CLUSTER_SLOTS, Keys, key_slot
+from tests.gateway_fixtures import wait_for
 from tests.redis_cluster import RedisCluster
-from tests.service_fixtures import FAST, InProcessWorker
+from tests.service_fixtures import FAST, InProcessWorker, slow_steps
+from tests.test_worker_routing import published
 from worker.delivery import Entry, RequestStream
 from worker.local_stack import RedisProcess
 from worker.settings import WorkerSettings
@@ -75,6 +77,7 @@ def test_requests_on_every_shard_of_a_cluster_are_answered_once(
     text_model_dir: Path,
 ) -> None:
     worker = cluster_worker(redis_cluster, text_model_dir, "w1")
+    slow_steps(worker.engine)  # the mid-stream cancel lands before the 200 tokens are out
     request_ids = ids_on_every_shard(2)
     try:
         with Client(redis_cluster.url, cluster=True, shards=NUM_SHARDS, timeout_s=30) as client:
@@ -128,11 +131,11 @@ def test_a_dead_workers_entry_on_a_shard_is_taken_over_and_answered_once(
         client.submit("w5 w6 w7", request_id=request_id, max_tokens=6, **GREEDY)
         shard = KEYS.shards[2]
         r.xgroup_create(shard, KEYS.group, "0", mkstream=True)
+        started_s = time.monotonic()  # the entry's idle time counts from its delivery
         ((_, ((entry_id, _),)),) = r.xreadgroup(KEYS.group, "ghost", {shard: ">"})
         r.set(KEYS.claim(request_id), f"{entry_id.decode()} {shard} ghost")
         partial = protocol.TokenEvent(seq=0, text="w99", token_ids=[99])
         r.xadd(KEYS.out(request_id), {"msg": protocol.encode(partial)})
-        started_s = time.monotonic()
         worker = cluster_worker(redis_cluster, text_model_dir, "w2")
         try:
             events = list(client.resume(request_id, timeout_s=30))
@@ -174,12 +177,14 @@ def test_routing_on_a_cluster_keeps_a_conversation_on_its_worker(
     ]  # fmt: skip
     history = [5 + (i * 37) % 190 for i in range(100)]
     served_by, cached, request_ids = [], [], []
+    r = redis.RedisCluster.from_url(redis_cluster.url)
     try:
         with Client(
             redis_cluster.url, cluster=True, shards=NUM_SHARDS, routing=True, timeout_s=30
         ) as client:
             for turn in range(3):
                 done = client.complete(token_ids=history, max_tokens=4, **GREEDY)
+                wait_for(lambda: published(r, KEYS, done.worker, history))  # noqa: B023
                 served_by.append(done.worker)
                 cached.append(done.usage.cached_prompt_tokens if done.usage else 0)
                 request_ids.append(done.request_id)
@@ -189,7 +194,6 @@ def test_routing_on_a_cluster_keeps_a_conversation_on_its_worker(
             worker.stop()
     assert len(set(served_by)) == 1, served_by  # where the history's pages are
     assert all(count >= 64 for count in cached[1:]), cached
-    r = redis.RedisCluster.from_url(redis_cluster.url)
     try:
         assert all(len(terminal_events(r, request_id)) == 1 for request_id in request_ids)
         streams = [*KEYS.shards, *(KEYS.routed(name) for name in ("w1", "w2"))]

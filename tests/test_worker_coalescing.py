@@ -12,6 +12,7 @@ from engine import FinishReason, StepOutput
 from engine.sampler import TokenLogprobs
 from engine.sequence import Usage
 from tests.redis_server import RedisServer
+from tests.service_fixtures import slow_steps
 from worker.events import coalesce
 
 KEYS = protocol.Keys()
@@ -73,7 +74,8 @@ FIRST_EVENT_MAX_TOKENS = 8  # far below the 0.5 s stall's merge, which takes doz
 def test_tokens_that_waited_for_a_stalled_redis_go_out_as_one_event(
     start_worker: Any, redis_server: RedisServer
 ) -> None:
-    start_worker("w1")
+    # 200 steps of 5 ms: the stall begins before the request ends, and the writer keeps up
+    slow_steps(start_worker("w1").engine, 0.005)
     max_tokens = 200
     with Client(redis_server.url) as client:
         reference = client.complete("w5 w6", max_tokens=max_tokens, ignore_eos=True, temperature=0)

@@ -24,7 +24,7 @@ from clients import (
 )
 from tests.gateway_fixtures import wait_for
 from tests.redis_server import RedisServer
-from tests.service_fixtures import WORDS
+from tests.service_fixtures import WORDS, slow_steps
 from worker.delivery import Entry, OutEvent, Ownership, RequestStream
 
 KEYS = protocol.Keys()
@@ -237,15 +237,7 @@ def test_too_many_deliveries_goes_to_the_dead_stream(
 
 def test_shutdown_hands_back_unfinished_work(start_worker: Any, redis_server: RedisServer) -> None:
     first = start_worker("w1", grace_s=0.0)
-    # The tiny model can write all 250 tokens before the stop lands; 20 ms a step keeps the
-    # request unfinished (5 s for the whole) while the shutdown takes a few steps at most.
-    step = first.engine.step
-
-    def slow_step(**kwargs: Any) -> Any:
-        time.sleep(0.02)
-        return step(**kwargs)
-
-    first.engine.step = slow_step
+    slow_steps(first.engine)  # the stop lands mid-request
     with Client(redis_server.url) as client:
         request_id = client.submit("w5", max_tokens=250, ignore_eos=True, temperature=0)
         events = client.resume(request_id, timeout_s=60)

@@ -68,22 +68,34 @@ def holds(server: RedisServer, name: str, token_ids: list[int]) -> None:
     r.close()
 
 
+def published(r: Any, keys: Keys, name: str, token_ids: list[int]) -> bool:
+    """Whether worker ``name`` has published the last link of ``token_ids``' chain. It does so
+    in the background after admission, so a turn's answer can come back before it lands; the
+    next turn is routed by it."""
+    chain = prefix_chain(token_ids=token_ids)
+    assert chain, "a prompt too short to route by"
+    return r.zscore(link_key(keys.prefix, chain[-1]), name) is not None
+
+
 def test_a_conversations_turns_stay_on_the_worker_that_holds_its_prefix(
     start_worker: Any, redis_server: RedisServer
 ) -> None:
     for name in ("w1", "w2"):
         start_worker(name, routing=True)
+    r = redis_server.client()
     with Client(redis_server.url, routing=True) as client:
         for conversation in range(3):
             history = tokens(conversation, 100)
             served_by, cached = [], []
             for turn in range(3):
                 done = client.complete(token_ids=history, **GREEDY)
+                wait_for(lambda: published(r, KEYS, done.worker, history))  # noqa: B023
                 served_by.append(done.worker)
                 cached.append(done.usage.cached_prompt_tokens if done.usage else 0)
                 history = history + done.token_ids + tokens(100 * conversation + turn, 6)
             assert len(set(served_by)) == 1, served_by  # every turn where the prefix is cached
             assert all(count >= 64 for count in cached[1:]), cached  # its history's pages
+    r.close()
 
 
 def test_with_routing_a_worker_takes_one_new_entry_at_a_time_from_a_shard(

@@ -27,7 +27,7 @@ from clients import (
 )
 from engine import LLM, SamplingParams
 from tests.redis_server import RedisServer
-from tests.service_fixtures import WORDS
+from tests.service_fixtures import WORDS, slow_steps
 
 NUM_CONCURRENT = 50
 
@@ -86,6 +86,7 @@ def test_cancel_mid_stream_ends_promptly_and_frees_pages(
     start_worker: Any, redis_server: RedisServer
 ) -> None:
     worker = start_worker("w1")
+    slow_steps(worker.engine)  # the cancel lands mid-stream
     pages_free_before = worker.engine.stats().num_pages_free
     with Client(redis_server.url) as client:
         request_id = client.submit("w5 w6 w7", max_tokens=200, ignore_eos=True, temperature=0)
@@ -252,7 +253,8 @@ def test_a_full_redis_delays_events_and_loses_none(
             r.config_set("maxmemory", 0)
             return await task, refused_meanwhile
 
-    start_worker("w1")
+    # 120 steps of 20 ms: the request outlasts the second that Redis is full
+    slow_steps(start_worker("w1").engine)
     completion, written_while_full = asyncio.run(fill_up_mid_request())
     assert completion.finish_reason is FinishReason.LENGTH and completion.num_restarts == 0
     assert len(completion.token_ids) == num_tokens
