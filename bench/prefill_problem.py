@@ -114,7 +114,7 @@ class PrefillProblem:
         prefill_sdpa(
             self.q, self.k_cache, self.v_cache, self.block_tables, [seq_len] * shape.num_seqs,
             list(range(0, shape.num_seqs * shape.query_len + 1, shape.query_len)),
-            first_seq=0, scale=self.scale, out=self.out, attend=self._fused_attend,
+            seqs=range(shape.num_seqs), scale=self.scale, out=self.out, attend=self._fused_attend,
             merge=merge_states,
         )  # fmt: skip
         return self.out

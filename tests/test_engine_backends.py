@@ -7,7 +7,9 @@ decodes, prefix-cache hits, a sliding window and q/k norms all go through the ke
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,25 +79,29 @@ def test_fp8_pool_holds_about_twice_the_tokens(tiny_model_dirs: dict[str, Path])
 def test_long_chunks_through_sdpa_equal_the_torch_engine(
     tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``PAGESTREAM_PREFILL_ATTN=sdpa``: steps whose chunks are all long attend them over
-    their gathered context (plain torch here, cuDNN on CUDA) and their decodes by the Triton
-    kernel; tokens equal the torch engine's, and the path ran."""
+    """``PAGESTREAM_PREFILL_ATTN=sdpa``: a step's long chunks are attended over their
+    gathered context (plain torch here, cuDNN on CUDA), its decodes and short chunks by the
+    Triton kernels; tokens equal the torch engine's, and the path ran beside both."""
     from engine.attention import backend
     from kernels.attention import prefill_sdpa
 
-    calls: list[int] = []
+    beside: list[tuple[bool, bool]] = []  # (decodes, short chunks) beside the long ones
     real = prefill_sdpa.prefill_sdpa
 
-    def counted(*args: object, **kwargs: object) -> None:
-        calls.append(int(kwargs["first_seq"]))  # type: ignore[call-overload]
-        real(*args, **kwargs)  # type: ignore[arg-type]
+    def counted(*args: Any, **kwargs: Any) -> None:
+        starts, seqs = args[5], list(kwargs["seqs"])
+        lens = [end - start for start, end in itertools.pairwise(starts)]
+        others = [n for seq, n in enumerate(lens) if seq not in seqs]
+        beside.append((1 in others, any(n > 1 for n in others)))
+        real(*args, **kwargs)
 
     monkeypatch.setattr(prefill_sdpa, "prefill_sdpa", counted)
     monkeypatch.setattr(backend, "SDPA_MIN_QUERY_LEN", 8)  # the chunks here are 7-32 tokens
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa")
     model = str(tiny_model_dirs["qwen3"])
     assert generate(model, "triton", monkeypatch) == generate(model, "torch", monkeypatch)
-    assert calls and any(first_seq > 0 for first_seq in calls)  # beside decodes too
+    # steps with decodes, and with short chunks (to the Triton kernel), beside the long ones
+    assert any(decodes for decodes, _ in beside) and any(short for _, short in beside)
 
 
 def test_an_unknown_prefill_attention_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,9 +6,13 @@ cuDNN's kernel on a GPU.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 import torch
 
+from engine.attention import AttentionMetadata, backend
 from kernels.attention.prefill_sdpa import (
     FusedAttend,
     attend_math,
@@ -35,7 +39,8 @@ def run(
     out = torch.full_like(batch.q, float("nan"))
     prefill_sdpa(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-        batch.query_start_loc, first_seq=first_seq, scale=batch.q.shape[-1] ** -0.5,
+        batch.query_start_loc, seqs=range(first_seq, len(batch.seq_lens)),
+        scale=batch.q.shape[-1] ** -0.5,
         out=out, attend=attend, merge=merge,  # type: ignore[arg-type]
     )  # fmt: skip
     return out
@@ -138,3 +143,41 @@ def test_cudnn_chunks_match_the_reference(num_heads: int, num_kv_heads: int) -> 
     torch.testing.assert_close(
         out[first_chunk_row:], batch.reference()[first_chunk_row:], atol=2.5e-2, rtol=2.5e-2
     )
+
+
+def meta_of(query_lens: list[int]) -> AttentionMetadata:
+    """Metadata with only what the path's choice reads: the lengths (decodes lead)."""
+    starts = [0, *itertools.accumulate(query_lens)]
+    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    empty = torch.zeros(0, dtype=torch.int32)
+    lens = [n + 100 for n in query_lens]
+    return AttentionMetadata(
+        slot_mapping=empty, block_tables=empty, seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens_cpu=lens,
+        query_start_loc_cpu=starts, num_decodes=num_decodes, max_seq_len=max(lens),
+        max_query_len=max(query_lens),
+    )  # fmt: skip
+
+
+def test_which_chunks_take_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa")
+    triton_backend = backend.TritonAttentionBackend()
+    pages = torch.zeros(1, 16, 2, 8)
+    cache = backend.LayerCache(pages, pages)
+    long = backend.SDPA_MIN_QUERY_LEN
+
+    def chosen(query_lens: list[int], **kwargs: Any) -> list[int]:
+        args = {"cache": cache, "sliding_window": None, **kwargs}
+        return triton_backend._sdpa_chunks(meta_of(query_lens), **args)
+
+    assert chosen([1, 1, long, 40, long + 1, 7]) == [2, 4]  # the long ones, beside the rest
+    assert chosen([1, 1, 40, long - 1]) == []
+    assert chosen([1] + [long] * backend.SDPA_MAX_CHUNKS) == list(
+        range(1, backend.SDPA_MAX_CHUNKS + 1)
+    )
+    assert chosen([long] * (backend.SDPA_MAX_CHUNKS + 1)) == []  # too many launches
+    assert chosen([long], sliding_window=64) == []
+    scales = torch.ones(1, 16, 2)
+    assert chosen([long], cache=backend.LayerCache(pages, pages, scales, scales)) == []  # fp8
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "triton")
+    assert backend.TritonAttentionBackend()._prefill_sdpa is None

@@ -8,7 +8,6 @@ CUDA). ``PAGESTREAM_ATTN_BACKEND=torch`` picks the references on a GPU too, for 
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,9 +31,9 @@ BACKEND_CHOICES = ("auto", "torch", "triton")
 # cuDNN's on CUDA (kernels/attention/prefill_sdpa.py), for the steps whose chunks are all long.
 PREFILL_ATTN_ENV = "PAGESTREAM_PREFILL_ATTN"
 PREFILL_ATTN_CHOICES = ("triton", "sdpa")
-# A step takes the SDPA path when every prefill chunk has at least this many new tokens
-# (where the copy of its context is small beside the attention) and there are at most
-# SDPA_MAX_CHUNKS of them (one kernel launch pair per chunk).
+# A chunk takes the SDPA path if it has at least this many new tokens (where the copy of its
+# context is small beside the attention), in a step with at most SDPA_MAX_CHUNKS such chunks
+# (a launch pair each); the step's other chunks go to the Triton prefill kernel.
 SDPA_MIN_QUERY_LEN = 512
 SDPA_MAX_CHUNKS = 8
 
@@ -263,22 +262,30 @@ class TritonAttentionBackend:
 
         return workspace_bytes(num_heads, num_kv_heads, head_dim, dtype, max_seq_len, max_query_len)
 
-    def _takes_sdpa(
+    def _sdpa_chunks(
         self, meta: AttentionMetadata, cache: LayerCache, sliding_window: int | None
-    ) -> bool:
-        """Whether this step's prefill chunks go to the SDPA path: all long, few, over pages
-        of the model's dtype (not fp8), no sliding window, and not inside a graph capture
-        (the path reads the step's host-side lengths)."""
-        chunks = meta.num_seqs - meta.num_decodes
-        if self._prefill_sdpa is None or not 0 < chunks <= SDPA_MAX_CHUNKS:
-            return False
+    ) -> list[int]:
+        """The step's prefill chunks that go to the SDPA path: the long ones, if there are at
+        most SDPA_MAX_CHUNKS, over pages of the model's dtype (not fp8), with no sliding
+        window, and not inside a graph capture (the path reads the step's host-side lengths);
+        else none."""
         if sliding_window is not None or cache.k_scale is not None:
-            return False
-        chunk_starts = meta.query_start_loc_cpu[meta.num_decodes :]
-        shortest = min(end - start for start, end in itertools.pairwise(chunk_starts))
-        if shortest < SDPA_MIN_QUERY_LEN:
-            return False
-        return meta.seq_lens.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+            return []
+        starts = meta.query_start_loc_cpu
+        chunks = [
+            seq
+            for seq in range(meta.num_decodes, meta.num_seqs)
+            if starts[seq + 1] - starts[seq] >= SDPA_MIN_QUERY_LEN
+        ]
+        if len(chunks) > SDPA_MAX_CHUNKS:
+            return []
+        if (
+            chunks
+            and meta.seq_lens.device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing()
+        ):
+            return []
+        return chunks
 
     def forward(
         self,
@@ -298,8 +305,10 @@ class TritonAttentionBackend:
             q, k, v, rope.positions, rope.cos, rope.sin, cache.k, cache.v, meta.slot_mapping,
             k_scale=cache.k_scale, v_scale=cache.v_scale, head_norms=head_norms,
         )  # fmt: skip
-        if self._prefill_sdpa is not None and self._takes_sdpa(meta, cache, sliding_window):
-            return self._attend_with_sdpa(q, cache, meta, scale, out)
+        if self._prefill_sdpa is not None and meta.num_decodes < meta.num_seqs:
+            long_chunks = self._sdpa_chunks(meta, cache, sliding_window)
+            if long_chunks:
+                return self._attend_with_sdpa(q, cache, meta, scale, long_chunks, out)
         return self._paged_attention(
             q,
             cache.k,
@@ -323,23 +332,33 @@ class TritonAttentionBackend:
         cache: LayerCache,
         meta: AttentionMetadata,
         scale: float,
+        long_chunks: list[int],
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The decodes by the Triton decode kernel, the prefill chunks by ``prefill_sdpa``."""
+        """The decodes by the Triton decode kernel, ``long_chunks`` by ``prefill_sdpa``, and
+        each run of other chunks between them by the Triton prefill kernel."""
         assert self._prefill_sdpa is not None
         if out is None:
             out = torch.empty_like(q)
-        decodes = meta.num_decodes
-        if decodes:
+        starts = meta.query_start_loc_cpu
+        runs, first = [], 0  # [first, end) sequence ranges for the Triton kernels
+        for seq in [*long_chunks, meta.num_seqs]:
+            if seq > first:
+                runs.append((first, seq))
+            first = seq + 1
+        for first, end in runs:
+            rows = slice(starts[first], starts[end])
+            longest = max(starts[seq + 1] - starts[seq] for seq in range(first, end))
+            decodes = max(0, min(meta.num_decodes, end) - first)  # the run's leading decodes
             self._paged_attention(
-                q[:decodes], cache.k, cache.v, meta.block_tables[:decodes],
-                meta.seq_lens[:decodes], meta.query_start_loc[: decodes + 1], scale=scale,
-                max_query_len=1, num_decodes=decodes, max_seq_len=meta.max_seq_len,
-                out=out[:decodes],
+                q[rows], cache.k, cache.v, meta.block_tables[first:end],
+                meta.seq_lens[first:end], meta.query_start_loc[first : end + 1] - starts[first],
+                scale=scale, max_query_len=longest, num_decodes=decodes,
+                max_seq_len=meta.max_seq_len, out=out[rows],
             )  # fmt: skip
         self._prefill_sdpa(
             q, cache.k, cache.v, meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu,
-            first_seq=decodes, scale=scale, out=out,
+            seqs=long_chunks, scale=scale, out=out,
         )  # fmt: skip
         return out
 

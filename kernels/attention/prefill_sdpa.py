@@ -22,7 +22,7 @@ layout; its GPU test checks cuDNN's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -116,15 +116,15 @@ def prefill_sdpa(
     seq_lens: list[int],  # [B] context lengths, new tokens included
     query_start_loc: list[int],  # [B + 1]
     *,
-    first_seq: int,  # sequences first_seq.. are prefill chunks; earlier ones are left alone
+    seqs: Iterable[int],  # the prefill chunks to attend; other sequences are left alone
     scale: float,
-    out: torch.Tensor,  # [T, Hq, D]: rows of sequences first_seq.. are written
+    out: torch.Tensor,  # [T, Hq, D]: the rows of ``seqs`` are written
     attend: Attend,
     merge: Merge = merge_states_ref,
 ) -> None:
-    """Attention of each prefill chunk over its context, as ``paged_attention_ref`` computes
-    it (no sliding window, no fp8 pages), one sequence at a time."""
-    for seq in range(first_seq, len(seq_lens)):
+    """Attention of each chunk of ``seqs`` over its context, as ``paged_attention_ref``
+    computes it (no sliding window, no fp8 pages), one sequence at a time."""
+    for seq in seqs:
         start, end = query_start_loc[seq], query_start_loc[seq + 1]
         query_len, seq_len = end - start, seq_lens[seq]
         if query_len == 0:
