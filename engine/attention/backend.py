@@ -246,6 +246,7 @@ class TritonAttentionBackend:
             self._prefill_sdpa = functools.partial(
                 prefill_sdpa.prefill_sdpa, attend=prefill_sdpa.FusedAttend(), merge=merge_states
             )
+            self._fused_attention_takes = prefill_sdpa.fused_attention_takes
 
     def decode_graph_contexts(
         self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
@@ -266,10 +267,12 @@ class TritonAttentionBackend:
         self, meta: AttentionMetadata, cache: LayerCache, sliding_window: int | None
     ) -> list[int]:
         """The step's prefill chunks that go to the SDPA path: the long ones, if there are at
-        most SDPA_MAX_CHUNKS, over pages of the model's dtype (not fp8), with no sliding
-        window, and not inside a graph capture (the path reads the step's host-side lengths);
-        else none."""
+        most SDPA_MAX_CHUNKS, over pages the fused kernel takes (not fp8; on CUDA 16-bit, head
+        dim up to 128), with no sliding window, and not inside a graph capture (the path reads
+        the step's host-side lengths); else none."""
         if sliding_window is not None or cache.k_scale is not None:
+            return []
+        if not self._fused_attention_takes(cache.k):  # an fp32 model on CUDA, say
             return []
         starts = meta.query_start_loc_cpu
         chunks = [

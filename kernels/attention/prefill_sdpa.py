@@ -55,6 +55,20 @@ def attend_math(
     return (torch.softmax(scores, dim=-1) @ values).to(q.dtype), lse
 
 
+CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def fused_attention_takes(pages: torch.Tensor) -> bool:
+    """Whether ``FusedAttend`` takes K/V of these pages (``[NB, BS, Hkv, D]``): on CUDA,
+    cuDNN's 16-bit kernels with a head dim that is a multiple of 8 up to 128; elsewhere, the
+    plain-torch kernel takes anything."""
+    if pages.device.type != "cuda":
+        return True
+    head_dim = pages.shape[-1]
+    return pages.dtype in CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM
+
+
 class FusedAttend:
     """The engine's ``Attend``: on CUDA, torch's cuDNN attention
     (``_scaled_dot_product_cudnn_attention``, which returns the log-sum-exp beside the output);
