@@ -12,7 +12,8 @@ FLOPs: 4 D Hq per visible (query, key) pair) and the fraction of torch's flash S
 same problem laid out contiguously (K/V expanded to Hq heads); and per shape the engine's
 other prefill path, ``PAGESTREAM_PREFILL_ATTN=sdpa`` (``sdpa_path``: the context copied out of
 its pages and attended by cuDNN, copy and merge in the time) with its speedup over the best
-config. ``--install`` writes each
+config, and its first call on the shape (``first_call_ms``: where cuDNN builds a graph for
+each new shape, which a serving engine meets as chunk and context lengths change). ``--install`` writes each
 table row's (head dim, group, dtypes, page size) best config into
 ``kernels/attention/prefill_configs.json`` for this GPU where it beats the current choice by
 more than ``INSTALL_MARGIN``. ``CANDIDATES`` include the Hopper options (``-tma`` page
@@ -187,11 +188,14 @@ def sdpa_path(problem: PrefillProblem, device: torch.device) -> dict[str, Any]:
     """The engine's ``PAGESTREAM_PREFILL_ATTN=sdpa`` path on the problem (the pages' copy, the
     cuDNN calls and the merge, all in the time, called eagerly as the engine's mixed steps
     call attention), checked, then timed; or why it could not."""
-    error = problem.check_sdpa_path()
+    error = problem.check_sdpa_path()  # the first call on this shape (cuDNN builds its graphs)
     if error is not None:
         return {"error": error}
+    first_ms = problem.first_sdpa_call_ms
+    assert first_ms is not None  # set by a check that passed
     ms = time_ms(problem.run_sdpa_path, device, eager=True)
-    return {"ms": round(ms, 4), "tflops": problem.shape.flops / ms / 1e9}
+    return {"ms": round(ms, 4), "tflops": problem.shape.flops / ms / 1e9,
+            "first_call_ms": round(first_ms, 1)}  # fmt: skip
 
 
 def rank(results: list[dict[str, Any]]) -> list[PrefillConfig]:

@@ -68,6 +68,7 @@ class PrefillProblem:
     seq_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     out: torch.Tensor  # [T, Hq, D]
+    first_sdpa_call_ms: float | None = None  # set by check_sdpa_path
 
     @classmethod
     def build(cls, shape: PrefillShape, device: torch.device, seed: int = 0) -> PrefillProblem:
@@ -124,12 +125,18 @@ class PrefillProblem:
         return FusedAttend()
 
     def check_sdpa_path(self) -> str | None:
-        """None if the SDPA path runs and matches the reference, else why not."""
+        """None if the SDPA path runs and matches the reference, else why not. Its first call
+        is timed (``first_sdpa_call_ms``): on a new shape cuDNN builds its graphs there."""
+        expected = self.expected  # computed before the clock starts
         try:
+            start_s = time.perf_counter()
             out = self.run_sdpa_path()
+            if out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
+            self.first_sdpa_call_ms = (time.perf_counter() - start_s) * 1e3
         except Exception as error:  # no cuDNN attention on this card, say: record it
             return f"{type(error).__name__}: {str(error)[:300]}"
-        return mismatch(out, self.expected)
+        return mismatch(out, expected)
 
     def check(self, config: PrefillConfig) -> str | None:
         """None if ``config`` runs and matches the reference, else why not."""

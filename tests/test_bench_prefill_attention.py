@@ -56,7 +56,7 @@ def test_record_at_a_tiny_size(monkeypatch: pytest.MonkeyPatch) -> None:
         assert path["ms"] > 0 and path["tflops"] == pytest.approx(
             summary["flops"] / path["ms"] / 1e9, rel=0.01
         )
-        assert path["speedup_over_best"] > 0
+        assert path["speedup_over_best"] > 0 and path["first_call_ms"] > 0
         timed = result["configs"][summary["best"]]
         assert timed["tflops"] == pytest.approx(summary["flops"] / timed["ms"] / 1e9, rel=0.01)
     chosen = record["chosen"][SWEEP_SHAPE.table_key]
