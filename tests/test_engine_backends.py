@@ -76,8 +76,9 @@ def test_fp8_pool_holds_about_twice_the_tokens(tiny_model_dirs: dict[str, Path])
     assert cache.num_blocks / full.num_blocks == pytest.approx(expected, rel=0.02)
 
 
+@pytest.mark.parametrize("choice", ["sdpa", "sdpa-exact"])
 def test_long_chunks_through_sdpa_equal_the_torch_engine(
-    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, choice: str
 ) -> None:
     """``PAGESTREAM_PREFILL_ATTN=sdpa``: a step's long chunks are attended over their
     gathered context (plain torch here, cuDNN on CUDA), its decodes and short chunks by the
@@ -97,7 +98,7 @@ def test_long_chunks_through_sdpa_equal_the_torch_engine(
 
     monkeypatch.setattr(prefill_sdpa, "prefill_sdpa", counted)
     monkeypatch.setattr(backend, "SDPA_MIN_QUERY_LEN", 8)  # the chunks here are 7-32 tokens
-    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa")
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, choice)
     model = str(tiny_model_dirs["qwen3"])
     assert generate(model, "triton", monkeypatch) == generate(model, "torch", monkeypatch)
     # steps with decodes, and with short chunks (to the Triton kernel), beside the long ones

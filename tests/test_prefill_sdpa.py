@@ -6,6 +6,7 @@ cuDNN's kernel on a GPU.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -13,11 +14,13 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, backend
+from kernels.attention import prefill_sdpa as prefill_sdpa_module
 from kernels.attention.prefill_sdpa import (
     FusedAttend,
     attend_math,
     merge_states_ref,
     prefill_sdpa,
+    shape_bucket,
     workspace_bytes,
 )
 from tests.test_triton_paged_attention import TOLERANCE, Batch, make_batch
@@ -34,36 +37,72 @@ NUM_DECODES = 2
 
 
 def run(
-    batch: Batch, attend: object, merge: object = merge_states_ref, first_seq: int = NUM_DECODES
+    batch: Batch,
+    attend: object,
+    merge: object = merge_states_ref,
+    first_seq: int = NUM_DECODES,
+    buckets: bool = False,
 ) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))
     prefill_sdpa(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
         batch.query_start_loc, seqs=range(first_seq, len(batch.seq_lens)),
         scale=batch.q.shape[-1] ** -0.5,
-        out=out, attend=attend, merge=merge,  # type: ignore[arg-type]
+        out=out, attend=attend, merge=merge, buckets=buckets,  # type: ignore[arg-type]
     )  # fmt: skip
     return out
 
 
+@pytest.fixture
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Key blocks of 16 and buckets from 8, so that the test's contexts span whole blocks and
+    a rest, and its chunks are padded."""
+    monkeypatch.setattr(prefill_sdpa_module, "KEY_BLOCK", 16)
+    monkeypatch.setattr(prefill_sdpa_module, "MIN_BUCKET", 8)
+
+
+@pytest.mark.parametrize("buckets", [False, True])
 @pytest.mark.parametrize(
     ("block_size", "num_heads", "num_kv_heads", "dtype"),
     [(16, 4, 4, torch.float32), (16, 8, 2, torch.float32), (32, 6, 3, torch.bfloat16)],
 )
+@pytest.mark.usefixtures("small_buckets")
 def test_chunks_match_the_reference_and_decodes_are_left_alone(
-    block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, buckets: bool
 ) -> None:
     batch = make_batch(
         QUERY_LENS, CONTEXT_LENS, block_size=block_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, dtype=dtype, seed=num_heads,
     )  # fmt: skip
-    out = run(batch, attend_math)
+    out = run(batch, attend_math, buckets=buckets)
     first_chunk_row = batch.query_start_loc[NUM_DECODES]
     assert out[:first_chunk_row].isnan().all()  # the decodes' rows are the caller's
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(
         out[first_chunk_row:], batch.reference()[first_chunk_row:], atol=tol, rtol=tol
     )
+
+
+@pytest.mark.usefixtures("small_buckets")
+def test_bucketed_shapes_are_few_and_exact() -> None:
+    """Chunks of 9 and 40 new tokens over 13 and 70 earlier ones: the earlier keys in whole
+    blocks of 16 (none, and 64), the rest (13 and 6) in the causal square, every shape a
+    bucket."""
+    batch = make_batch([9, 40], [13, 70], block_size=16, num_heads=4, num_kv_heads=2,
+                       dtype=torch.float32)  # fmt: skip
+    calls: list[tuple[int, int, bool]] = []
+
+    def recording(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((q.shape[2], k.shape[2], causal))
+        return attend_math(q, k, v, causal, scale)
+
+    out = run(batch, recording, first_seq=0, buckets=True)
+    torch.testing.assert_close(out, batch.reference(), atol=2e-5, rtol=2e-5)
+    # 13 + 9 -> a square of 24; 6 + 40 -> 48, then 40 queries (bucket 48) over 64 keys
+    assert calls == [(24, 24, True), (48, 48, True), (48, 64, False)]
+    assert [shape_bucket(n) for n in (1, 8, 9, 13, 17, 25, 100)] == [8, 8, 12, 16, 24, 32, 128]
 
 
 def test_a_chunk_over_context_is_two_parts_merged() -> None:
@@ -181,3 +220,7 @@ def test_which_chunks_take_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chosen([long], cache=backend.LayerCache(pages, pages, scales, scales)) == []  # fp8
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "triton")
     assert backend.TritonAttentionBackend()._prefill_sdpa is None
+    for choice, buckets in [("sdpa", True), ("sdpa-exact", False)]:
+        monkeypatch.setenv(backend.PREFILL_ATTN_ENV, choice)
+        path = backend.TritonAttentionBackend()._prefill_sdpa
+        assert isinstance(path, functools.partial) and path.keywords["buckets"] is buckets

@@ -27,10 +27,11 @@ if TYPE_CHECKING:
 ATTN_BACKEND_ENV = "PAGESTREAM_ATTN_BACKEND"
 BACKEND_CHOICES = ("auto", "torch", "triton")
 # Which kernel attends the prefill chunks of the Triton backend's steps: the Triton kernel over
-# the pages, or (``sdpa``) a fused SDPA kernel over the chunk's context copied into rows,
-# cuDNN's on CUDA (kernels/attention/prefill_sdpa.py), for the steps whose chunks are all long.
+# the pages, or (``sdpa``) a fused SDPA kernel over the long chunks' context copied into rows,
+# cuDNN's on CUDA (kernels/attention/prefill_sdpa.py), with shapes from a few buckets
+# (``sdpa-exact``: each chunk's own shapes).
 PREFILL_ATTN_ENV = "PAGESTREAM_PREFILL_ATTN"
-PREFILL_ATTN_CHOICES = ("triton", "sdpa")
+PREFILL_ATTN_CHOICES = ("triton", "sdpa", "sdpa-exact")
 # A chunk takes the SDPA path if it has at least this many new tokens (where the copy of its
 # context is small beside the attention), in a step with at most SDPA_MAX_CHUNKS such chunks
 # (a launch pair each); the step's other chunks go to the Triton prefill kernel.
@@ -239,13 +240,15 @@ class TritonAttentionBackend:
         self._paged_attention = paged_attention
         self._decode_graph_contexts = decode_graph_contexts
         self._prefill_sdpa: Callable[..., None] | None = None
-        if prefill_attention_choice() == "sdpa":
+        choice = prefill_attention_choice()
+        if choice != "triton":
             from kernels.attention import prefill_sdpa
             from kernels.attention.merge_states_triton import merge_states
 
             self._prefill_sdpa = functools.partial(
-                prefill_sdpa.prefill_sdpa, attend=prefill_sdpa.FusedAttend(), merge=merge_states
-            )
+                prefill_sdpa.prefill_sdpa, attend=prefill_sdpa.FusedAttend(), merge=merge_states,
+                buckets=choice == "sdpa",
+            )  # fmt: skip
             self._fused_attention_takes = prefill_sdpa.fused_attention_takes
 
     def decode_graph_contexts(
@@ -367,7 +370,7 @@ class TritonAttentionBackend:
 
 
 def prefill_attention_choice() -> str:
-    """``PAGESTREAM_PREFILL_ATTN``: ``triton`` (default) or ``sdpa``."""
+    """``PAGESTREAM_PREFILL_ATTN``: ``triton`` (default), ``sdpa`` or ``sdpa-exact``."""
     choice = os.environ.get(PREFILL_ATTN_ENV, "triton")
     if choice not in PREFILL_ATTN_CHOICES:
         raise ValueError(

@@ -35,6 +35,10 @@ Attend = Callable[
 ]
 # (o1 [H, Q, D], lse1 [H, Q], o2, lse2, out [Q, H, D]) -> None
 Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# Bucketed shapes (``_attend_bucketed``): earlier keys in whole blocks of this many, query rows
+# padded to a bucket of at least MIN_BUCKET
+KEY_BLOCK = 2048
+MIN_BUCKET = 128
 
 
 def attend_math(
@@ -122,6 +126,17 @@ def _heads_first(rows: torch.Tensor) -> torch.Tensor:
     return rows.unsqueeze(0).transpose(1, 2)
 
 
+def shape_bucket(n: int) -> int:
+    """The smallest of 128, 192, 256, 384, 512, 768, ... (powers of two and 1.5 times them) at
+    least ``n``: at most a third of a bucket is padding."""
+    size = MIN_BUCKET
+    while size < n:
+        if size * 3 // 2 >= n:
+            return size * 3 // 2
+        size *= 2
+    return size
+
+
 def prefill_sdpa(
     q: torch.Tensor,  # [T, Hq, D], already rotated
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D], holding the new tokens' K/V already
@@ -135,26 +150,85 @@ def prefill_sdpa(
     out: torch.Tensor,  # [T, Hq, D]: the rows of ``seqs`` are written
     attend: Attend,
     merge: Merge = merge_states_ref,
+    buckets: bool = True,
 ) -> None:
     """Attention of each chunk of ``seqs`` over its context, as ``paged_attention_ref``
-    computes it (no sliding window, no fp8 pages), one sequence at a time."""
+    computes it (no sliding window, no fp8 pages), one sequence at a time. ``buckets``: give
+    ``attend`` padded shapes from a few (``_attend_bucketed``), else the chunk's own."""
     for seq in seqs:
         start, end = query_start_loc[seq], query_start_loc[seq + 1]
         query_len, seq_len = end - start, seq_lens[seq]
         if query_len == 0:
             continue
-        earlier = seq_len - query_len
         keys, values = gather_context(k_cache, v_cache, block_tables[seq], seq_len)
-        queries = _heads_first(q[start:end].contiguous())
-        keys, values = _heads_first(keys), _heads_first(values)
-        if earlier == 0:
-            own, _ = attend(queries, keys, values, True, scale)
-            out[start:end].copy_(own[0].transpose(0, 1))
-            continue
-        before, lse_before = attend(queries, keys[:, :, :earlier], values[:, :, :earlier], False,
-                                    scale)  # fmt: skip
-        own, lse_own = attend(queries, keys[:, :, earlier:], values[:, :, earlier:], True, scale)
-        merge(before[0], lse_before[0], own[0], lse_own[0], out[start:end])
+        attend_chunk = _attend_bucketed if buckets else _attend_exact
+        attend_chunk(q[start:end], keys, values, out[start:end], scale, attend, merge)
+
+
+def _attend_exact(
+    queries: torch.Tensor,  # [C, Hq, D]
+    keys: torch.Tensor,  # [L, Hkv, D], the chunk's own last
+    values: torch.Tensor,
+    out: torch.Tensor,  # [C, Hq, D]
+    scale: float,
+    attend: Attend,
+    merge: Merge,
+) -> None:
+    """The chunk over its earlier keys (no mask) and over its own (causal), merged."""
+    earlier = keys.shape[0] - queries.shape[0]
+    rows = _heads_first(queries.contiguous())
+    keys, values = _heads_first(keys), _heads_first(values)
+    if earlier == 0:
+        own, _ = attend(rows, keys, values, True, scale)
+        out.copy_(own[0].transpose(0, 1))
+        return
+    before, lse_before = attend(rows, keys[:, :, :earlier], values[:, :, :earlier], False, scale)
+    own, lse_own = attend(rows, keys[:, :, earlier:], values[:, :, earlier:], True, scale)
+    merge(before[0], lse_before[0], own[0], lse_own[0], out)
+
+
+def _attend_bucketed(
+    queries: torch.Tensor,  # [C, Hq, D]
+    keys: torch.Tensor,  # [L, Hkv, D], the chunk's own last
+    values: torch.Tensor,
+    out: torch.Tensor,  # [C, Hq, D]
+    scale: float,
+    attend: Attend,
+    merge: Merge,
+) -> None:
+    """``_attend_exact`` with shapes from a few buckets, exactly: a fused kernel may build
+    itself for each new shape (cuDNN's graphs, hundreds of milliseconds each), and chunk and
+    context lengths change from step to step.
+
+    The earlier keys are attended unmasked in whole ``KEY_BLOCK``s; the ``rest`` of them join
+    the causal part, a square of ``shape_bucket(rest + C)`` rows whose first ``rest`` queries
+    are zeros: under the square's causal mask the chunk's query ``i`` (row ``rest + i``) sees
+    exactly the ``rest`` keys and its own first ``i + 1``. Rows past ``rest + C`` are zero
+    padding that no real query sees; the unmasked part's queries are padded to
+    ``shape_bucket(C)`` rows. Padding rows' outputs are dropped."""
+    num_queries, num_heads, head_dim = queries.shape
+    earlier = keys.shape[0] - num_queries
+    whole = earlier // KEY_BLOCK * KEY_BLOCK
+    rest = earlier - whole
+    square, padded = shape_bucket(rest + num_queries), shape_bucket(num_queries)
+    rows = queries.new_zeros(max(square, rest + padded), num_heads, head_dim)
+    rows[rest : rest + num_queries] = queries
+    own_keys = keys.new_zeros(square, *keys.shape[1:])
+    own_values = values.new_zeros(square, *values.shape[1:])
+    own_keys[: rest + num_queries] = keys[whole:]
+    own_values[: rest + num_queries] = values[whole:]
+    own, lse_own = attend(
+        _heads_first(rows[:square]), _heads_first(own_keys), _heads_first(own_values), True, scale
+    )
+    own, lse_own = own[0, :, rest : rest + num_queries], lse_own[0, :, rest : rest + num_queries]
+    if whole == 0:
+        out.copy_(own.transpose(0, 1))
+        return
+    before, lse_before = attend(
+        _heads_first(rows[rest : rest + padded]), _heads_first(keys[:whole]),
+        _heads_first(values[:whole]), False, scale,
+    )  # fmt: skip
+    merge(before[0, :, :num_queries], lse_before[0, :, :num_queries], own, lse_own, out)
 
 
 def workspace_bytes(
@@ -167,9 +241,11 @@ def workspace_bytes(
 ) -> int:
     """Bytes this path holds at most beside a layer's usual temporaries: one sequence's K and
     V rows copied out of the pages (with their heads repeated, should cuDNN refuse GQA), the
-    chunk's queries, the two parts and their log-sum-exps."""
+    padded square's queries, keys and values, the two parts and their log-sum-exps."""
     element = torch.tensor([], dtype=dtype).element_size()
     rows = 2 * max_seq_len * num_heads * head_dim * element  # K/V rows, heads repeated
     rows += 2 * max_seq_len * num_kv_heads * head_dim * element  # ... and as gathered
-    parts = 3 * max_query_len * num_heads * head_dim * element  # queries, the two parts
-    return rows + parts + 2 * max_query_len * num_heads * 4
+    square = shape_bucket(KEY_BLOCK + max_query_len) + shape_bucket(max_query_len)
+    padded = square * (num_heads + 2 * num_kv_heads) * head_dim * element  # q, k, v padded
+    parts = 2 * square * num_heads * (head_dim * element + 4)  # the two parts, their lse
+    return rows + padded + parts
