@@ -59,6 +59,7 @@ def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     a rest, and its chunks are padded."""
     monkeypatch.setattr(prefill_sdpa_module, "KEY_BLOCK", 16)
     monkeypatch.setattr(prefill_sdpa_module, "MIN_BUCKET", 8)
+    monkeypatch.setattr(prefill_sdpa_module, "LARGE_BUCKET_STEP", 8)
 
 
 @pytest.mark.parametrize("buckets", [False, True])
@@ -100,9 +101,33 @@ def test_bucketed_shapes_are_few_and_exact() -> None:
 
     out = run(batch, recording, first_seq=0, buckets=True)
     torch.testing.assert_close(out, batch.reference(), atol=2e-5, rtol=2e-5)
-    # 13 + 9 -> a square of 24; 6 + 40 -> 48, then 40 queries (bucket 48) over 64 keys
-    assert calls == [(24, 24, True), (48, 48, True), (48, 64, False)]
-    assert [shape_bucket(n) for n in (1, 8, 9, 13, 17, 25, 100)] == [8, 8, 12, 16, 24, 32, 128]
+    # 13 + 9 -> a square of 24; 6 + 40 -> 48, then 40 queries (bucket 40) over 64 keys
+    assert calls == [(24, 24, True), (48, 48, True), (40, 64, False)]
+    # geometric up to the key block (16), then steps of 8
+    assert [shape_bucket(n) for n in (1, 8, 9, 13, 16, 17, 25, 100)] == [
+        8,
+        8,
+        12,
+        16,
+        16,
+        24,
+        32,
+        104,
+    ]
+
+
+def test_bucket_sizes() -> None:
+    assert [shape_bucket(n) for n in (1, 129, 200, 1000, 2048, 2049, 8160, 8192, 9000)] == [
+        128,
+        192,
+        256,
+        1024,
+        2048,
+        2560,
+        8192,
+        8192,
+        9216,
+    ]
 
 
 def test_a_chunk_over_context_is_two_parts_merged() -> None:

@@ -35,10 +35,12 @@ Attend = Callable[
 ]
 # (o1 [H, Q, D], lse1 [H, Q], o2, lse2, out [Q, H, D]) -> None
 Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-# Bucketed shapes (``_attend_bucketed``): earlier keys in whole blocks of this many, query rows
-# padded to a bucket of at least MIN_BUCKET
+# Bucketed shapes (``_attend_bucketed``): earlier keys in whole blocks of KEY_BLOCK; row counts
+# padded to a bucket (``shape_bucket``) of at least MIN_BUCKET, geometric up to KEY_BLOCK and in
+# steps of LARGE_BUCKET_STEP above
 KEY_BLOCK = 2048
 MIN_BUCKET = 128
+LARGE_BUCKET_STEP = 512
 
 
 def attend_math(
@@ -127,8 +129,12 @@ def _heads_first(rows: torch.Tensor) -> torch.Tensor:
 
 
 def shape_bucket(n: int) -> int:
-    """The smallest of 128, 192, 256, 384, 512, 768, ... (powers of two and 1.5 times them) at
-    least ``n``: at most a third of a bucket is padding."""
+    """The smallest bucket of at least ``n`` rows: 128, 192, 256, 384, ..., 2048 (powers of two
+    and 1.5 times them), then multiples of 512. At most a third of a small bucket is padding,
+    at most 511 rows of a large one (under 6% of a chunk of 8k: a padding row below the causal
+    diagonal costs as much as a real one)."""
+    if n > KEY_BLOCK:
+        return -(-n // LARGE_BUCKET_STEP) * LARGE_BUCKET_STEP
     size = MIN_BUCKET
     while size < n:
         if size * 3 // 2 >= n:
