@@ -124,7 +124,8 @@ matrix_profile() {  # where the rows below target spend their time, both sides: 
 
 prefill_sdpa() {  # the cuDNN prefill path: its GPU tests, then per shape against the Triton kernel
     log prefill sdpa path
-    python -m pytest -q -x -p no:cacheprovider tests/test_prefill_sdpa.py || return 1
+    python -m pytest -q -x -p no:cacheprovider tests/test_prefill_sdpa.py \
+        tests/test_gpu.py -k "cudnn or chunk or merge or bucket or which" || return 1
     # the current Triton config only (the sweep's table is already measured) beside the path
     python -m bench.prefill_attention --candidates m128n128w8s3 --top 1 \
         --out "$OUT/prefill-attention-sdpa-path-$(card).json"

@@ -246,3 +246,47 @@ def test_the_gemv_lm_head_gives_cublas_logits_at_batch_one() -> None:
         scale = expected.abs().max().item()
         torch.testing.assert_close(logits.float(), expected, rtol=2e-2, atol=2e-2 * scale)
     assert out.abs().sum() > 0
+
+
+def test_the_cudnn_prefill_path_gives_the_triton_kernels_logprobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``PAGESTREAM_PREFILL_ATTN=sdpa`` (and ``sdpa-exact``) in bf16, cuDNN's dtype: chunks of
+    1,024 over contexts of 0-2k (prompts of 3,000, 1,500 and 700 tokens, and one sharing the
+    first's 2,048-token prefix from the cache), beside decodes, with piecewise graphs. The first
+    token's five best logprobs agree with the Triton kernel's as values, sorted (a near-tie
+    of a random model may order two tokens either way in bf16), and the path ran."""
+    from engine.attention.backend import PREFILL_ATTN_ENV
+    from kernels.attention import prefill_sdpa
+
+    prompts = random_prompts([3000, 1500, 700], 151936, seed=12)
+    prompts.append([*prompts[0][:2048], *random_prompts([600], 151936, seed=13)[0]])
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    settings = dict(max_model_len=4096, pa_memory_mb=2048, prefill_chunk=1024,
+                    max_batched_tokens=1024, max_seqs=8)  # fmt: skip
+    calls: list[int] = []
+    real = prefill_sdpa.prefill_sdpa
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefill_sdpa, "prefill_sdpa", counted)
+    tops: dict[str, list[list[float]]] = {}
+    for choice in ("triton", "sdpa", "sdpa-exact"):
+        monkeypatch.setenv(PREFILL_ATTN_ENV, choice)
+        llm = LLM("dummy:qwen3-0.6b", device="cuda", **settings)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tops[choice] = [
+            sorted((lp for _, lp in out.logprobs[0].top), reverse=True)  # type: ignore[union-attr]
+            for out in outs
+        ]
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert calls, "no chunk took the path"
+    for choice in ("sdpa", "sdpa-exact"):
+        for expected, got in zip(tops["triton"], tops[choice], strict=True):
+            assert max(abs(a - b) for a, b in zip(expected, got, strict=True)) < 0.1, (
+                choice, expected, got,
+            )  # fmt: skip
