@@ -15,6 +15,10 @@ own ``C`` keys with the causal mask, and the two parts are merged by their log-s
 (``merge_states_ref``; ``merge_states_triton.py`` in one pass), which is exact: a softmax over
 two disjoint sets of keys. A chunk with no earlier context is one causal call.
 
+cuDNN builds a graph for each new shape, and a serving engine's chunk and context lengths
+change every step; with ``buckets`` (the engine's ``sdpa``) the two parts get shapes from a few
+sizes, exactly (``_attend_bucketed``).
+
 ``attend``, the kernel, is a parameter: the engine's ``FusedAttend`` runs cuDNN's on CUDA and
 plain torch (``attend_math``) on a CPU, where the tests check the split, the merge and the
 layout; its GPU test checks cuDNN's.
