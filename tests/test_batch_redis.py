@@ -140,17 +140,19 @@ def test_a_batch_job_runs_over_tls_with_a_private_ca_and_an_escaped_password(
 def test_lost_connections_back_off_and_other_failures_are_logged_with_a_traceback(
     monkeypatch: pytest.MonkeyPatch, logs: LogLines
 ) -> None:
-    monkeypatch.setattr(worker.batch_runner, "RESTART_BACKOFF_S", 0.01)
-    monkeypatch.setattr(worker.batch_runner, "MAX_RESTART_BACKOFF_S", 0.04)
-    settings = BatchSettings(redis_url="redis://localhost/0", worker_name="w", failure_retry_s=0.02)
+    # a run shorter than the cap keeps the backoff: the cap is wide enough (0.2 s) that a
+    # loaded machine's scheduling does not stretch a "0.0 s" run past it
+    monkeypatch.setattr(worker.batch_runner, "RESTART_BACKOFF_S", 0.05)
+    monkeypatch.setattr(worker.batch_runner, "MAX_RESTART_BACKOFF_S", 0.2)
+    settings = BatchSettings(redis_url="redis://localhost/0", worker_name="w", failure_retry_s=0.1)
     runner = BatchRunner(settings, None)  # type: ignore[arg-type]
     lost = RedisConnectionError("Connection refused")
     # (how long arq runs, how it stops); after the last one the runner is asked to stop.
     runs: list[tuple[float, Exception]] = [
-        (0.0, lost), (0.0, lost), (0.0, lost), (0.0, lost),  # 0.01, 0.02, 0.04, 0.04
+        (0.0, lost), (0.0, lost), (0.0, lost), (0.0, lost),  # 0.05, 0.1, 0.2, 0.2
         (0.0, NoPermissionError("no permissions to run the 'zrangebyscore' command")),
-        (0.0, lost),  # 0.04: a refusal does not reset the backoff
-        (0.06, lost),  # ran longer than the backoff's cap: a new outage, 0.01 again
+        (0.0, lost),  # 0.2: a refusal does not reset the backoff
+        (0.3, lost),  # ran longer than the backoff's cap: a new outage, 0.05 again
     ]  # fmt: skip
 
     async def run_once() -> None:
@@ -165,8 +167,8 @@ def test_lost_connections_back_off_and_other_failures_are_logged_with_a_tracebac
     asyncio.run(asyncio.wait_for(runner.run(), WAIT_S))  # never raises
     lines = batch_log(logs())
     assert [(line["level"], line["retry_in_s"]) for line in lines] == [
-        ("warning", 0.01), ("warning", 0.02), ("warning", 0.04), ("warning", 0.04),
-        ("error", 0.02), ("warning", 0.04), ("warning", 0.01),
+        ("warning", 0.05), ("warning", 0.1), ("warning", 0.2), ("warning", 0.2),
+        ("error", 0.1), ("warning", 0.2), ("warning", 0.05),
     ]  # fmt: skip
     refused = lines[4]
     assert "zrangebyscore" in refused["error"]

@@ -32,7 +32,7 @@ from tests.conftest import TINY_COMMON, hf_greedy, random_prompts
 
 VOCAB_SIZE = TINY_COMMON["vocab_size"]
 MAX_STEPS = 2_000  # a runaway engine fails the test instead of hanging it
-DEADLINE_S = 0.2  # long enough that a loaded machine still admits the request in time
+DEADLINE_S = 1.0  # a loaded machine (2 test processes, 2 cores) still admits a request within it
 
 
 def greedy(num_tokens: int) -> SamplingParams:
