@@ -165,7 +165,7 @@ def test_max_tokens_past_the_context_is_an_error_event_and_the_worker_serves_on(
 def test_redis_restart_mid_run_every_request_completes(
     start_worker: Any, redis_server: RedisServer
 ) -> None:
-    start_worker("w1")
+    slow_steps(start_worker("w1").engine, 0.01)  # 120 steps outlast the restart at 0.3 s
     prompts = random_prompts(8, seed=2)
 
     async def run_all() -> list[Any]:
