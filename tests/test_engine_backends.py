@@ -111,3 +111,29 @@ def test_an_unknown_prefill_attention_is_refused(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "flash")
     with pytest.raises(ValueError, match="PAGESTREAM_PREFILL_ATTN='flash'"):
         backend.prefill_attention_choice()
+
+
+def test_a_refused_fused_kernel_falls_back_to_triton_for_good(
+    tiny_model_dirs: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """cuDNN refusing a chunk (a shape or card it does not take) is a warning, not a failed
+    step: that layer and every later chunk go to the Triton kernel, tokens unchanged."""
+    from engine.attention import backend
+    from kernels.attention import prefill_sdpa
+
+    refusals: list[int] = []
+
+    def refuse(self: object, q: torch.Tensor, *args: object) -> None:
+        refusals.append(q.shape[2])
+        raise RuntimeError("cuDNN Frontend error: no valid engine configs for this graph")
+
+    monkeypatch.setattr(prefill_sdpa.FusedAttend, "__call__", refuse)
+    monkeypatch.setattr(backend, "SDPA_MIN_QUERY_LEN", 8)
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa")
+    model = str(tiny_model_dirs["llama"])
+    with caplog.at_level("WARNING", logger="engine.attention.backend"):
+        assert generate(model, "triton", monkeypatch) == generate(model, "torch", monkeypatch)
+    assert len(refusals) == 1  # once: the path is off after it
+    assert "the Triton kernel attends every prefill chunk from now on" in caplog.text

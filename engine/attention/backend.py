@@ -8,6 +8,7 @@ CUDA). ``PAGESTREAM_ATTN_BACKEND=torch`` picks the references on a GPU too, for 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from kernels.moe.moe import fused_moe_ref
 
 if TYPE_CHECKING:
     from kernels.linear.int8_rows_triton import Int8Rows
+
+logger = logging.getLogger(__name__)
 
 ATTN_BACKEND_ENV = "PAGESTREAM_ATTN_BACKEND"
 BACKEND_CHOICES = ("auto", "torch", "triton")
@@ -314,7 +317,15 @@ class TritonAttentionBackend:
         if self._prefill_sdpa is not None and meta.num_decodes < meta.num_seqs:
             long_chunks = self._sdpa_chunks(meta, cache, sliding_window)
             if long_chunks:
-                return self._attend_with_sdpa(q, cache, meta, scale, long_chunks, out)
+                try:
+                    return self._attend_with_sdpa(q, cache, meta, scale, long_chunks, out)
+                except RuntimeError as error:  # a shape or card cuDNN refuses: Triton from here
+                    logger.warning(
+                        "%s=%s: the fused kernel refused a prefill chunk (%s); the Triton "
+                        "kernel attends every prefill chunk from now on",
+                        PREFILL_ATTN_ENV, prefill_attention_choice(), str(error)[:300],
+                    )  # fmt: skip
+                    self._prefill_sdpa = None
         return self._paged_attention(
             q,
             cache.k,
