@@ -13,13 +13,14 @@ same problem laid out contiguously (K/V expanded to Hq heads); and per shape the
 other prefill path, ``PAGESTREAM_PREFILL_ATTN=sdpa`` (``sdpa_path``: the context copied out of
 its pages and attended by cuDNN, copy and merge in the time) with its speedup over the best
 config, and its first call on the shape (``first_call_ms``: where cuDNN builds a graph for
-each new shape, which a serving engine meets as chunk and context lengths change). ``--install`` writes each
-table row's (head dim, group, dtypes, page size) best config into
-``kernels/attention/prefill_configs.json`` for this GPU where it beats the current choice by
-more than ``INSTALL_MARGIN``. ``CANDIDATES`` include the Hopper options (``-tma`` page
-tiles, ``-ws`` warp specialization; elsewhere they fail their check and are recorded so);
-``--candidates KEY,...`` sweeps only those named. CUDA for real timings; on the CPU (the interpreter) only tiny
-shapes are practical, which is how the tests run it.
+each new shape, which a serving engine meets as chunk and context lengths change; the first
+shape's also holds the merge kernel's compile). ``--install`` writes each table row's (head
+dim, group, dtypes, page size) best config into ``kernels/attention/prefill_configs.json`` for
+this GPU where it beats the current choice by more than ``INSTALL_MARGIN``. ``CANDIDATES``
+include the Hopper options (``-tma`` page tiles, ``-ws`` warp specialization; elsewhere they
+fail their check and are recorded so); ``--candidates KEY,...`` sweeps only those named. CUDA
+for real timings; on the CPU (the interpreter) only tiny shapes are practical, which is how the
+tests run it.
 """
 
 from __future__ import annotations
