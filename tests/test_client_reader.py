@@ -71,7 +71,7 @@ def test_a_stream_subscribed_during_a_blocked_read_is_read_at_once(
     async def scenario() -> None:
         async with AsyncClient(redis_server.url) as client:
             first = asyncio.create_task(_read_all(client, "first"))
-            await asyncio.sleep(0.2)
+            assert await _blocked_clients(client) == 1  # the read under way waits in Redis
             second = asyncio.create_task(_read_all(client, "second"))
             await asyncio.sleep(0.2)
             await client.redis.xadd(client.keys.out("second"), _token(0))
@@ -90,7 +90,7 @@ def test_two_readers_of_one_stream_from_different_positions(redis_server: RedisS
             ids = [await client.redis.xadd(out, _token(seq)) for seq in range(3)]
             whole = asyncio.create_task(_read_all(client, "shared"))
             tail = asyncio.create_task(_read_all(client, "shared", after=ids[1].decode()))
-            await asyncio.sleep(0.2)
+            assert await _blocked_clients(client) == 1  # both read what was there, and wait
             await client.redis.xadd(out, _token(3))
             await client.redis.xadd(out, _end())
             assert await whole == [0, 1, 2, 3]
