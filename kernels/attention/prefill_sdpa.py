@@ -17,7 +17,7 @@ two disjoint sets of keys. A chunk with no earlier context is one causal call.
 
 cuDNN builds a graph for each new shape, and a serving engine's chunk and context lengths
 change every step; with ``buckets`` (the engine's ``sdpa``) the two parts get shapes from a few
-sizes, exactly (``_attend_bucketed``).
+sizes, exactly (``_attend_chunk``).
 
 ``attend``, the kernel, is a parameter: the engine's ``FusedAttend`` runs cuDNN's on CUDA and
 plain torch (``attend_math``) on a CPU, where the tests check the split, the merge and the
@@ -39,7 +39,7 @@ Attend = Callable[
 ]
 # (o1 [H, Q, D], lse1 [H, Q], o2, lse2, out [Q, H, D]) -> None
 Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-# Bucketed shapes (``_attend_bucketed``): earlier keys in whole blocks of KEY_BLOCK; row counts
+# Bucketed shapes (``_attend_chunk``): earlier keys in whole blocks of KEY_BLOCK; row counts
 # padded to a bucket (``shape_bucket``) of at least MIN_BUCKET, geometric up to KEY_BLOCK and in
 # steps of LARGE_BUCKET_STEP above
 KEY_BLOCK = 2048
@@ -164,18 +164,17 @@ def prefill_sdpa(
 ) -> None:
     """Attention of each chunk of ``seqs`` over its context, as ``paged_attention_ref``
     computes it (no sliding window, no fp8 pages), one sequence at a time. ``buckets``: give
-    ``attend`` padded shapes from a few (``_attend_bucketed``), else the chunk's own."""
+    ``attend`` padded shapes from a few (``_attend_chunk``), else the chunk's own."""
     for seq in seqs:
         start, end = query_start_loc[seq], query_start_loc[seq + 1]
         query_len, seq_len = end - start, seq_lens[seq]
         if query_len == 0:
             continue
         keys, values = gather_context(k_cache, v_cache, block_tables[seq], seq_len)
-        attend_chunk = _attend_bucketed if buckets else _attend_exact
-        attend_chunk(q[start:end], keys, values, out[start:end], scale, attend, merge)
+        _attend_chunk(q[start:end], keys, values, out[start:end], scale, attend, merge, buckets)
 
 
-def _attend_exact(
+def _attend_chunk(
     queries: torch.Tensor,  # [C, Hq, D]
     keys: torch.Tensor,  # [L, Hkv, D], the chunk's own last
     values: torch.Tensor,
@@ -183,44 +182,26 @@ def _attend_exact(
     scale: float,
     attend: Attend,
     merge: Merge,
+    buckets: bool,
 ) -> None:
-    """The chunk over its earlier keys (no mask) and over its own (causal), merged."""
-    earlier = keys.shape[0] - queries.shape[0]
-    rows = _heads_first(queries.contiguous())
-    keys, values = _heads_first(keys), _heads_first(values)
-    if earlier == 0:
-        own, _ = attend(rows, keys, values, True, scale)
-        out.copy_(own[0].transpose(0, 1))
-        return
-    before, lse_before = attend(rows, keys[:, :, :earlier], values[:, :, :earlier], False, scale)
-    own, lse_own = attend(rows, keys[:, :, earlier:], values[:, :, earlier:], True, scale)
-    merge(before[0], lse_before[0], own[0], lse_own[0], out)
+    """One chunk over its earlier keys (no mask) and its own (causal), the parts merged.
 
-
-def _attend_bucketed(
-    queries: torch.Tensor,  # [C, Hq, D]
-    keys: torch.Tensor,  # [L, Hkv, D], the chunk's own last
-    values: torch.Tensor,
-    out: torch.Tensor,  # [C, Hq, D]
-    scale: float,
-    attend: Attend,
-    merge: Merge,
-) -> None:
-    """``_attend_exact`` with shapes from a few buckets, exactly: a fused kernel may build
-    itself for each new shape (cuDNN's graphs, hundreds of milliseconds each), and chunk and
-    context lengths change from step to step.
-
-    The earlier keys are attended unmasked in whole ``KEY_BLOCK``s; the ``rest`` of them join
-    the causal part, a square of ``shape_bucket(rest + C)`` rows whose first ``rest`` queries
-    are zeros: under the square's causal mask the chunk's query ``i`` (row ``rest + i``) sees
-    exactly the ``rest`` keys and its own first ``i + 1``. Rows past ``rest + C`` are zero
-    padding that no real query sees; the unmasked part's queries are padded to
-    ``shape_bucket(C)`` rows. Padding rows' outputs are dropped."""
+    With ``buckets`` the shapes come from a few sizes, exactly: a fused kernel may build itself
+    for each new shape (cuDNN's graphs, hundreds of milliseconds each), and chunk and context
+    lengths change from step to step. The earlier keys are attended unmasked in whole
+    ``KEY_BLOCK``s; the ``rest`` of them join the causal part, a square of
+    ``shape_bucket(rest + C)`` rows whose first ``rest`` queries are zeros: under the square's
+    causal mask the chunk's query ``i`` (row ``rest + i``) sees exactly the ``rest`` keys and
+    its own first ``i + 1``. Rows past ``rest + C`` are zero padding that no real query sees;
+    the unmasked part's queries are padded to ``shape_bucket(C)`` rows. Padding rows' outputs
+    are dropped. Without ``buckets``: blocks of one key, no padding (each chunk's own shapes)."""
     num_queries, num_heads, head_dim = queries.shape
     earlier = keys.shape[0] - num_queries
-    whole = earlier // KEY_BLOCK * KEY_BLOCK
+    key_block = KEY_BLOCK if buckets else 1
+    bucket = shape_bucket if buckets else int
+    whole = earlier // key_block * key_block
     rest = earlier - whole
-    square, padded = shape_bucket(rest + num_queries), shape_bucket(num_queries)
+    square, padded = bucket(rest + num_queries), bucket(num_queries)
     rows = queries.new_zeros(max(square, rest + padded), num_heads, head_dim)
     rows[rest : rest + num_queries] = queries
     own_keys = keys.new_zeros(square, *keys.shape[1:])
