@@ -367,10 +367,12 @@ class TritonAttentionBackend:
             rows = slice(starts[first], starts[end])
             longest = max(starts[seq + 1] - starts[seq] for seq in range(first, end))
             decodes = max(0, min(meta.num_decodes, end) - first)  # the run's leading decodes
+            query_start_loc = meta.query_start_loc[first : end + 1]
+            if starts[first]:  # a later run's rows start at 0 of its slice of q
+                query_start_loc = query_start_loc - starts[first]
             self._paged_attention(
-                q[rows], cache.k, cache.v, meta.block_tables[first:end],
-                meta.seq_lens[first:end], meta.query_start_loc[first : end + 1] - starts[first],
-                scale=scale, max_query_len=longest, num_decodes=decodes,
+                q[rows], cache.k, cache.v, meta.block_tables[first:end], meta.seq_lens[first:end],
+                query_start_loc, scale=scale, max_query_len=longest, num_decodes=decodes,
                 max_seq_len=meta.max_seq_len, out=out[rows],
             )  # fmt: skip
         self._prefill_sdpa(

@@ -1,6 +1,6 @@
 """The layers of the Llama-family decoder (``engine.models.llama``): RMSNorm, attention, the
 MLP and the decoder layer that joins them, and which path each linear takes (the Triton GEMV
-at one row, int8 rows, cuBLAS; a plain linear's choice is ``engine.models.linears``').
+at one row, int8 rows, cuBLAS; a plain linear's path is in ``engine.models.linears``).
 
 Under tensor parallelism o_proj's and down's outputs are this rank's share of a sum. Where
 the sum can run in one kernel with the residual add and RMSNorm after it, the layer hands the
