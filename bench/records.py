@@ -50,6 +50,9 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+ENV_PREFIX = "PAGESTREAM_"
+
+
 def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
     """Where a benchmark ran: host, Python, CPU, accelerator and library versions."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -66,6 +69,9 @@ def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": _version_of("transformers"),
         "triton": _version_of("triton"),
+        # the engine's switches read from the environment (PAGESTREAM_PREFILL_ATTN, tables, ...):
+        # a record says which paths it measured
+        "pagestream_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIX)},
     }
 
 

@@ -310,6 +310,7 @@ def test_bench_throughput_writes_the_record(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PAGESTREAM_GEMV_TABLE", "off")  # a switch of the engine's, recorded
     code, out, _ = run_cli(BENCH_ARGS, capsys)
     assert code == 0
     [path] = (tmp_path / "bench" / "results").glob("throughput-dummy-tiny-cpu-*.json")
@@ -324,8 +325,10 @@ def test_bench_throughput_writes_the_record(
     assert results["output_tok_s"] > 0 and results["total_tok_s"] > results["output_tok_s"]
     assert 0 < results["mean_ttft_s"] <= results["elapsed_s"]
     assert {"hostname", "python", "cpu_count", "torch", "triton"} <= record["machine"].keys()
+    assert record["machine"]["pagestream_env"]["PAGESTREAM_GEMV_TABLE"] == "off"
     settings = record["settings"]
     assert settings["model"] == "dummy:tiny" and settings["pa_memory_mb"] == 16
+    assert settings["resolved"]["prefill_attention"] in ("torch", "triton")
     assert settings["input_len"] == [10, 30] and settings["num_prompts"] == 6
     assert f"{results['output_tokens']}" in out and "output tok/s" in out
 
