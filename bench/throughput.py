@@ -226,6 +226,7 @@ def resolved_settings(engine: LLMEngine) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "max_model_len": engine.max_model_len,
         "paged_attention": engine.config.use_paged_attention(),
+        "prefill_attention": engine.prefill_attention,
         "cuda_graphs": engine.runner.uses_cuda_graphs,
         "tensor_parallel_size": engine.group.size,
         "all_reduce": engine.group.sums,  # which path summed (a later engine: NCCL)

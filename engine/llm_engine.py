@@ -112,6 +112,7 @@ class LLMEngine:
 
     def _take_setup(self, setup: RankSetup) -> None:
         config, runtime, backend = self.config, setup.runtime, setup.backend
+        self.attention_backend = backend
         self.dtype, self.loaded = setup.dtype, setup.loaded
         self.max_model_len = setup.max_model_len
         self.tokenizer = self.loaded.tokenizer
@@ -143,11 +144,18 @@ class LLMEngine:
         self._num_prefill_tokens = 0
         torch.manual_seed(config.seed)
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s backend=%s cuda_graphs=%s "
-            "tensor_parallel=%d load=%.1fs",
-            config.model, self.device, self.dtype, backend.name, self.runner.uses_cuda_graphs,
-            self.group.size, self.loaded.load_s,
+            "engine ready: model=%s device=%s dtype=%s backend=%s prefill_attention=%s "
+            "cuda_graphs=%s tensor_parallel=%d load=%.1fs",
+            config.model, self.device, self.dtype, backend.name, self.prefill_attention,
+            self.runner.uses_cuda_graphs, self.group.size, self.loaded.load_s,
         )  # fmt: skip
+
+    @property
+    def prefill_attention(self) -> str:
+        """What attends prefill chunks on this rank: ``triton``, ``sdpa`` or ``sdpa-exact`` on
+        the Triton backend (``PAGESTREAM_PREFILL_ATTN``; ``triton`` once cuDNN refused one),
+        ``torch`` on the torch backend."""
+        return str(getattr(self.attention_backend, "prefill_attention", "torch"))
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave their group (nothing to do at

@@ -98,6 +98,7 @@ def test_long_chunks_through_sdpa_equal_the_torch_engine(
 
     monkeypatch.setattr(prefill_sdpa, "prefill_sdpa", counted)
     monkeypatch.setattr(backend, "SDPA_MIN_QUERY_LEN", 8)  # the chunks here are 7-32 tokens
+    monkeypatch.setattr(backend, "SDPA_MIN_SEQ_LEN", 8)
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, choice)
     model = str(tiny_model_dirs["qwen3"])
     assert generate(model, "triton", monkeypatch) == generate(model, "torch", monkeypatch)
@@ -131,6 +132,7 @@ def test_a_refused_fused_kernel_falls_back_to_triton_for_good(
 
     monkeypatch.setattr(prefill_sdpa.FusedAttend, "__call__", refuse)
     monkeypatch.setattr(backend, "SDPA_MIN_QUERY_LEN", 8)
+    monkeypatch.setattr(backend, "SDPA_MIN_SEQ_LEN", 8)
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa")
     model = str(tiny_model_dirs["llama"])
     with caplog.at_level("WARNING", logger="engine.attention.backend"):

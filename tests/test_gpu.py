@@ -256,9 +256,11 @@ def test_the_cudnn_prefill_path_gives_the_triton_kernels_logprobs(
     first's 2,048-token prefix from the cache), beside decodes, with piecewise graphs. The first
     token's five best logprobs agree with the Triton kernel's as values, sorted (a near-tie
     of a random model may order two tokens either way in bf16), and the path ran."""
+    from engine.attention import backend
     from engine.attention.backend import PREFILL_ATTN_ENV
     from kernels.attention import prefill_sdpa
 
+    monkeypatch.setattr(backend, "SDPA_MIN_SEQ_LEN", 1024)  # the path for every long chunk here
     prompts = random_prompts([3000, 1500, 700], 151936, seed=12)
     prompts.append([*prompts[0][:2048], *random_prompts([600], 151936, seed=13)[0]])
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)

@@ -202,12 +202,13 @@ def test_cudnn_chunks_match_the_reference(num_heads: int, num_kv_heads: int) -> 
     )
 
 
-def meta_of(query_lens: list[int]) -> AttentionMetadata:
-    """Metadata with only what the path's choice reads: the lengths (decodes lead)."""
+def meta_of(query_lens: list[int], context: int = backend.SDPA_MIN_SEQ_LEN) -> AttentionMetadata:
+    """Metadata with only what the path's choice reads: the lengths (decodes lead), each
+    sequence's context ``context`` tokens beyond its new ones."""
     starts = [0, *itertools.accumulate(query_lens)]
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
     empty = torch.zeros(0, dtype=torch.int32)
-    lens = [n + 100 for n in query_lens]
+    lens = [n + context for n in query_lens]
     return AttentionMetadata(
         slot_mapping=empty, block_tables=empty, seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens_cpu=lens,
@@ -223,11 +224,17 @@ def test_which_chunks_take_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     cache = backend.LayerCache(pages, pages)
     long = backend.SDPA_MIN_QUERY_LEN
 
-    def chosen(query_lens: list[int], **kwargs: Any) -> list[int]:
+    def chosen(
+        query_lens: list[int], context: int = backend.SDPA_MIN_SEQ_LEN, **kwargs: Any
+    ) -> list[int]:
         args = {"cache": cache, "sliding_window": None, **kwargs}
-        return triton_backend._sdpa_chunks(meta_of(query_lens), **args)
+        return triton_backend._sdpa_chunks(meta_of(query_lens, context), **args)
 
     assert chosen([1, 1, long, 40, long + 1, 7]) == [2, 4]  # the long ones, beside the rest
+    # ... over a long context: a chunk whose context is short stays on the Triton kernel
+    assert chosen([1, long, long], context=0) == []
+    short_context = backend.SDPA_MIN_SEQ_LEN - long - 1
+    assert chosen([1, long, long + 1], context=short_context) == [2]
     assert chosen([1, 1, 40, long - 1]) == []
     assert chosen([1] + [long] * backend.SDPA_MAX_CHUNKS) == list(
         range(1, backend.SDPA_MAX_CHUNKS + 1)
@@ -242,3 +249,23 @@ def test_which_chunks_take_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(backend.PREFILL_ATTN_ENV, choice)
         path = backend.TritonAttentionBackend()._prefill_sdpa
         assert isinstance(path, functools.partial) and path.keywords["buckets"] is buckets
+
+
+def test_auto_takes_the_cudnn_path_on_hopper_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default, ``auto``: cuDNN's path on Hopper, where it was measured; the Triton kernel
+    on other GPUs and off CUDA; a choice set by hand holds on any card."""
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.delenv(backend.PREFILL_ATTN_ENV, raising=False)
+    gpu = torch.device("cuda", 0)
+    assert backend.prefill_attention_choice(gpu) == "sdpa"
+    assert backend.prefill_attention_choice(torch.device("cpu")) == "triton"
+    assert backend.prefill_attention_choice() == "triton"
+    for other in ((8, 0), (10, 0)):
+        capability[0] = other
+        assert backend.prefill_attention_choice(gpu) == "triton"
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa-exact")
+    assert backend.prefill_attention_choice(gpu) == "sdpa-exact"
+    capability[0] = (9, 0)
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "triton")
+    assert backend.prefill_attention_choice(gpu) == "triton"

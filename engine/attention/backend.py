@@ -32,13 +32,21 @@ BACKEND_CHOICES = ("auto", "torch", "triton")
 # Which kernel attends the prefill chunks of the Triton backend's steps: the Triton kernel over
 # the pages, or (``sdpa``) a fused SDPA kernel over the long chunks' context copied into rows,
 # cuDNN's on CUDA (kernels/attention/prefill_sdpa.py), with shapes from a few buckets
-# (``sdpa-exact``: each chunk's own shapes).
+# (``sdpa-exact``: each chunk's own shapes). ``auto``: ``sdpa`` on Hopper, where it was measured
+# (SDPA_MIN_SEQ_LEN's comment), else ``triton``.
 PREFILL_ATTN_ENV = "PAGESTREAM_PREFILL_ATTN"
-PREFILL_ATTN_CHOICES = ("triton", "sdpa", "sdpa-exact")
-# A chunk takes the SDPA path if it has at least this many new tokens (where the copy of its
-# context is small beside the attention), in a step with at most SDPA_MAX_CHUNKS such chunks
-# (a launch pair each); the step's other chunks go to the Triton prefill kernel.
+PREFILL_ATTN_CHOICES = ("auto", "triton", "sdpa", "sdpa-exact")
+SDPA_AUTO_CAPABILITY_MAJOR = 9  # Hopper: H100, H200
+# A chunk takes the SDPA path if it has at least SDPA_MIN_QUERY_LEN new tokens (where the copy
+# of its context is small beside the attention) and a context of at least SDPA_MIN_SEQ_LEN
+# tokens, in a step with at most SDPA_MAX_CHUNKS such chunks (a launch pair each); the step's
+# other chunks go to the Triton prefill kernel. The path costs about 0.1-0.3 ms of host time a
+# chunk and layer; on an H200 (bench/results/prefill-sdpa-*-h200.json) it wins where attention
+# dominates the step (qwen3-0.6b's 32k prompts: 1.12x the Triton kernel's throughput) and loses
+# where it does not (4k prompts, no context: 0.73-0.88x, the step then bound by that host time),
+# so short contexts stay on the Triton kernel.
 SDPA_MIN_QUERY_LEN = 512
+SDPA_MIN_SEQ_LEN = 8192
 SDPA_MAX_CHUNKS = 8
 
 
@@ -210,12 +218,13 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    """The Triton kernels of ``kernels/``: the default on CUDA."""
+    """The Triton kernels of ``kernels/``: the default on CUDA. ``device``: the GPU whose kind
+    decides ``PAGESTREAM_PREFILL_ATTN=auto`` (``prefill_attention_choice``)."""
 
     name = "triton"
     graph_safe = True
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         # Imported here: a CPU-only install never needs triton at import time.
         from kernels.attention.paged_attention_triton import decode_graph_contexts, paged_attention
         from kernels.elementwise.activation_triton import silu_and_mul, silu_and_mul_int8
@@ -243,7 +252,8 @@ class TritonAttentionBackend:
         self._paged_attention = paged_attention
         self._decode_graph_contexts = decode_graph_contexts
         self._prefill_sdpa: Callable[..., None] | None = None
-        choice = prefill_attention_choice()
+        choice = prefill_attention_choice(device)
+        self.prefill_attention = choice  # what attends prefill chunks: "triton" after a fallback
         if choice != "triton":
             from kernels.attention import prefill_sdpa
             from kernels.attention.merge_states_triton import merge_states
@@ -272,19 +282,20 @@ class TritonAttentionBackend:
     def _sdpa_chunks(
         self, meta: AttentionMetadata, cache: LayerCache, sliding_window: int | None
     ) -> list[int]:
-        """The step's prefill chunks that go to the SDPA path: the long ones, if there are at
-        most SDPA_MAX_CHUNKS, over pages the fused kernel takes (not fp8; on CUDA 16-bit, head
+        """The step's prefill chunks that go to the SDPA path: the long ones over a long context,
+        if there are at most SDPA_MAX_CHUNKS, over pages the fused kernel takes (not fp8; on CUDA 16-bit, head
         dim up to 128), with no sliding window, and not inside a graph capture (the path reads
         the step's host-side lengths); else none."""
         if sliding_window is not None or cache.k_scale is not None:
             return []
         if not self._fused_attention_takes(cache.k):  # an fp32 model on CUDA, say
             return []
-        starts = meta.query_start_loc_cpu
+        starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         chunks = [
             seq
             for seq in range(meta.num_decodes, meta.num_seqs)
             if starts[seq + 1] - starts[seq] >= SDPA_MIN_QUERY_LEN
+            and seq_lens[seq] >= SDPA_MIN_SEQ_LEN
         ]
         if len(chunks) > SDPA_MAX_CHUNKS:
             return []
@@ -323,9 +334,10 @@ class TritonAttentionBackend:
                     logger.warning(
                         "%s=%s: the fused kernel refused a prefill chunk (%s); the Triton "
                         "kernel attends every prefill chunk from now on",
-                        PREFILL_ATTN_ENV, prefill_attention_choice(), str(error)[:300],
+                        PREFILL_ATTN_ENV, self.prefill_attention, str(error)[:300],
                     )  # fmt: skip
                     self._prefill_sdpa = None
+                    self.prefill_attention = "triton"
         return self._paged_attention(
             q,
             cache.k,
@@ -382,14 +394,22 @@ class TritonAttentionBackend:
         return out
 
 
-def prefill_attention_choice() -> str:
-    """``PAGESTREAM_PREFILL_ATTN``: ``triton`` (default), ``sdpa`` or ``sdpa-exact``."""
-    choice = os.environ.get(PREFILL_ATTN_ENV, "triton")
+def prefill_attention_choice(device: torch.device | None = None) -> str:
+    """``PAGESTREAM_PREFILL_ATTN`` for a backend on ``device``: ``triton``, ``sdpa`` or
+    ``sdpa-exact``; ``auto`` (the default) is ``sdpa`` on a Hopper GPU, else ``triton``."""
+    choice = os.environ.get(PREFILL_ATTN_ENV, "auto")
     if choice not in PREFILL_ATTN_CHOICES:
         raise ValueError(
             f"{PREFILL_ATTN_ENV}={choice!r}: expected one of {', '.join(PREFILL_ATTN_CHOICES)}"
         )
-    return choice
+    if choice != "auto":
+        return choice
+    on_hopper = (
+        device is not None
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == SDPA_AUTO_CAPABILITY_MAJOR
+    )
+    return "sdpa" if on_hopper else "triton"
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
@@ -400,5 +420,5 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
             f"{ATTN_BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKEND_CHOICES)}"
         )
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(device)
     return TorchAttentionBackend()
