@@ -196,7 +196,21 @@ def sdpa_path(problem: PrefillProblem, device: torch.device) -> dict[str, Any]:
     assert first_ms is not None  # set by a check that passed
     ms = time_ms(problem.run_sdpa_path, device, eager=True)
     return {"ms": round(ms, 4), "tflops": problem.shape.flops / ms / 1e9,
-            "first_call_ms": round(first_ms, 1)}  # fmt: skip
+            "first_call_ms": round(first_ms, 1),
+            "engine_takes_it": engine_takes_sdpa(problem.shape)}  # fmt: skip
+
+
+def engine_takes_sdpa(shape: PrefillShape) -> bool:
+    """Whether the engine sends this shape's chunks to the SDPA path (``_sdpa_chunks``: long
+    enough chunks over a long enough context, few enough of them a step); the path is timed on
+    every shape, and the record says where that is the engine's choice."""
+    from engine.attention import backend
+
+    return (
+        shape.query_len >= backend.SDPA_MIN_QUERY_LEN
+        and shape.context_len + shape.query_len >= backend.SDPA_MIN_SEQ_LEN
+        and shape.num_seqs <= backend.SDPA_MAX_CHUNKS
+    )
 
 
 def rank(results: list[dict[str, Any]]) -> list[PrefillConfig]:

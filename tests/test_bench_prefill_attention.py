@@ -3,6 +3,7 @@ a failing config's skip, and what ``--install`` writes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ def test_record_at_a_tiny_size(monkeypatch: pytest.MonkeyPatch) -> None:
             summary["flops"] / path["ms"] / 1e9, rel=0.01
         )
         assert path["speedup_over_best"] > 0 and path["first_call_ms"] > 0
+        assert path["engine_takes_it"] is False  # tiny chunks: the engine keeps them on Triton
         timed = result["configs"][summary["best"]]
         assert timed["tflops"] == pytest.approx(summary["flops"] / timed["ms"] / 1e9, rel=0.01)
     chosen = record["chosen"][SWEEP_SHAPE.table_key]
@@ -100,3 +102,15 @@ def test_a_wrong_sdpa_path_is_recorded_not_timed(monkeypatch: pytest.MonkeyPatch
     problem = PrefillProblem.build(OTHER_SHAPE, CPU)
     path = bench.sdpa_path(problem, CPU)
     assert set(path) == {"error"} and path["error"].startswith("off the reference")
+
+
+def test_the_record_says_which_shapes_the_engine_sends_to_the_sdpa_path() -> None:
+    def shape(num_seqs: int, query_len: int, context_len: int) -> PrefillShape:
+        return dataclasses.replace(SWEEP_SHAPE, num_seqs=num_seqs, query_len=query_len,
+                                   context_len=context_len)  # fmt: skip
+
+    assert bench.engine_takes_sdpa(shape(1, 8192, 16384))
+    assert bench.engine_takes_sdpa(shape(1, 8192, 0))  # 8,192 tokens of context: its own
+    assert not bench.engine_takes_sdpa(shape(1, 4096, 0))  # short context: Triton
+    assert not bench.engine_takes_sdpa(shape(32, 256, 2048))  # short chunks, too many
+    assert not bench.engine_takes_sdpa(shape(9, 1024, 16384))  # more than SDPA_MAX_CHUNKS
