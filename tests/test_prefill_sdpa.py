@@ -183,8 +183,8 @@ def test_merge_kernel_refuses_mismatched_parts() -> None:
 def test_workspace_counts_the_gathered_rows() -> None:
     small = workspace_bytes(16, 8, 128, torch.bfloat16, 4096, 2048)
     large = workspace_bytes(16, 8, 128, torch.bfloat16, 32768, 2048)
-    # each token of context adds its K and V rows, as gathered and with heads repeated
-    assert large - small == (32768 - 4096) * 2 * (16 + 8) * 128 * 2
+    # each token of context adds its K and V rows as gathered (cuDNN takes GQA as it is)
+    assert large - small == (32768 - 4096) * 2 * 8 * 128 * 2
 
 
 @pytest.mark.gpu

@@ -81,28 +81,18 @@ def fused_attention_takes(pages: torch.Tensor) -> bool:
 
 class FusedAttend:
     """The engine's ``Attend``: on CUDA, torch's cuDNN attention
-    (``_scaled_dot_product_cudnn_attention``, which returns the log-sum-exp beside the output);
-    elsewhere (the CPU runs of the Triton kernels under the interpreter), ``attend_math``.
-
-    K/V with fewer heads than q (GQA) go to cuDNN as they are; if it refuses them, once, every
-    later call repeats their heads first."""
-
-    def __init__(self) -> None:
-        self.native_gqa = True
+    (``_scaled_dot_product_cudnn_attention``, which returns the log-sum-exp beside the output),
+    K/V with fewer heads than q (GQA) as they are, which cuDNN takes on Hopper (the GPU tests:
+    16 and 32 query heads over 8); elsewhere (the CPU runs of the Triton kernels under the
+    interpreter), ``attend_math``. A call cuDNN refuses raises, and the engine's backend then
+    attends every prefill chunk with the Triton kernel: no copy of K/V with their heads
+    repeated, which the memory plan does not hold."""
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.device.type != "cuda":
             return attend_math(q, k, v, causal, scale)
-        if k.shape[1] != q.shape[1] and self.native_gqa:
-            try:
-                return self._cudnn(q, k, v, causal, scale)
-            except RuntimeError:
-                self.native_gqa = False
-        if k.shape[1] != q.shape[1]:
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return self._cudnn(q, k, v, causal, scale)
 
     @staticmethod
@@ -231,11 +221,10 @@ def workspace_bytes(
     max_query_len: int,
 ) -> int:
     """Bytes this path holds at most beside a layer's usual temporaries: one sequence's K and
-    V rows copied out of the pages (with their heads repeated, should cuDNN refuse GQA), the
-    padded square's queries, keys and values, the two parts and their log-sum-exps."""
+    V rows copied out of the pages, the padded square's queries, keys and values, the two
+    parts and their log-sum-exps."""
     element = torch.tensor([], dtype=dtype).element_size()
-    rows = 2 * max_seq_len * num_heads * head_dim * element  # K/V rows, heads repeated
-    rows += 2 * max_seq_len * num_kv_heads * head_dim * element  # ... and as gathered
+    rows = 2 * max_seq_len * num_kv_heads * head_dim * element  # K/V rows as gathered
     square = shape_bucket(KEY_BLOCK + max_query_len) + shape_bucket(max_query_len)
     padded = square * (num_heads + 2 * num_kv_heads) * head_dim * element  # q, k, v padded
     parts = 2 * square * num_heads * (head_dim * element + 4)  # the two parts, their lse
