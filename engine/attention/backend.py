@@ -40,11 +40,11 @@ SDPA_AUTO_CAPABILITY_MAJOR = 9  # Hopper: H100, H200
 # A chunk takes the SDPA path if it has at least SDPA_MIN_QUERY_LEN new tokens (where the copy
 # of its context is small beside the attention) and a context of at least SDPA_MIN_SEQ_LEN
 # tokens, in a step with at most SDPA_MAX_CHUNKS such chunks (a launch pair each); the step's
-# other chunks go to the Triton prefill kernel. The path costs about 0.1-0.3 ms of host time a
-# chunk and layer; on an H200 (bench/results/prefill-sdpa-*-h200.json) it wins where attention
-# dominates the step (qwen3-0.6b's 32k prompts: 1.12x the Triton kernel's throughput) and loses
-# where it does not (4k prompts, no context: 0.73-0.88x, the step then bound by that host time),
-# so short contexts stay on the Triton kernel.
+# other chunks go to the Triton prefill kernel. The path costs 0.24-0.34 ms of host time a
+# chunk and layer; on an H200 (bench/results/prefill-sdpa-matrix-rows-h200.json) it wins where
+# attention dominates the step (qwen3-0.6b's 32k prompts: 1.11x the Triton kernel's throughput)
+# and loses where it does not (4k prompts, no context: 0.55-0.88x, the steps then bound by that
+# host time), so short contexts stay on the Triton kernel.
 SDPA_MIN_QUERY_LEN = 512
 SDPA_MIN_SEQ_LEN = 8192
 SDPA_MAX_CHUNKS = 8
@@ -282,10 +282,10 @@ class TritonAttentionBackend:
     def _sdpa_chunks(
         self, meta: AttentionMetadata, cache: LayerCache, sliding_window: int | None
     ) -> list[int]:
-        """The step's prefill chunks that go to the SDPA path: the long ones over a long context,
-        if there are at most SDPA_MAX_CHUNKS, over pages the fused kernel takes (not fp8; on CUDA 16-bit, head
-        dim up to 128), with no sliding window, and not inside a graph capture (the path reads
-        the step's host-side lengths); else none."""
+        """The step's prefill chunks that go to the SDPA path: the long ones over a long
+        context, if there are at most SDPA_MAX_CHUNKS, over pages the fused kernel takes (not
+        fp8; on CUDA 16-bit, head dim up to 128), with no sliding window, and not inside a graph
+        capture (the path reads the step's host-side lengths); else none."""
         if sliding_window is not None or cache.k_scale is not None:
             return []
         if not self._fused_attention_takes(cache.k):  # an fp32 model on CUDA, say
