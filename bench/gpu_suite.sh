@@ -3,10 +3,10 @@
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
-#                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa]...
-# (default: all but vllm, matrix, matrix_profile, prefill_sdpa, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
+#                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows]...
+# (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
 # which need vLLM, two GPUs or a call of their own)
-# vllm, matrix, matrix_profile, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
+# vllm, matrix, matrix_profile, prefill_rows, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
 # VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
 # MATRIX_ARGS picks a part of the matrix (e.g. "--models llama3-8b --workloads long-context");
@@ -129,6 +129,16 @@ prefill_sdpa() {  # the cuDNN prefill path: its GPU tests, then per shape agains
     # the current Triton config only (the sweep's table is already measured) beside the path
     python -m bench.prefill_attention --candidates m128n128w8s3 --top 1 \
         --out "$OUT/prefill-attention-sdpa-path-$(card).json"
+}
+
+prefill_rows() {  # the prefill-bound matrix rows: vLLM and the default path (cuDNN on Hopper),
+    # then the Triton kernel alone in the same session (prefill-sdpa-matrix-rows-h200.json's A/B)
+    log prefill-bound rows against vllm, then on the triton kernel
+    "${PS[@]}" bench matrix --compare vllm --resume --no-progress \
+        --workloads prefill-heavy,long-context --output-json "$OUT/matrix-prefill-rows-$(card).json"
+    PAGESTREAM_PREFILL_ATTN=triton "${PS[@]}" bench matrix --resume --no-progress \
+        --workloads prefill-heavy,long-context \
+        --output-json "$OUT/matrix-prefill-rows-triton-$(card).json"
 }
 
 offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: host tier off/on
