@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine.errors import ConfigError
 from kernels.attention.paged_attention import paged_attention_ref
 from kernels.elementwise.activation import silu_and_mul_ref
 from kernels.elementwise.norm import HeadNorms, fused_add_rms_norm_ref, rms_norm_ref
@@ -399,7 +400,7 @@ def prefill_attention_choice(device: torch.device | None = None) -> str:
     ``sdpa-exact``; ``auto`` (the default) is ``sdpa`` on a Hopper GPU, else ``triton``."""
     choice = os.environ.get(PREFILL_ATTN_ENV, "auto")
     if choice not in PREFILL_ATTN_CHOICES:
-        raise ValueError(
+        raise ConfigError(
             f"{PREFILL_ATTN_ENV}={choice!r}: expected one of {', '.join(PREFILL_ATTN_CHOICES)}"
         )
     if choice != "auto":
@@ -413,10 +414,13 @@ def prefill_attention_choice(device: torch.device | None = None) -> str:
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton on CUDA, torch elsewhere; ``PAGESTREAM_ATTN_BACKEND`` overrides the choice."""
+    """Triton on CUDA, torch elsewhere; ``PAGESTREAM_ATTN_BACKEND`` overrides the choice.
+    ``PAGESTREAM_PREFILL_ATTN`` is checked on every backend: a wrong value is an error, not
+    ignored where the torch backend has no use for it."""
+    prefill_attention_choice(device)
     choice = os.environ.get(ATTN_BACKEND_ENV, "auto")
     if choice not in BACKEND_CHOICES:
-        raise ValueError(
+        raise ConfigError(
             f"{ATTN_BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKEND_CHOICES)}"
         )
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
