@@ -282,10 +282,15 @@ def test_generate_refuses_max_tokens_past_the_context_in_one_line(
     [("PAGESTREAM_PREFILL_ATTN", "flash"), ("PAGESTREAM_ATTN_BACKEND", "cuda")],
 )
 def test_a_wrong_kernel_switch_is_one_clear_line(
-    variable: str, value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    variable: str,
+    value: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The engine's kernel switches in the environment, checked whatever the backend (the
     prefill one has no use on this CPU's torch backend, and is still refused)."""
+    monkeypatch.chdir(tmp_path)  # a run the check missed writes its record there
     monkeypatch.setenv(variable, value)
     code, out, err = run_cli(BENCH_ARGS, capsys)
     assert (code, out) == (1, "")
