@@ -206,9 +206,9 @@ def engine_takes_sdpa(shape: PrefillShape) -> bool:
     every shape, and the record says where that is the engine's choice."""
     from engine.attention import backend
 
+    seq_len = shape.context_len + shape.query_len
     return (
-        shape.query_len >= backend.SDPA_MIN_QUERY_LEN
-        and shape.context_len + shape.query_len >= backend.SDPA_MIN_SEQ_LEN
+        backend.sdpa_takes_chunk(shape.query_len, seq_len)
         and shape.num_seqs <= backend.SDPA_MAX_CHUNKS
     )
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.attention.prefill_sdpa import FusedAttend, prefill_sdpa
+from kernels.attention.prefill_sdpa import fused_attend, prefill_sdpa
 from kernels.attention.prefill_tuning import PrefillConfig, table_key
 
 DTYPE = torch.bfloat16
@@ -115,14 +115,10 @@ class PrefillProblem:
         prefill_sdpa(
             self.q, self.k_cache, self.v_cache, self.block_tables, [seq_len] * shape.num_seqs,
             list(range(0, shape.num_seqs * shape.query_len + 1, shape.query_len)),
-            seqs=range(shape.num_seqs), scale=self.scale, out=self.out, attend=self._fused_attend,
+            seqs=range(shape.num_seqs), scale=self.scale, out=self.out, attend=fused_attend,
             merge=merge_states,
         )  # fmt: skip
         return self.out
-
-    @functools.cached_property
-    def _fused_attend(self) -> FusedAttend:
-        return FusedAttend()
 
     def check_sdpa_path(self) -> str | None:
         """None if the SDPA path runs and matches the reference, else why not. Its first call

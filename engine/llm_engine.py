@@ -155,7 +155,7 @@ class LLMEngine:
         """What attends prefill chunks on this rank: ``triton``, ``sdpa`` or ``sdpa-exact`` on
         the Triton backend (``PAGESTREAM_PREFILL_ATTN``; ``triton`` once cuDNN refused one),
         ``torch`` on the torch backend."""
-        return str(getattr(self.attention_backend, "prefill_attention", "torch"))
+        return self.attention_backend.prefill_attention
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave their group (nothing to do at

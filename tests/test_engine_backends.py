@@ -126,11 +126,11 @@ def test_a_refused_fused_kernel_falls_back_to_triton_for_good(
 
     refusals: list[int] = []
 
-    def refuse(self: object, q: torch.Tensor, *args: object) -> None:
+    def refuse(q: torch.Tensor, *args: object) -> None:
         refusals.append(q.shape[2])
         raise RuntimeError("cuDNN Frontend error: no valid engine configs for this graph")
 
-    monkeypatch.setattr(prefill_sdpa.FusedAttend, "__call__", refuse)
+    monkeypatch.setattr(prefill_sdpa, "fused_attend", refuse)
     monkeypatch.setattr(backend, "SDPA_MIN_QUERY_LEN", 8)
     monkeypatch.setattr(backend, "SDPA_MIN_SEQ_LEN", 8)
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa")
@@ -139,3 +139,4 @@ def test_a_refused_fused_kernel_falls_back_to_triton_for_good(
         assert generate(model, "triton", monkeypatch) == generate(model, "torch", monkeypatch)
     assert len(refusals) == 1  # once: the path is off after it
     assert "the Triton kernel attends every prefill chunk from now on" in caplog.text
+    assert "PAGESTREAM_PREFILL_ATTN=sdpa: the fused kernel refused" in caplog.text

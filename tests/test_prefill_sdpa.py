@@ -16,8 +16,8 @@ import torch
 from engine.attention import AttentionMetadata, backend
 from kernels.attention import prefill_sdpa as prefill_sdpa_module
 from kernels.attention.prefill_sdpa import (
-    FusedAttend,
     attend_math,
+    fused_attend,
     merge_states_ref,
     prefill_sdpa,
     shape_bucket,
@@ -195,7 +195,7 @@ def test_cudnn_chunks_match_the_reference(num_heads: int, num_kv_heads: int) -> 
         [1, 1, 640, 256, 1024], [100, 7, 0, 1500, 3000], block_size=32, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=128, dtype=torch.bfloat16,
     )  # fmt: skip
-    out = run(batch, FusedAttend(), merge_states)
+    out = run(batch, fused_attend, merge_states)
     first_chunk_row = batch.query_start_loc[NUM_DECODES]
     torch.testing.assert_close(
         out[first_chunk_row:], batch.reference()[first_chunk_row:], atol=2.5e-2, rtol=2.5e-2
@@ -243,8 +243,10 @@ def test_which_chunks_take_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chosen([long], sliding_window=64) == []
     scales = torch.ones(1, 16, 2)
     assert chosen([long], cache=backend.LayerCache(pages, pages, scales, scales)) == []  # fp8
+    assert triton_backend.prefill_attention == "sdpa"
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "triton")
     assert backend.TritonAttentionBackend()._prefill_sdpa is None
+    assert backend.TritonAttentionBackend().prefill_attention == "triton"
     for choice, buckets in [("sdpa", True), ("sdpa-exact", False)]:
         monkeypatch.setenv(backend.PREFILL_ATTN_ENV, choice)
         path = backend.TritonAttentionBackend()._prefill_sdpa
@@ -269,3 +271,17 @@ def test_auto_takes_the_cudnn_path_on_hopper_only(monkeypatch: pytest.MonkeyPatc
     capability[0] = (9, 0)
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "triton")
     assert backend.prefill_attention_choice(gpu) == "triton"
+
+
+def test_the_plan_reserves_the_path_s_workspace_only_where_a_chunk_can_take_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "sdpa")
+    args = (16, 8, 128, torch.bfloat16)
+    sdpa = backend.TritonAttentionBackend()
+    long, chunk = backend.SDPA_MIN_SEQ_LEN, backend.SDPA_MIN_QUERY_LEN
+    assert sdpa.prefill_workspace_bytes(*args, long, 4096) == workspace_bytes(*args, long, 4096)
+    assert sdpa.prefill_workspace_bytes(*args, long - 1, 4096) == 0  # a short model
+    assert sdpa.prefill_workspace_bytes(*args, long, chunk - 1) == 0  # short chunks
+    monkeypatch.setenv(backend.PREFILL_ATTN_ENV, "triton")
+    assert backend.TritonAttentionBackend().prefill_workspace_bytes(*args, long, 4096) == 0

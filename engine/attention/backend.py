@@ -51,6 +51,12 @@ SDPA_MIN_SEQ_LEN = 8192
 SDPA_MAX_CHUNKS = 8
 
 
+def sdpa_takes_chunk(query_len: int, seq_len: int) -> bool:
+    """Whether a chunk of ``query_len`` new tokens, ``seq_len`` with its context, is long
+    enough for the SDPA path (in a step with at most SDPA_MAX_CHUNKS such chunks)."""
+    return query_len >= SDPA_MIN_QUERY_LEN and seq_len >= SDPA_MIN_SEQ_LEN
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Where a step's tokens go in the page pool and which pages each sequence reads.
@@ -58,7 +64,8 @@ class AttentionMetadata:
     Sequences are ordered decodes first (``num_decodes`` leading sequences with one new token
     each), then prefill chunks. Device tensors are built once per step by the model runner
     (or are the static buffers of a CUDA graph) and shared by every layer. The ``*_cpu``
-    lists are for the torch backend only: a graph replay leaves them stale.
+    lists are read on the host by the torch backend and by the Triton backend's SDPA path,
+    never inside a graph capture: a graph replay leaves them stale.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: page * block_size + row; -1 = padding, not stored
@@ -152,6 +159,11 @@ class AttentionBackend(Protocol):
         replays the first that holds its longest context."""
         ...
 
+    @property
+    def prefill_attention(self) -> str:
+        """What attends prefill chunks now: ``torch``, ``triton``, ``sdpa`` or ``sdpa-exact``."""
+        ...
+
     def prefill_workspace_bytes(
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
         max_seq_len: int, max_query_len: int,
@@ -174,6 +186,7 @@ class TorchAttentionBackend:
     name = "torch"
     ops = TORCH_OPS
     graph_safe = False  # it sizes its gathers from the host-side lengths
+    prefill_attention = "torch"
 
     def decode_graph_contexts(
         self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
@@ -253,17 +266,21 @@ class TritonAttentionBackend:
         self._paged_attention = paged_attention
         self._decode_graph_contexts = decode_graph_contexts
         self._prefill_sdpa: Callable[..., None] | None = None
-        choice = prefill_attention_choice(device)
-        self.prefill_attention = choice  # what attends prefill chunks: "triton" after a fallback
-        if choice != "triton":
+        self._fused_choice = prefill_attention_choice(device)
+        if self._fused_choice != "triton":
             from kernels.attention import prefill_sdpa
             from kernels.attention.merge_states_triton import merge_states
 
             self._prefill_sdpa = functools.partial(
-                prefill_sdpa.prefill_sdpa, attend=prefill_sdpa.FusedAttend(), merge=merge_states,
-                buckets=choice == "sdpa",
+                prefill_sdpa.prefill_sdpa, attend=prefill_sdpa.fused_attend, merge=merge_states,
+                buckets=self._fused_choice == "sdpa",
             )  # fmt: skip
             self._fused_attention_takes = prefill_sdpa.fused_attention_takes
+
+    @property
+    def prefill_attention(self) -> str:
+        """``PAGESTREAM_PREFILL_ATTN``'s choice, or ``triton`` once cuDNN refused a chunk."""
+        return "triton" if self._prefill_sdpa is None else self._fused_choice
 
     def decode_graph_contexts(
         self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
@@ -274,8 +291,8 @@ class TritonAttentionBackend:
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
         max_seq_len: int, max_query_len: int,
     ) -> int:  # fmt: skip
-        if self._prefill_sdpa is None or max_query_len < SDPA_MIN_QUERY_LEN:
-            return 0
+        if self._prefill_sdpa is None or not sdpa_takes_chunk(max_query_len, max_seq_len):
+            return 0  # no chunk of this model takes the path
         from kernels.attention.prefill_sdpa import workspace_bytes
 
         return workspace_bytes(num_heads, num_kv_heads, head_dim, dtype, max_seq_len, max_query_len)
@@ -287,6 +304,8 @@ class TritonAttentionBackend:
         context, if there are at most SDPA_MAX_CHUNKS, over pages the fused kernel takes (not
         fp8; on CUDA 16-bit, head dim up to 128), with no sliding window, and not inside a graph
         capture (the path reads the step's host-side lengths); else none."""
+        if not sdpa_takes_chunk(meta.max_query_len, meta.max_seq_len):
+            return []  # most steps, in O(1) for each layer
         if sliding_window is not None or cache.k_scale is not None:
             return []
         if not self._fused_attention_takes(cache.k):  # an fp32 model on CUDA, say
@@ -295,8 +314,7 @@ class TritonAttentionBackend:
         chunks = [
             seq
             for seq in range(meta.num_decodes, meta.num_seqs)
-            if starts[seq + 1] - starts[seq] >= SDPA_MIN_QUERY_LEN
-            and seq_lens[seq] >= SDPA_MIN_SEQ_LEN
+            if sdpa_takes_chunk(starts[seq + 1] - starts[seq], seq_lens[seq])
         ]
         if len(chunks) > SDPA_MAX_CHUNKS:
             return []
@@ -338,7 +356,6 @@ class TritonAttentionBackend:
                         PREFILL_ATTN_ENV, self.prefill_attention, str(error)[:300],
                     )  # fmt: skip
                     self._prefill_sdpa = None
-                    self.prefill_attention = "triton"
         return self._paged_attention(
             q,
             cache.k,

@@ -19,7 +19,7 @@ cuDNN builds a graph for each new shape, and a serving engine's chunk and contex
 change every step; with ``buckets`` (the engine's ``sdpa``) the two parts get shapes from a few
 sizes, exactly (``_attend_chunk``).
 
-``attend``, the kernel, is a parameter: the engine's ``FusedAttend`` runs cuDNN's on CUDA and
+``attend``, the kernel, is a parameter: the engine's ``fused_attend`` runs cuDNN's on CUDA and
 plain torch (``attend_math``) on a CPU, where the tests check the split, the merge and the
 layout; its GPU test checks cuDNN's.
 """
@@ -70,7 +70,7 @@ CUDNN_MAX_HEAD_DIM = 128
 
 
 def fused_attention_takes(pages: torch.Tensor) -> bool:
-    """Whether ``FusedAttend`` takes K/V of these pages (``[NB, BS, Hkv, D]``): on CUDA,
+    """Whether ``fused_attend`` takes K/V of these pages (``[NB, BS, Hkv, D]``): on CUDA,
     cuDNN's 16-bit kernels with a head dim that is a multiple of 8 up to 128; elsewhere, the
     plain-torch kernel takes anything."""
     if pages.device.type != "cuda":
@@ -79,31 +79,23 @@ def fused_attention_takes(pages: torch.Tensor) -> bool:
     return pages.dtype in CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM
 
 
-class FusedAttend:
+def fused_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's ``Attend``: on CUDA, torch's cuDNN attention
     (``_scaled_dot_product_cudnn_attention``, which returns the log-sum-exp beside the output),
-    K/V with fewer heads than q (GQA) as they are, which cuDNN takes on Hopper (the GPU tests:
-    16 and 32 query heads over 8); elsewhere (the CPU runs of the Triton kernels under the
+    K/V with fewer heads than q (GQA) as they are, which cuDNN takes on Hopper (16 and 32 query
+    heads over 8 on an H200); elsewhere (the CPU runs of the Triton kernels under the
     interpreter), ``attend_math``. A call cuDNN refuses raises, and the engine's backend then
     attends every prefill chunk with the Triton kernel: no copy of K/V with their heads
     repeated, which the memory plan does not hold."""
-
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.device.type != "cuda":
-            return attend_math(q, k, v, causal, scale)
-        return self._cudnn(q, k, v, causal, scale)
-
-    @staticmethod
-    def _cudnn(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale
-        )
-        out, lse = result[0], result[1]
-        return out, lse.reshape(q.shape[:3]).float()
+    if q.device.type != "cuda":
+        return attend_math(q, k, v, causal, scale)
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    out, lse = result[0], result[1]
+    return out, lse.reshape(q.shape[:3]).float()
 
 
 def merge_states_ref(
