@@ -51,7 +51,8 @@ def per_token(
     calls = {name: n - before.calls.get(name, 0) for name, n in after.calls.items()}
     calls["info"] = calls.get("info", 0) - 2  # the two readings of `before` (after's not counted)
     calls = {name: n for name, n in calls.items() if n > 0}
-    usec = sum(n - before.usec.get(name, 0) for name, n in after.usec.items())
+    usec_by = {name: n - before.usec.get(name, 0) for name, n in after.usec.items()}
+    usec = sum(usec_by.values())
     top = sorted(calls.items(), key=lambda item: -item[1])[:TOP_COMMANDS]
     record: dict[str, Any] = {
         "output_tokens": num_tokens,
@@ -59,6 +60,10 @@ def per_token(
         "redis_calls_per_token": sum(calls.values()) / tokens,
         "redis_calls_per_token_by_command": {name: n / tokens for name, n in top},
         "redis_command_us_per_token": usec / tokens,
+        # a script's time holds the time of the commands it runs, which are listed too
+        "redis_command_us_per_token_by_command": {
+            name: usec_by.get(name, 0) / tokens for name, _ in top
+        },
         "redis_cpu_us_per_token": (after.cpu_s - before.cpu_s) * 1e6 / tokens,
     }
     if group_cpu_s:

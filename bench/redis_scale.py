@@ -3,7 +3,8 @@ N-primary Redis Cluster, with Redis as the only bottleneck (issue 31's target: a
 cluster streams at least 2.5x the tokens/s of one primary).
 
 For each setup, one standalone primary ("single", one request stream) and then an N-primary
-cluster ("cluster", N shards), this starts its own redis-servers (``bench.redis_nodes``),
+cluster ("cluster", N shards; with ``--home-shards`` a second time with each reader a client
+whose requests all lie on one shard, its home shard), this starts its own redis-servers (``bench.redis_nodes``),
 runs the same load (``bench.redis_scale_load``: producers that are workers without an engine,
 readers that are clients) for ``--duration-s``, and reads every primary's ``INFO cpu`` and
 ``INFO commandstats`` before and after. A row per setup: tokens/s written and read end to end
@@ -53,6 +54,7 @@ class ScaleSettings:
     pin: str = "auto"  # auto / on / off
     appendonly: bool = False
     prefix: str = "pagestream"
+    home_shards: bool = False  # also the cluster with every reader on a home shard
 
     def __post_init__(self) -> None:
         checks = (
@@ -62,6 +64,10 @@ class ScaleSettings:
             (self.steps_per_write >= 1, "--steps-per-write must be >= 1"),
             (self.duration_s > 0, "--duration-s must be > 0"),
             (self.pin in ("auto", "on", "off"), "--pin must be auto, on or off"),
+            (not self.home_shards or self.num_readers is None
+             or self.num_readers % self.num_primaries == 0,
+             "--home-shards needs the readers to be a multiple of --primaries (each shard "
+             "as many)"),
         )  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -110,6 +116,10 @@ def plan_placement(settings: ScaleSettings, cores: list[int]) -> Placement:
                                f"{settings.num_primaries} primaries and the load")  # fmt: skip
     producers = settings.num_producers or max(1, len(load_cores) // 2)
     readers = settings.num_readers or max(1, len(load_cores) - producers)
+    if settings.home_shards and not settings.num_readers:  # as many readers on every shard
+        readers = max(
+            settings.num_primaries, readers // settings.num_primaries * settings.num_primaries
+        )
     return Placement(redis_cores, load_cores if redis_cores else [], producers, readers)
 
 
@@ -136,6 +146,8 @@ def run_scale(settings: ScaleSettings) -> dict[str, Any]:
          f"{placement.load_cores or 'any core'}")  # fmt: skip
     rows = [run_setup(settings, placement, cluster=False),
             run_setup(settings, placement, cluster=True)]  # fmt: skip
+    if settings.home_shards:
+        rows.append(run_setup(settings, placement, cluster=True, home_shards=True))
     return make_record({**asdict(settings), **asdict(placement)}, rows,
                        num_primaries=settings.num_primaries, num_cores=len(available_cores()))  # fmt: skip
 
@@ -151,7 +163,9 @@ def raise_open_files_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def run_setup(settings: ScaleSettings, placement: Placement, *, cluster: bool) -> dict[str, Any]:
+def run_setup(
+    settings: ScaleSettings, placement: Placement, *, cluster: bool, home_shards: bool = False
+) -> dict[str, Any]:
     """One setup: its redis-servers, the load for ``duration_s``, the counters: its row."""
     num_primaries = settings.num_primaries if cluster else 1
     name = "cluster" if cluster else "single"
@@ -161,17 +175,22 @@ def run_setup(settings: ScaleSettings, placement: Placement, *, cluster: bool) -
                            placement.redis_cores[:num_primaries], settings.appendonly)  # fmt: skip
         try:
             nodes.start()
-            load = _load_settings(settings, placement, nodes, cluster)
+            load = _load_settings(settings, placement, nodes, cluster, home_shards)
             row = _run_load(load, placement, nodes)
         finally:
             nodes.stop()
-    row = {"redis": name, "primaries": num_primaries, "shards": load.num_shards, **row}
+    row = {"redis": name, "primaries": num_primaries, "shards": load.num_shards,
+           "readers_home_shards": home_shards, **row}  # fmt: skip
     _say(format_row(row))
     return row
 
 
 def _load_settings(
-    settings: ScaleSettings, placement: Placement, nodes: RedisNodes, cluster: bool
+    settings: ScaleSettings,
+    placement: Placement,
+    nodes: RedisNodes,
+    cluster: bool,
+    home_shards: bool,
 ) -> LoadSettings:
     slots = placement.num_producers * settings.streams_per_producer
     return LoadSettings(
@@ -181,6 +200,7 @@ def _load_settings(
         streams_per_reader=-(-int(slots * READ_HEADROOM) // placement.num_readers),
         output_len=settings.output_len, steps_per_write=settings.steps_per_write,
         duration_s=settings.duration_s, cores=tuple(placement.load_cores),
+        home_shards=home_shards,
     )  # fmt: skip
 
 

@@ -37,6 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                       "(auto: when there are primaries + 2 cores)")  # fmt: skip
     load.add_argument("--appendonly", action="store_true",
                       help="AOF persistence on every primary (default off)")  # fmt: skip
+    load.add_argument("--home-shards", action="store_true",
+                      help="run the cluster a second time with each reader a client on a home "
+                      "shard (reader i on shard i mod primaries: one XREAD on one primary)")  # fmt: skip
     load.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix")
     load.add_argument("--output-json", metavar="PATH",
                       help="where to write the record "
@@ -54,7 +57,7 @@ def run_command(args: argparse.Namespace) -> int:
         num_primaries=args.primaries, num_producers=args.producers, num_readers=args.readers,
         streams_per_producer=args.streams_per_producer, output_len=args.output_len,
         steps_per_write=args.steps_per_write, duration_s=args.duration_s, pin=args.pin,
-        appendonly=args.appendonly, prefix=args.prefix,
+        appendonly=args.appendonly, prefix=args.prefix, home_shards=args.home_shards,
     )  # fmt: skip
     record = run_scale(settings)
     print(format_ratio(record), flush=True)

@@ -10,7 +10,8 @@ engine behind it, so that Redis, not a model, is what limits the tokens/s.
 - A **reader** is a client (``clients.AsyncClient``): ``streams`` tasks that each submit a
   request and read its events with the client's own reader (one ``XREAD`` for every stream on
   one Redis, one per shard on a cluster) until ``done``, then submit the next, until the
-  run's time is up.
+  run's time is up. With ``home_shards``, reader i is a client whose ``home_shard`` is
+  i mod K: its requests' keys all lie on one shard, read with one ``XREAD``.
 
 Each process runs one asyncio loop, pinned to the generator cores when given, and reports
 its counts on the run's result queue.
@@ -61,6 +62,7 @@ class LoadSettings:
     steps_per_write: int  # engine steps per write (>1: tokens per event, through coalescing)
     duration_s: float  # readers submit new requests for this long, then finish theirs
     cores: tuple[int, ...] = ()  # the cores the load runs on; () = not pinned
+    home_shards: bool = False  # reader i's requests all on shard i mod K (a client's home_shard)
 
 
 @dataclass
@@ -257,8 +259,9 @@ async def _produce(load: LoadSettings, index: int, link: RunLink) -> dict[str, A
 
 
 async def _read(load: LoadSettings, index: int, link: RunLink) -> dict[str, Any]:
+    home_shard = index % load.num_shards if load.home_shards else None
     client = AsyncClient(load.redis_url, prefix=load.prefix, shards=load.num_shards,
-                         cluster=load.cluster)  # fmt: skip
+                         cluster=load.cluster, home_shard=home_shard)  # fmt: skip
     try:
         await client.redis.ping()  # connected (a cluster client: its slots known) before `go`
         link.ready.put(f"reader {index}")

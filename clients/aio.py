@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +130,10 @@ class AsyncClient:
     ``shards``: how many request streams the deployment's workers read (its ``--shards``);
     each request goes to one, by its session or its id. ``cluster``: ``redis_url`` names a
     node of a Redis Cluster (batch jobs then are not available: arq needs one Redis).
+    ``home_shard`` (0..shards-1): the requests this client names get ids whose keys lie on
+    that shard, so that on a cluster it reads them all with one blocked ``XREAD`` on one
+    primary instead of one per shard (docs/operations.md#home-shards); a fleet of clients
+    spreads its home shards over the shards.
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class AsyncClient:
         routing: bool | None = None,
         shards: int | None = None,
         cluster: bool | None = None,
+        home_shard: int | None = None,
     ) -> None:
         # A Redis Cluster when ``cluster`` (None: PAGESTREAM_REDIS_CLUSTER) or ``redis`` is one.
         if redis is None:
@@ -150,6 +154,10 @@ class AsyncClient:
         self.redis = redis
         # The deployment's request streams (docs/protocol.md#shards); None: PAGESTREAM_SHARDS.
         self.keys = Keys(prefix, shards_from_env() if shards is None else shards)
+        if home_shard is not None and not 0 <= home_shard < self.keys.num_shards:
+            raise ValueError(f"home_shard must be 0..{self.keys.num_shards - 1} with "
+                             f"{self.keys.num_shards} shards, got {home_shard}")  # fmt: skip
+        self.home_shard = home_shard
         # Prefix-aware routing (docs/routing.md); None: PAGESTREAM_ROUTING decides.
         self.router = Router(self.redis, self.keys) if _routing(routing) else None
         self.timeout_s = timeout_s
@@ -189,7 +197,8 @@ class AsyncClient:
         the first one's events. An id must be 1..256 printable characters, and integers must
         fit 64 bits (``ValueError``).
         """
-        request_id = uuid.uuid4().hex if request_id is None else request_id
+        if request_id is None:
+            request_id = self.keys.new_request_id(self.home_shard)
         if not protocol.is_valid_request_id(request_id):
             # A worker cannot answer on a stream named by such an id: it would only dead-letter
             # the entry, and the caller would wait for nothing.

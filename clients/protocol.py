@@ -17,6 +17,7 @@ import enum
 import functools
 import itertools
 import json
+import uuid
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +123,18 @@ class Keys:
         K``, by the id alone (not the session), so that whoever knows the id and K finds them
         (the worker running it, a caller resuming a request it did not submit)."""
         return zlib.crc32(request_id.encode()) % self.num_shards
+
+    def new_request_id(self, home_shard: int | None = None, *, label: str = "") -> str:
+        """A fresh request id (``label`` and 32 hex digits); with ``home_shard``, one whose out stream and claim carry that
+        shard's tag (``key_shard``) and whose entry, without a session, goes to that shard's
+        request stream: a request's every key then lives on the shard's primary. Ids are
+        drawn until one fits (K draws on average)."""
+        if home_shard is not None and not 0 <= home_shard < self.num_shards:
+            raise ValueError(f"home shard must be 0..{self.num_shards - 1}, got {home_shard}")
+        while True:
+            request_id = f"{label}{uuid.uuid4().hex}"
+            if home_shard is None or self.key_shard(request_id) == home_shard:
+                return request_id
 
     def _request_key(self, kind: str, request_id: str) -> str:
         if self.num_shards == 1:

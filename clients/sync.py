@@ -36,6 +36,7 @@ class Client:
         routing: bool | None = None,
         shards: int | None = None,
         cluster: bool | None = None,
+        home_shard: int | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -44,7 +45,7 @@ class Client:
         self._thread.start()
         self._client = AsyncClient(
             redis_url, prefix=prefix, timeout_s=timeout_s, routing=routing, shards=shards,
-            cluster=cluster,
+            cluster=cluster, home_shard=home_shard,
         )  # fmt: skip
         # Without this, a client left open leaves its stream reader blocked in XREAD on a loop
         # that interpreter exit freezes; the garbage collector then destroys the pending task

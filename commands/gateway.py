@@ -40,6 +40,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="--redis-url names a node of a Redis Cluster (default off)")  # fmt: skip
     g.add_argument("--shards", type=positive_int, default=1,
                    help="request streams of the deployment, as the workers' --shards (default 1)")  # fmt: skip
+    g.add_argument("--home-shard", type=int, metavar="I",
+                   help="give the requests ids whose keys lie on shard I (0..shards-1), so that "
+                   "on a Redis Cluster this gateway reads their events from one primary; give "
+                   "each gateway of a fleet its own (default: spread over every shard)")  # fmt: skip
     g.add_argument("--host", default=config.DEFAULT_HOST,
                    help=f"address to listen on (default {config.DEFAULT_HOST}; 0.0.0.0 = all)")  # fmt: skip
     g.add_argument("--port", type=int, default=config.DEFAULT_PORT,
@@ -76,7 +80,7 @@ def settings_from_args(args: argparse.Namespace) -> config.GatewaySettings:
     try:
         return config.GatewaySettings(
             redis_url=args.redis_url, redis_cluster=args.redis_cluster, prefix=args.prefix,
-            num_shards=args.shards,
+            num_shards=args.shards, home_shard=args.home_shard,
             host=args.host, port=args.port,
             api_keys=keys, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout_s,
             chat_max_tokens=args.chat_max_tokens, tool_call_parser=args.tool_call_parser,

@@ -202,3 +202,51 @@ async def _until(ready: Any) -> None:
         if asyncio.get_running_loop().time() > deadline_s:
             raise TimeoutError("not settled")
         await asyncio.sleep(POLL_S)
+
+
+def test_a_client_on_a_home_shard_keeps_its_requests_on_one_primary(
+    cluster: RedisCluster,
+) -> None:
+    """Twelve requests of a client whose home shard is 1: their entries, out streams and
+    claims all lie on shard 1, and one blocked ``XREAD``, on that shard's primary alone,
+    reads them all; an id the caller names keeps its own shard."""
+    keys = Keys("home", NUM_SHARDS)
+
+    async def scenario() -> None:
+        r = AsyncRedisCluster.from_url(cluster.url, client_name="homed-reader")
+        async with AsyncClient(prefix="home", redis=r, shards=NUM_SHARDS, home_shard=1) as client:
+            writer = AsyncRedisCluster.from_url(cluster.url)
+            await writer.ping()
+            request_ids = [await client.submit(token_ids=[1, 2], max_tokens=1) for _ in range(12)]
+            assert {keys.key_shard(i) for i in request_ids} == {1}
+            entries = [await writer.xlen(shard) for shard in keys.shards]
+            assert entries == [0, 12, 0]
+            assert {key_slot(keys.out(i)) for i in request_ids} == {key_slot(keys.shards[1])}
+            reads = [asyncio.create_task(client.result(i, timeout_s=10)) for i in request_ids]
+            await _until(lambda: blocked_xreads(cluster, "homed-reader") == [0, 1, 0])
+            for request_id in request_ids:
+                end = protocol.DoneEvent(
+                    finish_reason=protocol.FinishReason.LENGTH,
+                    usage=protocol.Usage(prompt_tokens=2, completion_tokens=1),
+                )
+                for event in (TokenEvent(seq=0, text=" a", token_ids=[7]), end):
+                    await writer.xadd(keys.out(request_id), {"msg": protocol.encode(event)})
+            completions = await asyncio.gather(*reads)
+            assert [c.token_ids for c in completions] == [[7]] * len(request_ids)
+            named = ids_of_shard(keys, 2, 1, stem="named")[0]
+            assert await client.submit(token_ids=[1], max_tokens=1, request_id=named) == named
+            assert await writer.xlen(keys.shards[2]) == 1
+            await writer.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_home_shard_must_be_one_of_the_shards() -> None:
+    keys = Keys("home", NUM_SHARDS)
+    assert keys.key_shard(keys.new_request_id(2, label="chatcmpl-")) == 2
+    assert keys.new_request_id(2, label="chatcmpl-").startswith("chatcmpl-")
+    for bad in (-1, NUM_SHARDS):
+        with pytest.raises(ValueError, match=r"home shard must be 0\.\.2"):
+            keys.new_request_id(bad)
+        with pytest.raises(ValueError, match=r"home_shard must be 0\.\.2 with 3 shards"):
+            AsyncClient(redis=object(), shards=NUM_SHARDS, home_shard=bad)

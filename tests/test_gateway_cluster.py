@@ -186,6 +186,44 @@ def _done(raw: Any, request_id: str) -> DoneEvent | None:
     return events[0] if events and isinstance(events[0], DoneEvent) else None
 
 
+@pytest.mark.timeout(90)
+def test_a_gateway_on_a_home_shard_puts_its_requests_there(cluster_stack: ClusterStack) -> None:
+    """``--home-shard 2``: every request the gateway names lies on shard 2 (entry, out stream
+    and claim), keeps its OpenAI id form, and is answered as from any gateway."""
+    raw = cluster_stack.cluster.client()
+    before = out_stream_ids(raw)
+    gateway = GatewayThread(GatewaySettings(
+        redis_url=cluster_stack.cluster.url, redis_cluster=True, num_shards=NUM_SHARDS,
+        home_shard=2, port=free_port(), api_keys=(API_KEY,),
+    )).start()  # fmt: skip
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY,
+                           max_retries=0) as client:  # fmt: skip
+            chats = [
+                client.chat.completions.create(
+                    model=cluster_stack.model, messages=[{"role": "user", "content": "w5"}],
+                    max_tokens=3, temperature=0, extra_body=IGNORE_EOS,
+                )
+                for _ in range(6)
+            ]  # fmt: skip
+    finally:
+        gateway.stop()
+    new = out_stream_ids(raw) - before
+    raw.close()
+    assert {chat.id for chat in chats} == new
+    assert all(request_id.startswith("chatcmpl-") for request_id in new)
+    assert {KEYS.key_shard(request_id) for request_id in new} == {2}
+    assert {KEYS.shard_for(request_id) for request_id in new} == {KEYS.shards[2]}
+    assert all(chat.usage is not None and chat.usage.completion_tokens == 3 for chat in chats)
+
+
+def test_a_home_shard_beyond_the_shards_is_one_clear_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["gateway", "--shards", "3", "--home-shard", "3"]) != 0
+    assert "home shard must be 0..2 with 3 shards, got 3" in capsys.readouterr().err
+
+
 def test_gateway_health_and_models_find_the_worker_on_another_primary(
     cluster_stack: ClusterStack,
 ) -> None:

@@ -8,6 +8,7 @@ need ``Authorization: Bearer KEY`` when keys are set), ``GET /health`` and ``GET
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -52,7 +53,7 @@ class Gateway:
         self.client = AsyncClient(
             settings.redis_url, prefix=settings.prefix, redis=self._redis,
             routing=settings.routing, shards=settings.num_shards,
-            cluster=settings.redis_cluster,
+            cluster=settings.redis_cluster, home_shard=settings.home_shard,
         )  # fmt: skip
         self.directory = WorkerDirectory(self.client.redis, Keys(settings.prefix),
                                          settings.workers_cache_s)  # fmt: skip
@@ -81,6 +82,8 @@ class Gateway:
             if generation.is_chat:
                 detected = await self.directory.chat_formats(model)
                 generation = generation.with_parsers(*self.settings.parsers(detected))
+            if self.settings.home_shard is not None:
+                generation = self._homed(generation)
             await self.client.submit(request_id=generation.request_id,
                                      timeout_s=self.settings.timeout_s, **generation.inputs)  # fmt: skip
         except OpenAIError as exc:
@@ -96,6 +99,14 @@ class Gateway:
         observation = self.metrics.start(endpoint)
         return GenerationResponse(self.client, generation, builder, observation,
                                   self.settings.timeout_s)  # fmt: skip
+
+    def _homed(self, generation: Generation) -> Generation:
+        """The generation under an id of its kind (``chatcmpl-...``) whose keys lie on the
+        gateway's home shard."""
+        assert self.client is not None
+        label = generation.request_id.rpartition("-")[0] + "-"
+        request_id = self.client.keys.new_request_id(self.settings.home_shard, label=label)
+        return dataclasses.replace(generation, request_id=request_id)
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``, and ``GET /v1/models/{model}`` (404 when no live worker has it)."""

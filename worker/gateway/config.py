@@ -46,6 +46,7 @@ class GatewaySettings:
     redis_cluster: bool = False  # redis_url names a node of a Redis Cluster
     prefix: str = DEFAULT_PREFIX
     num_shards: int = 1  # the deployment's request streams (the workers' --shards)
+    home_shard: int | None = None  # the shard this gateway's requests' keys lie on (None: spread)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_keys: tuple[str, ...] = ()
@@ -63,6 +64,11 @@ class GatewaySettings:
             (
                 1 <= self.num_shards <= MAX_SHARDS,
                 f"shards must be 1..{MAX_SHARDS}, got {self.num_shards}",
+            ),
+            (
+                self.home_shard is None or 0 <= self.home_shard < self.num_shards,
+                f"home shard must be 0..{self.num_shards - 1} with {self.num_shards} shards, "
+                f"got {self.home_shard}",
             ),
             (self.max_body_bytes > 0, "max_body_bytes must be > 0"),
             (self.timeout_s > 0, "timeout_s must be > 0"),
