@@ -13,6 +13,7 @@ from clients.routing import (
     MIN_CHARS_PER_LINK,
     MIN_TOKENS_PER_LINK,
     WorkerLoad,
+    balance_gap,
     choose_worker,
     choose_worker_why,
     link_key,
@@ -73,11 +74,19 @@ def test_the_deepest_live_holder_wins_and_a_busy_one_yields() -> None:
 
 
 def test_a_holder_far_busier_than_the_least_loaded_worker_yields() -> None:
-    """SGLang's balance rule: at least BALANCE_GAP more requests than the least loaded live
-    worker, and more than BALANCE_RATIO times as many, sends the entry to the shared stream."""
+    """SGLang's balance rule: at least the balance gap (a sixteenth of the holder's capacity,
+    4 at least) more requests than the least loaded live worker, and more than BALANCE_RATIO
+    times as many, sends the entry to the shared stream."""
 
     def load(n: int) -> WorkerLoad:
-        return WorkerLoad(num_in_flight=n, max_in_flight=256, num_waiting=0)
+        return WorkerLoad(num_in_flight=n, max_in_flight=64, num_waiting=0)  # gap 4
+
+    big = [WorkerLoad(num_in_flight=n, max_in_flight=256, num_waiting=0) for n in (4, 19, 20)]
+    assert [balance_gap(worker) for worker in (load(1), big[0])] == [4, 16]
+    assert choose_worker([["a"], []], {"a": big[1], "b": big[0]}) == "a"  # 15 more: not 16
+    assert choose_worker([["a"], []], {"a": big[2], "b": big[0]}) is None  # 16 more, 5x
+    small = WorkerLoad(num_in_flight=5, max_in_flight=8, num_waiting=0)
+    assert balance_gap(small) == 4 and out_of_balance(small, [small, load(0)])
 
     holders = [["a"], []]
     assert choose_worker(holders, {"a": load(12), "b": load(4)}) is None  # 8 more, 3x
@@ -85,7 +94,7 @@ def test_a_holder_far_busier_than_the_least_loaded_worker_yields() -> None:
     assert choose_worker(holders, {"a": load(5), "b": load(0)}) is None
     assert choose_worker(holders, {"a": load(3), "b": load(0)}) == "a"  # fewer than 4 more
     assert choose_worker(holders, {"a": load(12)}) == "a"  # alone: nothing to balance
-    waiting = WorkerLoad(num_in_flight=4, max_in_flight=256, num_waiting=8)
+    waiting = WorkerLoad(num_in_flight=4, max_in_flight=64, num_waiting=8)
     assert choose_worker(holders, {"a": waiting, "b": load(4)}) is None  # waiting counts
     assert out_of_balance(load(9), [load(9), load(4)]) and not out_of_balance(load(4), [load(4)])
     assert choose_worker_why(holders, {"a": load(12), "b": load(4)}) == (None, "out of balance")
