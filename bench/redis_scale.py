@@ -4,10 +4,10 @@ cluster streams at least 2.5x the tokens/s of one primary).
 
 For each setup, one standalone primary ("single", one request stream) and then an N-primary
 cluster ("cluster", N shards; with ``--home-shards`` a second time with each reader a client
-whose requests all lie on one shard, its home shard), this starts its own redis-servers (``bench.redis_nodes``),
-runs the same load (``bench.redis_scale_load``: producers that are workers without an engine,
-readers that are clients) for ``--duration-s``, and reads every primary's ``INFO cpu`` and
-``INFO commandstats`` before and after. A row per setup: tokens/s written and read end to end
+whose requests all lie on one shard, its home shard), this starts its own redis-servers
+(``bench.redis_nodes``), runs the same load (``bench.redis_scale_load``: producers that are
+workers without an engine, readers that are clients) for ``--duration-s``, and reads every
+primary's ``INFO cpu`` and ``INFO commandstats`` before and after. A row per setup: tokens/s written and read end to end
 (the counts must match), Redis commands/s and CPU per token summed over the primaries, each
 primary's busy fraction, and the cores each group of processes used. The record's ``ratio``
 is cluster over single tokens/s.

@@ -61,7 +61,8 @@ def format_row(row: dict[str, Any]) -> str:
     """One line of a setup's figures."""
     busy = ", ".join(f"{value:.2f}" for value in row["redis_cpu_busy_by_primary"])
     homed = ", readers on home shards" if row.get("readers_home_shards") else ""
-    return (f"{row['redis']} ({row['primaries']} primaries{homed}): {row['tokens_per_s']:,.0f} tokens/s "
+    return (f"{row['redis']} ({row['primaries']} primaries{homed}): "
+            f"{row['tokens_per_s']:,.0f} tokens/s "
             f"({row['tokens_read']:,} read of {row['tokens_written']:,} written, "
             f"{row['requests']:,} requests), {row['redis_commands_per_s']:,.0f} Redis commands/s, "
             f"{row['redis_cpu_us_per_token']:.1f} us Redis CPU per token; primaries busy {busy}")  # fmt: skip

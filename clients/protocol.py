@@ -125,10 +125,10 @@ class Keys:
         return zlib.crc32(request_id.encode()) % self.num_shards
 
     def new_request_id(self, home_shard: int | None = None, *, label: str = "") -> str:
-        """A fresh request id (``label`` and 32 hex digits); with ``home_shard``, one whose out stream and claim carry that
-        shard's tag (``key_shard``) and whose entry, without a session, goes to that shard's
-        request stream: a request's every key then lives on the shard's primary. Ids are
-        drawn until one fits (K draws on average)."""
+        """A fresh request id (``label`` and 32 hex digits); with ``home_shard``, one whose out
+        stream and claim carry that shard's tag (``key_shard``) and whose entry, without a
+        session, goes to that shard's request stream: a request's every key then lives on
+        the shard's primary. Ids are drawn until one fits (K draws on average)."""
         if home_shard is not None and not 0 <= home_shard < self.num_shards:
             raise ValueError(f"home shard must be 0..{self.num_shards - 1}, got {home_shard}")
         while True:
