@@ -20,6 +20,7 @@ import copy
 import os
 import time
 from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.fleet import WORKER_FLAGS, _memory_fractions, available_cores, worker_gpus
@@ -144,6 +145,9 @@ async def _drive(
     tokens = Counter[str]()
     per_worker = Counter[str]()
     first_turns = Counter[str]()  # where each conversation started: its later turns follow
+    # each worker's turns: TTFT, engine part, prompt and cached tokens (a slow or cold worker
+    # shows here, where the fleet's percentiles mix it with the others)
+    by_worker: dict[str, WorkerTally] = {}
 
     async def lane(client: AsyncClient) -> None:
         while waiting:
@@ -173,6 +177,7 @@ async def _drive(
             ttft_by_turn.setdefault(turn, []).append(ttft_s)
             if done is not None:
                 _split(ttft_s, submit_s, done, parts_s)
+                by_worker.setdefault(done.worker, WorkerTally()).add(ttft_s, done)
             session.add_reply(reply)
             if session.num_done < workload.num_turns:
                 waiting.append(index)
@@ -183,6 +188,8 @@ async def _drive(
         elapsed_s = time.perf_counter() - started_s
         choices = dict(client.router.choices) if client.router is not None else {}
     ttft = percentiles(ttfts_s)
+    busiest_first = sorted(by_worker.items(), key=lambda item: -len(item[1].ttfts_s))
+    workers = [tally.summary(name) for name, tally in busiest_first]
     return {
         "prefix_hit_rate": tokens["cached"] / max(tokens["prompt"], 1),
         "ttft_s": {"p50": ttft["p50"], "p90": ttft["p90"]},
@@ -199,9 +206,37 @@ async def _drive(
         "cached_prompt_tokens": tokens["cached"],
         "requests_per_worker": sorted(per_worker.values(), reverse=True),
         "first_turns_per_worker": sorted(first_turns.values(), reverse=True),
+        "by_worker": workers,
         "routing_choices": choices,  # routed turns: where each went and why
         "load_avg_1m": os.getloadavg()[0],
     }
+
+
+@dataclass
+class WorkerTally:
+    """One worker's turns in a run."""
+
+    ttfts_s: list[float] = field(default_factory=list)
+    engine_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, ttft_s: float, done: DoneEvent) -> None:
+        self.ttfts_s.append(ttft_s)
+        if done.timings.time_to_first_token_ms is not None:
+            self.engine_s.append(done.timings.time_to_first_token_ms / 1000)
+        if done.usage is not None:
+            self.prompt_tokens += done.usage.prompt_tokens
+            self.cached_tokens += done.usage.cached_prompt_tokens
+
+    def summary(self, name: str) -> dict[str, Any]:
+        return {
+            "worker": name,
+            "requests": len(self.ttfts_s),
+            "ttft_p50_s": percentiles(self.ttfts_s)["p50"],
+            "engine_p50_s": percentiles(self.engine_s)["p50"] if self.engine_s else None,
+            "prefix_hit_rate": self.cached_tokens / max(self.prompt_tokens, 1),
+        }
 
 
 def _split(

@@ -32,6 +32,15 @@ def test_multiturn_fleet_record_and_routing_keeps_the_hit_rate(tmp_path: Path) -
     for row in rows:
         assert row["num_requests"] == SESSIONS * TURNS == sum(row["requests_per_worker"])
         assert sum(row["first_turns_per_worker"]) == SESSIONS  # where each one started
+        # each worker's own turns: as many as it finished, its TTFT and hit rate
+        workers = row["by_worker"]
+        assert [w["requests"] for w in workers] == row["requests_per_worker"]
+        assert len({w["worker"] for w in workers}) == row["workers"]
+        assert all(0 < w["engine_p50_s"] <= 2 * row["ttft_s"]["p90"] for w in workers)
+        assert all(w["ttft_p50_s"] > 0 and 0 <= w["prefix_hit_rate"] < 1 for w in workers)
+        if row["workers"] == 1:  # the one worker's turns are the fleet's
+            assert workers[0]["prefix_hit_rate"] == pytest.approx(row["prefix_hit_rate"])
+            assert workers[0]["ttft_p50_s"] == pytest.approx(row["ttft_s"]["p50"])
         assert 0 < row["prefix_hit_rate"] < 1 and row["output_tok_s"] > 0
         assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p90"]
         # TTFT split by the done events' timings (each part of the same turns), and by turn
