@@ -43,10 +43,15 @@ class Client:
             target=_run_loop, args=(self._loop,), name="pagestream-client", daemon=True
         )
         self._thread.start()
-        self._client = AsyncClient(
-            redis_url, prefix=prefix, timeout_s=timeout_s, routing=routing, shards=shards,
-            cluster=cluster, home_shard=home_shard,
-        )  # fmt: skip
+        try:
+            self._client = AsyncClient(
+                redis_url, prefix=prefix, timeout_s=timeout_s, routing=routing, shards=shards,
+                cluster=cluster, home_shard=home_shard,
+            )  # fmt: skip
+        except BaseException:  # a bad setting: no loop thread left behind
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            raise
         # Without this, a client left open leaves its stream reader blocked in XREAD on a loop
         # that interpreter exit freezes; the garbage collector then destroys the pending task
         # off its loop ("Task was destroyed but it is pending!"). The finalizer holds no

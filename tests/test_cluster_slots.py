@@ -8,6 +8,7 @@ commandstats``, ``CLIENT LIST``), not on mocks. One cluster serves every test he
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-from clients import AsyncClient, protocol
+from clients import AsyncClient, Client, protocol
 from clients.protocol import Keys, TokenEvent, key_slot, shard_tag
 from tests.redis_cluster import RedisCluster
 from worker.delivery import Entry, EntryRef, OutEvent, Ownership, RequestStream
@@ -250,3 +251,7 @@ def test_a_home_shard_must_be_one_of_the_shards() -> None:
             keys.new_request_id(bad)
         with pytest.raises(ValueError, match=r"home_shard must be 0\.\.2 with 3 shards"):
             AsyncClient(redis=object(), shards=NUM_SHARDS, home_shard=bad)
+        threads = threading.active_count()
+        with pytest.raises(ValueError, match=r"home_shard must be 0\.\.2 with 3 shards"):
+            Client(shards=NUM_SHARDS, home_shard=bad)
+        assert threading.active_count() == threads  # its loop thread stopped
