@@ -143,7 +143,6 @@ async def _drive(
     parts_s: dict[str, list[float]] = {"submit": [], "queue": [], "engine": [], "rest": []}
     ttft_by_turn: dict[int, list[float]] = {}
     tokens = Counter[str]()
-    per_worker = Counter[str]()
     first_turns = Counter[str]()  # where each conversation started: its later turns follow
     # each worker's turns: TTFT, engine part, prompt and cached tokens (a slow or cold worker
     # shows here, where the fleet's percentiles mix it with the others)
@@ -169,7 +168,6 @@ async def _drive(
                     tokens["prompt"] += event.usage.prompt_tokens
                     tokens["cached"] += event.usage.cached_prompt_tokens
                     tokens["output"] += len(reply)
-                    per_worker[event.worker] += 1
                     if session.num_done == 0:
                         first_turns[event.worker] += 1
             ttft_s = (first_s or time.perf_counter()) - started_s
@@ -204,7 +202,7 @@ async def _drive(
         "elapsed_s": elapsed_s,
         "prompt_tokens": tokens["prompt"],
         "cached_prompt_tokens": tokens["cached"],
-        "requests_per_worker": sorted(per_worker.values(), reverse=True),
+        "requests_per_worker": [worker["requests"] for worker in workers],  # busiest first
         "first_turns_per_worker": sorted(first_turns.values(), reverse=True),
         "by_worker": workers,
         "routing_choices": choices,  # routed turns: where each went and why

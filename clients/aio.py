@@ -154,9 +154,10 @@ class AsyncClient:
         self.redis = redis
         # The deployment's request streams (docs/protocol.md#shards); None: PAGESTREAM_SHARDS.
         self.keys = Keys(prefix, shards_from_env() if shards is None else shards)
-        if home_shard is not None and not 0 <= home_shard < self.keys.num_shards:
-            raise ValueError(f"home_shard must be 0..{self.keys.num_shards - 1} with "
-                             f"{self.keys.num_shards} shards, got {home_shard}")  # fmt: skip
+        if home_shard is not None and (
+            error := self.keys.home_shard_error(home_shard, "home_shard")
+        ):
+            raise ValueError(error)
         self.home_shard = home_shard
         # Prefix-aware routing (docs/routing.md); None: PAGESTREAM_ROUTING decides.
         self.router = Router(self.redis, self.keys) if _routing(routing) else None

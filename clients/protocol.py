@@ -129,12 +129,20 @@ class Keys:
         stream and claim carry that shard's tag (``key_shard``) and whose entry, without a
         session, goes to that shard's request stream: a request's every key then lives on
         the shard's primary. Ids are drawn until one fits (K draws on average)."""
-        if home_shard is not None and not 0 <= home_shard < self.num_shards:
-            raise ValueError(f"home shard must be 0..{self.num_shards - 1}, got {home_shard}")
+        if home_shard is not None and (error := self.home_shard_error(home_shard)):
+            raise ValueError(error)
         while True:
             request_id = f"{label}{uuid.uuid4().hex}"
             if home_shard is None or self.key_shard(request_id) == home_shard:
                 return request_id
+
+    def home_shard_error(self, home_shard: int, name: str = "home shard") -> str | None:
+        """Why ``home_shard`` (called ``name`` in the message) is not one of the shards, or
+        None: the one check of the client, the gateway's settings and ``new_request_id``."""
+        if 0 <= home_shard < self.num_shards:
+            return None
+        return (f"{name} must be 0..{self.num_shards - 1} with {self.num_shards} shards, "
+                f"got {home_shard}")  # fmt: skip
 
     def _request_key(self, kind: str, request_id: str) -> str:
         if self.num_shards == 1:

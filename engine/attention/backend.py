@@ -232,13 +232,14 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    """The Triton kernels of ``kernels/``: the default on CUDA. ``device``: the GPU whose kind
-    decides ``PAGESTREAM_PREFILL_ATTN=auto`` (``prefill_attention_choice``)."""
+    """The Triton kernels of ``kernels/``: the default on CUDA. ``prefill_attention``: what
+    attends the prefill chunks (``prefill_attention_choice``, which ``get_attention_backend``
+    makes for the device; None: read from the environment for no device in particular)."""
 
     name = "triton"
     graph_safe = True
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, prefill_attention: str | None = None) -> None:
         # Imported here: a CPU-only install never needs triton at import time.
         from kernels.attention.paged_attention_triton import decode_graph_contexts, paged_attention
         from kernels.elementwise.activation_triton import silu_and_mul, silu_and_mul_int8
@@ -266,7 +267,7 @@ class TritonAttentionBackend:
         self._paged_attention = paged_attention
         self._decode_graph_contexts = decode_graph_contexts
         self._prefill_sdpa: Callable[..., None] | None = None
-        self._fused_choice = prefill_attention_choice(device)
+        self._fused_choice = prefill_attention or prefill_attention_choice()
         if self._fused_choice != "triton":
             from kernels.attention import prefill_sdpa
             from kernels.attention.merge_states_triton import merge_states
@@ -434,12 +435,12 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
     """Triton on CUDA, torch elsewhere; ``PAGESTREAM_ATTN_BACKEND`` overrides the choice.
     ``PAGESTREAM_PREFILL_ATTN`` is checked on every backend: a wrong value is an error, not
     ignored where the torch backend has no use for it."""
-    prefill_attention_choice(device)
+    prefill = prefill_attention_choice(device)
     choice = os.environ.get(ATTN_BACKEND_ENV, "auto")
     if choice not in BACKEND_CHOICES:
         raise ConfigError(
             f"{ATTN_BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKEND_CHOICES)}"
         )
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        return TritonAttentionBackend(device)
+        return TritonAttentionBackend(prefill)
     return TorchAttentionBackend()

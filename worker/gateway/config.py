@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clients.protocol import DEFAULT_PREFIX, MAX_SHARDS
+from clients.protocol import DEFAULT_PREFIX, MAX_SHARDS, Keys
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -65,11 +65,6 @@ class GatewaySettings:
                 1 <= self.num_shards <= MAX_SHARDS,
                 f"shards must be 1..{MAX_SHARDS}, got {self.num_shards}",
             ),
-            (
-                self.home_shard is None or 0 <= self.home_shard < self.num_shards,
-                f"home shard must be 0..{self.num_shards - 1} with {self.num_shards} shards, "
-                f"got {self.home_shard}",
-            ),
             (self.max_body_bytes > 0, "max_body_bytes must be > 0"),
             (self.timeout_s > 0, "timeout_s must be > 0"),
             (self.chat_max_tokens > 0, "chat_max_tokens must be > 0"),
@@ -87,3 +82,7 @@ class GatewaySettings:
         for ok, message in checks:
             if not ok:
                 raise GatewayConfigError(message)
+        if self.home_shard is not None:  # the client's own check, after the shards'
+            error = Keys(self.prefix, self.num_shards).home_shard_error(self.home_shard)
+            if error:
+                raise GatewayConfigError(error)
