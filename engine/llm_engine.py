@@ -39,7 +39,7 @@ from engine.memory import prefer_expandable_segments
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, StepOutput
-from engine.runtime import RankSetup, setup_rank
+from engine.runtime import RankSetup, build_prefill_shapes, setup_rank
 from engine.sample_group import SampleGroup, SampleGroups, check_num_samples, sample_seed
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
@@ -142,6 +142,8 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._groups = SampleGroups()  # requests with n > 1 in flight
         self._num_prefill_tokens = 0
+        self._build_shapes = functools.partial(build_prefill_shapes, setup, config, self.device)
+        self._prepared_threads: set[int] = set()
         torch.manual_seed(config.seed)
         logger.info(
             "engine ready: model=%s device=%s dtype=%s backend=%s prefill_attention=%s "
@@ -291,9 +293,21 @@ class LLMEngine:
 
         Under tensor parallelism a rank that died raises ``EngineDeadError`` here.
         """
+        self.prepare_thread()
         # the whole step: a dead peer can also leave this rank waiting for its picks
         with self._collectives():
             return self._step(while_gpu_busy)
+
+    def prepare_thread(self) -> None:
+        """Build, once per thread, what this thread's steps would otherwise build the first
+        time they meet it: the prefill path's kernels for each shape of a full chunk, which
+        torch keeps per thread (``AttentionBackend.build_prefill_shapes``; seconds, and only
+        with cuDNN's path on). ``step`` calls it; a caller that steps on a thread of its own
+        calls it there first, before any request waits on that thread."""
+        thread = threading.get_ident()
+        if thread not in self._prepared_threads:
+            self._prepared_threads.add(thread)
+            self._build_shapes()
 
     def _step(self, while_gpu_busy: Callable[[], None] | None) -> list[StepOutput]:
         start_s = time.perf_counter()

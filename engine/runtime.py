@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,23 @@ def setup_rank(
         config, loaded, backend, dtype, max_model_len, device, group, draft=draft
     )
     return RankSetup(loaded, runtime, backend, dtype, max_model_len)
+
+
+def build_prefill_shapes(setup: RankSetup, config: EngineConfig, device: torch.device) -> int:
+    """``AttentionBackend.build_prefill_shapes`` for this rank's model and chunk size, on the
+    calling thread (the one that will run its steps), logged when it built any."""
+    arch = setup.loaded.model.arch  # this rank's heads
+    start_s = time.perf_counter()
+    built = setup.backend.build_prefill_shapes(
+        arch.num_heads, arch.num_kv_heads, arch.head_dim, setup.dtype, device,
+        setup.max_model_len, min(config.prefill_chunk, config.max_batched_tokens),
+    )  # fmt: skip
+    if built:
+        logger.info(
+            "prefill attention: %d shapes built in %.1fs (%s)",
+            built, time.perf_counter() - start_s, setup.backend.prefill_attention,
+        )  # fmt: skip
+    return built
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:

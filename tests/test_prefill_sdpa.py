@@ -15,8 +15,11 @@ import torch
 
 from engine.attention import AttentionMetadata, backend
 from kernels.attention import prefill_sdpa as prefill_sdpa_module
+from kernels.attention.paged_attention import write_kv_ref
 from kernels.attention.prefill_sdpa import (
     attend_math,
+    build_shapes,
+    full_chunk_shapes,
     fused_attend,
     merge_states_ref,
     prefill_sdpa,
@@ -114,6 +117,67 @@ def test_bucketed_shapes_are_few_and_exact() -> None:
         32,
         104,
     ]
+
+
+Signature = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]
+
+
+def signing(calls: set[Signature]) -> Any:
+    """An ``Attend`` that records what a kernel's per-shape cache sees of each call (q's and
+    k's shapes and strides, v's as k's, the mask) and returns zeros."""
+
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert (v.shape, v.stride()) == (k.shape, k.stride())
+        calls.add((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), causal))
+        return torch.zeros_like(q), torch.zeros(q.shape[:3])
+
+    return attend
+
+
+@pytest.mark.usefixtures("small_buckets")
+def test_full_chunk_shapes_are_every_call_a_full_chunk_makes() -> None:
+    """Chunks of 29-40 new tokens (a full chunk of 40, less up to 11 decodes) over contexts
+    of 64-200 tokens: every call the path makes, shapes and strides alike, is one that
+    ``build_shapes`` made of ``full_chunk_shapes`` (so a kernel that builds per shape has
+    built it), and each of those shapes is met."""
+    made: set[Signature] = set()
+    shapes = full_chunk_shapes(40, 200, 64, chunk_slack=11)
+    assert build_shapes(shapes, 4, 2, 32, torch.float32, torch.device("cpu"), signing(made)) == (
+        len(shapes)
+    )
+    met: set[Signature] = set()
+    gen = torch.Generator().manual_seed(0)
+    samples = [(40, 160), (32, 168), (29, 171), (40, 24)]  # the edges, then at random
+    for _ in range(40):
+        chunk = int(torch.randint(29, 41, (1,), generator=gen))
+        samples.append(
+            (chunk, int(torch.randint(64 - chunk, 200 - chunk + 1, (1,), generator=gen)))
+        )
+    for chunk, earlier in samples:
+        batch = make_batch([chunk], [earlier], block_size=16, num_heads=4, num_kv_heads=2,
+                           dtype=torch.float32, seed=earlier, write=write_kv_ref)  # fmt: skip
+        run(batch, signing(met), first_seq=0, buckets=True)
+    assert met <= made
+    # padded to 32 rows (29-32 new tokens) or 40 (33-40): over 32-160 or 16-160 earlier keys
+    assert [s for s in shapes if not s[2]] == [(32, k, False) for k in range(32, 161, 16)] + [
+        (40, k, False) for k in range(16, 161, 16)
+    ]
+    assert {(q[2], k[2], causal) for q, _, k, _, causal in met} >= {
+        (40, 160, False),
+        (40, 16, False),
+    }
+
+
+def test_full_chunk_shapes_at_serving_sizes() -> None:
+    """A 4096-token chunk up to 32k of context: five causal squares (the rest of a key block
+    and the chunk) and the chunk over each whole number of key blocks it can follow; none
+    where no context reaches the path's minimum."""
+    shapes = full_chunk_shapes(4096, 32768, 8192)
+    assert [s for s in shapes if s[2]] == [(n, n, True) for n in (4096, 4608, 5120, 5632, 6144)]
+    assert [k for _, k, causal in shapes if not causal] == list(range(4096, 28673, 2048))
+    assert full_chunk_shapes(4096, 4096, 8192) == []
 
 
 def test_bucket_sizes() -> None:

@@ -148,6 +148,7 @@ class EngineThread:
                 loop.call_soon_threadsafe(self._deliver, pending.pop())
 
         try:
+            self.engine.prepare_thread()  # before any request waits on this thread
             with gc_frozen():  # the engine's objects out of every full collection's walk
                 self._step_until_stopped(hand_over, pending)
         except BaseException as exc:

@@ -172,6 +172,15 @@ class AttentionBackend(Protocol):
         memory profile's step): a copy of a long context's K/V, say."""
         ...
 
+    def build_prefill_shapes(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        device: torch.device, max_seq_len: int, max_query_len: int,
+    ) -> int:  # fmt: skip
+        """Builds, on the calling thread, what the prefill path would otherwise build at the
+        first step of each shape of a full chunk (cuDNN's graphs, which torch keeps per
+        thread); the number of shapes built. Call it on the thread that steps the engine."""
+        ...
+
 
 TORCH_OPS = LayerOps(
     rms_norm=rms_norm_ref,
@@ -198,6 +207,12 @@ class TorchAttentionBackend:
         max_seq_len: int, max_query_len: int,
     ) -> int:  # fmt: skip
         return 0  # the CPU path: no device memory is planned
+
+    def build_prefill_shapes(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        device: torch.device, max_seq_len: int, max_query_len: int,
+    ) -> int:  # fmt: skip
+        return 0  # nothing is built per shape
 
     def forward(
         self,
@@ -298,6 +313,41 @@ class TritonAttentionBackend:
 
         return workspace_bytes(num_heads, num_kv_heads, head_dim, dtype, max_seq_len, max_query_len)
 
+    def build_prefill_shapes(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        device: torch.device, max_seq_len: int, max_query_len: int,
+    ) -> int:  # fmt: skip
+        """With the bucketed SDPA path on a GPU, every full chunk's shapes
+        (``prefill_sdpa.full_chunk_shapes``): 20-70 builds of 70-160 ms each, once per thread,
+        instead of a stall of the whole batch at the first step of each. ``sdpa-exact``'s
+        shapes are a chunk's own, too many to build ahead; on a CPU nothing is built."""
+        if self._prefill_sdpa is None or self._fused_choice != "sdpa" or device.type != "cuda":
+            return 0
+        if max_query_len < SDPA_MIN_QUERY_LEN:
+            return 0
+        pages = torch.empty(0, 1, num_kv_heads, head_dim, dtype=dtype, device=device)
+        if not self._fused_attention_takes(pages):
+            return 0
+        from kernels.attention import prefill_sdpa
+
+        shapes = prefill_sdpa.full_chunk_shapes(max_query_len, max_seq_len, SDPA_MIN_SEQ_LEN)
+        try:
+            return prefill_sdpa.build_shapes(
+                shapes, num_heads, num_kv_heads, head_dim, dtype, device, prefill_sdpa.fused_attend
+            )
+        except RuntimeError as error:  # as in forward
+            self._fused_refused(error)
+            return 0
+
+    def _fused_refused(self, error: RuntimeError) -> None:
+        """The fused kernel refused a shape or the card: the Triton kernel from now on."""
+        logger.warning(
+            "%s=%s: the fused kernel refused a prefill chunk (%s); the Triton kernel attends "
+            "every prefill chunk from now on",
+            PREFILL_ATTN_ENV, self.prefill_attention, str(error)[:300],
+        )  # fmt: skip
+        self._prefill_sdpa = None
+
     def _sdpa_chunks(
         self, meta: AttentionMetadata, cache: LayerCache, sliding_window: int | None
     ) -> list[int]:
@@ -351,12 +401,7 @@ class TritonAttentionBackend:
                 try:
                     return self._attend_with_sdpa(q, cache, meta, scale, long_chunks, out)
                 except RuntimeError as error:  # a shape or card cuDNN refuses: Triton from here
-                    logger.warning(
-                        "%s=%s: the fused kernel refused a prefill chunk (%s); the Triton "
-                        "kernel attends every prefill chunk from now on",
-                        PREFILL_ATTN_ENV, self.prefill_attention, str(error)[:300],
-                    )  # fmt: skip
-                    self._prefill_sdpa = None
+                    self._fused_refused(error)
         return self._paged_attention(
             q,
             cache.k,

@@ -33,7 +33,7 @@ from engine.distributed.step_channel import StepChannel
 from engine.errors import PagestreamError
 from engine.memory import gc_frozen
 from engine.model_runner import ModelRunner
-from engine.runtime import setup_rank
+from engine.runtime import build_prefill_shapes, setup_rank
 
 logger = logging.getLogger("pagestream.engine")
 
@@ -84,6 +84,7 @@ def rank_main(spec: RankSpec) -> int:
     group.steps = steps
     try:
         setup = setup_rank(config, device, group, spec.source)
+        build_prefill_shapes(setup, config, device)  # this thread serves the steps
         serve_steps(setup.runtime.runner, group)
         setup.runtime.runner.release_cuda_graphs()
     except PagestreamError as exc:  # rank 0 meets the same error and reports it

@@ -17,7 +17,11 @@ two disjoint sets of keys. A chunk with no earlier context is one causal call.
 
 cuDNN builds a graph for each new shape, and a serving engine's chunk and context lengths
 change every step; with ``buckets`` (the engine's ``sdpa``) the two parts get shapes from a few
-sizes, exactly (``_attend_chunk``).
+sizes, exactly (``_attend_chunk``). A build takes 70-160 ms of host time (on an H100), during
+which the GPU runs dry: in a run of 32k prompts the builds of the shapes met along the way cost
+9% of its throughput (bench/results/prefill-sdpa-warm-h200.json). ``full_chunk_shapes`` lists
+the shapes of every full chunk, which ``build_shapes`` builds ahead, on the thread that will
+attend (torch keeps cuDNN's graphs per thread).
 
 ``attend``, the kernel, is a parameter: the engine's ``fused_attend`` runs cuDNN's on CUDA and
 plain torch (``attend_math``) on a CPU, where the tests check the split, the merge and the
@@ -202,6 +206,56 @@ def _attend_chunk(
         _heads_first(values[:whole]), False, scale,
     )  # fmt: skip
     merge(before[0, :, :num_queries], lse_before[0, :, :num_queries], own, lse_own, out)
+
+
+def full_chunk_shapes(
+    max_query_len: int, max_seq_len: int, min_seq_len: int, chunk_slack: int = 511
+) -> list[tuple[int, int, bool]]:
+    """``(query rows, key rows, causal)`` of every call ``_attend_chunk`` makes with buckets
+    for a chunk of ``max_query_len - chunk_slack`` to ``max_query_len`` new tokens (a full
+    chunk, less a step's decodes) whose context, its own tokens included, is at least
+    ``min_seq_len`` and at most ``max_seq_len`` tokens: the shapes a run of long prompts meets.
+    Shorter chunks (a prompt's last) may meet others."""
+    low = max(1, max_query_len - chunk_slack)
+    if max_seq_len < max(min_seq_len, low):
+        return []
+    squares = {shape_bucket(n) for n in range(low, max_query_len + KEY_BLOCK)}
+    shapes = [(square, square, True) for square in sorted(squares)]
+    by_bucket: dict[int, list[int]] = {}  # padded rows -> the chunk lengths padded to them
+    for num_queries in range(low, max_query_len + 1):
+        by_bucket.setdefault(shape_bucket(num_queries), []).append(num_queries)
+    for rows, lengths in sorted(by_bucket.items()):
+        # earlier keys: from what the shortest context needs to what the longest allows
+        first = max(min_seq_len - lengths[-1], 0) // KEY_BLOCK * KEY_BLOCK
+        wholes = range(max(first, KEY_BLOCK), max_seq_len - lengths[0] + 1, KEY_BLOCK)
+        shapes += [(rows, whole, False) for whole in wholes]
+    return shapes
+
+
+def build_shapes(
+    shapes: Iterable[tuple[int, int, bool]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    attend: Attend,
+) -> int:
+    """Calls ``attend`` once on zeros of each shape, laid out as ``_attend_chunk`` lays its
+    calls (views of ``[S, H, D]`` rows): what a kernel builds per shape and thread, it then
+    holds. Returns how many shapes were called."""
+    shapes = list(shapes)
+    if not shapes:
+        return 0
+    max_q = max(rows for rows, _, _ in shapes)
+    max_k = max(keys for _, keys, _ in shapes)
+    queries = torch.zeros(max_q, num_heads, head_dim, dtype=dtype, device=device)
+    keys = torch.zeros(max_k, num_kv_heads, head_dim, dtype=dtype, device=device)
+    scale = head_dim**-0.5
+    for rows, num_keys, causal in shapes:
+        part = _heads_first(keys[:num_keys])
+        attend(_heads_first(queries[:rows]), part, part, causal, scale)
+    return len(shapes)
 
 
 def workspace_bytes(
