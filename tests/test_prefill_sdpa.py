@@ -131,7 +131,7 @@ def signing(calls: set[Signature]) -> Any:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert (v.shape, v.stride()) == (k.shape, k.stride())
         calls.add((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), causal))
-        return torch.zeros_like(q), torch.zeros(q.shape[:3])
+        return torch.zeros_like(q), torch.zeros(q.shape[:3], device=q.device)
 
     return attend
 
@@ -144,7 +144,7 @@ def test_full_chunk_shapes_are_every_call_a_full_chunk_makes() -> None:
     built it), and each of those shapes is met."""
     made: set[Signature] = set()
     shapes = full_chunk_shapes(40, 200, 64, chunk_slack=11)
-    assert build_shapes(shapes, 4, 2, 32, torch.float32, torch.device("cpu"), signing(made)) == (
+    assert build_shapes(shapes, 4, 2, 32, torch.float32, torch.device(DEVICE), signing(made)) == (
         len(shapes)
     )
     met: set[Signature] = set()
