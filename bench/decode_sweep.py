@@ -1,11 +1,15 @@
-"""Decode attention variants at throughput-sized batches: one layer of llama3-8b's heads.
+"""Decode attention variants: one layer of llama3-8b's (or qwen3-0.6b's) heads.
 
     python -m bench.decode_sweep --output-json bench/results/decode-attention-sweep-h100.json
+    python -m bench.decode_sweep --long --output-json bench/results/decode-long-sweep-h100.json
 
 Times the Triton decode kernel for every combination of split count, warps, pipeline stages
-and K/V tile size on uniform and mixed context lengths, with each variant's output checked
-against the default's, and prints the best per shape beside the default (1 split, 4 warps,
-3 stages, 16 KB tiles). CUDA only.
+and K/V tile size, with each variant's output checked against the unsplit default's, and
+prints the best per shape beside the default (1 split, 4 warps, 3 stages, 16 KB tiles) and
+beside the split count the engine would choose (``default_num_kv_splits``). The cases are
+throughput-sized batches of 1k contexts, or with ``--long`` the long-context matrix row's
+decodes: 8-32 sequences of 16k-32k tokens, where the step reads tens of GB of KV and the
+bandwidth reached (against a device copy's, in the record) is what counts. CUDA only.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ import triton
 
 import kernels.attention.paged_attention_triton as decode
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 32
+NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 32
+LLAMA_Q_HEADS, QWEN_Q_HEADS = 32, 16  # llama3-8b: groups of 4; qwen3-0.6b: groups of 2
 SPLITS, WARPS, STAGES, TILE_BYTES = (1, 2, 4), (4, 8), (2, 3, 4), (16384, 32768)
+LONG_SPLITS = (1, 2, 4, 8, 16)
 DEFAULT = (1, 4, 3, 16384)
 
 
-def _case(lens: list[int], device: torch.device) -> tuple[Callable[[int], torch.Tensor], int]:
+def _case(
+    lens: list[int], device: torch.device, num_q_heads: int = LLAMA_Q_HEADS
+) -> tuple[Callable[[int], torch.Tensor], int]:
     """A decode call over random pages for these context lengths, and the K/V bytes it reads."""
     pages = [-(-n // BLOCK_SIZE) for n in lens]
     num_blocks = sum(pages) + 1
@@ -40,7 +48,7 @@ def _case(lens: list[int], device: torch.device) -> tuple[Callable[[int], torch.
     block_tables = torch.tensor(tables, dtype=torch.int32, device=device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     starts = torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
-    q = torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), num_q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
     def run(num_splits: int) -> torch.Tensor:
         return decode.paged_attention(
@@ -51,18 +59,32 @@ def _case(lens: list[int], device: torch.device) -> tuple[Callable[[int], torch.
     return run, sum(lens) * NUM_KV_HEADS * HEAD_DIM * 2 * k_cache.element_size()
 
 
-def sweep(device: torch.device) -> list[dict[str, Any]]:
+def _cases(long: bool) -> dict[str, tuple[list[int], int]]:
+    """Case name -> (context lengths, query heads)."""
     gen = torch.Generator().manual_seed(0)
-    cases = {
-        "b64-u1000": [1000] * 64,
-        "b144-u1000": [1000] * 144,
-        "b256-u1000": [1000] * 256,
-        "b144-mixed": torch.randint(100, 2048, (144,), generator=gen).tolist(),
+    if long:
+        return {
+            "llama-b8-u32k": ([32768] * 8, LLAMA_Q_HEADS),
+            "llama-b16-u32k": ([32768] * 16, LLAMA_Q_HEADS),
+            "llama-b32-u16k": ([16384] * 32, LLAMA_Q_HEADS),
+            "qwen-b16-u32k": ([32768] * 16, QWEN_Q_HEADS),
+            "qwen-b32-u32k": ([32768] * 32, QWEN_Q_HEADS),
+        }
+    return {
+        "b64-u1000": ([1000] * 64, LLAMA_Q_HEADS),
+        "b144-u1000": ([1000] * 144, LLAMA_Q_HEADS),
+        "b256-u1000": ([1000] * 256, LLAMA_Q_HEADS),
+        "b144-mixed": (torch.randint(100, 2048, (144,), generator=gen).tolist(), LLAMA_Q_HEADS),
     }
-    built = {name: _case(lens, device) for name, lens in cases.items()}
+
+
+def sweep(device: torch.device, long: bool = False) -> list[dict[str, Any]]:
+    cases = _cases(long)
+    built = {name: _case(lens, device, heads) for name, (lens, heads) in cases.items()}
     expected = {name: run(1).float() for name, (run, _) in built.items()}
     rows = []
-    for splits, warps, stages, tile in itertools.product(SPLITS, WARPS, STAGES, TILE_BYTES):
+    splits_swept = LONG_SPLITS if long else SPLITS
+    for splits, warps, stages, tile in itertools.product(splits_swept, WARPS, STAGES, TILE_BYTES):
         decode.DECODE_NUM_WARPS, decode.DECODE_NUM_STAGES = warps, stages
         decode.DECODE_TILE_BYTES = tile
         for name, (run, num_bytes) in built.items():
@@ -79,21 +101,40 @@ def sweep(device: torch.device) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--output-json", default="decode-attention-sweep.json")
+    parser.add_argument(
+        "--long", action="store_true",
+        help="the long-context cases (8-32 sequences of 16k-32k tokens) and up to 16 splits",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    from bench.kernels import measure_copy_bandwidth
     from bench.records import machine_info
 
-    rows = sweep(torch.device("cuda"))
+    device = torch.device("cuda")
+    rows = sweep(device, args.long)
+    copy_bytes_per_s = measure_copy_bandwidth(device)
+    cases = _cases(args.long)
+    chosen = {}
     for name in dict.fromkeys(row["case"] for row in rows):
         mine = [row for row in rows if row["case"] == name]
         best = min(mine, key=lambda row: row["time_us"])
-        default = next(
+        lens, _ = cases[name]
+        engine_splits = decode.default_num_kv_splits(len(lens), NUM_KV_HEADS, device, max(lens))
+        engine = next(
             row for row in mine
-            if (row["splits"], row["warps"], row["stages"], row["tile_bytes"]) == DEFAULT
+            if (row["splits"], row["warps"], row["stages"], row["tile_bytes"])
+            == (engine_splits, *DEFAULT[1:])
         )  # fmt: skip
-        print(f"{name}: default {default['time_us']:.1f} us, best {best['time_us']:.1f} us {best}")
+        chosen[name] = {"engine": engine, "best": best}
+        print(
+            f"{name}: engine's ({engine_splits} splits) {engine['time_us']:.1f} us "
+            f"{engine['bytes_per_s'] / copy_bytes_per_s:.2f} of copy; best "
+            f"{best['time_us']:.1f} us {best['bytes_per_s'] / copy_bytes_per_s:.2f} {best}"
+        )
     record = {
         "kind": "decode-sweep",
-        "machine": machine_info(torch.device("cuda")),
+        "machine": machine_info(device),
+        "copy_bytes_per_s": copy_bytes_per_s,
+        "chosen": chosen,
         "results": rows,
     }
     with open(args.output_json, "w") as f:

@@ -18,10 +18,9 @@ two disjoint sets of keys. A chunk with no earlier context is one causal call.
 cuDNN builds a graph for each new shape, and a serving engine's chunk and context lengths
 change every step; with ``buckets`` (the engine's ``sdpa``) the two parts get shapes from a few
 sizes, exactly (``_attend_chunk``). A build takes 70-160 ms of host time (on an H100), during
-which the GPU runs dry: in a run of 32k prompts the builds of the shapes met along the way cost
-9% of its throughput (bench/results/prefill-sdpa-warm-h200.json). ``full_chunk_shapes`` lists
-the shapes of every full chunk, which ``build_shapes`` builds ahead, on the thread that will
-attend (torch keeps cuDNN's graphs per thread).
+which the whole batch waits: ``full_chunk_shapes`` lists the shapes of every full chunk, which
+``build_shapes`` builds ahead, on the thread that will attend (torch keeps cuDNN's graphs per
+thread; bench/results/prefill-sdpa-warm-h200.json).
 
 ``attend``, the kernel, is a parameter: the engine's ``fused_attend`` runs cuDNN's on CUDA and
 plain torch (``attend_math``) on a CPU, where the tests check the split, the merge and the
