@@ -211,7 +211,12 @@ def out_of_balance(holder: WorkerLoad, fleet: Iterable[WorkerLoad]) -> bool:
 def balance_gap(holder: WorkerLoad) -> int:
     """How many more requests than the least loaded worker ``holder`` may carry before its
     affinity yields: a share of its capacity, ``BALANCE_GAP`` at least."""
-    return max(BALANCE_GAP, holder.max_in_flight // BALANCE_CAPACITY_SHARE)
+    return capacity_gap(holder.max_in_flight)
+
+
+def capacity_gap(max_in_flight: int) -> int:
+    """``balance_gap`` of a worker that admits ``max_in_flight`` requests."""
+    return max(BALANCE_GAP, max_in_flight // BALANCE_CAPACITY_SHARE)
 
 
 def request_chain(request: Request) -> list[bytes]:

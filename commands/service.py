@@ -14,7 +14,13 @@ import time
 from typing import Any
 
 from commands.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
-from worker.arg_types import add_client_sampling_args, client_sampling, on_off, positive_int
+from worker.arg_types import (
+    add_client_sampling_args,
+    client_sampling,
+    non_negative_int,
+    on_off,
+    positive_int,
+)
 from worker.defaults import with_default_max_tokens
 from worker.settings import (
     DEFAULT_GRACE_S,
@@ -141,6 +147,15 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=DEFAULT_PREFIX_TTL_S,
         help=f"with --routing: a published prefix expires after this long (default {DEFAULT_PREFIX_TTL_S})",
+    )
+    g.add_argument(
+        "--yield-shards-at",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="with --routing: holding N requests, leave the shared streams' new entries to "
+        "idler workers and take them only once they waited (0: never; default 1 on a CPU, "
+        "max(4, max-in-flight / 16) on a GPU)",
     )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     add_batch_args(parser)

@@ -21,8 +21,10 @@ from clients.router import Router
 from clients.routing import link_key, prefix_chain
 from tests.gateway_fixtures import wait_for
 from tests.redis_server import RedisServer
+from tests.service_fixtures import slow_steps
 from worker.gateway.errors import OpenAIError
 from worker.gateway.translate import decode_chat, decode_completion
+from worker.routing import shard_yield_threshold
 
 KEYS = Keys()
 GREEDY: dict[str, Any] = dict(max_tokens=4, temperature=0, ignore_eos=True)
@@ -109,6 +111,44 @@ def test_with_routing_a_worker_takes_one_new_entry_at_a_time_from_a_shard(
     assert routed.read_count(KEYS.requests, 64) == 1
     assert routed.read_count(KEYS.routed("w1"), 64) == 32  # half of the free slots: 2 sources
     assert plain.read_count(KEYS.requests, 64) == 64
+
+
+def test_a_busy_routing_worker_leaves_new_conversations_to_an_idle_one(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    """w1 blocks on the shard first, then runs a long routed request (its own stream); three
+    new conversations arrive on the shard one after another, and the idle w2 takes each: a busy
+    CPU worker (one request is its threshold) reads the shard only for what nobody idle took."""
+    busy = start_worker("w1", routing=True)
+    idle = start_worker("w2", routing=True)
+    assert busy.service.yield_shards_at == 1 and idle.service.yield_shards_at == 1  # CPUs
+    slow_steps(busy.engine, 0.03)  # 150 tokens: 4.5 s
+    history = tokens(7, 100)
+    holds(redis_server, "w1", history)
+
+    async def submit_long() -> None:
+        async with AsyncClient(redis_server.url, routing=True) as client:
+            await client.submit(
+                token_ids=history, request_id="long", **{**GREEDY, "max_tokens": 150}
+            )
+
+    asyncio.run(submit_long())
+    assert wait_for(lambda: "long" in busy.service.in_flight)
+    with Client(redis_server.url) as client:  # no routing: every request on the shard
+        for index in range(3):
+            time.sleep(0.1)  # w2 back to its blocked read after the last one
+            done = client.complete(token_ids=tokens(20 + index, 30), **GREEDY)
+            assert done.worker == "w2", index
+    assert "long" in busy.service.in_flight  # it was busy all along
+
+
+def test_the_shard_yield_threshold() -> None:
+    assert shard_yield_threshold(False, None, 256, "cpu") == 0  # no routing: plain reads
+    assert shard_yield_threshold(True, None, 256, "cpu") == 1
+    assert shard_yield_threshold(True, None, 256, "cuda") == 16  # the affinity balance gap
+    assert shard_yield_threshold(True, None, 32, "cuda") == 4
+    assert shard_yield_threshold(True, 0, 256, "cpu") == 0  # never
+    assert shard_yield_threshold(True, 3, 256, "cuda") == 3
 
 
 def test_a_busy_worker_yields_and_a_session_pins(redis_server: RedisServer) -> None:

@@ -41,7 +41,12 @@ from worker.prometheus import (
     render,
 )
 from worker.requests import RequestHandler
-from worker.routing import WorkerRouting
+from worker.routing import (
+    BUSY_READ_INTERVAL_S,
+    SHARD_BLOCK_S,
+    WorkerRouting,
+    shard_yield_threshold,
+)
 from worker.settings import WorkerSettings
 from worker.telemetry import EngineGauges, Telemetry
 
@@ -76,10 +81,15 @@ class WorkerService:
                 self.redis, self.keys, settings.name,
                 prefix_ttl_s=settings.prefix_ttl_s, steal_after_ms=settings.steal_after_ms,
             )  # fmt: skip
+        self.yield_shards_at = shard_yield_threshold(
+            settings.routing, settings.yield_shards_at, settings.max_in_flight,
+            engine_thread.engine.device.type,
+        )  # fmt: skip
         self.in_flight: dict[str, InFlight] = {}
         self.requests = RequestHandler(self)
         self._batches: asyncio.Queue[StepBatch] = asyncio.Queue()
         self._slots_changed = asyncio.Event()
+        self._load_fell = asyncio.Event()  # a request ended: a yielding reader looks again
         self._stop = asyncio.Event()
         self._started_at_ms = wall_ms()
         self._queue_depth = 0
@@ -263,19 +273,40 @@ class WorkerService:
         return read_once
 
     async def _read_once(self, stream: str) -> None:
-        """One blocking read of ``stream``: up to its share of the free slots (the readers of
-        a burst on every stream may admit a few more than that; the engine queues them)."""
+        """One read of ``stream`` (blocking, unless this worker yields it): up to its share of
+        the free slots (the readers of a burst on every stream may admit a few more than that;
+        the engine queues them)."""
         free = self.free_slots()
         if free <= 0:
             self._slots_changed.clear()
             if not self._stop.is_set():
                 await self._slots_changed.wait()
             return
-        entries = await self.stream.read_new(
-            self.read_count(stream, free), self.settings.read_block_ms, (stream,)
-        )
+        block_ms: int | None = self.settings.read_block_ms
+        if self.yields_shard(stream):  # busy: what no idle worker took, every interval
+            self._load_fell.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._load_fell.wait(), BUSY_READ_INTERVAL_S)
+            if self._stop.is_set() or not self.yields_shard(stream):
+                return  # idle again (or stopping): the next read blocks as usual
+            block_ms = None
+        elif self.yield_shards_at and stream != self._own_stream():
+            block_ms = min(self.settings.read_block_ms, int(SHARD_BLOCK_S * 1000))
+        entries = await self.stream.read_new(self.read_count(stream, free), block_ms, (stream,))
         for entry in entries:
             await self.requests.serve(entry)
+
+    def yields_shard(self, stream: str) -> bool:
+        """Whether this worker leaves ``stream``'s new entries to idler workers now: it is a
+        shard, and this worker holds ``yield_shards_at`` requests or more (with routing)."""
+        return (
+            bool(self.yield_shards_at)
+            and stream != self._own_stream()
+            and len(self.in_flight) >= self.yield_shards_at
+        )
+
+    def _own_stream(self) -> str | None:
+        return None if self.routing is None else self.routing.own
 
     async def _claim_once(self) -> None:
         streams = list(self.keys.shards)
@@ -376,12 +407,14 @@ class WorkerService:
             error=error,
         )  # fmt: skip
         self._slots_changed.set()
+        self._load_fell.set()
 
     def release(self, flight: InFlight) -> None:
         """A request's terminal event is written: free its slot."""
         if self.in_flight.get(flight.request_id) is flight:
             del self.in_flight[flight.request_id]
         self._slots_changed.set()
+        self._load_fell.set()
 
     def owns(self, out: StepOutput) -> InFlight | None:
         return self.in_flight.get(out.request_id)

@@ -61,6 +61,9 @@ class WorkerSettings:
     routing: bool = False
     steal_after_ms: int = DEFAULT_STEAL_AFTER_MS
     prefix_ttl_s: int = DEFAULT_PREFIX_TTL_S
+    # with routing: holding this many requests, leave the shards' new entries to idler workers
+    # (worker/routing.py ``shard_yield_threshold``); None: by the engine's device; 0: never
+    yield_shards_at: int | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -85,6 +88,10 @@ class WorkerSettings:
             ),
             (0 <= self.metrics_port <= 65535, "metrics_port must be 0..65535 (0: off)"),
             (self.steal_after_ms >= 0, "steal_after_ms must be >= 0"),
+            (
+                self.yield_shards_at is None or self.yield_shards_at >= 0,
+                "yield_shards_at must be >= 0",
+            ),
             (self.prefix_ttl_s >= 1, "prefix_ttl_s must be >= 1"),
         )
         for ok, message in checks:
@@ -118,6 +125,7 @@ class WorkerSettings:
             routing=args.routing,
             steal_after_ms=args.steal_after_ms,
             prefix_ttl_s=args.prefix_ttl_s,
+            yield_shards_at=args.yield_shards_at,
             limits=RequestLimits(
                 max_prompt_tokens=args.max_prompt_tokens,
                 max_output_tokens=args.max_output_tokens,
