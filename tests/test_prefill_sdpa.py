@@ -144,9 +144,18 @@ def test_full_chunk_shapes_are_every_call_a_full_chunk_makes() -> None:
     built it), and each of those shapes is met."""
     made: set[Signature] = set()
     shapes = full_chunk_shapes(40, 200, 64, chunk_slack=11)
-    assert build_shapes(shapes, 4, 2, 32, torch.float32, torch.device(DEVICE), signing(made)) == (
-        len(shapes)
+    merged_at: list[int] = []  # where each merge's causal log-sum-exps start
+
+    def merge(o1: Any, lse1: Any, o2: Any, lse2: torch.Tensor, out: Any) -> None:
+        merged_at.append(lse2.storage_offset())
+
+    device = torch.device(DEVICE)
+    assert build_shapes(shapes, 4, 2, 32, torch.float32, device, signing(made), merge) == len(
+        shapes
     )
+    assert merged_at == [0, 1]  # the merge met both alignments of the causal part
+    built = {(q[2], k[2], causal) for q, _, k, _, causal in made}
+    assert built == set(shapes)  # the merged chunks built nothing new
     met: set[Signature] = set()
     gen = torch.Generator().manual_seed(0)
     samples = [(40, 160), (32, 168), (29, 171), (40, 24)]  # the edges, then at random

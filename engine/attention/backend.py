@@ -330,12 +330,14 @@ class TritonAttentionBackend:
         if not self._fused_attention_takes(pages):
             return 0
         from kernels.attention import prefill_sdpa
+        from kernels.attention.merge_states_triton import merge_states
 
         shapes = prefill_sdpa.full_chunk_shapes(max_query_len, max_seq_len, SDPA_MIN_SEQ_LEN)
         try:
             return prefill_sdpa.build_shapes(
-                shapes, num_heads, num_kv_heads, head_dim, dtype, device, prefill_sdpa.fused_attend
-            )
+                shapes, num_heads, num_kv_heads, head_dim, dtype, device,
+                prefill_sdpa.fused_attend, merge_states,
+            )  # fmt: skip
         except RuntimeError as error:  # as in forward
             self._fused_refused(error)
             return 0

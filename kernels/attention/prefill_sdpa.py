@@ -239,10 +239,12 @@ def build_shapes(
     dtype: torch.dtype,
     device: torch.device,
     attend: Attend,
+    merge: Merge | None = None,
 ) -> int:
     """Calls ``attend`` once on zeros of each shape, laid out as ``_attend_chunk`` lays its
     calls (views of ``[S, H, D]`` rows): what a kernel builds per shape and thread, it then
-    holds. Returns how many shapes were called."""
+    holds; with ``merge``, also two full chunks through ``_attend_chunk``. Returns how many
+    shapes were called."""
     shapes = list(shapes)
     if not shapes:
         return 0
@@ -254,7 +256,32 @@ def build_shapes(
     for rows, num_keys, causal in shapes:
         part = _heads_first(keys[:num_keys])
         attend(_heads_first(queries[:rows]), part, part, causal, scale)
+    if merge is not None:
+        _merge_chunks(shapes, queries, keys, scale, attend, merge)
     return len(shapes)
+
+
+def _merge_chunks(
+    shapes: list[tuple[int, int, bool]],
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    attend: Attend,
+    merge: Merge,
+) -> None:
+    """Two full chunks through ``_attend_chunk`` on the built shapes, so that what the merge
+    compiles per layout (a JIT kernel specializes on its pointers' alignment: the causal
+    part's log-sum-exps start ``rest`` floats in) is compiled too: ``rest`` of 0 and 1."""
+    unmasked = [(rows, num_keys) for rows, num_keys, causal in shapes if not causal]
+    if not unmasked:
+        return
+    # a full chunk's padded length, after the shortest whole number of key blocks
+    num_queries = max(rows for rows, _ in unmasked)
+    whole = min(num_keys for _, num_keys in unmasked)
+    out = torch.empty_like(queries[:num_queries])
+    for rest in (0, 1):
+        context = keys.new_zeros(whole + rest + num_queries, *keys.shape[1:])
+        _attend_chunk(queries[:num_queries], context, context, out, scale, attend, merge, True)
 
 
 def workspace_bytes(
