@@ -3,10 +3,12 @@
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
-#                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows]...
-# (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
+#                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows|
+#                       matrix_budget|first_process]...
+# (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
+# first_process, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
 # which need vLLM, two GPUs or a call of their own)
-# vllm, matrix, matrix_profile, prefill_rows, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
+# vllm, matrix, matrix_profile, prefill_rows, matrix_budget, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
 # VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
 # MATRIX_ARGS picks a part of the matrix (e.g. "--models llama3-8b --workloads long-context");
@@ -139,6 +141,24 @@ prefill_rows() {  # the prefill-bound matrix rows: vLLM and the default path (cu
     PAGESTREAM_PREFILL_ATTN=triton "${PS[@]}" bench matrix --resume --no-progress \
         --workloads prefill-heavy,long-context \
         --output-json "$OUT/matrix-prefill-rows-triton-$(card).json"
+}
+
+matrix_budget() {  # the whole matrix against vLLM with its token budget (16,384; chunks of 8,192),
+    # beside the default matrix of the same session: decides the engine's default budget
+    # (prefill-chunk-long-context-h200.json: long context 4% faster at 16k)
+    log matrix against vllm, token budget 16384
+    # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
+    "${PS[@]}" bench matrix --compare vllm --resume --no-progress --max-batched-tokens 16384 \
+        --prefill-chunk 8192 --output-json "$OUT/matrix-budget16k-$(card).json" ${MATRIX_ARGS:-}
+}
+
+first_process() {  # long context in a fresh machine's first process (Triton's cache empty):
+    # run before anything else in the machine session, then once more
+    log long context, first process then second
+    for run in first second; do
+        "${PS[@]}" bench matrix --no-progress --models dummy:qwen3-0.6b --workloads long-context \
+            --output-json "$OUT/matrix-long-context-$run-process-$(card).json"
+    done
 }
 
 offload() {  # multi-turn chat whose sessions' histories outgrow the GPU pool: host tier off/on
