@@ -8,7 +8,8 @@
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
 # first_process, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
 # which need vLLM, two GPUs or a call of their own)
-# vllm, matrix, matrix_profile, prefill_rows, matrix_budget, tp_vllm and moe_throughput/moe_latency need vLLM importable (on the lent GPU:
+# vllm, matrix, matrix_profile, prefill_rows, matrix_budget, tp_vllm and
+# moe_throughput/moe_latency need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
 # VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
 # MATRIX_ARGS picks a part of the matrix (e.g. "--models llama3-8b --workloads long-context");

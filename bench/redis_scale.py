@@ -7,10 +7,10 @@ cluster ("cluster", N shards; with ``--home-shards`` a second time with each rea
 whose requests all lie on one shard, its home shard), this starts its own redis-servers
 (``bench.redis_nodes``), runs the same load (``bench.redis_scale_load``: producers that are
 workers without an engine, readers that are clients) for ``--duration-s``, and reads every
-primary's ``INFO cpu`` and ``INFO commandstats`` before and after. A row per setup: tokens/s written and read end to end
-(the counts must match), Redis commands/s and CPU per token summed over the primaries, each
-primary's busy fraction, and the cores each group of processes used. The record's ``ratio``
-is cluster over single tokens/s.
+primary's ``INFO cpu`` and ``INFO commandstats`` before and after. A row per setup: tokens/s
+written and read end to end (the counts must match), Redis commands/s and CPU per token summed
+over the primaries, each primary's busy fraction, and the cores each group of processes used.
+The record's ``ratio`` is cluster over single tokens/s.
 
 Placement: with enough cores (``--pin auto``), primary i runs on core i alone (its
 hyperthread sibling left idle) and the load on the other cores; the single primary takes the

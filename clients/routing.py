@@ -205,17 +205,14 @@ def out_of_balance(holder: WorkerLoad, fleet: Iterable[WorkerLoad]) -> bool:
     finished 145 and 47 requests). Yielding sends the entry to the shared stream, where the
     idle worker pulls it (a heartbeat is seconds old: no worker is picked from it)."""
     least = min((worker.load for worker in fleet), default=holder.load)
-    return holder.load - least >= balance_gap(holder) and holder.load > BALANCE_RATIO * least
+    gap = balance_gap(holder.max_in_flight)
+    return holder.load - least >= gap and holder.load > BALANCE_RATIO * least
 
 
-def balance_gap(holder: WorkerLoad) -> int:
-    """How many more requests than the least loaded worker ``holder`` may carry before its
-    affinity yields: a share of its capacity, ``BALANCE_GAP`` at least."""
-    return capacity_gap(holder.max_in_flight)
-
-
-def capacity_gap(max_in_flight: int) -> int:
-    """``balance_gap`` of a worker that admits ``max_in_flight`` requests."""
+def balance_gap(max_in_flight: int) -> int:
+    """How many more requests than the least loaded worker a worker that admits
+    ``max_in_flight`` may carry before its affinity yields: a share of its capacity,
+    ``BALANCE_GAP`` at least."""
     return max(BALANCE_GAP, max_in_flight // BALANCE_CAPACITY_SHARE)
 
 

@@ -82,11 +82,11 @@ def test_a_holder_far_busier_than_the_least_loaded_worker_yields() -> None:
         return WorkerLoad(num_in_flight=n, max_in_flight=64, num_waiting=0)  # gap 4
 
     big = [WorkerLoad(num_in_flight=n, max_in_flight=256, num_waiting=0) for n in (4, 19, 20)]
-    assert [balance_gap(worker) for worker in (load(1), big[0])] == [4, 16]
+    assert [balance_gap(worker.max_in_flight) for worker in (load(1), big[0])] == [4, 16]
     assert choose_worker([["a"], []], {"a": big[1], "b": big[0]}) == "a"  # 15 more: not 16
     assert choose_worker([["a"], []], {"a": big[2], "b": big[0]}) is None  # 16 more, 5x
     small = WorkerLoad(num_in_flight=5, max_in_flight=8, num_waiting=0)
-    assert balance_gap(small) == 4 and out_of_balance(small, [small, load(0)])
+    assert balance_gap(small.max_in_flight) == 4 and out_of_balance(small, [small, load(0)])
 
     holders = [["a"], []]
     assert choose_worker(holders, {"a": load(12), "b": load(4)}) is None  # 8 more, 3x

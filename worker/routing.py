@@ -27,7 +27,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from clients.connect import get_many, is_cluster
 from clients.protocol import Keys, Request
-from clients.routing import capacity_gap, link_key, request_chain
+from clients.routing import balance_gap, link_key, request_chain
 from worker.delivery import REDIS_ERRORS, Entry, RequestStream, text
 from worker.logs import get_logger
 
@@ -91,7 +91,7 @@ def shard_yield_threshold(
         return 0
     if yield_shards_at is not None:
         return yield_shards_at
-    return 1 if device_type == "cpu" else capacity_gap(max_in_flight)
+    return 1 if device_type == "cpu" else balance_gap(max_in_flight)
 
 
 MAX_REMEMBERED_LINKS = 100_000  # about 6 MB of a worker's memory

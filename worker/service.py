@@ -89,7 +89,6 @@ class WorkerService:
         self.requests = RequestHandler(self)
         self._batches: asyncio.Queue[StepBatch] = asyncio.Queue()
         self._slots_changed = asyncio.Event()
-        self._load_fell = asyncio.Event()  # a request ended: a yielding reader looks again
         self._stop = asyncio.Event()
         self._started_at_ms = wall_ms()
         self._queue_depth = 0
@@ -284,29 +283,28 @@ class WorkerService:
             return
         block_ms: int | None = self.settings.read_block_ms
         if self.yields_shard(stream):  # busy: what no idle worker took, every interval
-            self._load_fell.clear()
+            self._slots_changed.clear()  # set when a request ends (or at stop): look again
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._load_fell.wait(), BUSY_READ_INTERVAL_S)
+                await asyncio.wait_for(self._slots_changed.wait(), BUSY_READ_INTERVAL_S)
             if self._stop.is_set() or not self.yields_shard(stream):
                 return  # idle again (or stopping): the next read blocks as usual
             block_ms = None
-        elif self.yield_shards_at and stream != self._own_stream():
+        elif self._may_yield(stream):  # idle: blocked, but leaving the queue now and then
             block_ms = min(self.settings.read_block_ms, int(SHARD_BLOCK_S * 1000))
         entries = await self.stream.read_new(self.read_count(stream, free), block_ms, (stream,))
         for entry in entries:
             await self.requests.serve(entry)
 
     def yields_shard(self, stream: str) -> bool:
-        """Whether this worker leaves ``stream``'s new entries to idler workers now: it is a
-        shard, and this worker holds ``yield_shards_at`` requests or more (with routing)."""
-        return (
-            bool(self.yield_shards_at)
-            and stream != self._own_stream()
-            and len(self.in_flight) >= self.yield_shards_at
-        )
+        """Whether this worker leaves ``stream``'s new entries to idler workers now: it may
+        (``_may_yield``), and it holds ``yield_shards_at`` requests or more."""
+        return self._may_yield(stream) and len(self.in_flight) >= self.yield_shards_at
 
-    def _own_stream(self) -> str | None:
-        return None if self.routing is None else self.routing.own
+    def _may_yield(self, stream: str) -> bool:
+        """``stream`` is a shard of a worker that yields shards when busy (with routing)."""
+        return (
+            bool(self.yield_shards_at) and self.routing is not None and stream != self.routing.own
+        )
 
     async def _claim_once(self) -> None:
         streams = list(self.keys.shards)
@@ -407,14 +405,12 @@ class WorkerService:
             error=error,
         )  # fmt: skip
         self._slots_changed.set()
-        self._load_fell.set()
 
     def release(self, flight: InFlight) -> None:
         """A request's terminal event is written: free its slot."""
         if self.in_flight.get(flight.request_id) is flight:
             del self.in_flight[flight.request_id]
         self._slots_changed.set()
-        self._load_fell.set()
 
     def owns(self, out: StepOutput) -> InFlight | None:
         return self.in_flight.get(out.request_id)
