@@ -1,7 +1,7 @@
 """Prefill chunks attended over their gathered pages (``kernels/attention/prefill_sdpa.py``)
 against ``paged_attention_ref``: the split at the chunk's first token and the merge of the two
-parts on the CPU with the plain-torch kernel; the merge kernel through Triton's interpreter;
-cuDNN's kernel on a GPU.
+parts on the CPU with the plain-torch kernel; the merge and gather kernels through Triton's
+interpreter; cuDNN's kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from engine.attention import AttentionMetadata, backend
 from kernels.attention import prefill_sdpa as prefill_sdpa_module
 from kernels.attention.paged_attention import write_kv_ref
 from kernels.attention.prefill_sdpa import (
+    ChunkLayout,
     attend_math,
     build_shapes,
     full_chunk_shapes,
     fused_attend,
+    gather_rows_ref,
     merge_states_ref,
     prefill_sdpa,
     shape_bucket,
@@ -29,14 +31,31 @@ from kernels.attention.prefill_sdpa import (
 from tests.test_triton_paged_attention import TOLERANCE, Batch, make_batch
 from tests.triton_interpret import CUDA, DEVICE, import_kernels
 
-merge_states = import_kernels(("kernels.attention.merge_states_triton",))[
-    "merge_states_triton"
-].merge_states
+kernels = import_kernels(
+    ("kernels.attention.merge_states_triton", "kernels.attention.gather_rows_triton")
+)
+merge_states = kernels["merge_states_triton"].merge_states
+gather_rows = kernels["gather_rows_triton"].gather_rows
 
 # decodes first (left alone by this path), then chunks over 0, a partial page, many pages
 QUERY_LENS = [1, 1, 24, 9, 40, 5]
 CONTEXT_LENS = [30, 3, 0, 13, 70, 1]
 NUM_DECODES = 2
+
+
+def gather_into_nan(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    keys_out: torch.Tensor,
+    values_out: torch.Tensor,
+) -> None:
+    """The Triton kernel into rows of NaN: a padding row it leaves unwritten poisons its
+    chunk's output (a masked value times its zero weight is NaN)."""
+    keys_out.fill_(float("nan"))
+    values_out.fill_(float("nan"))
+    gather_rows(k_cache, v_cache, block_table, seq_len, keys_out, values_out)
 
 
 def run(
@@ -50,8 +69,8 @@ def run(
     prefill_sdpa(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
         batch.query_start_loc, seqs=range(first_seq, len(batch.seq_lens)),
-        scale=batch.q.shape[-1] ** -0.5,
-        out=out, attend=attend, merge=merge, buckets=buckets,  # type: ignore[arg-type]
+        scale=batch.q.shape[-1] ** -0.5, out=out, attend=attend,  # type: ignore[arg-type]
+        merge=merge, gather=gather_into_nan, buckets=buckets,  # type: ignore[arg-type]
     )  # fmt: skip
     return out
 
@@ -253,11 +272,72 @@ def test_merge_kernel_refuses_mismatched_parts() -> None:
         merge_states(o, lse.double(), o, lse, torch.zeros(3, 2, 8, device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("block_size", "num_queries", "seq_len", "whole", "key_rows"),
+    [(16, 9, 13, 0, 16), (16, 24, 70, 32, 72), (32, 40, 110, 64, 112)],
+)
+@pytest.mark.usefixtures("small_buckets")
+def test_gather_kernel_matches_the_reference(
+    block_size: int, num_queries: int, seq_len: int, whole: int, key_rows: int, dtype: torch.dtype
+) -> None:
+    """Rows laid out for a bucketed chunk: 9 new tokens over 4 earlier ones (no whole key
+    block, a square of 16 with 3 rows of padding), 24 over 46 and 40 over 70 (whole blocks,
+    then the rest and the chunk in a padded square); contexts off a page boundary, their pages
+    shuffled over a pool whose K and V pages interleave, more table entries than pages."""
+    layout = ChunkLayout.of(num_queries, seq_len, buckets=True)
+    assert (layout.whole, layout.key_rows) == (whole, key_rows)
+    gen = torch.Generator().manual_seed(seq_len)
+    num_blocks = -(-seq_len // block_size) + 3
+    pool = torch.randn(num_blocks, 2, block_size, 2, 64, generator=gen).to(DEVICE, dtype)
+    k_cache, v_cache = pool[:, 0], pool[:, 1]  # [NB, BS, Hkv, D], strided
+    block_table = torch.randperm(num_blocks, generator=gen).to(DEVICE, torch.int32)
+    expected = torch.full((2, key_rows, 2, 64), float("nan"), device=DEVICE, dtype=dtype)
+    got = expected.clone()
+    gather_rows_ref(k_cache, v_cache, block_table, seq_len, *expected)
+    gather_rows(k_cache, v_cache, block_table, seq_len, *got)
+    assert torch.equal(got, expected)
+    # the reference: token t from slot t % BS of page block_table[t // BS], zeros after
+    tokens = torch.arange(seq_len, device=DEVICE)
+    pages = block_table.long()[tokens // block_size]
+    for rows, cache in zip(expected, (k_cache, v_cache), strict=True):
+        assert torch.equal(rows[:seq_len], cache[pages, tokens % block_size])
+        assert not rows[seq_len:].any()
+
+
+def test_gather_kernel_refuses_rows_it_cannot_fill() -> None:
+    pages = torch.zeros(4, 16, 2, 8, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    rows = torch.zeros(2, 40, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="seq_len 41"):
+        gather_rows(pages, pages, table, 41, *rows)  # more than keys_out holds
+    with pytest.raises(ValueError, match="seq_len 40"):
+        gather_rows(pages, pages, table[:2], 40, *rows)  # more than its pages hold
+    with pytest.raises(ValueError, match="must be the pool's"):
+        gather_rows(pages, pages, table, 40, *rows.bfloat16())
+
+
 def test_workspace_counts_the_gathered_rows() -> None:
     small = workspace_bytes(16, 8, 128, torch.bfloat16, 4096, 2048)
     large = workspace_bytes(16, 8, 128, torch.bfloat16, 32768, 2048)
     # each token of context adds its K and V rows as gathered (cuDNN takes GQA as it is)
     assert large - small == (32768 - 4096) * 2 * 8 * 128 * 2
+
+
+@pytest.mark.usefixtures("small_buckets")
+def test_workspace_holds_every_chunk_s_buffers() -> None:
+    """Every chunk of up to 40 new tokens in a context of up to 200: its K/V rows laid out,
+    its padded queries and the two parts with their log-sum-exps fit the workspace."""
+    num_heads, num_kv_heads, head_dim, element = 4, 2, 32, 2
+    bound = workspace_bytes(num_heads, num_kv_heads, head_dim, torch.bfloat16, 200, 40)
+    for num_queries, seq_len in itertools.product(range(1, 41), range(1, 201)):
+        if seq_len < num_queries:
+            continue
+        layout = ChunkLayout.of(num_queries, seq_len, buckets=True)
+        query_rows = max(layout.square, layout.rest + layout.padded)
+        rows = 2 * layout.key_rows * num_kv_heads + query_rows * num_heads
+        parts = (layout.square + layout.padded) * num_heads * (head_dim * element + 4)
+        assert rows * head_dim * element + parts <= bound
 
 
 @pytest.mark.gpu

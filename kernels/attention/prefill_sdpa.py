@@ -6,7 +6,8 @@ contiguous rows, is reported at FlashAttention 3's 580-630 (the prefill-heavy an
 rows of ``bench matrix`` are bound by this kernel: docs/performance.md). For a chunk long enough
 that a copy of its context is cheap beside attending over it (the copy moves ``L * Hkv * D``
 values; the attention does ``4 * C * L * Hq * D`` FLOPs), this path copies the sequence's pages
-into contiguous rows (``gather_context``) and attends with a fused kernel.
+into rows laid out for a fused kernel (``ChunkLayout``; on CUDA one Triton launch,
+``gather_rows_triton.py``) and attends with it.
 
 A chunk of ``C`` new tokens at the end of a context of ``L = P + C`` sees all ``P`` earlier
 keys and, causally, its own ``C``. A fused kernel's causal mask is only unambiguous when it is
@@ -24,12 +25,15 @@ thread; bench/results/prefill-sdpa-warm-h200.json).
 
 ``attend``, the kernel, is a parameter: the engine's ``fused_attend`` runs cuDNN's on CUDA and
 plain torch (``attend_math``) on a CPU, where the tests check the split, the merge and the
-layout; its GPU test checks cuDNN's.
+layout; its GPU test checks cuDNN's. So is ``gather``, the copy out of the pages: the engine's
+``fused_gather`` runs the Triton kernel on CUDA and plain torch (``gather_rows_ref``) elsewhere;
+the tests run the kernel through Triton's interpreter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +46,9 @@ Attend = Callable[
 ]
 # (o1 [H, Q, D], lse1 [H, Q], o2, lse2, out [Q, H, D]) -> None
 Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (k_cache [NB, BS, Hkv, D], v_cache, block_table [max_blocks], seq_len, keys_out [N, Hkv, D],
+# values_out) -> None: rows below seq_len the sequence's tokens out of its pages, then zeros
+Gather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor], None]
 # Bucketed shapes (``_attend_chunk``): earlier keys in whole blocks of KEY_BLOCK; row counts
 # padded to a bucket (``shape_bucket``) of at least MIN_BUCKET, geometric up to KEY_BLOCK and in
 # steps of LARGE_BUCKET_STEP above
@@ -112,6 +119,39 @@ def merge_states_ref(
     out.copy_(merged.transpose(0, 1))
 
 
+def gather_rows_ref(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    keys_out: torch.Tensor,
+    values_out: torch.Tensor,
+) -> None:
+    """The plain-torch ``Gather``: ``gather_context``'s rows, then zeros."""
+    keys, values = gather_context(k_cache, v_cache, block_table, seq_len)
+    for rows, context in ((keys_out, keys), (values_out, values)):
+        rows[:seq_len] = context
+        rows[seq_len:] = 0
+
+
+def fused_gather(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    keys_out: torch.Tensor,
+    values_out: torch.Tensor,
+) -> None:
+    """The engine's ``Gather``: on CUDA the Triton kernel, K, V and their padding in one
+    launch; elsewhere ``gather_rows_ref``."""
+    if k_cache.device.type != "cuda":
+        gather_rows_ref(k_cache, v_cache, block_table, seq_len, keys_out, values_out)
+        return
+    from kernels.attention.gather_rows_triton import gather_rows  # triton: only where it runs
+
+    gather_rows(k_cache, v_cache, block_table, seq_len, keys_out, values_out)
+
+
 def _heads_first(rows: torch.Tensor) -> torch.Tensor:
     """``[S, H, D]`` rows -> ``[1, H, S, D]``, a view (the BSHD layout SDPA kernels take)."""
     return rows.unsqueeze(0).transpose(1, 2)
@@ -132,6 +172,37 @@ def shape_bucket(n: int) -> int:
     return size
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where a chunk of ``num_queries`` new tokens at the end of its context goes in the two
+    calls ``_attend_chunk`` makes: the ``whole`` earlier keys unmasked, then a causal
+    ``square`` of the ``rest`` of them, the chunk's own and zeros. Its K/V rows are the
+    context's then zeros, ``key_rows`` in all; its queries are padded to ``padded`` rows for
+    the unmasked call."""
+
+    num_queries: int
+    whole: int  # earlier keys attended unmasked: whole KEY_BLOCKs with buckets
+    rest: int  # earlier keys in the square, before the chunk's own
+    square: int  # the causal call's rows: rest + num_queries, then padding
+    padded: int  # the unmasked call's query rows: num_queries, then padding
+
+    @classmethod
+    def of(cls, num_queries: int, seq_len: int, buckets: bool) -> ChunkLayout:
+        """With ``buckets`` the shapes come from a few sizes (``_attend_chunk``); without,
+        blocks of one key and no padding: the chunk's own shapes."""
+        earlier = seq_len - num_queries
+        key_block = KEY_BLOCK if buckets else 1
+        bucket = shape_bucket if buckets else int
+        whole = earlier // key_block * key_block
+        rest = earlier - whole
+        return cls(num_queries, whole, rest, bucket(rest + num_queries), bucket(num_queries))
+
+    @property
+    def key_rows(self) -> int:
+        """K/V rows: the unmasked call's, then the square's."""
+        return self.whole + self.square
+
+
 def prefill_sdpa(
     q: torch.Tensor,  # [T, Hq, D], already rotated
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D], holding the new tokens' K/V already
@@ -145,6 +216,7 @@ def prefill_sdpa(
     out: torch.Tensor,  # [T, Hq, D]: the rows of ``seqs`` are written
     attend: Attend,
     merge: Merge = merge_states_ref,
+    gather: Gather = fused_gather,
     buckets: bool = True,
 ) -> None:
     """Attention of each chunk of ``seqs`` over its context, as ``paged_attention_ref``
@@ -155,23 +227,25 @@ def prefill_sdpa(
         query_len, seq_len = end - start, seq_lens[seq]
         if query_len == 0:
             continue
-        keys, values = gather_context(k_cache, v_cache, block_tables[seq], seq_len)
-        _attend_chunk(q[start:end], keys, values, out[start:end], scale, attend, merge, buckets)
+        layout = ChunkLayout.of(query_len, seq_len, buckets)
+        keys, values = k_cache.new_empty(2, layout.key_rows, *k_cache.shape[2:])
+        gather(k_cache, v_cache, block_tables[seq], seq_len, keys, values)
+        _attend_chunk(q[start:end], keys, values, out[start:end], layout, scale, attend, merge)
 
 
 def _attend_chunk(
     queries: torch.Tensor,  # [C, Hq, D]
-    keys: torch.Tensor,  # [L, Hkv, D], the chunk's own last
+    keys: torch.Tensor,  # [layout.key_rows, Hkv, D]: the context's, the chunk's own last, zeros
     values: torch.Tensor,
     out: torch.Tensor,  # [C, Hq, D]
+    layout: ChunkLayout,
     scale: float,
     attend: Attend,
     merge: Merge,
-    buckets: bool,
 ) -> None:
     """One chunk over its earlier keys (no mask) and its own (causal), the parts merged.
 
-    With ``buckets`` the shapes come from a few sizes, exactly: a fused kernel may build itself
+    With buckets the shapes come from a few sizes, exactly: a fused kernel may build itself
     for each new shape (cuDNN's graphs, hundreds of milliseconds each), and chunk and context
     lengths change from step to step. The earlier keys are attended unmasked in whole
     ``KEY_BLOCK``s; the ``rest`` of them join the causal part, a square of
@@ -179,23 +253,15 @@ def _attend_chunk(
     causal mask the chunk's query ``i`` (row ``rest + i``) sees exactly the ``rest`` keys and
     its own first ``i + 1``. Rows past ``rest + C`` are zero padding that no real query sees;
     the unmasked part's queries are padded to ``shape_bucket(C)`` rows. Padding rows' outputs
-    are dropped. Without ``buckets``: blocks of one key, no padding (each chunk's own shapes)."""
+    are dropped. Without buckets: blocks of one key, no padding (each chunk's own shapes)."""
     num_queries, num_heads, head_dim = queries.shape
-    earlier = keys.shape[0] - num_queries
-    key_block = KEY_BLOCK if buckets else 1
-    bucket = shape_bucket if buckets else int
-    whole = earlier // key_block * key_block
-    rest = earlier - whole
-    square, padded = bucket(rest + num_queries), bucket(num_queries)
+    whole, rest, square, padded = layout.whole, layout.rest, layout.square, layout.padded
     rows = queries.new_zeros(max(square, rest + padded), num_heads, head_dim)
     rows[rest : rest + num_queries] = queries
-    own_keys = keys.new_zeros(square, *keys.shape[1:])
-    own_values = values.new_zeros(square, *values.shape[1:])
-    own_keys[: rest + num_queries] = keys[whole:]
-    own_values[: rest + num_queries] = values[whole:]
     own, lse_own = attend(
-        _heads_first(rows[:square]), _heads_first(own_keys), _heads_first(own_values), True, scale
-    )
+        _heads_first(rows[:square]), _heads_first(keys[whole:]), _heads_first(values[whole:]),
+        True, scale,
+    )  # fmt: skip
     own, lse_own = own[0, :, rest : rest + num_queries], lse_own[0, :, rest : rest + num_queries]
     if whole == 0:
         out.copy_(own.transpose(0, 1))
@@ -280,8 +346,9 @@ def _merge_chunks(
     whole = min(num_keys for _, num_keys in unmasked)
     out = torch.empty_like(queries[:num_queries])
     for rest in (0, 1):
-        context = keys.new_zeros(whole + rest + num_queries, *keys.shape[1:])
-        _attend_chunk(queries[:num_queries], context, context, out, scale, attend, merge, True)
+        layout = ChunkLayout.of(num_queries, whole + rest + num_queries, buckets=True)
+        context = keys.new_zeros(layout.key_rows, *keys.shape[1:])  # as gathered: zeros
+        _attend_chunk(queries[:num_queries], context, context, out, layout, scale, attend, merge)
 
 
 def workspace_bytes(
@@ -293,11 +360,13 @@ def workspace_bytes(
     max_query_len: int,
 ) -> int:
     """Bytes this path holds at most beside a layer's usual temporaries: one sequence's K and
-    V rows copied out of the pages, the padded square's queries, keys and values, the two
-    parts and their log-sum-exps."""
+    V rows laid out (``ChunkLayout``: its context, then the causal square's padding), the padded
+    queries, the two parts and their log-sum-exps."""
     element = torch.tensor([], dtype=dtype).element_size()
-    rows = 2 * max_seq_len * num_kv_heads * head_dim * element  # K/V rows as gathered
+    # the square holds rest + C rows (rest < KEY_BLOCK) padded to a bucket
+    most_padding = max(shape_bucket(n) - n for n in range(1, KEY_BLOCK + max_query_len))
+    rows = 2 * (max_seq_len + most_padding) * num_kv_heads * head_dim * element  # K/V
     square = shape_bucket(KEY_BLOCK + max_query_len) + shape_bucket(max_query_len)
-    padded = square * (num_heads + 2 * num_kv_heads) * head_dim * element  # q, k, v padded
+    queries = square * num_heads * head_dim * element  # the queries padded
     parts = 2 * square * num_heads * (head_dim * element + 4)  # the two parts, their lse
-    return rows + padded + parts
+    return rows + queries + parts
