@@ -185,8 +185,12 @@ class BlockManager:
             del self.tenant_pages[tenant]
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Publish ``seq``'s newly filled blocks in the prefix cache."""
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        """Publish ``seq``'s newly filled blocks in the prefix cache: those whose tokens are
+        computed, or launched (a later step's forward runs after that step's, and a step writes
+        every new token's K/V before any attention reads the pages), and known on the host (a
+        token sampled by a step still in flight is not)."""
+        num_ready = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
+        num_full = min(num_ready // self.block_size, len(seq.block_table))
         if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
             return  # caching off, or no block filled since the last call
         self._extend_hashes(seq, num_full)
@@ -198,6 +202,29 @@ class BlockManager:
                 self._block_of_hash[block_hash] = block
                 self._hash_of[block] = block_hash
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def hashes_filled(self, seq: Sequence, num_new_tokens: int) -> list[bytes]:
+        """The hashes of the blocks that a step computing ``num_new_tokens`` more of ``seq``'s
+        tokens fills (of known tokens only); none with caching off."""
+        if not self.enable_prefix_caching:
+            return []
+        num_known = seq.num_tokens - seq.num_pending_tokens
+        end = min(seq.num_computed_tokens + num_new_tokens, num_known) // self.block_size
+        self._extend_hashes(seq, end)
+        return seq.block_hashes[seq.num_computed_tokens // self.block_size : end]
+
+    def first_uncached_hash(self, seq: Sequence) -> bytes | None:
+        """The hash of the first of ``seq``'s full blocks (the last token left out, as
+        ``match_prefix`` leaves it) that the device cache lacks; None if it holds them all or
+        caching is off. Nothing is acquired or counted."""
+        if not self.enable_prefix_caching:
+            return None
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        for block_hash in seq.block_hashes[:max_blocks]:
+            if block_hash not in self._block_of_hash:
+                return block_hash
+        return None
 
     # -- internals ------------------------------------------------------------------------
 

@@ -377,7 +377,10 @@ class LLMEngine:
         return outputs
 
     def _advance(self, batch: ScheduledBatch) -> None:
-        """The batch's tokens are computed; each sampling row gets a pending output token."""
+        """The batch's tokens are computed (launched); each sampling row gets a pending output
+        token. The blocks a chunk filled are published at once: the next step, scheduled
+        while this one runs, may read them (``BlockManager.register_full_blocks``)."""
+        bm = self.block_manager
         for entry in batch.scheduled:
             seq = entry.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prefill chunk
@@ -385,6 +388,8 @@ class LLMEngine:
                 self._num_prefill_tokens += min(entry.num_new_tokens, num_prompt_left)
             # drafts count once accepted (see OutputProcessor.append_sampled)
             seq.num_computed_tokens += entry.num_new_tokens - len(entry.draft_token_ids)
+            if entry.num_new_tokens > 1 and not entry.draft_token_ids:
+                bm.register_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:  # it samples
                 seq.output_token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1

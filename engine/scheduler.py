@@ -7,6 +7,11 @@ pages run out the lowest-priority, newest running sequence is preempted: its pag
 and it is requeued (``recompute``) or copied to host memory (``swap``). Nothing is dropped.
 A waiting sequence that outranks running ones (a lower ``priority``) does not wait for pages:
 it preempts the lowest-priority, newest of them and is admitted first (vLLM's priority policy).
+
+A waiting sequence whose first uncached block another sequence computes in this very step
+waits a step (SGLang's in-batch prefix caching): the engine publishes the block once the step
+is launched, and the sequence then reads it instead of computing it again. Without this, 256
+requests sharing a 2,048-token system prompt computed it about 20 times over.
 """
 
 from __future__ import annotations
@@ -73,6 +78,10 @@ class Scheduler:
         self.num_host_hit_tokens = 0
         # Seats of running sequences' samples that have not forked yet (see ``fork``)
         self.num_reserved_seats = 0
+        # Hashes of the blocks this step's chunks fill (``_note_filled``, ``_try_admit``)
+        self._filled: set[bytes] = set()
+        # Admissions put off to the next step because of them
+        self.num_deferred_admissions = 0
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -113,6 +122,7 @@ class Scheduler:
 
     def schedule(self, now_s: float) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._filled.clear()
         self._expire_deadlines(now_s, batch)
         budget = self.config.max_batched_tokens
         budget -= self._admit_outranking(budget, batch)
@@ -187,7 +197,14 @@ class Scheduler:
             if victim is seq:
                 return 0
         batch.scheduled.append(ScheduledSeq(seq, num_new))
+        self._note_filled(seq, num_new)
         return num_new
+
+    def _note_filled(self, seq: Sequence, num_new: int) -> None:
+        """Note the blocks a chunk of ``seq`` fills this step, while sequences wait that may
+        share them."""
+        if num_new > 1 and self.waiting:
+            self._filled.update(self.block_manager.hashes_filled(seq, num_new))
 
     def _schedule_drafts(self, seq: Sequence, spare: int, batch: ScheduledBatch) -> bool:
         """Schedule a decode with up to ``spare`` of its drafts, if their pages are free;
@@ -274,6 +291,7 @@ class Scheduler:
             seq.swapped_blocks = []
             self._start_running(seq, self.swapped)
             batch.scheduled.append(ScheduledSeq(seq, num_new))
+            self._note_filled(seq, num_new)
             used += num_new
         return used
 
@@ -288,8 +306,12 @@ class Scheduler:
             budget -= used
 
     def _try_admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
-        """Admit ``seq`` with its first chunk; the tokens it takes (0: over its tenant's
-        quota, skipped), or None when the pool has no room."""
+        """Admit ``seq`` with its first chunk; the tokens it takes (0: skipped, over its
+        tenant's quota or waiting for a block this step fills), or None when the pool has no
+        room."""
+        if self._filled and self.block_manager.first_uncached_hash(seq) in self._filled:
+            self.num_deferred_admissions += 1
+            return 0
         hit = self.block_manager.match_prefix(seq)
         if seq.num_preemptions == 0 and not seq.output_token_ids:
             seq.num_cached_tokens = hit.num_tokens
@@ -306,6 +328,7 @@ class Scheduler:
         self.num_device_hit_tokens += hit.device_tokens
         self.num_host_hit_tokens += hit.host_tokens
         batch.scheduled.append(ScheduledSeq(seq, num_new))
+        self._note_filled(seq, num_new)
         return num_new
 
     def _admit_outranking(self, budget: int, batch: ScheduledBatch) -> int:

@@ -9,11 +9,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import BlockManager, HostBlockPool, hash_block
+from engine.block_manager import ROOT_HASH, BlockManager, HostBlockPool, hash_block
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 
 
 def make_seq(request_id: str, tokens: list[int], max_tokens: int = 4, **kwargs: object) -> Sequence:
@@ -54,6 +54,39 @@ def test_prefix_cache_shares_full_blocks_and_counts_references() -> None:
     bm.free(first)
     assert [bm.ref_counts[b] for b in second.block_table] == [1, 1]
     bm.check_invariants([second])
+
+
+def test_blocks_of_tokens_not_yet_known_are_not_published() -> None:
+    """A block whose last token is a pick still on the device (async scheduling) waits:
+    its hash needs the token."""
+    bm = BlockManager(8, 4)
+    seq = make_seq("a", list(range(7)))
+    assert bm.allocate_slots(seq, 8)
+    seq.output_token_ids.append(PENDING_TOKEN)  # the 8th token: sampled, not yet seen
+    seq.num_pending_tokens = 1
+    seq.num_computed_tokens = 8
+    bm.register_full_blocks(seq)
+    assert seq.num_registered_blocks == 1 and bm.num_cached_blocks == 1
+    seq.output_token_ids[-1], seq.num_pending_tokens = 42, 0
+    bm.register_full_blocks(seq)
+    assert seq.num_registered_blocks == 2 and bm.num_cached_blocks == 2
+
+
+def test_blocks_a_chunk_fills_and_the_first_one_missing() -> None:
+    bm = BlockManager(16, 4)
+    first = make_seq("a", list(range(14)))
+    assert bm.allocate_slots(first, 6)
+    # tokens 0-5 fill block 0 only; 4 more (6-9) fill block 1, not 2
+    assert bm.hashes_filled(first, 6) == [hash_block(ROOT_HASH, [0, 1, 2, 3])]
+    first.num_computed_tokens = 6
+    assert bm.hashes_filled(first, 4) == first.block_hashes[1:2]
+    second = make_seq("b", [*range(12), 99])
+    assert bm.first_uncached_hash(second) == hash_block(ROOT_HASH, [0, 1, 2, 3])
+    bm.register_full_blocks(first)  # block 0
+    assert bm.first_uncached_hash(second) == first.block_hashes[1]
+    assert bm.num_prefix_queries == 0  # looked at, not counted
+    off = BlockManager(16, 4, enable_prefix_caching=False)
+    assert off.first_uncached_hash(second) is None and off.hashes_filled(first, 4) == []
 
 
 def test_freed_cached_blocks_are_revived_then_evicted_lru() -> None:

@@ -72,6 +72,37 @@ def test_prefix_cache_hits_keep_outputs_exact(tiny_model_dirs: dict[str, Path]) 
     assert llm.engine.stats().prefix_hit_rate > 0
 
 
+@pytest.fixture(scope="module")
+def shared_prefix_run(tiny_model_dirs: dict[str, Path]) -> tuple[Path, list[list[int]], Any]:
+    """Three prompts that share 70 tokens (4 full pages of 16), and HF's greedy answers."""
+    model_dir = tiny_model_dirs["qwen3"]
+    shared = random_prompts([70], 320, seed=7)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 9, 20], 320, seed=8)]
+    return model_dir, prompts, hf_greedy(model_dir, prompts, NUM_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("budget", [(512, 512), (48, 32)], ids=["one-step", "chunked"])
+def test_requests_sharing_an_uncached_prefix_compute_it_once(
+    shared_prefix_run: tuple[Path, list[list[int]], Any],
+    async_scheduling: bool,
+    budget: tuple[int, int],
+) -> None:
+    """Submitted together, the first computes the shared pages and the others wait for them
+    (one step, or while its chunks fill them), then read them: with the engine's next step
+    scheduled while one runs (async), the pages a launched step fills count already."""
+    model_dir, prompts, expected = shared_prefix_run
+    max_batched_tokens, prefill_chunk = budget
+    llm = LLM(
+        str(model_dir), pa_block_size=16, async_scheduling=async_scheduling,
+        max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk, max_seqs=4,
+    )  # fmt: skip
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == expected
+    assert [out.usage.cached_prompt_tokens for out in outputs if out.usage] == [0, 64, 64]
+    assert llm.engine.scheduler.num_deferred_admissions >= 2
+
+
 def test_whole_prompt_cached_still_computes_last_token(tiny_model_dirs: dict[str, Path]) -> None:
     model_dir = tiny_model_dirs["llama"]
     prompt = random_prompts([64], 320, seed=9)[0]  # exactly 4 pages of 16
