@@ -80,31 +80,6 @@ def gather_rows(
     [N, Hkv, D]`` with ``N >= seq_len``, the pool's dtype, equal strides. ``seq_len`` is a host
     int: no host sync.
     """
-    check_gather_args(k_cache, v_cache, block_table, seq_len, keys_out, values_out)
-    num_rows, num_kv_heads, head_dim = keys_out.shape
-    if num_rows == 0:
-        return
-    block_e = triton.next_power_of_2(num_kv_heads * head_dim)
-    block_rows = max(1, ELEMENTS_PER_PROGRAM // block_e)
-    grid = (triton.cdiv(num_rows, block_rows),)
-    _gather_rows_kernel[grid](
-        keys_out, values_out, k_cache, v_cache, block_table, seq_len, num_rows,
-        *keys_out.stride(), *k_cache.stride(),
-        HEAD_DIM=head_dim, ROW_SIZE=num_kv_heads * head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_ROWS=block_rows, BLOCK_E=block_e,
-    )  # fmt: skip
-
-
-def check_gather_args(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    keys_out: torch.Tensor,
-    values_out: torch.Tensor,
-) -> None:
-    """The pool's halves alike, outputs of its ``[Hkv, D]`` and dtype that hold ``seq_len``
-    rows, a 1-D integer block table with pages for them, one device."""
     check_pool(k_cache, v_cache)
     if keys_out.shape != values_out.shape or keys_out.stride() != values_out.stride():
         raise ValueError(
@@ -128,3 +103,15 @@ def check_gather_args(
             f"seq_len {seq_len} must fit keys_out's {keys_out.shape[0]} rows and the "
             f"{block_table.shape[0]} pages of {k_cache.shape[1]} rows of block_table"
         )
+    num_rows, num_kv_heads, head_dim = keys_out.shape
+    if num_rows == 0:
+        return
+    block_e = triton.next_power_of_2(num_kv_heads * head_dim)
+    block_rows = max(1, ELEMENTS_PER_PROGRAM // block_e)
+    grid = (triton.cdiv(num_rows, block_rows),)
+    _gather_rows_kernel[grid](
+        keys_out, values_out, k_cache, v_cache, block_table, seq_len, num_rows,
+        *keys_out.stride(), *k_cache.stride(),
+        HEAD_DIM=head_dim, ROW_SIZE=num_kv_heads * head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_ROWS=block_rows, BLOCK_E=block_e,
+    )  # fmt: skip

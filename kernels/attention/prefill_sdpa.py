@@ -25,9 +25,9 @@ thread; bench/results/prefill-sdpa-warm-h200.json).
 
 ``attend``, the kernel, is a parameter: the engine's ``fused_attend`` runs cuDNN's on CUDA and
 plain torch (``attend_math``) on a CPU, where the tests check the split, the merge and the
-layout; its GPU test checks cuDNN's. So is ``gather``, the copy out of the pages: the engine's
-``fused_gather`` runs the Triton kernel on CUDA and plain torch (``gather_rows_ref``) elsewhere;
-the tests run the kernel through Triton's interpreter.
+layout; its GPU test checks cuDNN's. So is ``gather``, the copy out of the pages: by default
+``device_gather`` picks the Triton kernel on CUDA and plain torch (``gather_rows_ref``)
+elsewhere; the tests run the kernel through Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -134,22 +134,14 @@ def gather_rows_ref(
         rows[seq_len:] = 0
 
 
-def fused_gather(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    keys_out: torch.Tensor,
-    values_out: torch.Tensor,
-) -> None:
-    """The engine's ``Gather``: on CUDA the Triton kernel, K, V and their padding in one
-    launch; elsewhere ``gather_rows_ref``."""
-    if k_cache.device.type != "cuda":
-        gather_rows_ref(k_cache, v_cache, block_table, seq_len, keys_out, values_out)
-        return
+def device_gather(pages: torch.Tensor) -> Gather:
+    """The engine's ``Gather`` for pages on this device: on CUDA the Triton kernel, K, V and
+    their padding in one launch; elsewhere ``gather_rows_ref``."""
+    if pages.device.type != "cuda":
+        return gather_rows_ref
     from kernels.attention.gather_rows_triton import gather_rows  # triton: only where it runs
 
-    gather_rows(k_cache, v_cache, block_table, seq_len, keys_out, values_out)
+    return gather_rows
 
 
 def _heads_first(rows: torch.Tensor) -> torch.Tensor:
@@ -216,12 +208,13 @@ def prefill_sdpa(
     out: torch.Tensor,  # [T, Hq, D]: the rows of ``seqs`` are written
     attend: Attend,
     merge: Merge = merge_states_ref,
-    gather: Gather = fused_gather,
+    gather: Gather | None = None,
     buckets: bool = True,
 ) -> None:
     """Attention of each chunk of ``seqs`` over its context, as ``paged_attention_ref``
     computes it (no sliding window, no fp8 pages), one sequence at a time. ``buckets``: give
     ``attend`` padded shapes from a few (``_attend_chunk``), else the chunk's own."""
+    gather = gather or device_gather(k_cache)
     for seq in seqs:
         start, end = query_start_loc[seq], query_start_loc[seq + 1]
         query_len, seq_len = end - start, seq_lens[seq]
