@@ -155,6 +155,7 @@ def prefix_cache_counts(before: EngineStats, after: EngineStats) -> dict[str, in
     return {
         "device_hit_tokens": after.num_device_hit_tokens - before.num_device_hit_tokens,
         "host_hit_tokens": after.num_host_hit_tokens - before.num_host_hit_tokens,
+        "deferred_admissions": after.num_deferred_admissions - before.num_deferred_admissions,
         "offloaded_pages": after.num_offloaded_pages - before.num_offloaded_pages,
         "offload_evictions": after.num_offload_evictions - before.num_offload_evictions,
     }

@@ -459,6 +459,7 @@ class LLMEngine:
             num_accepted_tokens=self._num_accepted_tokens,
             num_device_hit_tokens=self.scheduler.num_device_hit_tokens,
             num_host_hit_tokens=self.scheduler.num_host_hit_tokens,
+            num_deferred_admissions=self.scheduler.num_deferred_admissions,
             num_prefill_tokens=self._num_prefill_tokens,
             num_offloaded_pages=host.num_offloaded_pages if host is not None else 0,
             num_offload_evictions=host.num_evictions if host is not None else 0,

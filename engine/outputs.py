@@ -49,6 +49,8 @@ class EngineStats:
     # recompute), by the cache tier their KV came from
     num_device_hit_tokens: int = 0
     num_host_hit_tokens: int = 0
+    # Admissions put off a step to read a page another sequence filled in it (in-batch sharing)
+    num_deferred_admissions: int = 0
     num_offloaded_pages: int = 0  # evicted device pages saved to the host tier
     num_offload_evictions: int = 0  # host-tier pages dropped to make room
     num_draft_tokens: int = 0  # speculative decoding: drafts verified

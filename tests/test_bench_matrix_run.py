@@ -51,6 +51,7 @@ def test_a_matrix_against_itself_then_resumed(
         assert row["pagestream"]["input_tokens"] == row["self"]["input_tokens"]
     shared = rows["shared-prefix"]["pagestream"]
     assert shared["prefix_cache"]["device_hit_tokens"] > 0  # the system prompt was reused
+    assert shared["prefix_cache"]["deferred_admissions"] > 0  # computed once, not by each
     tpot = rows["tpot-b1"]
     assert (tpot["metric"], tpot["better"], tpot["target"]) == ("tpot_s", "lower", 0.91)
     assert "pagestream_tok_s" not in tpot and tpot["self_tpot_s"] > 0

@@ -100,7 +100,7 @@ def test_requests_sharing_an_uncached_prefix_compute_it_once(
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [out.token_ids for out in outputs] == expected
     assert [out.usage.cached_prompt_tokens for out in outputs if out.usage] == [0, 64, 64]
-    assert llm.engine.scheduler.num_deferred_admissions >= 2
+    assert llm.engine.stats().num_deferred_admissions >= 2
 
 
 def test_whole_prompt_cached_still_computes_last_token(tiny_model_dirs: dict[str, Path]) -> None:

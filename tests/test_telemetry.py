@@ -277,7 +277,7 @@ def test_future_enqueue_time_counts_as_now(harness: Harness) -> None:
 def test_engine_gauges_read_the_callback(harness: Harness) -> None:
     readings = iter(
         [
-            EngineGauges(3, 4, 100, 28, 0.25, 7, 11, 1, 640, 96, 5, 2, 0.6, 50, 30),
+            EngineGauges(3, 4, 100, 28, 0.25, 7, 11, 1, 640, 96, 5, 2, 0.6, 50, 30, 12),
             EngineGauges(0, 0, 0, 128, 0.5, 9, 0),
         ]
     )
@@ -293,6 +293,7 @@ def test_engine_gauges_read_the_callback(harness: Harness) -> None:
         "pagestream.engine.preemptions": (7, "{preemption}"),
         "pagestream.engine.prefix_cache.device_hit_tokens": (640, "{token}"),
         "pagestream.engine.prefix_cache.host_hit_tokens": (96, "{token}"),
+        "pagestream.engine.prefix_cache.deferred_admissions": (12, "{request}"),
         "pagestream.engine.kv_offload.pages_offloaded": (5, "{page}"),
         "pagestream.engine.kv_offload.evictions": (2, "{page}"),
         "pagestream.queue.depth": (11, "{request}"),

@@ -486,6 +486,7 @@ class WorkerService:
             num_accepted_tokens=stats.num_accepted_tokens,
             num_device_hit_tokens=stats.num_device_hit_tokens,
             num_host_hit_tokens=stats.num_host_hit_tokens,
+            num_deferred_admissions=stats.num_deferred_admissions,
             num_offloaded_pages=stats.num_offloaded_pages,
             num_offload_evictions=stats.num_offload_evictions,
         )

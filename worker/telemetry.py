@@ -89,6 +89,7 @@ class EngineGauges:
     spec_acceptance_rate: float = 0.0  # speculative decoding: accepted over verified drafts
     num_draft_tokens: int = 0  # cumulative
     num_accepted_tokens: int = 0  # cumulative
+    num_deferred_admissions: int = 0  # cumulative: waits for a page filled in the same step
 
 
 # Gauge name, EngineGauges field, unit, description; cumulative ones are counters below.
@@ -112,6 +113,10 @@ _ENGINE_COUNTERS = (
     (
         "pagestream.engine.prefix_cache.host_hit_tokens", "num_host_hit_tokens", "{token}",
         "Tokens admitted with their KV copied back from the host tier (--kv-offload-mb).",
+    ),
+    (
+        "pagestream.engine.prefix_cache.deferred_admissions", "num_deferred_admissions",
+        "{request}", "Admissions put off a step to read a page another request filled in it.",
     ),
     (
         "pagestream.engine.kv_offload.pages_offloaded", "num_offloaded_pages", "{page}",
