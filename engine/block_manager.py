@@ -90,10 +90,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or seq.block_table:
             return PrefixHit()
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        self._extend_hashes(seq, max_blocks)
         num_host_blocks = 0
-        for block_hash in seq.block_hashes[:max_blocks]:
+        for block_hash in self._matchable_hashes(seq):
             self.num_prefix_queries += 1
             block = self._block_of_hash.get(block_hash)
             if block is not None:
@@ -189,7 +187,7 @@ class BlockManager:
         computed, or launched (a later step's forward runs after that step's, and a step writes
         every new token's K/V before any attention reads the pages), and known on the host (a
         token sampled by a step still in flight is not)."""
-        num_ready = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
+        num_ready = min(seq.num_computed_tokens, seq.num_known_tokens)
         num_full = min(num_ready // self.block_size, len(seq.block_table))
         if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
             return  # caching off, or no block filled since the last call
@@ -208,8 +206,8 @@ class BlockManager:
         tokens fills (of known tokens only); none with caching off."""
         if not self.enable_prefix_caching:
             return []
-        num_known = seq.num_tokens - seq.num_pending_tokens
-        end = min(seq.num_computed_tokens + num_new_tokens, num_known) // self.block_size
+        end = min(seq.num_computed_tokens + num_new_tokens, seq.num_known_tokens)
+        end //= self.block_size
         self._extend_hashes(seq, end)
         return seq.block_hashes[seq.num_computed_tokens // self.block_size : end]
 
@@ -219,9 +217,7 @@ class BlockManager:
         caching is off. Nothing is acquired or counted."""
         if not self.enable_prefix_caching:
             return None
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        self._extend_hashes(seq, max_blocks)
-        for block_hash in seq.block_hashes[:max_blocks]:
+        for block_hash in self._matchable_hashes(seq):
             if block_hash not in self._block_of_hash:
                 return block_hash
         return None
@@ -244,6 +240,13 @@ class BlockManager:
         self._transfers.append(PageCopy(shared, own))
         self.ref_counts[shared] -= 1  # still held by another sample
         seq.block_table[index] = own
+
+    def _matchable_hashes(self, seq: Sequence) -> list[bytes]:
+        """The hashes of ``seq``'s full blocks but for its last token, which a step must
+        compute for its logits: what a prefix match may find."""
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        return seq.block_hashes[:max_blocks]
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size

@@ -130,6 +130,11 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Its tokens whose ids the host has: all but the picks of steps still in flight."""
+        return self.num_tokens - self.num_pending_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
