@@ -172,7 +172,6 @@ class ChunkLayout:
     context's then zeros, ``key_rows`` in all; its queries are padded to ``padded`` rows for
     the unmasked call."""
 
-    num_queries: int
     whole: int  # earlier keys attended unmasked: whole KEY_BLOCKs with buckets
     rest: int  # earlier keys in the square, before the chunk's own
     square: int  # the causal call's rows: rest + num_queries, then padding
@@ -187,7 +186,7 @@ class ChunkLayout:
         bucket = shape_bucket if buckets else int
         whole = earlier // key_block * key_block
         rest = earlier - whole
-        return cls(num_queries, whole, rest, bucket(rest + num_queries), bucket(num_queries))
+        return cls(whole, rest, bucket(rest + num_queries), bucket(num_queries))
 
     @property
     def key_rows(self) -> int:
