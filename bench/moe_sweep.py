@@ -243,24 +243,26 @@ def sweep_point(layer: Layer, device_name: str) -> dict[str, Any]:
     if tokens * layer.top_k <= DIRECT_MAX_PAIRS:
         direct, direct_kernels = sweep_direct(layer)
         candidates += direct
-    # each block_m's best tiles, then the whole layer (route to sum) timed: the winner
+    # the default, then each block_m's best tiles, the whole layer (route to sum) timed: the
+    # fastest wins, the default too where tiles timed one GEMM at a time lose to it as a layer
+    default = default_config(layer.shape, tokens)
     whole_us = {
         config: time_us(replayed(partial(layer.run, config), layer.graphed))
-        for config in candidates
+        for config in [default, *candidates]
     }
     config = min(whole_us, key=whole_us.__getitem__)
     out = layer.run(config)
     error = float((out.float() - layer.reference().float()).abs().max())
-    default = default_config(layer.shape, tokens)
     return {
         "device": device_name,
         "shape": layer.shape.key(),
         "num_tokens": tokens,
         "config": config.to_json(),
-        "candidates_us": {candidate_name(c): us for c, us in whole_us.items()},
+        "candidates_us": {candidate_name(c): whole_us[c] for c in candidates},
         "direct": direct_kernels,  # the direct path's kernels: each one's best tile and time
         "fused_us": whole_us[config],
-        "default_fused_us": time_us(replayed(partial(layer.run, default), layer.graphed)),
+        "default_config": default.to_json(),
+        "default_fused_us": whole_us[default],
         "timed": "cuda graph" if layer.graphed else "eager",
         "max_abs_error": error,
         "checked": error <= CHECK_TOLERANCE * max(1.0, float(out.float().abs().max())),
@@ -272,12 +274,25 @@ def candidate_name(config: MoeConfig) -> str:
 
 
 def install(entries: list[dict[str, Any]], path: Path = TUNED_CONFIGS_PATH) -> None:
-    """Merge ``entries`` into the table file, newer entries replacing same-key ones."""
+    """Merge ``entries`` into the table file, newer entries replacing same-key ones. An entry
+    whose sweep timed the default faster than its config installs the default (a record from
+    before ``default_config`` was recorded: today's default for its shape and token count)."""
     old = json.loads(path.read_text())["entries"] if path.is_file() else []
     key = lambda e: (e["device"], e["shape"], e["num_tokens"])  # noqa: E731
-    merged = {key(e): e for e in old} | {key(e): e for e in entries}
+    merged = {key(e): e for e in old} | {key(e): _faster_of_two(e) for e in entries}
     slim = [{k: e[k] for k in ("device", "shape", "num_tokens", "config")} for e in merged.values()]
     path.write_text(json.dumps({"entries": sorted(slim, key=key)}, indent=1) + "\n")
+
+
+def _faster_of_two(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry``, or the default config where its sweep timed that faster."""
+    if entry.get("default_fused_us", float("inf")) >= entry.get("fused_us", float("inf")):
+        return entry
+    default = (
+        entry.get("default_config")
+        or default_config(MoeShape.from_key(entry["shape"]), int(entry["num_tokens"])).to_json()
+    )
+    return {**entry, "config": default}
 
 
 def main(argv: list[str] | None = None) -> int:

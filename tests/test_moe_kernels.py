@@ -6,6 +6,7 @@ and uneven on purpose: an expert no token picks, an expert every token picks, on
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -255,8 +256,8 @@ def test_config_table_from_a_sweep_record(tmp_path: Path, monkeypatch: pytest.Mo
         assert moe_config.pick_config(shape, 3, entry["device"]) == tuned
         assert moe_config.pick_config(shape, 9, entry["device"]) == CONFIGS["bm32"]
         assert moe_config.pick_config(shape, 500, entry["device"]) == CONFIGS["bm32"]  # largest
-        assert moe_config.pick_config(shape, 3, "another GPU").block_m == 1  # the default
-        assert moe_config.pick_config(shape, 10, "another GPU").block_m == 16
+        assert moe_config.pick_config(shape, 1, "another GPU").block_m == 1  # the default
+        assert moe_config.pick_config(shape, 3, "another GPU").block_m == 16
         test_fused_moe_matches_reference("skewed", torch.float32, "table", 1, 2, True)
     finally:
         moe_config._table.cache_clear()
@@ -268,6 +269,7 @@ def test_sweep_point_picks_checks_and_records(monkeypatch: pytest.MonkeyPatch) -
     from bench import moe_sweep
     from engine.loader.dummy import dummy_hf_config
     from engine.models.arch import ModelArch
+    from kernels.moe import config as moe_config
 
     grid = [GemmTile(16, 32, 4, 2), GemmTile(32, 16, 4, 2)]
     monkeypatch.setattr(moe_sweep, "TILE_GRID", grid)
@@ -292,6 +294,69 @@ def test_sweep_point_picks_checks_and_records(monkeypatch: pytest.MonkeyPatch) -
         if direct:  # each direct down kernel's best tile
             assert entry["direct"]["slot_order"]["tile"] == grid[1].to_json()
             assert entry["direct"]["split_slots"]["tile"]["split_slots"]
+        layer_shape = moe_sweep.make_layer(arch, weights, tokens).shape
+        default = moe_config.default_config(layer_shape, tokens)
+        assert entry["default_config"] == default.to_json()
+        assert entry["default_fused_us"] > entry["fused_us"]  # timed first: the "slowest"
+
+
+def test_sweep_point_keeps_the_default_where_it_is_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default is a candidate of its own: where it times fastest as a whole layer (here
+    every call looks slower than the one before, and it is timed first), it is the entry;
+    and ``install`` writes the default for an older record's entry that lost to it."""
+    from bench import moe_sweep
+    from engine.loader.dummy import dummy_hf_config
+    from engine.models.arch import ModelArch
+    from kernels.moe import config as moe_config
+
+    grid = [GemmTile(16, 32, 4, 2), GemmTile(32, 16, 4, 2)]
+    monkeypatch.setattr(moe_sweep, "TILE_GRID", grid)
+    monkeypatch.setattr(moe_sweep, "DIRECT_GRID", grid)
+    monkeypatch.setattr(moe_sweep, "BLOCK_MS", (16, 32))
+    clock = iter(range(1, 1000))
+    monkeypatch.setattr(moe_sweep, "time_us", lambda fn: float(next(clock)))
+    arch = ModelArch.from_hf_config(dummy_hf_config("tiny-moe"))
+    weights = moe_sweep.make_weights(arch, tp=1, fp8=False, seed=0, device=DEVICE)
+    layer = moe_sweep.make_layer(arch, weights, 40)
+    entry = moe_sweep.sweep_point(layer, "cpu")
+    default = moe_config.default_config(layer.shape, 40)
+    assert entry["checked"] and entry["config"] == entry["default_config"] == default.to_json()
+    assert entry["fused_us"] == entry["default_fused_us"]
+    # a record from before the default was recorded, whose entry at 40 tokens lost to it
+    tuned = MoeConfig(16, grid[0], grid[0])
+    old = {"device": "cpu", "shape": layer.shape.key(), "num_tokens": 40,
+           "config": tuned.to_json(), "fused_us": 9.0, "default_fused_us": 8.0}  # fmt: skip
+    table = tmp_path / "table.json"
+    moe_sweep.install([old, {**old, "num_tokens": 64, "default_fused_us": 10.0}], table)
+    written = {e["num_tokens"]: e["config"] for e in json.loads(table.read_text())["entries"]}
+    assert written == {40: default.to_json(), 64: tuned.to_json()}
+
+
+def test_default_config_takes_the_direct_path_while_pairs_rarely_share_an_expert() -> None:
+    """A row per program, K in steps of 1024, where at most half the experts see a pair
+    (Mixtral's 8: up to 2 tokens; qwen3-30b-a3b's 128 at top-8: up to 2, by the pair cap);
+    the sorted path beyond; float32 halves K; a table's shape key reads back."""
+    from kernels.moe import config as moe_config
+
+    mixtral = moe_config.MoeShape(8, 4096, 7168, 2, "bfloat16")
+    qwen3 = moe_config.MoeShape(128, 2048, 768, 8, "bfloat16")
+    gemv = GemmTile(1, 1024, 1, 2)
+    for shape, direct_up_to in ((mixtral, 2), (qwen3, 2)):
+        for tokens in (1, 2, 3, 4, 8):
+            config = moe_config.default_config(shape, tokens)
+            if tokens <= direct_up_to:
+                assert config == MoeConfig(1, gemv, gemv), (shape, tokens)
+            else:
+                assert config.block_m >= 16, (shape, tokens)
+    assert moe_config.default_config(replace(mixtral, dtype="float32"), 1).gate_up.block_k == 512
+    for shape in (mixtral, qwen3):
+        assert moe_config.MoeShape.from_key(shape.key()) == shape
+    fp8 = moe_config.MoeShape(8, 64, 32, 2, "bfloat16_w8")
+    assert moe_config.MoeShape.from_key(fp8.key()) == fp8
+    with pytest.raises(ValueError, match="not a MoE shape key"):
+        moe_config.MoeShape.from_key("E8_H64")
 
 
 @pytest.mark.parametrize("config", ["table", "direct"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -90,15 +91,34 @@ class MoeShape:
         return (f"E{self.num_experts}_H{self.hidden_size}_I{self.intermediate_size}"
                 f"_k{self.top_k}_{self.dtype}")  # fmt: skip
 
+    @classmethod
+    def from_key(cls, key: str) -> MoeShape:
+        """The shape ``key()`` names (a table entry's ``shape``)."""
+        match = re.fullmatch(r"E(\d+)_H(\d+)_I(\d+)_k(\d+)_(\w+)", key)
+        if match is None:
+            raise ValueError(f"not a MoE shape key: {key!r}")
+        *sizes, dtype = match.groups()
+        experts, hidden, intermediate, top_k = map(int, sizes)
+        return cls(experts, hidden, intermediate, top_k, dtype)
+
 
 def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
-    """A sound choice without measurements: a handful of pairs take the direct path (no sort,
-    GEMV tiles); beyond, by the rows each expert expects: ``block_m`` about that many
-    (padding rows are waste, and an expert split over two blocks reads its weights twice),
-    the tiles of a memory-bound GEMM while rows are few."""
+    """A sound choice without measurements: a handful of pairs that rarely share an expert
+    take the direct path (no sort, GEMV tiles); beyond, by the rows each expert expects:
+    ``block_m`` about that many (padding rows are waste, and an expert split over two blocks
+    reads its weights twice), the tiles of a memory-bound GEMM while rows are few.
+
+    The direct path reads an expert's weights once per pair, so it is taken only while the
+    pairs are at most half the experts (Mixtral's 8 experts: up to 2 tokens; the sorted path
+    reads each expert once). Its tiles are the ones the H200 sweeps chose at these sizes for
+    both qwen3-30b-a3b and mixtral-8x7b (TP2): a row per program, K in steps of 1024, one
+    warp; the tiles used before (16 rows, K 256, 4 warps) took 2.0-2.2x as long at one token
+    (bench/results/moe-sweep-*-h200.json, ``default_fused_us``)."""
     rows_per_expert = num_tokens * shape.top_k / shape.num_experts
-    if num_tokens * shape.top_k <= DIRECT_MAX_PAIRS:
-        config = MoeConfig(DIRECT_BLOCK_M, GemmTile(16, 256, 4, 3), GemmTile(16, 256, 4, 3))
+    pairs = num_tokens * shape.top_k
+    if pairs <= DIRECT_MAX_PAIRS and 2 * pairs <= shape.num_experts:
+        gemv = GemmTile(1, 1024, 1, 2)
+        config = MoeConfig(DIRECT_BLOCK_M, gemv, gemv)
     elif rows_per_expert <= 4:
         config = MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
     elif rows_per_expert <= 24:
