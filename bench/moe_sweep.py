@@ -274,25 +274,12 @@ def candidate_name(config: MoeConfig) -> str:
 
 
 def install(entries: list[dict[str, Any]], path: Path = TUNED_CONFIGS_PATH) -> None:
-    """Merge ``entries`` into the table file, newer entries replacing same-key ones. An entry
-    whose sweep timed the default faster than its config installs the default (a record from
-    before ``default_config`` was recorded: today's default for its shape and token count)."""
+    """Merge ``entries`` into the table file, newer entries replacing same-key ones."""
     old = json.loads(path.read_text())["entries"] if path.is_file() else []
     key = lambda e: (e["device"], e["shape"], e["num_tokens"])  # noqa: E731
-    merged = {key(e): e for e in old} | {key(e): _faster_of_two(e) for e in entries}
+    merged = {key(e): e for e in old} | {key(e): e for e in entries}
     slim = [{k: e[k] for k in ("device", "shape", "num_tokens", "config")} for e in merged.values()]
     path.write_text(json.dumps({"entries": sorted(slim, key=key)}, indent=1) + "\n")
-
-
-def _faster_of_two(entry: dict[str, Any]) -> dict[str, Any]:
-    """``entry``, or the default config where its sweep timed that faster."""
-    if entry.get("default_fused_us", float("inf")) >= entry.get("fused_us", float("inf")):
-        return entry
-    default = (
-        entry.get("default_config")
-        or default_config(MoeShape.from_key(entry["shape"]), int(entry["num_tokens"])).to_json()
-    )
-    return {**entry, "config": default}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -90,16 +89,6 @@ class MoeShape:
     def key(self) -> str:
         return (f"E{self.num_experts}_H{self.hidden_size}_I{self.intermediate_size}"
                 f"_k{self.top_k}_{self.dtype}")  # fmt: skip
-
-    @classmethod
-    def from_key(cls, key: str) -> MoeShape:
-        """The shape ``key()`` names (a table entry's ``shape``)."""
-        match = re.fullmatch(r"E(\d+)_H(\d+)_I(\d+)_k(\d+)_(\w+)", key)
-        if match is None:
-            raise ValueError(f"not a MoE shape key: {key!r}")
-        *sizes, dtype = match.groups()
-        experts, hidden, intermediate, top_k = map(int, sizes)
-        return cls(experts, hidden, intermediate, top_k, dtype)
 
 
 def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
