@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from bench.jit_compiles import JitCompiles
 from bench.kernel_sample import KernelSampler
 from bench.records import machine_info, percentiles, speculative_counts
 from bench.workloads import (
@@ -112,14 +113,15 @@ def _measure(
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.step_profiler = profiler = StepProfiler()  # two device events per step
-    start_s = time.perf_counter()
-    if structured is not None:  # every matcher made at once on threads, as LLM.generate does
-        engine.grammars.prebuild([structured] * len(prompts))
-    for index, prompt in enumerate(prompts):
-        _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len, structured)
-    step = engine.step if sampler is None else sampler.wrapping(engine.step)
-    tally = _step_until_done(engine, step, len(prompts), start_s, use_tqdm)
-    elapsed_s = time.perf_counter() - start_s
+    with JitCompiles() as builds:
+        start_s = time.perf_counter()
+        if structured is not None:  # every matcher made at once on threads, as LLM.generate does
+            engine.grammars.prebuild([structured] * len(prompts))
+        for index, prompt in enumerate(prompts):
+            _add(engine, f"bench-{index}", prompt.token_ids, prompt.output_len, structured)
+        step = engine.step if sampler is None else sampler.wrapping(engine.step)
+        tally = _step_until_done(engine, step, len(prompts), start_s, use_tqdm)
+        elapsed_s = time.perf_counter() - start_s
     engine.step_profiler = StepProfiler(enabled=False)
     num_input_tokens = sum(len(p.token_ids) for p in prompts)
     weights_bytes = engine.loaded.weights_bytes
@@ -146,6 +148,8 @@ def _measure(
         "step_profile": profiler.summary(elapsed_s),
         # speculative decoding (random prompts give prompt lookup little to find)
         "speculative": speculative_counts(stats_before, engine.stats()),
+        # Triton kernels built inside the timed run (this process), which its time includes
+        "jit_compiles": builds.summary(),
         **profiled,
     }
 
@@ -251,5 +255,8 @@ def format_results(results: dict[str, Any]) -> str:
         ("mean TTFT s", f"{results['mean_ttft_s']:.3f}"),
         ("preemptions", f"{results['num_preemptions']}"),
     ]
+    builds = results.get("jit_compiles")
+    if builds and builds["count"]:  # the run's time includes them
+        rows.append(("Triton builds", f"{builds['count']} ({builds['seconds']:.2f} s)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value:>12}" for name, value in rows)
