@@ -4,9 +4,10 @@
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
 #                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows|
-#                       matrix_budget|first_process]...
+#                       matrix_budget|first_process|moe_mixtral]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
-# first_process, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps,
+# first_process, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
+# two GPUs),
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, prefill_rows, matrix_budget, tp_vllm and
 # moe_throughput/moe_latency need vLLM importable (on the lent GPU:
@@ -311,13 +312,30 @@ moe_latency() {  # batch 1 and 64 against vLLM
         --compare vllm --no-progress --output-json "$OUT/latency-qwen3-30b-a3b-vs-vllm.json"
 }
 
+moe_mixtral() {  # two GPUs, vLLM with its MoE extension: mixtral-8x7b TP2, the table's large
+    # steps swept (1-512 tokens ship, measured 2026-11-27), then against vLLM TP2
+    log moe sweep mixtral-8x7b TP2, 1024-8192 tokens
+    local large=/tmp/moe-sweep-mixtral-tp2-large.json
+    python -m bench.moe_sweep --models mixtral-8x7b --tp 2 --tokens 1024,2048,4096,8192 \
+        --output-json "$large" \
+        && cp "$large" "$OUT/moe-sweep-mixtral-8x7b-tp2-large-$(card).json" \
+        && export PAGESTREAM_MOE_CONFIGS="$large"
+    log latency and throughput mixtral-8x7b TP2 against vllm
+    "${PS[@]}" bench latency --model dummy:mixtral-8x7b --tensor-parallel-size 2 \
+        --batch-sizes 1,64 --max-model-len 4096 --compare vllm --no-progress \
+        --output-json "$OUT/latency-mixtral-8x7b-tp2-vs-vllm-$(card).json"
+    "${PS[@]}" bench throughput --model dummy:mixtral-8x7b --tensor-parallel-size 2 \
+        --max-model-len 4096 --compare vllm --no-progress \
+        --output-json "$OUT/throughput-mixtral-8x7b-tp2-vs-vllm-$(card).json"
+}
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
         tests/test_triton_paged_attention.py tests/test_kv_offload.py tests/test_quant_kernels.py \
         tests/test_quant_model.py tests/test_quant_dequant.py tests/test_gpu_speculative.py \
         tests/test_quant_mma_int8.py tests/test_quant_gemv_int8.py tests/test_int8_producers.py \
-        tests/test_rotary_kv_write.py tests/test_gemv.py tests/test_pdl.py tests/test_prefill_sdpa.py
+        tests/test_rotary_kv_write.py tests/test_gemv.py tests/test_pdl.py tests/test_prefill_sdpa.py \
+        tests/test_jit_compiles.py
 }
 
 for part in "${@:-benchmarks fp8 speculative peers serve gateway fleet offload quant structured tests}"; do
