@@ -211,9 +211,10 @@ def test_fused_moe_replays_from_a_cuda_graph_with_new_routing() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_with_fp8_expert_weights(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("num_tokens", [1, 9])  # the default's direct path, then the sorted one
+def test_fused_moe_with_fp8_expert_weights(dtype: torch.dtype, num_tokens: int) -> None:
     """W8A16: float8 e4m3 weights with a scale per row against the dequantized reference."""
-    num_tokens, num_experts, hidden, inter, top_k = 9, 4, 48, 40, 2
+    num_experts, hidden, inter, top_k = 4, 48, 40, 2
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
     w13, w13_scale = quantize_experts_fp8(
