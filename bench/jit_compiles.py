@@ -40,7 +40,7 @@ class JitCompiles:
     def __enter__(self) -> JitCompiles:
         try:
             from triton import knobs
-        except ImportError:  # no Triton, or one before its knobs (3.4)
+        except ImportError:  # no Triton, or an older one without its knobs
             return self
         runtime = knobs.runtime
         if not hasattr(runtime, "jit_cache_hook") or not hasattr(runtime, "jit_post_compile_hook"):

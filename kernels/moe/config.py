@@ -99,10 +99,11 @@ def default_config(shape: MoeShape, num_tokens: int) -> MoeConfig:
 
     The direct path reads an expert's weights once per pair, so it is taken only while the
     pairs are at most half the experts (Mixtral's 8 experts: up to 2 tokens; the sorted path
-    reads each expert once). Its tiles are the ones the H200 sweeps chose at these sizes for
-    both qwen3-30b-a3b and mixtral-8x7b (TP2): a row per program, K in steps of 1024, one
-    warp; the tiles used before (16 rows, K 256, 4 warps) took 2.0-2.2x as long at one token
-    (bench/results/moe-sweep-*-h200.json, ``default_fused_us``)."""
+    reads each expert once). Its tiles are the ones the H200 sweeps of qwen3-30b-a3b and
+    mixtral-8x7b (TP2) chose at most of these sizes, a row per program, K in steps of 1024,
+    one warp (at one token their gate/up took K 2048 and two warps); the layer with the
+    tiles used before (16 rows, K 256, 4 warps) took 2.0-2.2x the swept one's time at one
+    token (bench/results/moe-sweep-*-h200.json, ``default_fused_us``)."""
     rows_per_expert = num_tokens * shape.top_k / shape.num_experts
     pairs = num_tokens * shape.top_k
     if pairs <= DIRECT_MAX_PAIRS and 2 * pairs <= shape.num_experts:
