@@ -14,7 +14,9 @@ CPU: each worker gets cores / N intra-op threads (``OMP_NUM_THREADS``), so that 
 not oversubscribe the cores; the clients and Redis run on the same cores. CUDA:
 ``--worker-devices`` places the workers: ``spread`` puts worker i on GPU i mod G (data
 parallel: one worker per GPU, ``CUDA_VISIBLE_DEVICES``), ``shared`` puts them all on the first
-GPU, ``auto`` spreads them when the host has at least N GPUs. ``--pa-memory-fraction F``
+GPU, ``auto`` spreads them when the host has at least N GPUs. With ``--tensor-parallel-size
+T`` each worker is a TP group on T GPUs of its own (N x T of them, else refused): two TP2
+workers on four GPUs. ``--pa-memory-fraction F``
 (default 0.9) sizes a pool from F times the GPU's memory less what the GPU already holds, other
 processes included, so the k-th of m workers on one GPU (from 1) starts once the one before has
 beaten, with the fraction k x F / m: each gets about F / m. ``--pa-memory-mb`` and
@@ -44,12 +46,11 @@ def check_fleet_args(args: argparse.Namespace) -> None:
     if args.through != "redis":
         raise CommandError("--workers runs the load through Redis only", EXIT_USAGE)
     if args.tensor_parallel_size > 1:
-        raise CommandError(
-            "--workers puts every worker on the same devices, and tensor-parallel workers "
-            "would share theirs: measure one TP group per set of GPUs with workers started "
-            "by hand (docs/operations.md) and --redis-url",
-            EXIT_USAGE,
-        )
+        from engine.config_flags import engine_config_from_args
+
+        device_type = engine_config_from_args(args).resolved_device().split(":")[0]
+        # each worker's group on GPUs of its own: worker_gpus refuses too few
+        worker_gpus(args, max(args.workers), device_type)
 
 
 def available_cores() -> int:
@@ -165,8 +166,13 @@ def visible_gpus() -> list[str]:
 
 
 def worker_gpus(args: argparse.Namespace, num_workers: int, device_type: str) -> list[str] | None:
-    """The GPU each worker runs on (``CUDA_VISIBLE_DEVICES``), or None: on the CPU, or
-    ``shared`` (all on the device the engine flags name)."""
+    """The GPUs each worker runs on (``CUDA_VISIBLE_DEVICES``), or None: on the CPU, or
+    ``shared`` (all on the device the engine flags name). With ``--tensor-parallel-size T``
+    worker i gets GPUs ``i*T .. i*T+T-1`` of the visible ones, a group of its own: T x N GPUs
+    or a ``CommandError``."""
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    if tp > 1:
+        return _tensor_parallel_groups(args, num_workers, tp, device_type)
     if device_type != "cuda" or args.worker_devices == "shared":
         return None
     gpus = visible_gpus()
@@ -175,6 +181,27 @@ def worker_gpus(args: argparse.Namespace, num_workers: int, device_type: str) ->
     if not gpus:
         raise CommandError("--worker-devices spread: no GPU is visible", EXIT_USAGE)
     return [gpus[index % len(gpus)] for index in range(num_workers)]
+
+
+def _tensor_parallel_groups(
+    args: argparse.Namespace, num_workers: int, tp: int, device_type: str
+) -> list[str]:
+    """Disjoint groups of ``tp`` visible GPUs, one per worker (workers never share a group:
+    two groups' ranks on one GPU would each plan their pools from all of its memory)."""
+    if device_type != "cuda" or args.worker_devices == "shared":
+        raise CommandError(
+            f"--workers with --tensor-parallel-size {tp} runs each worker's group on GPUs of "
+            f"its own: CUDA only, not --worker-devices shared",
+            EXIT_USAGE,
+        )
+    gpus = visible_gpus()
+    if len(gpus) < num_workers * tp:
+        raise CommandError(
+            f"--workers {num_workers} with --tensor-parallel-size {tp} needs "
+            f"{num_workers * tp} GPUs, {len(gpus)} visible",
+            EXIT_USAGE,
+        )
+    return [",".join(gpus[index * tp : (index + 1) * tp]) for index in range(num_workers)]
 
 
 def _memory_fractions(

@@ -4,10 +4,10 @@
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
 #                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows|
-#                       matrix_budget|first_process|moe_mixtral]...
+#                       matrix_budget|first_process|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
 # first_process, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
-# two GPUs),
+# two GPUs), and tp4 (four GPUs),
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, prefill_rows, matrix_budget, tp_vllm and
 # moe_throughput/moe_latency need vLLM importable (on the lent GPU:
@@ -248,6 +248,25 @@ tp_vllm() {  # two GPUs, vLLM importable: vLLM 0.26 TP2 in the same run
         --max-model-len 4096 --no-progress --output-json "$OUT/throughput-llama3-8b-tp2-vs-vllm.json"
 }
 
+tp4() {  # four GPUs: TP4 beside TP1 and TP2 (tp-scaling-CARD-4gpu.json), then two TP2 workers
+    # on one stream against one (each worker a group on two GPUs of its own)
+    log latency llama3-8b TP1, TP2, TP4 and llama3-70b TP2, TP4: tp-scaling-CARD-4gpu.json
+    local latency=("${PS[@]}" bench latency --batch-sizes 1,8,64 --max-model-len 4096 --no-progress)
+    local tp
+    for tp in 1 2 4; do
+        "${latency[@]}" --model dummy:llama3-8b --tensor-parallel-size "$tp" \
+            --output-json "$OUT/latency-llama3-8b-tp$tp-4gpu.json"
+    done
+    for tp in 2 4; do
+        "${latency[@]}" --model dummy:llama3-70b --tensor-parallel-size "$tp" \
+            --output-json "$OUT/latency-llama3-70b-tp$tp-4gpu.json"
+    done
+    python -m bench.tp_scaling "$OUT/tp-scaling-$(card)-4gpu.json" "$OUT"/latency-llama3-*-4gpu.json
+    log serve llama3-8b, 1 then 2 TP2 workers: serve-fleet-tp2-CARD.json
+    "${PS[@]}" bench serve --model dummy:llama3-8b --tensor-parallel-size 2 --workers 1,2 \
+        --num-prompts 256 --max-model-len 4096 --no-offline --vocab-size 128256 \
+        --output-json "$OUT/serve-fleet-tp2-$(card).json"
+}
 data_parallel() {  # two GPUs: one worker per GPU on one stream, against one worker
     log serve qwen3-0.6b, 1 then 2 workers, one per GPU: serve-fleet-dp-CARD.json
     "${PS[@]}" bench serve --model dummy:qwen3-0.6b --workers 1,2 --worker-devices spread \

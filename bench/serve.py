@@ -48,7 +48,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    "(1,2,4) makes a scaling record (bench.fleet)")  # fmt: skip
     w.add_argument("--worker-devices", choices=("auto", "spread", "shared"), default="auto",
                    help="CUDA --workers: spread = worker i on GPU i mod G (one per GPU), "
-                   "shared = all on one GPU, auto = spread when there are >= N GPUs")  # fmt: skip
+                   "shared = all on one GPU, auto = spread when there are >= N GPUs; with "
+                   "--tensor-parallel-size T, T GPUs of its own each")  # fmt: skip
     w.add_argument("--no-offline", action="store_true", help="skip the offline engine's run")
     w.add_argument("--vocab-size", type=positive_int,
                    help="token ids to draw from when the model is not loaded here (--no-offline)")  # fmt: skip

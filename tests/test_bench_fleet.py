@@ -124,6 +124,35 @@ def test_spread_workers_get_a_gpu_each_and_its_whole_fraction(
     assert fractions == ["0.4", "0.4", "0.8", "0.8"]
 
 
+def test_tensor_parallel_workers_get_gpu_groups_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TP2 x 2 workers on four GPUs: worker i on GPUs 2i and 2i+1, each with the whole
+    fraction; too few GPUs, a CPU or a shared GPU is refused with what it needs."""
+    from bench.fleet import worker_gpus
+    from engine.config_flags import add_engine_args
+    from worker.errors import CommandError
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "dummy:tiny", "--tensor-parallel-size", "2",
+                              "--pa-memory-fraction", "0.8"])  # fmt: skip
+    args.prefix, args.worker_devices = "p", "auto"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    two = fleet_workers(args, "redis://127.0.0.1:1/0", 2, "cuda", num_cores=16)
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in two] == ["4,5", "6,7"]
+    assert [w.command[w.command.index("--pa-memory-fraction") + 1] for w in two] == ["0.8"] * 2
+    assert all(w.command[w.command.index("--tensor-parallel-size") + 1] == "2" for w in two)
+    assert worker_gpus(args, 1, "cuda") == ["4,5"]
+    with pytest.raises(CommandError, match="needs 6 GPUs, 4 visible"):
+        worker_gpus(args, 3, "cuda")
+    with pytest.raises(CommandError, match="CUDA only"):
+        worker_gpus(args, 1, "cpu")
+    args.worker_devices = "shared"
+    with pytest.raises(CommandError, match="not --worker-devices shared"):
+        worker_gpus(args, 2, "cuda")
+
+
 def test_fleet_refuses_workers_it_does_not_spawn(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli_main(["bench", "serve", "--model", "dummy:tiny", "--workers", "2",
                      "--redis-url", "redis://127.0.0.1:1/0"])  # fmt: skip
