@@ -49,8 +49,13 @@ def check_fleet_args(args: argparse.Namespace) -> None:
         from engine.config_flags import engine_config_from_args
 
         device_type = engine_config_from_args(args).resolved_device().split(":")[0]
-        # each worker's group on GPUs of its own: worker_gpus refuses too few
-        worker_gpus(args, max(args.workers), device_type)
+        if device_type != "cuda":  # the CPU's cores are already split between the workers
+            raise CommandError(
+                "--workers with --tensor-parallel-size runs each worker's group on GPUs of "
+                "its own: CUDA only",
+                EXIT_USAGE,
+            )
+        worker_gpus(args, max(args.workers), device_type)  # refuses too few GPUs, or shared
 
 
 def available_cores() -> int:
@@ -170,10 +175,12 @@ def worker_gpus(args: argparse.Namespace, num_workers: int, device_type: str) ->
     ``shared`` (all on the device the engine flags name). With ``--tensor-parallel-size T``
     worker i gets GPUs ``i*T .. i*T+T-1`` of the visible ones, a group of its own: T x N GPUs
     or a ``CommandError``."""
+    if device_type != "cuda":
+        return None
     tp = getattr(args, "tensor_parallel_size", 1) or 1
     if tp > 1:
-        return _tensor_parallel_groups(args, num_workers, tp, device_type)
-    if device_type != "cuda" or args.worker_devices == "shared":
+        return _tensor_parallel_groups(args, num_workers, tp)
+    if args.worker_devices == "shared":
         return None
     gpus = visible_gpus()
     if args.worker_devices == "auto" and len(gpus) < num_workers:
@@ -183,15 +190,13 @@ def worker_gpus(args: argparse.Namespace, num_workers: int, device_type: str) ->
     return [gpus[index % len(gpus)] for index in range(num_workers)]
 
 
-def _tensor_parallel_groups(
-    args: argparse.Namespace, num_workers: int, tp: int, device_type: str
-) -> list[str]:
+def _tensor_parallel_groups(args: argparse.Namespace, num_workers: int, tp: int) -> list[str]:
     """Disjoint groups of ``tp`` visible GPUs, one per worker (workers never share a group:
     two groups' ranks on one GPU would each plan their pools from all of its memory)."""
-    if device_type != "cuda" or args.worker_devices == "shared":
+    if args.worker_devices == "shared":
         raise CommandError(
             f"--workers with --tensor-parallel-size {tp} runs each worker's group on GPUs of "
-            f"its own: CUDA only, not --worker-devices shared",
+            f"its own, not --worker-devices shared",
             EXIT_USAGE,
         )
     gpus = visible_gpus()
