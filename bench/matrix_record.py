@@ -215,6 +215,12 @@ def format_matrix(record: dict[str, Any]) -> str:
             )
         )
     for row in record["results"]:
+        builds = (row.get(ENGINE) or {}).get("jit_compiles") or {}
+        if builds.get("count"):  # the row's time includes them (bench/jit_compiles.py)
+            slowest = ", ".join(k["name"].rsplit(".", 1)[-1] for k in builds["kernels"][:3])
+            lines.append(f"{row['model']} {row['workload']}: {builds['count']} Triton builds "
+                         f"in the timed run, {builds['seconds']:.2f} s ({slowest})")  # fmt: skip
+    for row in record["results"]:
         ours, theirs = row.get(ENGINE, {}), row.get(peer, {})
         if "kernel_profile" in ours and "kernel_profile" in theirs:
             label = f"{row['model']} {row['workload']}"

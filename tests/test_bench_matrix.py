@@ -192,3 +192,29 @@ def test_a_peer_is_followed_and_stopped_when_the_parent_stops(
         os.kill(int(record["pid"]), 0)  # type: ignore[call-overload]
     with pytest.raises(PeerError, match="the slow peer failed \\(exit code 3\\)"):
         run_peer_module("slow_peer", ["--fail"], name="slow")
+
+
+def test_the_table_names_triton_builds_inside_a_rows_timed_run() -> None:
+    """A row whose engine side built Triton kernels on the clock says so under the table,
+    with the count, the seconds and the slowest kernels; a row that built none says nothing."""
+    from bench.matrix_record import format_matrix
+
+    builds = {"count": 3, "seconds": 1.5, "kernels": [
+        {"name": "kernels.attention.gather_rows_triton._gather_rows_kernel", "count": 2,
+         "seconds": 1.2},
+        {"name": "kernels.attention.merge_states_triton._merge_states_kernel", "count": 1,
+         "seconds": 0.3},
+    ]}  # fmt: skip
+    row = {"model": "qwen3-0.6b", "metric": "output_tok_s", "ratio": 0.9, "meets_target": False,
+           "pagestream_tok_s": 450.0, "vllm_tok_s": 500.0}  # fmt: skip
+    record = {"peer": "vllm", "results": [
+        {**row, "workload": "long-context", "pagestream": {"jit_compiles": builds}},
+        {**row, "workload": "standard-256",
+         "pagestream": {"jit_compiles": {"count": 0, "seconds": 0, "kernels": []}}},
+    ]}  # fmt: skip
+    lines = format_matrix(record).splitlines()
+    notes = [line for line in lines if "Triton builds" in line]
+    assert notes == [
+        "qwen3-0.6b long-context: 3 Triton builds in the timed run, 1.50 s "
+        "(_gather_rows_kernel, _merge_states_kernel)"
+    ]
