@@ -172,41 +172,31 @@ def visible_gpus() -> list[str]:
 
 def worker_gpus(args: argparse.Namespace, num_workers: int, device_type: str) -> list[str] | None:
     """The GPUs each worker runs on (``CUDA_VISIBLE_DEVICES``), or None: on the CPU, or
-    ``shared`` (all on the device the engine flags name). With ``--tensor-parallel-size T``
-    worker i gets GPUs ``i*T .. i*T+T-1`` of the visible ones, a group of its own: T x N GPUs
-    or a ``CommandError``."""
+    ``shared`` (all on the device the engine flags name). Worker i gets ``T`` GPUs from
+    ``i*T`` on, modulo the visible ones (``--tensor-parallel-size T``; 1: one GPU each). A
+    TP group never shares its GPUs with another (two groups' ranks on one GPU would each plan
+    their pools from all of its memory): T x N GPUs, or a ``CommandError``."""
     if device_type != "cuda":
         return None
-    tp = getattr(args, "tensor_parallel_size", 1) or 1
-    if tp > 1:
-        return _tensor_parallel_groups(args, num_workers, tp)
+    tp = args.tensor_parallel_size
+    gpus = visible_gpus()
+    if tp > 1 and (args.worker_devices == "shared" or len(gpus) < num_workers * tp):
+        raise CommandError(
+            f"--workers {num_workers} with --tensor-parallel-size {tp} needs "
+            f"{num_workers * tp} GPUs, {len(gpus)} visible: each worker's group on GPUs of its "
+            f"own, not --worker-devices shared",
+            EXIT_USAGE,
+        )
     if args.worker_devices == "shared":
         return None
-    gpus = visible_gpus()
     if args.worker_devices == "auto" and len(gpus) < num_workers:
         return None
     if not gpus:
         raise CommandError("--worker-devices spread: no GPU is visible", EXIT_USAGE)
-    return [gpus[index % len(gpus)] for index in range(num_workers)]
-
-
-def _tensor_parallel_groups(args: argparse.Namespace, num_workers: int, tp: int) -> list[str]:
-    """Disjoint groups of ``tp`` visible GPUs, one per worker (workers never share a group:
-    two groups' ranks on one GPU would each plan their pools from all of its memory)."""
-    if args.worker_devices == "shared":
-        raise CommandError(
-            f"--workers with --tensor-parallel-size {tp} runs each worker's group on GPUs of "
-            f"its own, not --worker-devices shared",
-            EXIT_USAGE,
-        )
-    gpus = visible_gpus()
-    if len(gpus) < num_workers * tp:
-        raise CommandError(
-            f"--workers {num_workers} with --tensor-parallel-size {tp} needs "
-            f"{num_workers * tp} GPUs, {len(gpus)} visible",
-            EXIT_USAGE,
-        )
-    return [",".join(gpus[index * tp : (index + 1) * tp]) for index in range(num_workers)]
+    return [
+        ",".join(gpus[(index * tp + rank) % len(gpus)] for rank in range(tp))
+        for index in range(num_workers)
+    ]
 
 
 def _memory_fractions(
