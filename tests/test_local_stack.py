@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import http.server
 import os
 import socket
 import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import redis
 
-from worker.local_stack import embedded_redis, free_port, redis_server_binary
+from worker.local_stack import (
+    PortTakenError,
+    RedisProcess,
+    embedded_redis,
+    free_port,
+    redis_server_binary,
+)
 
 
 def _port_open(port: int) -> bool:
@@ -33,3 +45,59 @@ def test_redis_binary_and_free_port() -> None:
     assert os.access(redis_server_binary(), os.X_OK)
     port = free_port()
     assert 0 < port < 65536 and not _port_open(port)
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def http_server_on(port: int) -> Iterator[None]:
+    """A web server on ``port``: it accepts the connection and answers a Redis command with
+    an HTTP error, as a server another process started there would."""
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", port), http.server.BaseHTTPRequestHandler
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_redis_on_a_free_port_that_another_server_took_starts_on_another(tmp_path: Path) -> None:
+    server = RedisProcess(tmp_path)
+    taken = server.port
+    with http_server_on(taken):
+        server.start()
+        try:
+            assert server.port != taken and redis.Redis(port=server.port).ping()
+            port = server.port
+            server.restart()  # up once, it keeps its port
+            assert server.port == port and redis.Redis(port=port).ping()
+        finally:
+            server.stop()
+
+
+def test_a_redis_on_a_given_port_that_another_server_holds_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    other = RedisProcess(tmp_path / "other", port=port)
+    other.directory.mkdir()
+    other.start()  # a redis-server, but not this one
+    try:
+        server = RedisProcess(tmp_path, port=port)
+        with pytest.raises(PortTakenError, match=rf"^port {port} is held by another process: "):
+            server.start()
+        assert server.process is None
+    finally:
+        other.stop()
+    with (
+        http_server_on(port),
+        pytest.raises(PortTakenError, match=rf"^port {port} is held by another process: "),
+    ):
+        RedisProcess(tmp_path, port=port).start()

@@ -25,8 +25,7 @@ from clients.protocol import Keys
 from commands import main
 from commands.parser import invocation
 from engine import LLM, SamplingParams
-from worker.local_cluster import is_free
-from worker.local_stack import free_port
+from worker.local_stack import free_port, is_free
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads child processes from /proc"

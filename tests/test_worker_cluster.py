@@ -8,6 +8,7 @@ worker reads K = 3 shards, one per primary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from clients.protocol import CLUSTER_SLOTS, Keys, key_slot
 from tests.gateway_fixtures import wait_for
 from tests.redis_cluster import RedisCluster
 from tests.service_fixtures import FAST, InProcessWorker, slow_steps
+from tests.test_local_stack import http_server_on
 from tests.test_worker_routing import published
 from worker.delivery import Entry, RequestStream
 from worker.local_stack import RedisProcess
@@ -294,18 +296,24 @@ def test_an_entry_dead_lettered_on_a_cluster_has_one_letter(redis_cluster: Redis
     assert asyncio.run(scenario()) == (0, [0, 1], True)
 
 
+@pytest.mark.parametrize("squatter", ["socket", "web server"])
 def test_a_cluster_on_free_ports_starts_on_others_when_one_is_taken_first(
-    tmp_path: Path,
+    tmp_path: Path, squatter: str
 ) -> None:
     """Another process binds a port after it was found free (another test process, here a
-    socket): the cluster starts again on other free ports rather than failing."""
+    listening socket, or a server that answers): the cluster starts again on other free
+    ports rather than failing."""
     import socket
 
     cluster = RedisCluster(tmp_path)
     taken = cluster.ports[1]
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", taken))
-        squatter.listen()
+    with contextlib.ExitStack() as stack:
+        if squatter == "web server":
+            stack.enter_context(http_server_on(taken))
+        else:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", taken))
+            sock.listen()
         try:
             cluster.start()
             assert taken not in cluster.ports

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import contextlib
 import re
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from clients.protocol import CLUSTER_SLOTS
 from worker.errors import CommandError
-from worker.local_stack import CLUSTER_CONFIG_FILE, RedisProcess, free_port, wait_until
+from worker.local_stack import (
+    BUS_PORT_OFFSET,
+    CLUSTER_CONFIG_FILE,
+    FREE_PORT_ATTEMPTS,
+    PortTakenError,
+    RedisProcess,
+    free_port,
+    is_free,
+    wait_until,
+)
 
 CLUSTER_START_TIMEOUT_S = 20.0
-FREE_PORT_ATTEMPTS = 3  # starts on free ports that another process may take first
-BUS_PORT_OFFSET = 10_000  # each node also listens on port + 10000 (the cluster bus)
 MAX_PORT = 65535
 # The `myself` line of a nodes.conf: "<id> <ip>:<port>@<bus port>[,<hostname>] myself,master ..."
 MYSELF_PORT = re.compile(r"^\S+ [^ ]*:(\d+)@\d+\S* \S*myself", re.MULTILINE)
@@ -86,9 +92,7 @@ class RedisClusterProcess:
             try:
                 self._start_nodes()
                 return
-            except NoClusterSupportError:
-                raise
-            except CommandError:
+            except PortTakenError:
                 if not self.free_ports or attempt == FREE_PORT_ATTEMPTS:
                     raise
             for node in self.nodes:  # this attempt's own, on ports given up
@@ -184,16 +188,6 @@ def free_node_ports(count: int) -> list[int]:
         ):
             ports.append(port)
     return ports
-
-
-def is_free(port: int) -> bool:
-    """Whether ``port`` can be bound on 127.0.0.1 now."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @contextlib.contextmanager

