@@ -1,10 +1,12 @@
-"""A real gateway for the tests: uvicorn on a free port (on a thread), a real Redis and an
+"""A real gateway for the tests: uvicorn on a port of its own (on a thread), a real Redis and an
 in-process worker on the tiny text model, with a chat template added to its tokenizer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from tests.redis_server import RedisServer
 from tests.service_fixtures import InProcessWorker, worker_settings
 from worker.gateway.app import create_app
 from worker.gateway.config import GatewaySettings
-from worker.local_stack import free_port, wait_until
+from worker.local_stack import wait_until
 
 API_KEY = "test-key"
 # Words of the tiny vocabulary, so that every prompt token is known: a message `w5 w6` becomes
@@ -53,14 +55,20 @@ def chat_model_dir(text_model_dir: Path, tmp_path_factory: Any) -> Path:
 
 
 class GatewayThread:
-    """``create_app(settings)`` under uvicorn on a thread, until ``stop``."""
+    """``create_app(settings)`` under uvicorn on a thread, until ``stop``. With ``port=0`` it
+    listens on a socket it binds itself (``settings.port`` becomes that socket's port), so no
+    other process (the suite runs on several) can take the port between choosing and binding."""
 
     def __init__(self, settings: GatewaySettings) -> None:
-        self.settings = settings
-        self.app = create_app(settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning")
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", settings.port))
+        self.settings = dataclasses.replace(settings, port=self.socket.getsockname()[1])
+        self.app = create_app(self.settings)
+        config = uvicorn.Config(self.app, log_level="warning")
         self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self.server.run, daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -74,10 +82,11 @@ class GatewayThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(START_TIMEOUT_S)
+        self.socket.close()
 
 
 def start_gateway(redis_url: str, **overrides: Any) -> GatewayThread:
-    settings = GatewaySettings(redis_url=redis_url, port=free_port(), **overrides)
+    settings = GatewaySettings(redis_url=redis_url, port=0, **overrides)
     return GatewayThread(settings).start()
 
 

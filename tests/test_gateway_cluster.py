@@ -28,7 +28,6 @@ from tests.redis_cluster import NUM_PRIMARIES, RedisCluster
 from tests.redis_server import RedisServer
 from tests.service_fixtures import FAST, InProcessWorker
 from worker.gateway.config import GatewaySettings
-from worker.local_stack import free_port
 from worker.settings import WorkerSettings
 
 NUM_SHARDS = 3
@@ -74,7 +73,7 @@ def cluster_stack(chat_model_dir: Path, tmp_path_factory: Any) -> Iterator[Clust
     try:
         worker.start()
         gateway = GatewayThread(GatewaySettings(
-            redis_url=cluster.url, redis_cluster=True, num_shards=NUM_SHARDS, port=free_port(),
+            redis_url=cluster.url, redis_cluster=True, num_shards=NUM_SHARDS, port=0,
             api_keys=(API_KEY,),
         )).start()  # fmt: skip
         raw = cluster.client()
@@ -194,7 +193,7 @@ def test_a_gateway_on_a_home_shard_puts_its_requests_there(cluster_stack: Cluste
     before = out_stream_ids(raw)
     gateway = GatewayThread(GatewaySettings(
         redis_url=cluster_stack.cluster.url, redis_cluster=True, num_shards=NUM_SHARDS,
-        home_shard=2, port=free_port(), api_keys=(API_KEY,),
+        home_shard=2, port=0, api_keys=(API_KEY,),
     )).start()  # fmt: skip
     try:
         with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY,
