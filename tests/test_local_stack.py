@@ -29,16 +29,20 @@ def _port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_embedded_redis_serves_then_leaves_no_process_port_or_folder() -> None:
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "pagestream-redis-*")))
+def test_embedded_redis_serves_then_leaves_no_process_port_or_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a temporary folder of its own: the suite's other process makes and removes its own
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with embedded_redis() as url:
         client = redis.Redis.from_url(url)
         assert client.ping() and client.set("k", "v") and client.get("k") == b"v"
         client.close()
         port = int(url.rsplit(":", 1)[1].split("/")[0])
         assert _port_open(port)
+        assert len(glob.glob(os.path.join(tmp_path, "pagestream-redis-*"))) == 1
     assert not _port_open(port)
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "pagestream-redis-*"))) == before
+    assert glob.glob(os.path.join(tmp_path, "pagestream-redis-*")) == []
 
 
 def test_redis_binary_and_free_port() -> None:

@@ -26,7 +26,6 @@ import datetime
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -111,7 +110,14 @@ class RankProcesses:
             raise ConfigError(
                 "a tensor-parallel engine already runs in this process: shutdown() it first"
             )
-        port = _free_port()
+        # The rendezvous store listens before any rank starts, on a port the kernel gives it:
+        # a port found free and bound later may be taken meanwhile (two TP workers starting
+        # on one host, or anything else).
+        store = dist.TCPStore(
+            "127.0.0.1", 0, self.size, is_master=True, timeout=_timeout(),
+            wait_for_workers=False,
+        )  # fmt: skip
+        port = store.port
         env = {**os.environ, "PYTHONPATH": _python_path()}
         steps = StepChannel.create(self.size)
         for rank in range(1, self.size):
@@ -137,25 +143,21 @@ class RankProcesses:
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", self.size - 1,
                     ", ".join(str(c.pid) for c in self.children))  # fmt: skip
         try:
-            store = self._wait_for_ranks(port)
+            self._wait_for_ranks(store)
         finally:  # the ranks have mapped the ring by now, or failed
             steps.started()
         self.group = TensorParallelGroup.join(0, self.size, store, device, collective_timeout_s())
         self.group.steps = steps
         return self.group
 
-    def _wait_for_ranks(self, port: int) -> dist.TCPStore:
-        """The rendezvous store, once every rank has reached it; a rank that fails to start
-        (an import error, no GPU memory) raises ``EngineDeadError`` instead of a long wait."""
-        store = dist.TCPStore(
-            "127.0.0.1", port, self.size, is_master=True, timeout=_timeout(),
-            wait_for_workers=False,
-        )  # fmt: skip
+    def _wait_for_ranks(self, store: dist.TCPStore) -> None:
+        """Wait until every rank has reached the rendezvous ``store``; a rank that fails to
+        start (an import error, no GPU memory) raises ``EngineDeadError`` instead of a long
+        wait."""
         keys = [TensorParallelGroup.ready_key(rank) for rank in range(1, self.size)]
         while not store.check(keys):
             self.check_alive()
             time.sleep(WATCH_INTERVAL_S / 4)
-        return store
 
     def exit_reports(self, only_exited: bool = False) -> list[str]:
         """``rank r (pid p) exited with code c`` (or ``... still runs``) for each child."""
@@ -326,12 +328,6 @@ def collective_timeout_s() -> float:
 
 def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=collective_timeout_s())
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _python_path() -> str:
