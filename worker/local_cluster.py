@@ -23,11 +23,10 @@ from worker.errors import CommandError
 from worker.local_stack import (
     BUS_PORT_OFFSET,
     CLUSTER_CONFIG_FILE,
-    FREE_PORT_ATTEMPTS,
-    PortTakenError,
     RedisProcess,
     free_port,
     is_free,
+    start_on_free_ports,
     wait_until,
 )
 
@@ -88,16 +87,13 @@ class RedisClusterProcess:
         to start (another process bound its port or bus port after it was found free) makes
         the cluster start again on other free ports, up to ``FREE_PORT_ATTEMPTS`` times."""
         self._check_ports_of_earlier_run()
-        for attempt in range(1, FREE_PORT_ATTEMPTS + 1):
-            try:
-                self._start_nodes()
-                return
-            except PortTakenError:
-                if not self.free_ports or attempt == FREE_PORT_ATTEMPTS:
-                    raise
+
+        def move() -> None:
             for node in self.nodes:  # this attempt's own, on ports given up
                 (node.directory / CLUSTER_CONFIG_FILE).unlink(missing_ok=True)
             self.nodes = self._make_nodes(free_node_ports(len(self.nodes)))
+
+        start_on_free_ports(self._start_nodes, move if self.free_ports else None)
 
     def _start_nodes(self) -> None:
         for node in self.nodes:

@@ -94,14 +94,11 @@ class RedisProcess:
         """Start it and wait until it answers PING. On a free port (none given), a port that
         another process took after it was found free makes it start again on another one, up
         to ``FREE_PORT_ATTEMPTS`` times; once up, it keeps its port (``restart`` too)."""
-        for attempt in range(1, FREE_PORT_ATTEMPTS + 1):
-            try:
-                self._start_on_port()
-                break
-            except PortTakenError:
-                if not self.free_port or attempt == FREE_PORT_ATTEMPTS:
-                    raise
-                self.port = free_port()
+
+        def move() -> None:
+            self.port = free_port()
+
+        start_on_free_ports(self._start_on_port, move if self.free_port else None)
         self.free_port = False
 
     def _start_on_port(self) -> None:
@@ -413,6 +410,20 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline_s:
             raise CommandError(f"{what} did not come up within {timeout_s:g} s")
         time.sleep(0.1)
+
+
+def start_on_free_ports(start: Callable[[], None], move: Callable[[], None] | None) -> None:
+    """``start()``; when it raises ``PortTakenError`` (another process took a port after it
+    was found free), ``move()`` to other free ports and start again, up to
+    ``FREE_PORT_ATTEMPTS`` times in all. Without ``move`` (ports given), no retry."""
+    for attempt in range(1, FREE_PORT_ATTEMPTS + 1):
+        try:
+            start()
+            return
+        except PortTakenError:
+            if move is None or attempt == FREE_PORT_ATTEMPTS:
+                raise
+        move()
 
 
 def free_port() -> int:
