@@ -212,6 +212,24 @@ def test_tiny_model_matches_transformers_gguf_loader(
     assert generation["eos_token_id"] == end_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_engine_on_a_tiny_gguf_gives_transformers_tokens(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine loads each architecture from the ``.gguf`` (qwen2's q/k/v biases without
+    an o_proj bias) and decodes as transformers does on the converted weights."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import hf_greedy
+
+    monkeypatch.setenv("PAGESTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
+    prompts = [[3, 7, 11, 2, 5], [30, 1, 4]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    outputs = LLM(str(gguf_path), pa_block_size=16).generate(prompts, greedy, use_tqdm=False)
+    converted = convert_gguf(gguf_path, tmp_path / "cache" / "gguf")
+    assert [out.token_ids for out in outputs] == hf_greedy(converted, prompts, 8)
+
+
 # -- llama.cpp's rotary permutation and rope scaling
 
 

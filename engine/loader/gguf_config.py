@@ -73,7 +73,8 @@ def _config_kwargs(reader: GGUFReader, arch: str) -> dict[str, Any]:
         "rope_theta": metadata_field(reader, f"{arch}.rope.freq_base", 10_000.0),
         "max_position_embeddings": required_field(reader, f"{arch}.context_length"),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        # o_proj's bias: HF's attention_bias (qwen2 has q/k/v biases without it)
+        "attention_bias": "blk.0.attn_output.bias" in tensor_names,
         "bos_token_id": metadata_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata_field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": metadata_field(reader, "tokenizer.ggml.padding_token_id"),
