@@ -137,6 +137,11 @@ def write_tiny_metadata(writer: gguf.GGUFWriter, arch: str) -> None:
     writer.add_key_length(tiny_head_dim(arch))
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10_000.0)
+    write_tiny_tokenizer(writer)
+
+
+def write_tiny_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """A byte-level BPE vocabulary of ``TINY_TOKENS`` with a chat template."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(TINY_TOKENS)
@@ -324,7 +329,9 @@ def test_unsupported_architecture_names_supported_ones(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match=r"'phi3'.*llama, qwen2, qwen3"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'phi3'.*llama, qwen2, qwen2moe, qwen3, qwen3moe"
+    ):
         convert_gguf(gguf_path, tmp_path / "cache")
 
 

