@@ -100,17 +100,19 @@ def run_up(args: argparse.Namespace) -> int:
     flags = ["--grace-s", str(args.grace_s), "--log-level", args.log_level, *shards,
              *engine_flags(args)]  # fmt: skip
     name = f"up-{socket.gethostname()}-{os.getpid()}"
-    worker = WorkerProcess(redis.url, args.prefix, flags, name=name, supervised=True,
-                           cluster=cluster)  # fmt: skip
-    gateway = None
-    if gateway_port is not None:
-        gateway = GatewayProcess(redis.url, args.prefix, port=gateway_port, supervised=True,
-                                 flags=("--log-level", "WARNING", *shards), cluster=cluster)  # fmt: skip
-    signals = _StopSignals(worker)
+    signals = _StopSignals()
     signals.install()
+    worker: WorkerProcess | None = None
+    gateway: GatewayProcess | None = None
     try:
-        print(f"starting {_describe(redis)} (data in {data_dir})", file=sys.stderr)
-        redis.start()
+        redis.start()  # on free ports it may move to others: its URL is known from here on
+        print(f"started {_describe(redis)} (data in {data_dir})", file=sys.stderr)
+        worker = signals.worker = WorkerProcess(
+            redis.url, args.prefix, flags, name=name, supervised=True, cluster=cluster
+        )
+        if gateway_port is not None:
+            gateway = GatewayProcess(redis.url, args.prefix, port=gateway_port, supervised=True,
+                                     flags=("--log-level", "WARNING", *shards), cluster=cluster)  # fmt: skip
         print(f"starting a worker with {args.model} (first use may convert or download it)",
               file=sys.stderr)  # fmt: skip
         worker.start()
@@ -137,8 +139,8 @@ def _local_redis(args: argparse.Namespace, data_dir: Path) -> LocalRedis:
     from worker.local_stack import RedisProcess
 
     num_primaries = args.redis_cluster_primaries
-    if num_primaries == 0:
-        port = _check_redis_port(args.redis_port)
+    if num_primaries == 0:  # --redis-port 0: a free port, found (and found again) by the server
+        port = _check_redis_port(args.redis_port) if args.redis_port else None
         return RedisProcess(data_dir, port=port, appendonly=True, supervised=True)
     first = args.redis_port or None  # 0: free ports, found by the cluster
     if first is not None:
@@ -240,8 +242,8 @@ class _StopSignals:
     """SIGINT/SIGTERM handlers for the life of the stack: the first raises ``StopRequested``
     (and is announced), a later one kills the draining worker."""
 
-    def __init__(self, worker: WorkerProcess) -> None:
-        self.worker = worker
+    def __init__(self) -> None:
+        self.worker: WorkerProcess | None = None  # once started
         self.num_signals = 0
         self._previous: dict[int, Any] = {}
 
@@ -258,13 +260,13 @@ class _StopSignals:
         if self.num_signals == 1:
             raise StopRequested
         print("\nkilling the worker", file=sys.stderr, flush=True)
-        if self.worker.process is not None:
+        if self.worker is not None and self.worker.process is not None:
             self.worker.process.kill()
 
 
 def _stop(
     redis: LocalRedis,
-    worker: WorkerProcess,
+    worker: WorkerProcess | None,
     gateway: GatewayProcess | None,
     grace_s: float,
     signals: _StopSignals,
@@ -275,12 +277,13 @@ def _stop(
         if gateway is not None:
             with contextlib.suppress(StopRequested):
                 gateway.stop()
-        if worker.process is not None and worker.process.poll() is None:
+        if worker is not None and worker.process is not None and worker.process.poll() is None:
             print(f"\nstopping: the worker drains for up to {grace_s:g} s (Ctrl-C again kills it)",
                   file=sys.stderr, flush=True)  # fmt: skip
         while True:
             try:
-                worker.stop(timeout_s=grace_s + STOP_MARGIN_S)
+                if worker is not None:
+                    worker.stop(timeout_s=grace_s + STOP_MARGIN_S)
                 redis.stop()
                 break
             except StopRequested:  # the handler killed the worker; reap it and go on

@@ -181,7 +181,7 @@ def test_up_with_a_redis_cluster_serves_on_every_shard_then_ctrl_c_leaves_nothin
     try:
         url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
         gateway_url = up.wait_for(GATEWAY, READY_TIMEOUT_S).group(1)
-        started = re.search(r"starting a redis cluster of 3 primaries on ports (\d+), (\d+), "
+        started = re.search(r"started a redis cluster of 3 primaries on ports (\d+), (\d+), "
                             r"(\d+)", up.stderr_path.read_text())  # fmt: skip
         assert started is not None
         ports = [int(port) for port in started.groups()]
@@ -326,7 +326,7 @@ def test_up_with_a_bad_model_says_why_and_stops_redis(tmp_path: Path) -> None:
     assert rc == 1
     assert "no-such-model" in stderr  # the worker's own one-line error
     assert "pagestream up: error: the worker exited with code 1" in stderr
-    port = re.search(r"starting redis-server on port (\d+)", stderr)
+    port = re.search(r"started redis-server on port (\d+)", stderr)
     assert port is not None and not _port_open(int(port.group(1)))
     assert list(up.tmp_dir.iterdir()) == []
 
