@@ -208,15 +208,15 @@ def test_a_large_conversion_is_written_in_shards_with_an_index(
 
 
 def test_refusals_name_what_is_not_supported(tmp_path: Path) -> None:
-    def write(name: str, experts: bool, **keys: Any) -> Path:
+    def write(name: str, tensor: str, arch: str = "qwen3moe", **keys: Any) -> Path:
+        """Two layers of 4 experts, with the one ``tensor``."""
         path = tmp_path / f"{name}.gguf"
-        writer = gguf.GGUFWriter(str(path), arch="qwen3moe")
-        writer.add_block_count(1)
+        writer = gguf.GGUFWriter(str(path), arch=arch)
+        writer.add_block_count(2)
         writer.add_expert_count(4)
         writer.add_expert_used_count(2)
         for key, value in keys.items():
             getattr(writer, f"add_{key}")(value)
-        tensor = "blk.0.ffn_gate.0.weight" if experts else "blk.0.ffn_gate_inp.weight"
         writer.add_tensor(tensor, np.zeros((4, 32), np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -224,10 +224,13 @@ def test_refusals_name_what_is_not_supported(tmp_path: Path) -> None:
         writer.close()
         return path
 
+    router = "blk.0.ffn_gate_inp.weight"
     with pytest.raises(UnsupportedModelError, match=r"one tensor per expert.*current llama\.cpp"):
-        convert_gguf(write("old", experts=True), tmp_path / "cache")
+        convert_gguf(write("old", "blk.0.ffn_gate.0.weight"), tmp_path / "cache")
+    sigmoid = gguf.ExpertGatingFuncType.SIGMOID
     with pytest.raises(UnsupportedModelError, match=r"gating function 2; only softmax"):
-        sigmoid = gguf.ExpertGatingFuncType.SIGMOID
-        convert_gguf(
-            write("sigmoid", experts=False, expert_gating_func=sigmoid), tmp_path / "cache"
-        )
+        convert_gguf(write("sigmoid", router, expert_gating_func=sigmoid), tmp_path / "cache")
+    with pytest.raises(
+        UnsupportedModelError, match=r"Mixtral routes every layer.*dense layers \[1\]"
+    ):
+        convert_gguf(write("mixtral", router, arch="llama"), tmp_path / "cache")

@@ -90,7 +90,8 @@ def build_config(reader: GGUFReader, arch: str) -> PretrainedConfig:
     classes = MIXTRAL if is_mixtral(reader, arch) else SUPPORTED_ARCHITECTURES[arch]
     config_class_name, model_class_name = classes
     config_class = getattr(transformers, config_class_name)
-    kwargs = _config_kwargs(reader, arch) | _moe_kwargs(reader, arch)
+    moe = _moe_kwargs(reader, arch)  # first: a refusal names the experts, not a missing size
+    kwargs = _config_kwargs(reader, arch) | moe
     return config_class(architectures=[model_class_name], dtype="float32", **kwargs)
 
 
