@@ -234,3 +234,32 @@ def test_refusals_name_what_is_not_supported(tmp_path: Path) -> None:
         UnsupportedModelError, match=r"Mixtral routes every layer.*dense layers \[1\]"
     ):
         convert_gguf(write("mixtral", router, arch="llama"), tmp_path / "cache")
+
+
+def test_fp8_experts_from_a_gguf_keep_its_blocks_packed(
+    tiny_moe_dirs: dict[str, Path], tmp_path: Path, cache: Path
+) -> None:
+    """--quantization fp8 on a MoE GGUF: its experts (float from the conversion) in fp8 and
+    its block linears packed as they are, never quantized twice. The experts lie on their
+    per-row e4m3 grid already, so the engine must give transformers' tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.moe import Fp8StackedExperts
+    from kernels.linear.quant import FORMATS, quantize
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dirs["qwen3_moe"], dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                planes = quantize(param.reshape(-1, param.shape[-1]), FORMATS["fp8"])
+                param.copy_((planes["w"].float() * planes["scale"]).view(param.shape))
+    model.save_pretrained(tmp_path / "on-grid")
+    path = write_moe_gguf("qwen3_moe", tmp_path / "on-grid", tmp_path / "fp8.gguf", F32, Q8_0)
+    llm = LLM(str(path), quantization="fp8", pa_block_size=16)
+    layer = llm.engine.runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear)
+    assert layer.self_attn.qkv_proj.fmt.name == "q8_0"
+    assert isinstance(layer.mlp, SparseMoeBlock) and isinstance(layer.mlp.w13, Fp8StackedExperts)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    (converted,) = cache.iterdir()
+    assert [out.token_ids for out in outputs] == hf_greedy(converted, PROMPTS, NUM_NEW_TOKENS)

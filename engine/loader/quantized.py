@@ -6,7 +6,9 @@
 * ``none``: everything float (a GGUF file dequantized at conversion).
 * ``gguf``: a GGUF file's blocks stay packed on every device (the CPU dequantizes them per
   matmul: the reference path).
-* ``q8_0``, ``q4_0``, ``q4_1``, ``fp8``: float weights quantized at load (in-situ).
+* ``q8_0``, ``q4_0``, ``q4_1``, ``fp8``: float weights quantized at load (in-situ). A mixture
+  of experts from a GGUF file under ``fp8``: its experts (float from the conversion) in fp8,
+  its block linears packed as ``gguf`` serves them: no block is quantized twice.
 
 Tensor parallelism (``--tensor-parallel-size`` > 1) takes float weights only.
 """
@@ -23,7 +25,13 @@ import torch
 from engine.errors import ConfigError
 from engine.models.arch import ModelArch
 from engine.quant.linear import PackedWeight
-from engine.quant.plan import QuantPlan, check_plan_device, hf_weight_names, in_situ_plan
+from engine.quant.plan import (
+    QuantPlan,
+    check_plan_device,
+    experts_plan,
+    hf_weight_names,
+    in_situ_plan,
+)
 from engine.quant.plan import packed_plan as plan_from_formats
 from kernels.linear.quant import FORMATS, IN_SITU_FORMATS, planes_from_ggml
 
@@ -71,6 +79,9 @@ def resolve_quant_load(
         load = QuantLoad({})
     elif mode in PACKED_MODES:
         load = _packed_load(mode, model_name, gguf_path, arch, device)
+    elif mode == "fp8" and gguf_path is not None and arch.moe is not None:
+        load = _packed_load("gguf", model_name, gguf_path, arch, device, require_blocks=False)
+        load = QuantLoad(load.plan | experts_plan(arch, mode), load.reader)
     elif mode in IN_SITU_FORMATS:
         _check_float_source(mode, model_name, gguf_path)
         load = QuantLoad(in_situ_plan(arch, mode))
@@ -81,7 +92,12 @@ def resolve_quant_load(
 
 
 def _packed_load(
-    mode: str, model_name: str, gguf_path: Path | None, arch: ModelArch, device: torch.device
+    mode: str,
+    model_name: str,
+    gguf_path: Path | None,
+    arch: ModelArch,
+    device: torch.device,
+    require_blocks: bool = True,
 ) -> QuantLoad:
     if mode == "gguf" and gguf_path is None:
         raise ConfigError(
@@ -94,7 +110,7 @@ def _packed_load(
 
     reader = open_gguf(gguf_path)
     plan = plan_from_formats(arch, block_formats(reader))
-    if mode == "gguf" and not plan:
+    if mode == "gguf" and not plan and require_blocks:
         raise ConfigError(
             f"--quantization gguf: {model_name} has no linear weights in a block format served "
             f"packed ({BLOCK_FORMAT_NAMES}); use --quantization none"

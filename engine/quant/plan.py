@@ -48,6 +48,17 @@ def in_situ_plan(arch: ModelArch, format_name: str) -> QuantPlan:
     return plan
 
 
+def experts_plan(arch: ModelArch, format_name: str) -> QuantPlan:
+    """Every sparse layer's stacked experts (``mlp.w13``, ``mlp.w2``) in ``format_name``."""
+    moe = arch.moe
+    return {
+        f"layers.{index}.{experts}": FORMATS[format_name]
+        for index in range(arch.num_layers)
+        if moe is not None and moe.is_sparse(index)
+        for experts in MOE_EXPERTS
+    }
+
+
 def _layer_linears(arch: ModelArch, layer_index: int) -> tuple[str, ...]:
     if arch.moe is not None and arch.moe.is_sparse(layer_index):
         return ("self_attn.qkv_proj", "self_attn.o_proj", *MOE_EXPERTS)
@@ -72,13 +83,16 @@ def packed_plan(arch: ModelArch, tensor_formats: dict[str, str]) -> QuantPlan:
 
 
 def hf_weight_names(arch: ModelArch, plan: QuantPlan) -> set[str]:
-    """The HF weight names whose rows the plan's quantized linears hold."""
+    """The HF weight names whose rows the plan's quantized linears hold (stacked experts
+    quantize float rows as they are read: none of theirs)."""
     names = set()
     for module in plan:
         if module == LM_HEAD:
             names.add(f"{LM_HEAD}.weight")
             continue
         prefix, _, linear = module.partition(".")[2].partition(".")
+        if linear in MOE_EXPERTS:
+            continue
         for part in LAYER_LINEARS[linear]:
             names.add(f"model.layers.{prefix}.{part}.weight")
     return names
