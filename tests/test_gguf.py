@@ -362,3 +362,35 @@ def test_default_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert default_cache_root() == tmp_path / "xdg" / "pagestream" / "gguf"
     monkeypatch.setenv("PAGESTREAM_CACHE_DIR", str(tmp_path / "explicit"))
     assert default_cache_root() == tmp_path / "explicit" / "gguf"
+
+
+def test_converters_of_one_file_take_turns_and_the_second_finds_it_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers sharing a cache start on one GGUF at once: one converts, the other waits
+    on the lock and reads its directory; no lock or temporary file is left."""
+    import threading
+    import time
+
+    gguf_path = write_tiny_gguf(tmp_path / "tiny-llama.gguf", "llama")
+    write_hf_dir = gguf_loader._write_hf_dir
+    conversions: list[str] = []
+
+    def slow_write(*args: object, **kwargs: object) -> None:
+        conversions.append(threading.current_thread().name)
+        time.sleep(0.5)  # the other thread reaches the lock meanwhile
+        write_hf_dir(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gguf_loader, "_write_hf_dir", slow_write)
+    results: dict[str, Path] = {}
+
+    def convert(name: str) -> None:
+        results[name] = convert_gguf(gguf_path, tmp_path / "cache")
+
+    threads = [threading.Thread(target=convert, args=(f"w{i}",), name=f"w{i}") for i in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(conversions) == 1 and results["w1"] == results["w2"]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [results["w1"].name]

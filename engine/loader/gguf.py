@@ -11,9 +11,12 @@ written a few GiB a file as they are converted, so a large model never sits whol
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,6 +46,8 @@ from engine.loader.gguf_config import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("pagestream.engine")
 
 # Bump when the output layout changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
@@ -161,7 +166,9 @@ def convert_gguf(gguf_path: Path, cache_root: Path, *, progress: bool = False) -
     """Return an HF model directory for ``gguf_path``, converting it on first use.
 
     The directory is built in a temp dir inside ``cache_root`` and renamed into place, so a
-    reader never sees a half-written one and concurrent converters do not corrupt each other.
+    reader never sees a half-written one. One process converts a file at a time: workers that
+    share a cache (one per GPU, starting together) wait for the first one's conversion, which
+    takes minutes and tens of GB for a large model, instead of repeating it.
     """
     out_dir = gguf_cache_dir(gguf_path, cache_root)
     if _is_complete(out_dir):
@@ -169,14 +176,37 @@ def convert_gguf(gguf_path: Path, cache_root: Path, *, progress: bool = False) -
     gguf_path = Path(gguf_path).expanduser().resolve()
     _check_magic(gguf_path)
     Path(cache_root).mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=cache_root))
-    try:
-        _write_hf_dir(gguf_path, tmp_dir, progress=progress)
-        _make_readable(tmp_dir)
-        _publish(tmp_dir, out_dir)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    with _conversion_lock(out_dir, gguf_path):
+        if _is_complete(out_dir):  # converted by the process this one waited for
+            return out_dir
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=cache_root))
+        try:
+            _write_hf_dir(gguf_path, tmp_dir, progress=progress)
+            _make_readable(tmp_dir)
+            _publish(tmp_dir, out_dir)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
+
+
+@contextlib.contextmanager
+def _conversion_lock(out_dir: Path, gguf_path: Path) -> Iterator[None]:
+    """Hold ``.<out_dir>.lock`` beside ``out_dir`` (an flock, released if the holder dies),
+    waiting while another process holds it. The holder removes the file before it lets go:
+    a process still waiting on the removed file then finds the conversion done, and a later
+    one finds the directory complete before it looks for a lock."""
+    lock_path = out_dir.with_name(f".{out_dir.name}.lock")
+    with lock_path.open("a") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process converting %s", gguf_path)
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def _is_complete(hf_dir: Path) -> bool:
