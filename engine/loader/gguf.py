@@ -11,6 +11,7 @@ written a few GiB a file as they are converted, so a large model never sits whol
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import hashlib
@@ -21,7 +22,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,6 +62,10 @@ GGUF_MAGIC = b"GGUF"
 WEIGHTS_FILE_NAME = "model.safetensors"  # the weights in one file; in several, HF's index:
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 SHARD_BYTES = 4 * 2**30  # a weights file holds about this much
+# Tensors dequantized ahead of the one being written, on as many threads: a large model's
+# conversion takes minutes on one core. Bounded: Mixtral-8x7B's expert stacks are 1.9 GB each
+# in float32.
+DEQUANTIZE_AHEAD = min(4, os.cpu_count() or 1)
 COMPLETE_MARKER_NAME = ".pagestream-complete"  # written last: its presence means the dir is whole
 CACHE_KEY_NUM_HEX_CHARS = 16
 
@@ -376,10 +382,11 @@ def _convert_tensors(
     comes out as each expert's weight, at ``expert_dtype``."""
     rotary_heads = _rotary_heads(reader, arch)
     mixtral, num_experts = is_mixtral(reader, arch), num_experts_of(reader, arch)
-    for tensor in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
-        if tensor.name == ROPE_FREQS_TENSOR_NAME:
-            continue  # folded into config.json's rope_scaling
-        weights = _dequantize(tensor)
+    # rope_freqs is folded into config.json's rope_scaling
+    tensors = [tensor for tensor in reader.tensors if tensor.name != ROPE_FREQS_TENSOR_NAME]
+    dequantized = _in_order_ahead(_dequantize, tensors, DEQUANTIZE_AHEAD)
+    for tensor, weights in tqdm(zip(tensors, dequantized, strict=True), total=len(tensors),
+                                desc="converting GGUF", unit="tensor", disable=not progress):  # fmt: skip
         role = tensor.name.split(".")[-2]
         if role in EXPERT_ROLES:
             names = expert_tensor_names(tensor.name, num_experts, mixtral)
@@ -397,6 +404,21 @@ def _convert_tensors(
         if role == "ffn_gate_inp_shexp":
             weights = weights.reshape(1, -1)  # HF's Linear(hidden, 1); llama.cpp may drop the 1
         yield hf_tensor_name(tensor.name, mixtral), torch.from_numpy(np.ascontiguousarray(weights))
+
+
+def _in_order_ahead(
+    function: Callable[[ReaderTensor], np.ndarray], items: list[ReaderTensor], ahead: int
+) -> Iterator[np.ndarray]:
+    """``function`` of each item, in order, computed on threads up to ``ahead`` items ahead of
+    the one handed out (numpy's dequantization lets go of the GIL): bounded memory, all cores."""
+    with ThreadPoolExecutor(max(1, ahead)) as pool:
+        pending: collections.deque[Future[np.ndarray]] = collections.deque()
+        for item in items:
+            pending.append(pool.submit(function, item))
+            if len(pending) > ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def expert_dtype(qtype: GGMLQuantizationType) -> torch.dtype:
