@@ -263,3 +263,15 @@ def test_fp8_experts_from_a_gguf_keep_its_blocks_packed(
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     (converted,) = cache.iterdir()
     assert [out.token_ids for out in outputs] == hf_greedy(converted, PROMPTS, NUM_NEW_TOKENS)
+
+
+def test_a_moe_gguf_over_two_ranks_gives_transformers_tokens(
+    tiny_moe_dirs: dict[str, Path], tmp_path: Path, cache: Path
+) -> None:
+    """Tensor parallelism takes the converted float weights (q8_0 attention dequantized),
+    each rank its slice of every expert."""
+    path = write_moe_gguf("mixtral", tiny_moe_dirs["mixtral"], tmp_path / "mixtral.gguf", F32, Q8_0)
+    with LLM(str(path), tensor_parallel_size=2, pa_block_size=16) as sharded:
+        outputs = sharded.generate(PROMPTS, GREEDY, use_tqdm=False)
+    (converted,) = cache.iterdir()
+    assert [out.token_ids for out in outputs] == hf_greedy(converted, PROMPTS, NUM_NEW_TOKENS)
