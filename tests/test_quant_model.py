@@ -128,6 +128,36 @@ def test_packed_gguf_gives_the_dequantized_models_logits(tiny_gguf: Path) -> Non
     assert_close_logits(logits(packed, tokens), logits(dequantized, tokens), rel=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_packed_qwen_gguf_gives_the_dequantized_models_logits(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qwen2's q/k/v biases ride on the packed fused qkv; qwen3's q/k norms follow it."""
+    monkeypatch.setenv("PAGESTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"{arch}-q8.gguf"
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    write_tiny_metadata(writer, arch)
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    for name, shape in tiny_tensor_shapes(arch).items():
+        weights = rng.standard_normal(shape).astype(np.float32) * 0.2
+        if len(shape) == 2 and not name.startswith("token_embd"):
+            writer.add_tensor(name, gguf.quantize(weights, q8_0), raw_dtype=q8_0)
+        else:
+            writer.add_tensor(name, weights)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    packed = LLM(str(path), quantization="gguf", **SETTINGS)
+    qkv = packed.engine.loaded.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and qkv.fmt.name == "q8_0"
+    assert (qkv.bias is not None) == (arch == "qwen2")
+    dequantized = LLM(str(path), quantization="none", **SETTINGS)
+    tokens = list(range(1, 20))
+    assert_close_logits(logits(packed, tokens), logits(dequantized, tokens), rel=1e-5)
+
+
 def test_auto_keeps_float_weights_on_the_cpu(tiny_gguf: Path) -> None:
     llm = LLM(str(tiny_gguf), **SETTINGS)  # quantization=auto
     assert all(f is None for f in module_formats(llm).values())
