@@ -436,6 +436,7 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path) -> 
     transformers' ``model-0000i-of-0000n.safetensors`` and their index."""
     files: list[list[str]] = []
     pending: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     pending_bytes = total_bytes = 0
 
     def flush() -> None:
@@ -444,8 +445,9 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path) -> 
         pending.clear()
 
     for name, tensor in tensors:
-        if name in pending or any(name in names for names in files):
+        if name in seen:
             raise ModelLoadError(f"two GGUF tensors convert to {name}")
+        seen.add(name)
         size = tensor.numel() * tensor.element_size()
         if pending and pending_bytes + size > SHARD_BYTES:
             flush()
