@@ -275,3 +275,24 @@ def test_a_moe_gguf_over_two_ranks_gives_transformers_tokens(
         outputs = sharded.generate(PROMPTS, GREEDY, use_tqdm=False)
     (converted,) = cache.iterdir()
     assert [out.token_ids for out in outputs] == hf_greedy(converted, PROMPTS, NUM_NEW_TOKENS)
+
+
+@pytest.mark.gpu
+def test_a_moe_gguf_served_on_the_gpu_with_packed_attention(
+    tiny_moe_dirs: dict[str, Path], tmp_path: Path, cache: Path
+) -> None:
+    """On CUDA, auto keeps the q8_0 attention packed and serves the bfloat16 experts through
+    the fused MoE kernels and CUDA graphs: the logits stay those of the float attention."""
+    path = str(write_moe_gguf("qwen3_moe", tiny_moe_dirs["qwen3_moe"], tmp_path / "q8.gguf",
+                              Q8_0, Q8_0))  # fmt: skip
+    settings = dict(device="cuda", max_seqs=16, max_model_len=128, pa_memory_mb=256)
+    tokens = list(range(1, 25))
+    float_llm = LLM(path, quantization="none", **settings)
+    expected = float_llm.engine.runner.teacher_forced_logits(tokens).cpu()
+    del float_llm
+    packed = LLM(path, **settings)
+    assert isinstance(packed.engine.runner.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    got = packed.engine.runner.teacher_forced_logits(tokens).cpu()
+    assert ((got - expected).abs().mean() / expected.std(dim=-1).mean()).item() < 0.05
+    outputs = packed.generate([tokens[:5], tokens[5:12]], GREEDY, use_tqdm=False)
+    assert all(len(out.token_ids) == NUM_NEW_TOKENS for out in outputs)
