@@ -79,7 +79,7 @@ class RedisProcess:
     ) -> None:
         self.directory = directory
         self.port = port or free_port()
-        self.free_port = port is None  # may move to another free port until it first starts
+        self.on_free_port = port is None  # may move to another free port until it first starts
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.supervised = supervised
@@ -98,8 +98,8 @@ class RedisProcess:
         def move() -> None:
             self.port = free_port()
 
-        start_on_free_ports(self._start_on_port, move if self.free_port else None)
-        self.free_port = False
+        start_on_free_ports(self._start_on_port, move if self.on_free_port else None)
+        self.on_free_port = False
 
     def _start_on_port(self) -> None:
         import redis

@@ -298,13 +298,18 @@ def hf_tensor_name(gguf_name: str, mixtral: bool = False) -> str:
         if role in BLOCK_TENSOR_NAMES:
             return f"model.layers.{layer}.{BLOCK_TENSOR_NAMES[role]}.{kind}"
         if role in MOE_TENSOR_NAMES:
-            module = MOE_TENSOR_NAMES[role].format(moe="block_sparse_moe" if mixtral else "mlp")
+            module = MOE_TENSOR_NAMES[role].format(moe=_moe_block(mixtral))
             return f"model.layers.{layer}.{module}.{kind}"
     else:
         role, _, kind = gguf_name.partition(".")
         if role in TOP_LEVEL_TENSOR_NAMES and kind in ("weight", "bias"):
             return f"{TOP_LEVEL_TENSOR_NAMES[role]}.{kind}"
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
+
+
+def _moe_block(mixtral: bool) -> str:
+    """The sparse MLP's module: Mixtral's ``block_sparse_moe``, Qwen's ``mlp``."""
+    return "block_sparse_moe" if mixtral else "mlp"
 
 
 def expert_tensor_names(gguf_name: str, num_experts: int, mixtral: bool = False) -> list[str]:
@@ -314,9 +319,9 @@ def expert_tensor_names(gguf_name: str, num_experts: int, mixtral: bool = False)
     if match is None or match[2] not in EXPERT_ROLES or match[3] != "weight":
         raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} is not a stack of expert weights")
     qwen_part, mixtral_part = EXPERT_ROLES[match[2]]
-    block, part = ("block_sparse_moe", mixtral_part) if mixtral else ("mlp", qwen_part)
+    part = mixtral_part if mixtral else qwen_part
     return [
-        f"model.layers.{match[1]}.{block}.experts.{expert}.{part}.weight"
+        f"model.layers.{match[1]}.{_moe_block(mixtral)}.experts.{expert}.{part}.weight"
         for expert in range(num_experts)
     ]
 

@@ -80,8 +80,7 @@ def resolve_quant_load(
     elif mode in PACKED_MODES:
         load = _packed_load(mode, model_name, gguf_path, arch, device)
     elif mode == "fp8" and gguf_path is not None and arch.moe is not None:
-        load = _packed_load("gguf", model_name, gguf_path, arch, device, require_blocks=False)
-        load = QuantLoad(load.plan | experts_plan(arch, mode), load.reader)
+        load = _gguf_experts_in_fp8(gguf_path, arch)
     elif mode in IN_SITU_FORMATS:
         _check_float_source(mode, model_name, gguf_path)
         load = QuantLoad(in_situ_plan(arch, mode))
@@ -92,12 +91,7 @@ def resolve_quant_load(
 
 
 def _packed_load(
-    mode: str,
-    model_name: str,
-    gguf_path: Path | None,
-    arch: ModelArch,
-    device: torch.device,
-    require_blocks: bool = True,
+    mode: str, model_name: str, gguf_path: Path | None, arch: ModelArch, device: torch.device
 ) -> QuantLoad:
     if mode == "gguf" and gguf_path is None:
         raise ConfigError(
@@ -110,12 +104,23 @@ def _packed_load(
 
     reader = open_gguf(gguf_path)
     plan = plan_from_formats(arch, block_formats(reader))
-    if mode == "gguf" and not plan and require_blocks:
+    if mode == "gguf" and not plan:
         raise ConfigError(
             f"--quantization gguf: {model_name} has no linear weights in a block format served "
             f"packed ({BLOCK_FORMAT_NAMES}); use --quantization none"
         )
     return QuantLoad(plan, reader)
+
+
+def _gguf_experts_in_fp8(gguf_path: Path, arch: ModelArch) -> QuantLoad:
+    """A mixture of experts' GGUF under fp8: the file's block linears packed (``gguf``'s plan),
+    its experts, float from the conversion, quantized to fp8 as they are read."""
+    from engine.loader.gguf import block_formats, open_gguf
+
+    reader = open_gguf(gguf_path)
+    return QuantLoad(
+        plan_from_formats(arch, block_formats(reader)) | experts_plan(arch, "fp8"), reader
+    )
 
 
 def _check_float_source(mode: str, model_name: str, gguf_path: Path | None) -> None:

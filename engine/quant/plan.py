@@ -49,13 +49,12 @@ def in_situ_plan(arch: ModelArch, format_name: str) -> QuantPlan:
 
 
 def experts_plan(arch: ModelArch, format_name: str) -> QuantPlan:
-    """Every sparse layer's stacked experts (``mlp.w13``, ``mlp.w2``) in ``format_name``."""
-    moe = arch.moe
+    """Every sparse layer's stacked experts (``mlp.w13``, ``mlp.w2``) in ``format_name``:
+    the experts of ``in_situ_plan``, nothing else."""
     return {
-        f"layers.{index}.{experts}": FORMATS[format_name]
-        for index in range(arch.num_layers)
-        if moe is not None and moe.is_sparse(index)
-        for experts in MOE_EXPERTS
+        module: fmt
+        for module, fmt in in_situ_plan(arch, format_name).items()
+        if module.endswith(MOE_EXPERTS)
     }
 
 
