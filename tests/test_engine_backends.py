@@ -84,10 +84,19 @@ def test_long_chunks_through_sdpa_equal_the_torch_engine(
     gathered context (plain torch here, cuDNN on CUDA), its decodes and short chunks by the
     Triton kernels; tokens equal the torch engine's, and the path ran beside both."""
     from engine.attention import backend
-    from kernels.attention import prefill_sdpa
+    from kernels.attention import paged_attention_triton, prefill_sdpa
 
     beside: list[tuple[bool, bool]] = []  # (decodes, short chunks) beside the long ones
     real = prefill_sdpa.prefill_sdpa
+    real_triton = paged_attention_triton.paged_attention
+    ranges: list[tuple[int, int | None]] = []
+
+    def whole_tensors(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        # the step's own tensors, never slices: an int32 slice at an odd sequence is another
+        # alignment, another compiled kernel (paged_attention's docstring)
+        assert all(arg.storage_offset() == 0 for arg in args[3:6])
+        ranges.append((kwargs.get("first_seq", 0), kwargs.get("end_seq")))
+        return real_triton(*args, **kwargs)
 
     def counted(*args: Any, **kwargs: Any) -> None:
         starts, seqs = args[5], list(kwargs["seqs"])
@@ -97,6 +106,7 @@ def test_long_chunks_through_sdpa_equal_the_torch_engine(
         real(*args, **kwargs)
 
     monkeypatch.setattr(prefill_sdpa, "prefill_sdpa", counted)
+    monkeypatch.setattr(paged_attention_triton, "paged_attention", whole_tensors)
     monkeypatch.setattr(backend, "SDPA_MIN_QUERY_LEN", 8)  # the chunks here are 7-32 tokens
     monkeypatch.setattr(backend, "SDPA_MIN_SEQ_LEN", 8)
     monkeypatch.setenv(backend.PREFILL_ATTN_ENV, choice)
@@ -104,6 +114,7 @@ def test_long_chunks_through_sdpa_equal_the_torch_engine(
     assert generate(model, "triton", monkeypatch) == generate(model, "torch", monkeypatch)
     # steps with decodes, and with short chunks (to the Triton kernel), beside the long ones
     assert any(decodes for decodes, _ in beside) and any(short for _, short in beside)
+    assert any(first > 0 for first, _ in ranges)  # a run after a long chunk, by its range
 
 
 def test_an_unknown_prefill_attention_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,15 +41,21 @@ class Batch:
         num_decodes = 0
         while num_decodes < len(self.seq_lens) and self.query_len(num_decodes) == 1:
             num_decodes += 1
-        return paged_attention(
-            self.q, self.k_cache, self.v_cache, self.block_tables,
-            torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE),
-            torch.tensor(self.query_start_loc, dtype=torch.int32, device=DEVICE),
+        call: dict[str, object] = dict(
             scale=self.q.shape[-1] ** -0.5,
             max_query_len=max(map(self.query_len, range(len(self.seq_lens)))),
             num_decodes=num_decodes, sliding_window=window,
-            k_scale=self.k_scale, v_scale=self.v_scale, **kwargs,
-        )  # type: ignore[arg-type]  # fmt: skip
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
+        return paged_attention(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE),
+            torch.tensor(self.query_start_loc, dtype=torch.int32, device=DEVICE),
+            **{**call, **kwargs},
+        )  # type: ignore[arg-type]
 
     def reference(self, window: int | None = None) -> torch.Tensor:
         return paged_attention_ref(
@@ -188,6 +194,26 @@ def test_writes_into_out_and_every_row() -> None:
     assert not out.isnan().any()
 
 
+def test_a_range_of_the_batch_writes_only_its_rows() -> None:
+    """``first_seq``/``end_seq`` attend part of a step over its whole tensors (how the cuDNN
+    path runs the chunks between its long ones): the range's rows equal the reference, the
+    others stay as they were."""
+    batch = make_batch(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, block_size=16, num_heads=8, num_kv_heads=2,
+        dtype=torch.float32, seed=3,
+    )  # fmt: skip
+    expected = batch.reference()
+    starts = batch.query_start_loc
+    for first, end in [(0, 2), (0, 5), (3, 4), (4, 7), (6, 7)]:
+        out = torch.full_like(batch.q, float("nan"))
+        longest = max(starts[s + 1] - starts[s] for s in range(first, end))
+        batch.run(out=out, first_seq=first, end_seq=end, max_query_len=longest)
+        rows = slice(starts[first], starts[end])
+        tol = TOLERANCE[torch.float32]
+        torch.testing.assert_close(out[rows], expected[rows], atol=tol, rtol=tol)
+        assert out[: starts[first]].isnan().all() and out[starts[end] :].isnan().all()
+
+
 def test_launcher_rejects_bad_arguments() -> None:
     batch = make_batch([1, 3], [10, 5], block_size=16, num_heads=4, num_kv_heads=2)
     seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
@@ -200,6 +226,9 @@ def test_launcher_rejects_bad_arguments() -> None:
         ("pool's dtype", dict(q=batch.q.half())),
         ("num_decodes", dict(num_decodes=5)),
         ("num_kv_splits", dict(num_kv_splits=0)),
+        ("first_seq < end_seq", dict(first_seq=1, end_seq=1)),
+        ("end_seq <= B", dict(end_seq=3)),
+        ("after the 2 leading decodes", dict(num_decodes=2, first_seq=1)),
         ("out", dict(out=batch.q.float())),
     ]
     for message, change in cases:

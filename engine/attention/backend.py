@@ -432,7 +432,9 @@ class TritonAttentionBackend:
         out: torch.Tensor | None,
     ) -> torch.Tensor:
         """The decodes by the Triton decode kernel, ``long_chunks`` by ``prefill_sdpa``, and
-        each run of other chunks between them by the Triton prefill kernel."""
+        each run of other chunks between them by the Triton prefill kernel, over the step's
+        own tensors with the run's range (``paged_attention``'s ``first_seq``: never slices,
+        whose pointers Triton would compile another kernel for)."""
         assert self._prefill_sdpa is not None
         if out is None:
             out = torch.empty_like(q)
@@ -443,16 +445,11 @@ class TritonAttentionBackend:
                 runs.append((first, seq))
             first = seq + 1
         for first, end in runs:
-            rows = slice(starts[first], starts[end])
             longest = max(starts[seq + 1] - starts[seq] for seq in range(first, end))
-            decodes = max(0, min(meta.num_decodes, end) - first)  # the run's leading decodes
-            query_start_loc = meta.query_start_loc[first : end + 1]
-            if starts[first]:  # a later run's rows start at 0 of its slice of q
-                query_start_loc = query_start_loc - starts[first]
             self._paged_attention(
-                q[rows], cache.k, cache.v, meta.block_tables[first:end], meta.seq_lens[first:end],
-                query_start_loc, scale=scale, max_query_len=longest, num_decodes=decodes,
-                max_seq_len=meta.max_seq_len, out=out[rows],
+                q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                scale=scale, max_query_len=longest, num_decodes=meta.num_decodes,
+                max_seq_len=meta.max_seq_len, out=out, first_seq=first, end_seq=end,
             )  # fmt: skip
         self._prefill_sdpa(
             q, cache.k, cache.v, meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu,

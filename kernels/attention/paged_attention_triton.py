@@ -185,6 +185,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     prefill_config: PrefillConfig | None = None,
+    first_seq: int = 0,
+    end_seq: int | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed batch over the page pool; matches ``paged_attention_ref``.
 
@@ -200,18 +202,36 @@ def paged_attention(
     table or the GPU's default); the bench and the tests set it. Nothing syncs with the
     host; grids follow shapes and host ints only, so a fixed-shape call can be captured in a
     CUDA graph (the split scratch is allocated inside).
+
+    ``first_seq``, ``end_seq``: attend only sequences ``first_seq:end_seq`` (default: all),
+    writing their rows of ``out`` and no other; ``max_query_len`` then bounds theirs. A range
+    starts at 0 or after the leading decodes. A caller that attends a step in parts passes
+    the step's own tensors with a range rather than slices of them: a slice at sequence ``s``
+    moves the int32 pointers by ``4 * s`` bytes, and Triton compiles another kernel for a
+    pointer off 16-byte alignment (1.6-1.8 s on an H100, inside whatever step first meets it).
     """
     check_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale
     )
-    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
-    if max_query_len == 1:
-        num_decodes = num_seqs  # a decode-only batch
-    if max_query_len < 1 or not 0 <= num_decodes <= num_seqs:
+    num_kv_heads = k_cache.shape[2]
+    end_seq = seq_lens.shape[0] if end_seq is None else end_seq
+    if not 0 <= first_seq < end_seq <= seq_lens.shape[0]:
         raise ValueError(
-            f"need max_query_len >= 1 and 0 <= num_decodes <= B={num_seqs}, got "
+            f"need 0 <= first_seq < end_seq <= B={seq_lens.shape[0]}, got {first_seq} and {end_seq}"
+        )
+    if max_query_len == 1 and first_seq == 0:
+        num_decodes = end_seq  # a decode-only batch
+    if max_query_len < 1 or not 0 <= num_decodes <= seq_lens.shape[0]:
+        raise ValueError(
+            f"need max_query_len >= 1 and 0 <= num_decodes <= B={seq_lens.shape[0]}, got "
             f"{max_query_len} and {num_decodes}"
         )
+    if 0 < first_seq < num_decodes:
+        raise ValueError(
+            f"a range starts at 0 or after the {num_decodes} leading decodes, got {first_seq}"
+        )
+    num_decodes = min(num_decodes, end_seq) if first_seq == 0 else 0  # the range's
+    first_prefill = max(first_seq, num_decodes)
     if not scale > 0:
         raise ValueError(f"scale must be positive (it multiplies q.k), got {scale}")
     if sliding_window is not None and sliding_window < 1:
@@ -231,11 +251,11 @@ def paged_attention(
             scale=scale, num_decodes=num_decodes, sliding_window=sliding_window,
             num_splits=num_kv_splits,
         )  # fmt: skip
-    if num_decodes < num_seqs:  # prefill / mixed
+    if first_prefill < end_seq:  # prefill / mixed
         launch_prefill(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, query_start_loc, out,
-            scale=scale, first_seq=num_decodes, max_query_len=max_query_len,
-            sliding_window=sliding_window, config=prefill_config,
+            scale=scale, first_seq=first_prefill, max_query_len=max_query_len,
+            sliding_window=sliding_window, config=prefill_config, end_seq=end_seq,
         )  # fmt: skip
     return out
 
