@@ -4,9 +4,9 @@
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
 #                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows|
-#                       matrix_budget|first_process|moe_mixtral|tp4]...
+#                       matrix_budget|first_process|gemv_table|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
-# first_process, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
+# first_process, gemv_table, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
 # two GPUs), and tp4 (four GPUs),
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, prefill_rows, matrix_budget, tp_vllm and
@@ -154,6 +154,22 @@ matrix_budget() {  # the whole matrix against vLLM with its token budget (16,384
         --prefill-chunk 8192 --output-json "$OUT/matrix-budget16k-$(card).json" ${MATRIX_ARGS:-}
 }
 
+gemv_table() {  # a new GPU model's rows of the decode linears' table (kernels/linear/gemv_configs.json):
+    # the batch-1 linears of the matrix's models swept and installed, then batch-1 TPOT with the
+    # table off and on (without rows the card runs the kernels' defaults: 3-5% on an H100)
+    for model in llama3-8b qwen3-0.6b; do
+        log gemv sweep "$model"
+        python -m bench.gemv --model "$model" --rows 1 --install \
+            --out "$OUT/gemv-$model-tp1-$(card).json"
+    done
+    cp kernels/linear/gemv_configs.json "$OUT/"
+    for table in off on; do
+        log latency llama3-8b, gemv table "$table"
+        PAGESTREAM_GEMV_TABLE=$([ "$table" = off ] && echo off) "${PS[@]}" bench latency \
+            --model dummy:llama3-8b --batch-sizes 1 --max-model-len 4096 --no-progress \
+            --output-json "$OUT/latency-llama3-8b-gemv-table-$table-$(card).json"
+    done
+}
 first_process() {  # long context in a fresh machine's first process (Triton's cache empty):
     # run before anything else in the machine session, then once more
     log long context, first process then second
