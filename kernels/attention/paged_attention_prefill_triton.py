@@ -289,18 +289,18 @@ def launch_prefill(
     *,
     scale: float,
     first_seq: int,
+    end_seq: int,
     max_query_len: int,
     sliding_window: int | None,
     config: PrefillConfig | None = None,
-    end_seq: int | None = None,
 ) -> None:
-    """Attention of sequences ``first_seq:end_seq`` (default: to the batch's end; arguments
-    already checked by the launcher).
+    """Attention of sequences ``first_seq:end_seq`` (arguments already checked by the
+    launcher).
 
     ``config``: the tile and launch shape; by default ``prefill_tuning.config_for``'s.
     """
     config = config or config_for(q, k_cache)
-    num_seqs = (seq_lens.shape[0] if end_seq is None else end_seq) - first_seq
+    num_seqs = end_seq - first_seq
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -213,17 +213,17 @@ def paged_attention(
     check_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale
     )
-    num_kv_heads = k_cache.shape[2]
-    end_seq = seq_lens.shape[0] if end_seq is None else end_seq
-    if not 0 <= first_seq < end_seq <= seq_lens.shape[0]:
+    batch, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    end_seq = batch if end_seq is None else end_seq
+    if not 0 <= first_seq < end_seq <= batch:
         raise ValueError(
-            f"need 0 <= first_seq < end_seq <= B={seq_lens.shape[0]}, got {first_seq} and {end_seq}"
+            f"need 0 <= first_seq < end_seq <= B={batch}, got {first_seq} and {end_seq}"
         )
     if max_query_len == 1 and first_seq == 0:
         num_decodes = end_seq  # a decode-only batch
-    if max_query_len < 1 or not 0 <= num_decodes <= seq_lens.shape[0]:
+    if max_query_len < 1 or not 0 <= num_decodes <= batch:
         raise ValueError(
-            f"need max_query_len >= 1 and 0 <= num_decodes <= B={seq_lens.shape[0]}, got "
+            f"need max_query_len >= 1 and 0 <= num_decodes <= B={batch}, got "
             f"{max_query_len} and {num_decodes}"
         )
     if 0 < first_seq < num_decodes:
@@ -254,8 +254,8 @@ def paged_attention(
     if first_prefill < end_seq:  # prefill / mixed
         launch_prefill(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, query_start_loc, out,
-            scale=scale, first_seq=first_prefill, max_query_len=max_query_len,
-            sliding_window=sliding_window, config=prefill_config, end_seq=end_seq,
+            scale=scale, first_seq=first_prefill, end_seq=end_seq, max_query_len=max_query_len,
+            sliding_window=sliding_window, config=prefill_config,
         )  # fmt: skip
     return out
 
