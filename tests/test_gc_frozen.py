@@ -20,16 +20,19 @@ def _thawed() -> None:
 
 
 def test_the_block_freezes_then_hands_the_objects_back() -> None:
+    """Checked by which objects are frozen: the count may fall inside the block, as another
+    thread (xdist's, the timeout's) frees frozen objects (679,723 became 679,721 in CI)."""
     assert gc.get_freeze_count() == 0
     alive = [object(), [1, 2]]
     with gc_frozen():
         frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert frozen > 0 and not _collected(alive)
+        fresh = [[3]]  # made after the outer freeze
         with gc_frozen():  # nested: the outer freeze stands, nothing frozen twice
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert _collected(fresh) and gc.get_freeze_count() <= frozen
+        assert not _collected(alive) and _collected(fresh)
     assert gc.get_freeze_count() == 0
-    assert any(obj is alive for obj in gc.get_objects())  # tracked again
+    assert _collected(alive)  # tracked again
 
 
 def test_a_failure_inside_still_hands_them_back() -> None:
