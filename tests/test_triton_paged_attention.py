@@ -16,6 +16,7 @@ from kernels.attention.paged_attention import paged_attention_ref
 from tests.test_triton_kernels import CUDA, DEVICE, KERNELS
 
 paged_attention = KERNELS["paged_attention_triton"].paged_attention
+PREFIX_BLOCK_M = KERNELS["paged_attention_triton"].PREFIX_BLOCK_M
 write_kv = KERNELS["kv_write_triton"].write_kv
 FP8 = torch.float8_e4m3fn
 POISON = 300.0  # finite in fp8 e4m3 too
@@ -214,6 +215,78 @@ def test_a_range_of_the_batch_writes_only_its_rows() -> None:
         assert out[: starts[first]].isnan().all() and out[starts[end] :].isnan().all()
 
 
+def shared_prefix_batch(
+    num_decodes: int,
+    prefix_pages: int,
+    suffix_lens: list[int],
+    prefill: tuple[list[int], list[int]] = ([], []),
+    **kwargs: object,
+) -> Batch:
+    """``num_decodes`` decodes whose block tables begin with the same ``prefix_pages`` pages
+    (the first one's), then ``suffix_lens[i]`` tokens of their own (the new one included),
+    then the prefill chunks ``prefill`` (query lens, context lens)."""
+    block_size = int(kwargs["block_size"])  # type: ignore[call-overload]
+    prefix = prefix_pages * block_size
+    query_lens = [1] * num_decodes + prefill[0]
+    contexts = [prefix + n - 1 for n in suffix_lens] + prefill[1]
+    batch = make_batch(query_lens, contexts, **kwargs)  # type: ignore[arg-type]
+    batch.block_tables[1:num_decodes, :prefix_pages] = batch.block_tables[0, :prefix_pages]
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "dtype", "num_kv_splits"),
+    [(16, 8, 2, torch.float32, 3), (32, 4, 1, torch.float32, 1), (16, 6, 3, torch.bfloat16, 2)],
+)
+def test_cascade_decode_matches_reference(
+    block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, num_kv_splits: int
+) -> None:
+    """Decodes over a shared prefix attend it together (``common_prefix_len``), the prefill
+    chunks after them as before; suffixes of one token (the query's own) up to several pages."""
+    suffixes = [1, 2 * block_size + 5, 7, block_size, 3]
+    batch = shared_prefix_batch(
+        5, 3, suffixes, ([5, 9], [40, 0]), block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, dtype=dtype, seed=num_kv_splits,
+    )  # fmt: skip
+    assert_matches_reference(batch, num_kv_splits=num_kv_splits, common_prefix_len=3 * block_size)
+
+
+def test_cascade_decode_over_several_row_tiles() -> None:
+    """More (sequence, query head) rows than one prefix program holds (PREFIX_BLOCK_M)."""
+    num_decodes = PREFIX_BLOCK_M // 4 + 3
+    batch = shared_prefix_batch(
+        num_decodes, 2, [1 + (5 * i) % 20 for i in range(num_decodes)], block_size=16,
+        num_heads=8, num_kv_heads=2, dtype=torch.float32, seed=4,
+    )  # fmt: skip
+    assert_matches_reference(batch, num_kv_splits=1, common_prefix_len=32)
+
+
+def test_cascade_decode_of_an_fp8_pool_matches_reference() -> None:
+    batch = shared_prefix_batch(
+        6, 2, [1, 4, 17, 30, 2, 9], block_size=16, num_heads=8, num_kv_heads=2,
+        dtype=torch.bfloat16, cache_dtype=FP8, seed=5,
+    )  # fmt: skip
+    assert_matches_reference(batch, num_kv_splits=2, common_prefix_len=32)
+
+
+def test_cascade_decode_reads_the_prefix_from_the_first_table() -> None:
+    """The hint is taken at its word: over tables that do not share those pages, the others'
+    prefix is read from the first one's pages (so the cascade path is what ran)."""
+    batch = make_batch(
+        [1, 1, 1], [40, 50, 60], block_size=16, num_heads=4, num_kv_heads=2,
+        dtype=torch.float32, seed=2,
+    )  # fmt: skip
+    out = batch.run(common_prefix_len=32)
+    expected = batch.reference()
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(out[:1], expected[:1], atol=tol, rtol=tol)
+    assert not torch.allclose(out[1:], expected[1:], atol=0.1)
+    batch.block_tables[1:, :2] = batch.block_tables[0, :2]  # now they do share them
+    torch.testing.assert_close(
+        batch.run(common_prefix_len=32), batch.reference(), atol=tol, rtol=tol
+    )
+
+
 def test_launcher_rejects_bad_arguments() -> None:
     batch = make_batch([1, 3], [10, 5], block_size=16, num_heads=4, num_kv_heads=2)
     seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
@@ -229,6 +302,9 @@ def test_launcher_rejects_bad_arguments() -> None:
         ("first_seq < end_seq", dict(first_seq=1, end_seq=1)),
         ("end_seq <= B", dict(end_seq=3)),
         ("after the 2 leading decodes", dict(num_decodes=2, first_seq=1)),
+        ("whole pages of 16", dict(common_prefix_len=8)),
+        ("whole pages of 16", dict(common_prefix_len=48)),  # past the tables' 32
+        ("sliding window", dict(common_prefix_len=16, sliding_window=4)),
         ("out", dict(out=batch.q.float())),
     ]
     for message, change in cases:

@@ -9,6 +9,12 @@ A batch is split in two phases, each one launch (two for split decode):
   of ``BLOCK_N`` tokens are gathered across pages. Split ``s`` of ``num_splits`` covers a
   contiguous run of tiles computed in the kernel from the device ``seq_len``; partial outputs
   and log-sum-exps go to a scratch buffer that ``_reduce_splits_kernel`` folds.
+- cascade decode (``common_prefix_len``): when every decode reads the same leading pages (a
+  shared system prompt), ``_prefix_kernel`` attends all of their queries over those pages at
+  once, the rows of its ``tl.dot`` being (sequence, query head) pairs of many sequences, so a
+  prefix tile is read once per row tile instead of once per sequence; the decode kernel then
+  attends each sequence's keys after the prefix, and the reduction folds both kinds of partials
+  (the prefix's as extra splits). The softmax over the two disjoint key sets is exact.
 - prefill (the other sequences, any query length): flash attention, GQA packed as well, in
   ``paged_attention_prefill_triton.py``.
 The grids depend only on tensor shapes and host ints: the launch is CUDA-graph capturable.
@@ -49,16 +55,25 @@ NOMINAL_CPU_SMS = 4  # the interpreter has no SMs; any small count exercises the
 DECODE_TILE_BYTES = 16384  # bytes of one K (or V) tile: 64 tokens of bf16 D=128, 128 of fp8
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# Cascade decode's prefix kernel: BLOCK_M (sequence, query head) rows a program, BLOCK_N keys
+# a tile, and at most this many splits of the prefix (enough programs to fill the SMs when the
+# row tiles are few)
+PREFIX_BLOCK_M = 64
+PREFIX_BLOCK_N = 64
+MAX_PREFIX_SPLITS = 16
+PREFIX_NUM_WARPS = 4
+PREFIX_NUM_STAGES = 2
 
 
 # Ints that change from step to step are not specialized (Triton would compile a variant for
 # each value that is 1 or a multiple of 16, at the first step that meets it).
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "prefix_len"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     window,  # keys with pos > q_pos - window are kept (if HAS_WINDOW)
+    prefix_len,  # keys below it are the prefix kernel's (cascade decode), else 0
     stride_qt, stride_qh, stride_qd,  # q, out: [T, Hq, D]
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,  # k_cache, v_cache: [NB, BS, Hkv, D]
@@ -71,6 +86,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per page
     NUM_SPLITS: tl.constexpr,
+    PART_STRIDE: tl.constexpr,  # partials per (sequence, head): NUM_SPLITS, + the prefix's
     HAS_WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dot operand dtype
@@ -83,9 +99,9 @@ def _decode_kernel(
     split = tl.program_id(2)
     # 1. this split's run of tiles, from the device seq_len (the query is at seq_len - 1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo = 0
+    lo = prefix_len
     if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
+        lo = tl.maximum(seq_len - window, lo)
     first_tile = lo // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -120,17 +136,83 @@ def _decode_kernel(
     if IS_FP8:
         acc = acc / E4M3_MAX  # undo the fold of v scales into p
     result = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if PART_STRIDE == 1:
         out_ptrs = (
             out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         )
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask_q)
     else:
-        # part_out: [B, Hq, NUM_SPLITS, BLOCK_D]; part_lse: [B, Hq, NUM_SPLITS] (contiguous)
-        rows = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        # part_out: [B, Hq, PART_STRIDE, BLOCK_D]; part_lse: [B, Hq, PART_STRIDE] (contiguous)
+        rows = (seq * GROUP * tl.num_programs(1) + heads) * PART_STRIDE + split
         tl.store(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], result, mask=mask_q)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), NEG_BIG)
         tl.store(part_lse_ptr + rows, lse, mask=offs_g < GROUP)
+
+
+@triton.jit(do_not_specialize=["prefix_len", "num_rows"])
+def _prefix_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    table_ptr,  # the prefix's pages: the first decode's block table row
+    part_out_ptr, part_lse_ptr,
+    qk_scale, prefix_len,
+    num_rows,  # decodes * GROUP: the (sequence, query head) pairs of one kv head
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_sb, stride_ss, stride_sh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr,
+    SPLIT_BASE: tl.constexpr,  # the prefix's partials follow the decode kernel's NUM_SPLITS
+    PART_STRIDE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Every decode's queries of one kv head over the shared prefix: a program owns BLOCK_M
+    (sequence, query head) rows and one split of the prefix's tiles."""
+    wait_for_producers(PDL)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < num_rows
+    seqs = offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    mask_q = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_ptrs = q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=mask_q, other=0.0).to(DOT_DTYPE)
+
+    num_tiles = tl.cdiv(prefix_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, PREFIX_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for tile in range(tile_begin, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < prefix_len
+        acc, m_i, l_i = attend_tile(
+            q, acc, m_i, l_i, offs_n, mask_n, mask_n[None, :],
+            table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
+            qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
+            stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if IS_FP8:
+        acc = acc / E4M3_MAX
+    num_heads = GROUP * tl.num_programs(1)
+    rows = (seqs * num_heads + heads) * PART_STRIDE + SPLIT_BASE + split
+    tl.store(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc / l_safe[:, None],
+             mask=mask_q)  # fmt: skip
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), NEG_BIG)
+    tl.store(part_lse_ptr + rows, lse, mask=mask_m)
 
 
 @triton.jit
@@ -187,6 +269,7 @@ def paged_attention(
     prefill_config: PrefillConfig | None = None,
     first_seq: int = 0,
     end_seq: int | None = None,
+    common_prefix_len: int = 0,
 ) -> torch.Tensor:
     """Attention of a mixed batch over the page pool; matches ``paged_attention_ref``.
 
@@ -209,6 +292,12 @@ def paged_attention(
     the step's own tensors with a range rather than slices of them: a slice at sequence ``s``
     moves the int32 pointers by ``4 * s`` bytes, and Triton compiles another kernel for a
     pointer off 16-byte alignment (1.6-1.8 s on an H100, inside whatever step first meets it).
+
+    ``common_prefix_len``: tokens, in whole pages, that every decode of the call reads from
+    the same pages, ``block_tables[0]``'s first ones, and that are not the last token of any of
+    them (each ``seq_len`` exceeds it): the decodes then attend that prefix together (cascade
+    decode, the module docstring). Not with a sliding window. A host int that the launch bakes
+    in: a graph captured with it replays it, so callers that capture leave it 0.
     """
     check_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale
@@ -236,6 +325,7 @@ def paged_attention(
         raise ValueError(f"scale must be positive (it multiplies q.k), got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
+    _check_common_prefix(common_prefix_len, k_cache.shape[1], block_tables, sliding_window)
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device, max_seq_len)
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
@@ -249,7 +339,7 @@ def paged_attention(
         _launch_decode(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, out,
             scale=scale, num_decodes=num_decodes, sliding_window=sliding_window,
-            num_splits=num_kv_splits,
+            num_splits=num_kv_splits, prefix_len=common_prefix_len,
         )  # fmt: skip
     if first_prefill < end_seq:  # prefill / mixed
         launch_prefill(
@@ -258,6 +348,32 @@ def paged_attention(
             sliding_window=sliding_window, config=prefill_config,
         )  # fmt: skip
     return out
+
+
+def _check_common_prefix(
+    prefix_len: int, block_size: int, block_tables: torch.Tensor, sliding_window: int | None
+) -> None:
+    if prefix_len == 0:
+        return
+    max_len = block_tables.shape[1] * block_size
+    if not 0 < prefix_len <= max_len or prefix_len % block_size:
+        raise ValueError(
+            f"common_prefix_len must be whole pages of {block_size} tokens within the block "
+            f"tables' {max_len}, got {prefix_len}"
+        )
+    if sliding_window is not None:
+        raise ValueError("common_prefix_len does not go with a sliding window")
+
+
+def prefix_num_splits(
+    num_row_tiles: int, num_kv_heads: int, prefix_len: int, device: torch.device
+) -> int:
+    """Splits of a cascade decode's prefix: up to TARGET_PROGRAMS_PER_SM programs per SM over
+    the (row tile, kv head) programs, a power of two (a compiled-in constant), at most
+    MAX_PREFIX_SPLITS and no more than the prefix has tiles."""
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * _num_sms(device), num_row_tiles * num_kv_heads)
+    wanted = min(wanted, MAX_PREFIX_SPLITS, triton.cdiv(prefix_len, PREFIX_BLOCK_N))
+    return 1 << (max(wanted, 1).bit_length() - 1)
 
 
 def default_num_kv_splits(
@@ -307,47 +423,78 @@ def _launch_decode(
     num_decodes: int,
     sliding_window: int | None,
     num_splits: int,
+    prefix_len: int = 0,  # a cascade decode's shared prefix (``paged_attention``'s)
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
     block_d = pow2_at_least(head_dim, 16)
+    is_fp8 = k_scale is not None
+    scale_args = (k_scale if is_fp8 else k_cache, v_scale if is_fp8 else k_cache)
+    scale_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
+    dot_args = dict(
+        IS_FP8=is_fp8, DOT_DTYPE=dot_dtype(q, k_cache), DOT_PRECISION=dot_precision(q.dtype)
+    )
+    num_rows = num_decodes * group
+    block_m = min(PREFIX_BLOCK_M, pow2_at_least(num_rows, MIN_DOT_ROWS))
+    num_row_tiles = triton.cdiv(num_rows, block_m)
+    prefix_splits = (
+        prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, q.device) if prefix_len else 0
+    )
+    part_stride = num_splits + prefix_splits
     part_out = part_lse = out  # placeholders when the decode writes `out` directly
-    if num_splits > 1:
+    if part_stride > 1:
         part_out = torch.empty(
-            num_decodes, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device
+            num_decodes, num_heads, part_stride, block_d, dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty(
-            num_decodes, num_heads, num_splits, dtype=torch.float32, device=q.device
+            num_decodes, num_heads, part_stride, dtype=torch.float32, device=q.device
         )
-    is_fp8 = k_scale is not None
+    if prefix_splits:
+        _prefix_kernel[(num_row_tiles, num_kv_heads, prefix_splits)](
+            q, k_cache, v_cache, *scale_args, block_tables, part_out, part_lse,
+            scale * LOG2_E, prefix_len, num_rows,
+            *q.stride(), *k_cache.stride(), *scale_strides,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=block_m,
+            BLOCK_N=PREFIX_BLOCK_N,
+            BLOCK_SIZE=k_cache.shape[1],
+            PREFIX_SPLITS=prefix_splits,
+            SPLIT_BASE=num_splits,
+            PART_STRIDE=part_stride,
+            **dot_args,
+            num_warps=PREFIX_NUM_WARPS,
+            num_stages=PREFIX_NUM_STAGES,
+            **pdl_launch(q),
+        )  # fmt: skip
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale if is_fp8 else k_cache, v_scale if is_fp8 else k_cache,
+        q, k_cache, v_cache, *scale_args,
         block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2_E, sliding_window or 0,
-        *q.stride(), *out.stride(), *k_cache.stride(),
-        *(k_scale.stride() if k_scale is not None else (0, 0, 0)), block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads,
-        GROUP_PAD=pow2_at_least(num_heads // num_kv_heads, MIN_DOT_ROWS),
+        scale * LOG2_E, sliding_window or 0, prefix_len,
+        *q.stride(), *out.stride(), *k_cache.stride(), *scale_strides, block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=pow2_at_least(group, MIN_DOT_ROWS),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_N=_decode_block_n(block_d, k_cache.element_size()),
         BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
+        PART_STRIDE=part_stride,
         HAS_WINDOW=sliding_window is not None,
-        IS_FP8=is_fp8,
-        DOT_DTYPE=dot_dtype(q, k_cache),
-        DOT_PRECISION=dot_precision(q.dtype),
+        **dot_args,
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
         **pdl_launch(q),
     )  # fmt: skip
-    if num_splits > 1:
+    if part_stride > 1:
         _reduce_splits_kernel[(num_decodes, num_heads)](
             part_out, part_lse, out, *out.stride(),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            NUM_SPLITS=part_stride,
+            SPLITS_PAD=triton.next_power_of_2(part_stride),
             **pdl_launch(q),
         )  # fmt: skip
 
