@@ -49,6 +49,9 @@ class EngineConfig:
     # max_tokens is lowered to what fits (a prompt that fills the context is refused anyway).
     clamp_max_tokens: bool = False
     prefix_caching: bool = True
+    # Decodes sharing a prefix's pages attend it together (engine/attention/backend.py's
+    # CASCADE_MIN_*); the Triton backend only.
+    cascade_attention: bool = False
     preemption: PreemptionMode = "recompute"
     swap_space_mb: int = 4096
     # Host memory for prefix-cache pages evicted from the device pool; 0 = no host tier.

@@ -120,6 +120,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="reuse KV pages of shared prefixes (default on)",
     )
     g.add_argument(
+        "--cascade-attention",
+        type=_on_off,
+        default=False,
+        metavar="on/off",
+        help="decodes that share a prefix's pages attend it together, once per tile of their "
+        "queries (Triton backend; default off)",
+    )
+    g.add_argument(
         "--preemption",
         default="recompute",
         choices=["recompute", "swap"],

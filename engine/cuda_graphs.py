@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, LayerCache
+from engine.host_inputs import TABLE_WIDTH_MULTIPLE
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,9 @@ class DecodeGraphs:
         self.kv_layers = kv_layers
         self.buckets = batch_size_buckets(max_rows)
         self.max_seq_len = max_seq_len
-        self.static = _StaticInputs.allocate(self.buckets[-1], max_blocks_per_seq, device)
+        # as wide as any step's padded tables (``model_runner.padded_tables``)
+        width = -(-max_blocks_per_seq // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+        self.static = _StaticInputs.allocate(self.buckets[-1], width, device)
         # per bucket, (context bound, graph) ascending: kernels may launch differently for
         # short contexts (an unsplit decode attention), which a graph then has to hold
         self.graphs: dict[int, list[tuple[int, torch.cuda.CUDAGraph]]] = {}

@@ -183,7 +183,8 @@ def build_runtime(
         tenant_page_quotas=config.tenant_page_quotas,
         host_cache=host_cache,
     )
-    runner = ModelRunner(loaded.model, kv_cache, sampler, device, group)
+    cascade = config.cascade_attention and backend.takes_common_prefix
+    runner = ModelRunner(loaded.model, kv_cache, sampler, device, group, cascade=cascade)
     if use_graphs:
         runner.capture_cuda_graphs(
             config.decode_graph_rows(), max_model_len, config.piecewise_graph_tokens()

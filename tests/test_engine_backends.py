@@ -117,6 +117,68 @@ def test_long_chunks_through_sdpa_equal_the_torch_engine(
     assert any(first > 0 for first, _ in ranges)  # a run after a long chunk, by its range
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_cascade_decode_equals_the_torch_engine(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """``--cascade-attention on``: decodes over a shared prompt prefix attend it together
+    (thresholds lowered to this model's sizes); tokens equal the torch engine's, and steps did
+    cascade. Mistral's sliding window attends its prefix plainly, with the same tokens."""
+    from engine.attention import backend
+    from kernels.attention import paged_attention_triton
+
+    real = paged_attention_triton.paged_attention
+    prefixes: list[int] = []
+
+    def noted(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        prefixes.append(kwargs.get("common_prefix_len", 0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention_triton, "paged_attention", noted)
+    monkeypatch.setattr(backend, "CASCADE_MIN_DECODES", 3)
+    monkeypatch.setattr(backend, "CASCADE_MIN_PREFIX_TOKENS", 32)
+    shared = random_prompts([48], 320, seed=5)[0]  # three pages of 16
+    tails = random_prompts([3, 9, 1, 20], 320, seed=6)
+    prompts = [shared + tail for tail in tails]
+    model = str(tiny_model_dirs[kind])
+    outs = {}
+    for name in ("triton", "torch"):
+        monkeypatch.setenv(ATTN_BACKEND_ENV, name)
+        llm = LLM(model, device="cpu", cascade_attention=True, **SETTINGS)
+        outs[name] = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert outs["triton"] == outs["torch"]
+    if kind == "llama":
+        assert 48 in prefixes  # the whole shared prompt, as the decodes' common pages
+    else:
+        assert set(prefixes) == {0}  # every layer of the tiny mistral has a window
+
+
+def test_a_step_s_cascade_prefix_is_the_pages_all_its_decodes_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.attention import backend
+    from engine.host_inputs import padded_tables
+
+    monkeypatch.setattr(backend, "CASCADE_MIN_DECODES", 3)
+    monkeypatch.setattr(backend, "CASCADE_MIN_PREFIX_TOKENS", 32)
+
+    def prefix(tables: list[list[int]], seq_lens: list[int], num_decodes: int) -> int:
+        lens = [len(t) for t in tables]
+        return backend.common_prefix_len(
+            padded_tables(tables, lens), lens, seq_lens, num_decodes, 16
+        )
+
+    tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 9, 3, 4], [5, 6]]
+    assert prefix(tables, [60, 60, 70, 20], 3) == 48  # the prefill chunk after them aside
+    assert prefix(tables, [60, 60, 70, 20], 4) == 0  # the 4th decode shares none of them
+    assert prefix(tables, [60, 60, 70, 20], 2) == 0  # too few decodes
+    assert prefix(tables, [60, 48, 70, 20], 3) == 32  # page 9 holds a decode's own token
+    assert prefix([[7, 8, 1], [7, 8, 2], [7, 9, 3]], [40, 40, 40], 3) == 0  # 16 < 32 tokens
+    same = [[7, 8, 9], [7, 8, 9], [7, 8, 9]]  # samples of one prompt, nothing of their own yet
+    assert prefix(same, [40, 40, 40], 3) == 32  # the last page holds their own tokens
+    assert padded_tables(tables, [4, 4, 5, 2]).shape == (4, 8)  # rows 16-byte aligned
+
+
 def test_an_unknown_prefill_attention_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.attention import backend
 
