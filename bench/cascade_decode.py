@@ -1,0 +1,126 @@
+"""Cascade decode against the plain decode kernel: one layer's attention of a decode step whose
+sequences share a prompt prefix (CUDA only).
+
+    python -m bench.cascade_decode --output-json bench/results/cascade-decode-h100.json
+
+For llama3-8b's heads (32 over 8 KV heads) and qwen3-0.6b's (16 over 8), batches of 16 to 256
+decodes over a shared prefix of 512 to 4,096 tokens, each with a suffix of its own (1 to 384
+tokens, seeded): the plain call (each sequence reads the prefix, the engine's split count)
+against ``common_prefix_len`` (the prefix attended once per tile of queries), both checked
+against each other. Prints microseconds per call, the speedup, and the bandwidth of the bytes
+the step must read at least (the prefix once, every suffix once) against a device copy's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+import kernels.attention.paged_attention_triton as attention
+
+NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 32
+HEADS = {"llama3-8b": 32, "qwen3-0.6b": 16}
+BATCHES = (16, 64, 256)
+PREFIXES = (512, 2048, 4096)
+MAX_SUFFIX = 384
+
+
+def _case(
+    num_q_heads: int, batch: int, prefix: int, device: torch.device, seed: int = 0
+) -> tuple[Any, int]:
+    """(run(common_prefix_len) -> out, the bytes of K/V the step reads at least)."""
+    gen = torch.Generator().manual_seed(seed)
+    suffixes = torch.randint(1, MAX_SUFFIX + 1, (batch,), generator=gen).tolist()
+    prefix_pages = prefix // BLOCK_SIZE
+    lens = [prefix + n for n in suffixes]
+    own = [-(-n // BLOCK_SIZE) - prefix_pages for n in lens]
+    num_blocks = prefix_pages + sum(own) + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    order = torch.randperm(num_blocks - 1, generator=gen).tolist()
+    shared, order = order[:prefix_pages], order[prefix_pages:]
+    width = prefix_pages + max(own)
+    tables = []
+    for n in own:
+        tables.append(shared + order[:n] + [num_blocks - 1] * (width - prefix_pages - n))
+        order = order[n:]
+    block_tables = torch.tensor(tables, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q = torch.randn(batch, num_q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+
+    def run(common_prefix_len: int) -> torch.Tensor:
+        return attention.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, starts, scale=HEAD_DIM**-0.5,
+            max_query_len=1, max_seq_len=max(lens), common_prefix_len=common_prefix_len,
+        )  # fmt: skip
+
+    token_bytes = NUM_KV_HEADS * HEAD_DIM * 2 * k_cache.element_size()
+    return run, (prefix + sum(suffixes)) * token_bytes
+
+
+def measure(device: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for model, num_q_heads in HEADS.items():
+        for batch in BATCHES:
+            for prefix in PREFIXES:
+                run, floor_bytes = _case(num_q_heads, batch, prefix, device)
+                plain, cascade = run(0), run(prefix)
+                error = (plain.float() - cascade.float()).abs().max().item()
+                times = {
+                    name: triton.testing.do_bench(lambda r=run, p=p: r(p), warmup=25, rep=200) * 1e3
+                    for name, p in (("plain_us", 0), ("cascade_us", prefix))
+                }
+                rows.append(dict(
+                    model=model, batch=batch, prefix=prefix, **times,
+                    speedup=times["plain_us"] / times["cascade_us"], max_abs_diff=error,
+                    floor_bytes=floor_bytes,
+                ))  # fmt: skip
+                row = rows[-1]
+                print(
+                    f"{model} B={batch} prefix={prefix}: plain {row['plain_us']:.1f} us, "
+                    f"cascade {row['cascade_us']:.1f} us ({row['speedup']:.2f}x), "
+                    f"max diff {error:.1e}",
+                    flush=True,
+                )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser.add_argument("--output-json", default="cascade-decode.json")
+    args = parser.parse_args(argv)
+    from bench.kernels import measure_copy_bandwidth
+    from bench.records import machine_info, write_record
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.cascade_decode needs a CUDA device")
+    device = torch.device("cuda")
+    rows = measure(device)
+    copy_bytes_per_s = measure_copy_bandwidth(device)
+    for row in rows:
+        row["cascade_of_copy"] = row["floor_bytes"] / (row["cascade_us"] * 1e-6) / copy_bytes_per_s
+    record = {
+        "kind": "cascade-decode",
+        "machine": machine_info(device),
+        "settings": dict(
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK_SIZE,
+            max_suffix=MAX_SUFFIX,
+            dtype="bfloat16",
+        ),
+        "copy_bytes_per_s": copy_bytes_per_s,
+        "results": rows,
+    }
+    write_record(record, Path(args.output_json))
+    print(f"wrote {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()
