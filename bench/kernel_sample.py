@@ -163,8 +163,23 @@ def category_gap(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, floa
     }
 
 
+# Kinds of kernel whose time is the kernel's own craft (a GEMM library's, an attention
+# kernel's, the experts', the collectives'), beside the small kernels an engine can fuse away
+BOUND_CATEGORIES = ("gemm", "attention", "moe", "communication")
+
+
+def kernel_ceiling(theirs: dict[str, Any]) -> float | None:
+    """The most a run can lead the peer's by with GEMM, attention, MoE and collective kernels
+    no faster than the peer's: its kernel seconds over those kinds' seconds, as if everything
+    else took no time. It holds while the peer keeps the GPU busy (a host-bound peer leaves
+    more room); under a row's target, the target asks for faster kernels of those kinds."""
+    bound = sum(theirs["categories_s"].get(name, 0.0) for name in BOUND_CATEGORIES)
+    return theirs["kernel_s"] / bound if bound > 0 else None
+
+
 def format_gap(label: str, ours: dict[str, Any], theirs: dict[str, Any], peer: str) -> str:
-    """A few lines: each category's seconds on both sides, largest gap first."""
+    """A few lines: each category's seconds on both sides, largest gap first, and the
+    ceiling the peer's own GEMM and attention kernels leave (``kernel_ceiling``)."""
     gap = category_gap(ours, theirs)
     lines = [f"{label}: kernel seconds, pagestream {ours['kernel_s']:.2f} / {peer} "
              f"{theirs['kernel_s']:.2f} (1 step in {ours['every']} sampled)"]  # fmt: skip
@@ -172,4 +187,8 @@ def format_gap(label: str, ours: dict[str, Any], theirs: dict[str, Any], peer: s
         a, b = ours["categories_s"].get(name, 0.0), theirs["categories_s"].get(name, 0.0)
         if a or b:
             lines.append(f"  {name:<14} {a:8.2f} s {b:8.2f} s  {gap[name]:+8.2f}")
+    ceiling = kernel_ceiling(theirs)
+    if ceiling is not None:
+        lines.append(f"  ceiling with {'/'.join(BOUND_CATEGORIES)} kernels as fast as {peer}'s: "
+                     f"{ceiling:.2f}x")  # fmt: skip
     return "\n".join(lines)

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.kernel_sample import category_gap, format_gap
+from bench.kernel_sample import category_gap, format_gap, kernel_ceiling
 from bench.matrix_workloads import (
     TOK_S_TARGET,
     TPOT_TARGET,
@@ -169,6 +169,7 @@ def _update_figures(row: dict[str, Any], peer: str | None) -> None:
     if "kernel_profile" in row[ENGINE] and "kernel_profile" in row[peer]:
         gap = category_gap(row[ENGINE]["kernel_profile"], row[peer]["kernel_profile"])
         row["kernel_gap_s"] = gap  # per kind of kernel: our seconds minus the peer's
+        row["kernel_ceiling"] = kernel_ceiling(row[peer]["kernel_profile"])
     ratio = row[ENGINE][metric] / row[peer][metric]
     lower_is_better = row["better"] == "lower"
     row["ratio"] = ratio

@@ -109,8 +109,12 @@ def test_a_profiled_matrix_says_where_each_sides_time_goes(
     assert gap["gemm"] == pytest.approx(
         ours["categories_s"]["gemm"] - theirs["categories_s"]["gemm"]
     )
+    bound = sum(theirs["categories_s"][name] for name in ("gemm", "attention", "moe"))
+    assert row["kernel_ceiling"] == pytest.approx(theirs["kernel_s"] / bound)
+    assert row["kernel_ceiling"] > 1  # norms, rotary, sampling: time outside those kinds
     assert "kernel_profile" not in _rows(path)["tpot-b1"]["pagestream"]  # latency rows: none
     assert "tiny standard-64: kernel seconds" in out and "gemm" in out
+    assert f"kernels as fast as self's: {row['kernel_ceiling']:.2f}x" in out
     if importlib.util.find_spec("matplotlib"):  # the ratios beside both sides' kinds of kernel
         assert path.with_suffix(".png").stat().st_size > 0
     # a profiled record is not resumed as a plain one, nor the other way round
