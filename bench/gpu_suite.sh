@@ -4,12 +4,12 @@
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
 #                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows|
-#                       matrix_budget|first_process|gemv_table|moe_mixtral|tp4]...
+#                       matrix_budget|first_process|gemv_table|cascade|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
-# first_process, gemv_table, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
+# first_process, gemv_table, cascade, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
 # two GPUs), and tp4 (four GPUs),
 # which need vLLM, two GPUs or a call of their own)
-# vllm, matrix, matrix_profile, prefill_rows, matrix_budget, tp_vllm and
+# vllm, matrix, matrix_profile, prefill_rows, matrix_budget, cascade, tp_vllm and
 # moe_throughput/moe_latency need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
 # VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
@@ -168,6 +168,20 @@ gemv_table() {  # a new GPU model's rows of the decode linears' table (kernels/l
         PAGESTREAM_GEMV_TABLE=$([ "$table" = off ] && echo off) "${PS[@]}" bench latency \
             --model dummy:llama3-8b --batch-sizes 1 --max-model-len 4096 --no-progress \
             --output-json "$OUT/latency-llama3-8b-gemv-table-$table-$(card).json"
+    done
+}
+cascade() {  # cascade decode (--cascade-attention): its GPU tests, one layer's attention plain
+    # against cascade, then the shared-prefix rows against vLLM with it off and on (the A/B that
+    # decides its default)
+    log cascade decode
+    python -m pytest -q -x -p no:cacheprovider tests/test_triton_paged_attention.py \
+        tests/test_gpu.py -k "cascade or reference or capturable" || return 1
+    python -m bench.cascade_decode --output-json "$OUT/cascade-decode-$(card).json"
+    for cascade in off on; do
+        log shared-prefix rows against vllm, cascade "$cascade"
+        "${PS[@]}" bench matrix --compare vllm --resume --no-progress --workloads shared-prefix \
+            --cascade-attention "$cascade" \
+            --output-json "$OUT/matrix-shared-prefix-cascade-$cascade-$(card).json"
     done
 }
 first_process() {  # long context in a fresh machine's first process (Triton's cache empty):
