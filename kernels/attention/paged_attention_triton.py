@@ -326,8 +326,9 @@ def paged_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
     _check_common_prefix(common_prefix_len, k_cache.shape[1], block_tables, sliding_window)
-    if num_kv_splits is None:
-        num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device, max_seq_len)
+    if num_kv_splits is None:  # over the keys the decode kernel reads: a cascade's after its prefix
+        bound = None if max_seq_len is None else max_seq_len - common_prefix_len
+        num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device, bound)
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
     if out is None:
