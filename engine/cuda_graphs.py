@@ -93,7 +93,7 @@ class DecodeGraphs:
         self.kv_layers = kv_layers
         self.buckets = batch_size_buckets(max_rows)
         self.max_seq_len = max_seq_len
-        # as wide as any step's padded tables (``model_runner.padded_tables``)
+        # as wide as any step's padded tables (``host_inputs.padded_tables``)
         width = -(-max_blocks_per_seq // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
         self.static = _StaticInputs.allocate(self.buckets[-1], width, device)
         # per bucket, (context bound, graph) ascending: kernels may launch differently for

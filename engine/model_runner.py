@@ -216,10 +216,11 @@ class ModelRunner:
 
     def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
         """[S, V] logits of the sampling rows: a graph replay for decode-only steps, piecewise
-        graphs around eager attention for the others (when captured)."""
+        graphs around eager attention for the others (when captured), cascading decode steps
+        among them (their prefix length is a launch argument no graph holds)."""
         meta = inputs.meta
-        decode_only = meta.max_query_len == 1 and not meta.common_prefix_len
-        if decode_only and self.graphs is not None and self.graphs.bucket_for(meta.num_seqs):
+        replays = meta.max_query_len == 1 and not meta.common_prefix_len
+        if replays and self.graphs is not None and self.graphs.bucket_for(meta.num_seqs):
             logits = self.graphs.replay(inputs.input_ids, inputs.positions, meta)  # [B, V]
             if inputs.logits_indices is None:
                 return logits  # the graph's buffer: sampled before the next replay writes it

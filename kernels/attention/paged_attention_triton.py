@@ -436,12 +436,12 @@ def _launch_decode(
     dot_args = dict(
         IS_FP8=is_fp8, DOT_DTYPE=dot_dtype(q, k_cache), DOT_PRECISION=dot_precision(q.dtype)
     )
-    num_rows = num_decodes * group
-    block_m = min(PREFIX_BLOCK_M, pow2_at_least(num_rows, MIN_DOT_ROWS))
-    num_row_tiles = triton.cdiv(num_rows, block_m)
-    prefix_splits = (
-        prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, q.device) if prefix_len else 0
-    )
+    num_rows = num_decodes * group  # the prefix kernel's: (sequence, query head) pairs
+    block_m = num_row_tiles = prefix_splits = 0
+    if prefix_len:
+        block_m = min(PREFIX_BLOCK_M, pow2_at_least(num_rows, MIN_DOT_ROWS))
+        num_row_tiles = triton.cdiv(num_rows, block_m)
+        prefix_splits = prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, q.device)
     part_stride = num_splits + prefix_splits
     part_out = part_lse = out  # placeholders when the decode writes `out` directly
     if part_stride > 1:
