@@ -65,6 +65,38 @@ PREFIX_NUM_WARPS = 4
 PREFIX_NUM_STAGES = 2
 
 
+@triton.jit
+def _attend_keys(
+    q, tile_begin, tile_end, lo, hi,
+    table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The query rows ``q`` [ROWS, BLOCK_D] over keys ``lo <= pos < hi`` of tiles
+    ``tile_begin..tile_end`` (pages from ``table_ptr``): the normalized output [ROWS, BLOCK_D]
+    and its base-2 log-sum-exp [ROWS] (NEG_BIG where no key was seen)."""
+    m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for tile in range(tile_begin, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n < hi) & (offs_n >= lo)
+        # gather the tile's K, V and fold it into the online softmax
+        acc, m_i, l_i = attend_tile(
+            q, acc, m_i, l_i, offs_n, mask_n, mask_n[None, :],
+            table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
+            qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
+            stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if IS_FP8:
+        acc = acc / E4M3_MAX  # undo the fold of v scales into p
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), NEG_BIG)
+    return acc / l_safe[:, None], lse
+
+
 # Ints that change from step to step are not specialized (Triton would compile a variant for
 # each value that is 1 or a multiple of 16, at the first step that meets it).
 @triton.jit(do_not_specialize=["stride_bt", "prefix_len"])
@@ -116,26 +148,15 @@ def _decode_kernel(
     q_ptrs = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=mask_q, other=0.0).to(DOT_DTYPE)
 
-    m_i = tl.full([GROUP_PAD], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    table_ptr = block_tables_ptr + seq * stride_bt
-    for tile in range(tile_begin, tile_end):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n < seq_len) & (offs_n >= lo)
-        # 3.-4. gather the tile's K, V and fold it into the online softmax
-        acc, m_i, l_i = attend_tile(
-            q, acc, m_i, l_i, offs_n, mask_n, mask_n[None, :],
-            table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
-            qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
-            stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
-        )  # fmt: skip
+    # 3. the split's tiles of the sequence's own pages
+    result, lse = _attend_keys(
+        q, tile_begin, tile_end, lo, seq_len, block_tables_ptr + seq * stride_bt,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
+        stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+        GROUP_PAD, BLOCK_D, BLOCK_N, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+    )  # fmt: skip
 
-    # 5. normalized output: straight to `out`, or a partial plus its log-sum-exp
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    if IS_FP8:
-        acc = acc / E4M3_MAX  # undo the fold of v scales into p
-    result = acc / l_safe[:, None]
+    # 4. straight to `out`, or a partial plus its log-sum-exp
     if PART_STRIDE == 1:
         out_ptrs = (
             out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -145,7 +166,6 @@ def _decode_kernel(
         # part_out: [B, Hq, PART_STRIDE, BLOCK_D]; part_lse: [B, Hq, PART_STRIDE] (contiguous)
         rows = (seq * GROUP * tl.num_programs(1) + heads) * PART_STRIDE + split
         tl.store(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], result, mask=mask_q)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), NEG_BIG)
         tl.store(part_lse_ptr + rows, lse, mask=offs_g < GROUP)
 
 
@@ -191,27 +211,15 @@ def _prefix_kernel(
     tiles_per_split = tl.cdiv(num_tiles, PREFIX_SPLITS)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for tile in range(tile_begin, tile_end):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < prefix_len
-        acc, m_i, l_i = attend_tile(
-            q, acc, m_i, l_i, offs_n, mask_n, mask_n[None, :],
-            table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
-            qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
-            stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
-        )  # fmt: skip
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    if IS_FP8:
-        acc = acc / E4M3_MAX
+    result, lse = _attend_keys(
+        q, tile_begin, tile_end, 0, prefix_len, table_ptr,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
+        stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+        BLOCK_M, BLOCK_D, BLOCK_N, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+    )  # fmt: skip
     num_heads = GROUP * tl.num_programs(1)
     rows = (seqs * num_heads + heads) * PART_STRIDE + SPLIT_BASE + split
-    tl.store(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc / l_safe[:, None],
-             mask=mask_q)  # fmt: skip
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), NEG_BIG)
+    tl.store(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], result, mask=mask_q)
     tl.store(part_lse_ptr + rows, lse, mask=mask_m)
 
 
