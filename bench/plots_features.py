@@ -66,8 +66,10 @@ def speculative(plt: Any, record: dict[str, Any]) -> Any:
 def matrix(plt: Any, record: dict[str, Any]) -> Any:
     """Per workload, one bar per model: how far ahead of the peer pagestream is (``speedup``:
     the tok/s ratio, or the peer's TPOT over ours), with the 1.0 and target lines. Rows still
-    missing a side are left out. A profiled matrix (``--profile-every``) adds, per row, both
-    sides' kernel seconds stacked by kind."""
+    missing a side are left out. A profiled matrix (``--profile-every``) marks each row's
+    ``kernel_ceiling`` and adds, per row, both sides' kernel seconds stacked by kind."""
+    from bench.kernel_sample import kernel_ceiling
+
     rows = [row for row in record["results"] if "speedup" in row]
     peer = record["peer"] or "peer"
     profiled = [
@@ -84,15 +86,23 @@ def matrix(plt: Any, record: dict[str, Any]) -> Any:
     else:
         fig, ax = plt.subplots(figsize=(width_in, 3.8))
     width = 0.8 / max(len(models), 1)
+    ceiling_label = f"ceiling with {peer}'s GEMM / attention speed"
     for index, model in enumerate(models):
-        cells = {row["workload"]: row["speedup"] for row in rows if row["model"] == model}
+        cells = {row["workload"]: row for row in rows if row["model"] == model}
         xs = [i + (index - (len(models) - 1) / 2) * width for i, w in enumerate(workloads)
               if w in cells]  # fmt: skip
-        values = [cells[w] for w in workloads if w in cells]
+        values = [cells[w]["speedup"] for w in workloads if w in cells]
         bars = ax.bar(xs, values, width, label=model)
         for bar, value in zip(bars, values, strict=True):
             ax.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, value),
                         ha="center", va="bottom", fontsize=6)  # fmt: skip
+        for x, w in zip(xs, [w for w in workloads if w in cells], strict=True):
+            theirs = cells[w].get(peer, {}).get("kernel_profile")
+            ceiling = kernel_ceiling(theirs) if theirs else None  # records made before the field
+            if ceiling is not None:
+                ax.plot([x - width / 2, x + width / 2], [ceiling, ceiling], color="k",
+                        linestyle=":", linewidth=1.2, label=ceiling_label)  # fmt: skip
+                ceiling_label = "_nolegend_"
     target = record["targets"]["output_tok_s"]
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.axhline(target, color="tab:red", linestyle="--", linewidth=0.8, label=f"target {target}")
