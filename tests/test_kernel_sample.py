@@ -13,6 +13,7 @@ from bench.kernel_sample import (
     category_gap,
     exclusive_spans,
     format_gap,
+    kernel_ceiling,
 )
 
 
@@ -101,4 +102,14 @@ def test_the_gap_is_ours_minus_the_peers_largest_first() -> None:
     text = format_gap("qwen3 long", ours, theirs, "vllm").splitlines()
     assert "pagestream 12.00 / vllm 9.50" in text[0]
     assert text[1].split()[0] == "attention" and text[2].split()[0] == "gemm"
-    assert len(text) == 3  # categories both sides left at zero are not listed
+    assert len(text) == 4  # categories both sides left at zero are not listed
+    assert text[3].endswith("kernels as fast as vllm's: 1.00x")  # nothing but GEMM, attention
+
+
+def test_the_ceiling_is_the_peer_s_time_over_its_gemm_attention_moe_and_collectives() -> None:
+    cats = dict.fromkeys(CATEGORIES, 0.0) | dict(
+        gemm=5.0, attention=3.0, moe=1.0, communication=1.0, elementwise=0.6, copy=0.4
+    )
+    assert kernel_ceiling({"kernel_s": 11.0, "categories_s": cats}) == pytest.approx(1.1)
+    empty = dict.fromkeys(CATEGORIES, 0.0) | {"elementwise": 1.0}
+    assert kernel_ceiling({"kernel_s": 1.0, "categories_s": empty}) is None  # nothing bounds it
