@@ -358,16 +358,47 @@ def test_the_fixed_cases_reach_every_path(runs: Callable[[int], Run]) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test (GPU: test_gpu_*)")
-@pytest.mark.parametrize("seed", TRITON_SEEDS)
+@pytest.mark.parametrize(
+    ("seed", "cascade"), [(seed, False) for seed in TRITON_SEEDS] + [(4, True)]
+)
 def test_the_triton_kernels_end_random_traffic_as_the_torch_references_do(
     seed: int,
+    cascade: bool,
     llama: Path,
     perturbed_llama: Path,
     reference: Reference,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two cases with the attention, KV-write and rotary kernels under the interpreter (a
-    verify step through them: tests/test_speculative.py)."""
+    verify step through them: tests/test_speculative.py); one again with cascade decode from
+    two decodes over one page, so its prefixes come and go with swaps, aborts and arrivals."""
+    from engine.attention import backend
+
     monkeypatch.setenv(ATTN_BACKEND_ENV, "triton")
     assert get_attention_backend(torch.device("cpu")).name == "triton"
-    check_outcomes(run_case(draw_case(seed, perturbed_llama), llama), reference)
+    case = draw_case(seed, perturbed_llama)
+    if cascade:
+        monkeypatch.setattr(backend, "CASCADE_MIN_DECODES", 2)
+        monkeypatch.setattr(backend, "CASCADE_MIN_PREFIX_TOKENS", 1)
+        case.settings["cascade_attention"] = True
+        for arrival in case.arrivals:  # every prompt after one shared start of 16 tokens
+            arrival.prompt = [7] * 16 + arrival.prompt[: MAX_MODEL_LEN - 16 - 31]
+        prefixes = _noting_prefixes(monkeypatch)
+    check_outcomes(run_case(case, llama), reference)
+    if cascade:
+        assert any(prefixes)
+
+
+def _noting_prefixes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ``common_prefix_len`` of every Triton attention call from now on."""
+    from kernels.attention import paged_attention_triton
+
+    real = paged_attention_triton.paged_attention
+    prefixes: list[int] = []
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        prefixes.append(kwargs.get("common_prefix_len", 0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention_triton, "paged_attention", noted)
+    return prefixes
