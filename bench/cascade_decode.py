@@ -32,7 +32,8 @@ MAX_SUFFIX = 384
 def _case(
     num_q_heads: int, batch: int, prefix: int, device: torch.device, seed: int = 0
 ) -> tuple[Any, int]:
-    """(run(common_prefix_len) -> out, the bytes of K/V the step reads at least)."""
+    """(run(prefix) -> out, plain for 0 and cascade otherwise; the bytes of K/V the step reads
+    at least)."""
     gen = torch.Generator().manual_seed(seed)
     suffixes = torch.randint(1, MAX_SUFFIX + 1, (batch,), generator=gen).tolist()
     prefix_pages = prefix // BLOCK_SIZE
@@ -54,10 +55,13 @@ def _case(
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q = torch.randn(batch, num_q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
+    shared_len = torch.tensor([prefix], dtype=torch.int32, device=device)
+
     def run(common_prefix_len: int) -> torch.Tensor:
         return attention.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, starts, scale=HEAD_DIM**-0.5,
-            max_query_len=1, max_seq_len=max(lens), common_prefix_len=common_prefix_len,
+            max_query_len=1, max_seq_len=max(lens),
+            common_prefix_len=shared_len if common_prefix_len else None,
         )  # fmt: skip
 
     token_bytes = NUM_KV_HEADS * HEAD_DIM * 2 * k_cache.element_size()

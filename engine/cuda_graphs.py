@@ -5,6 +5,12 @@ exceeds their run time. Capturing the whole forward (embedding to logits) once p
 replaying it costs one launch. A step of ``n`` sequences replays the smallest bucket >= n; the
 padding rows write nothing (slot -1) and read one token of page 0, and their logits are
 dropped. Graphs read their inputs from static buffers that each replay refills.
+
+With cascade decode on (``--cascade-attention``), buckets of at least CASCADE_MIN_DECODES rows
+get a second graph that attends a shared prefix together, its length read from a static
+buffer; a step with a cascade prefix replays it (the padding rows attend the prefix too, and
+their logits are dropped as ever). A step without one replays the plain graph, and so may a
+step with one: the plain attention over every key gives the same result.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, LayerCache
+from engine.attention.backend import CASCADE_MIN_DECODES
 from engine.host_inputs import TABLE_WIDTH_MULTIPLE
 from engine.models.llama import LlamaForCausalLM
 
@@ -48,6 +55,7 @@ class _StaticInputs:
     block_tables: torch.Tensor  # [N, max_blocks] int32
     seq_lens: torch.Tensor  # [N] int32
     query_start_loc: torch.Tensor  # [N + 1] int32: 0, 1, ..., N (one token per sequence)
+    common_prefix: torch.Tensor  # [1] int32: a cascade graph's prefix tokens
 
     @classmethod
     def allocate(cls, size: int, max_blocks: int, device: torch.device) -> _StaticInputs:
@@ -61,9 +69,10 @@ class _StaticInputs:
             block_tables=zeros(size, max_blocks, dtype=torch.int32),
             seq_lens=torch.ones(size, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
+            common_prefix=zeros(1, dtype=torch.int32),
         )
 
-    def metadata(self, batch: int, max_seq_len: int) -> AttentionMetadata:
+    def metadata(self, batch: int, max_seq_len: int, cascade: bool = False) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
             block_tables=self.block_tables[:batch],
@@ -74,6 +83,7 @@ class _StaticInputs:
             num_decodes=batch,
             max_seq_len=max_seq_len,
             max_query_len=1,
+            common_prefix=self.common_prefix if cascade else None,
         )
 
 
@@ -88,6 +98,7 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         max_seq_len: int,
         device: torch.device,
+        cascade: bool = False,
     ) -> None:
         self.model = model
         self.kv_layers = kv_layers
@@ -99,6 +110,9 @@ class DecodeGraphs:
         # per bucket, (context bound, graph) ascending: kernels may launch differently for
         # short contexts (an unsplit decode attention), which a graph then has to hold
         self.graphs: dict[int, list[tuple[int, torch.cuda.CUDAGraph]]] = {}
+        # the same for cascade decode, from CASCADE_MIN_DECODES rows (``cascade``)
+        self.cascade_graphs: dict[int, list[tuple[int, torch.cuda.CUDAGraph]]] = {}
+        self.cascade = cascade
         self.device = device
         # One logits buffer for every graph (each writes its leading rows), so that the graphs
         # share one pool of intermediates and keep no per-bucket outputs alive.
@@ -121,29 +135,36 @@ class DecodeGraphs:
             bounds = backend.decode_graph_contexts(
                 bucket, num_kv_heads, self.device, self.max_seq_len
             )
-            self.graphs[bucket] = []
-            for bound in bounds:
-                self._forward(bucket, bound)  # compiles kernels, settles autotuning first
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                mode = capture_mode(self.model)
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                    self._forward(bucket, bound, out=self.logits[:bucket])
-                pool = graph.pool()
-                self.graphs[bucket].append((bound, graph))
+            variants = [(False, self.graphs)]
+            if self.cascade and bucket >= CASCADE_MIN_DECODES:
+                variants.append((True, self.cascade_graphs))
+            for cascade, graphs in variants:
+                graphs[bucket] = []
+                for bound in bounds:
+                    # compiles kernels, settles autotuning first
+                    self._forward(bucket, bound, cascade=cascade)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    mode = capture_mode(self.model)
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                        self._forward(bucket, bound, self.logits[:bucket], cascade)
+                    pool = graph.pool()
+                    graphs[bucket].append((bound, graph))
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start_s
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1fs",
-            sum(map(len, self.graphs.values())), self.buckets[0], self.buckets[-1],
+            "captured %d decode CUDA graphs (batch sizes %d..%d; %d of them cascade) in %.1fs",
+            sum(map(len, [*self.graphs.values(), *self.cascade_graphs.values()])),
+            self.buckets[0], self.buckets[-1], sum(map(len, self.cascade_graphs.values())),
             self.capture_s,
         )  # fmt: skip
 
     def _forward(
-        self, bucket: int, max_seq_len: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self, bucket: int, max_seq_len: int, out: torch.Tensor | None = None,
+        cascade: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         static = self.static
-        meta = static.metadata(bucket, max_seq_len)
+        meta = static.metadata(bucket, max_seq_len, cascade)
         hidden = self.model(
             static.input_ids[:bucket], static.positions[:bucket], self.kv_layers, meta
         )
@@ -175,6 +196,10 @@ class DecodeGraphs:
         # padding rows: store nothing, attend over one token of whatever page they name
         static.slot_mapping[num_seqs:bucket].fill_(-1)
         static.seq_lens[num_seqs:bucket].fill_(1)
-        graph = next(graph for bound, graph in self.graphs[bucket] if bound >= meta.max_seq_len)
+        graphs = self.graphs[bucket]
+        if meta.common_prefix is not None and bucket in self.cascade_graphs:
+            static.common_prefix.copy_(meta.common_prefix)
+            graphs = self.cascade_graphs[bucket]
+        graph = next(graph for bound, graph in graphs if bound >= meta.max_seq_len)
         graph.replay()
         return self.logits[:num_seqs]

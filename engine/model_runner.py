@@ -44,7 +44,7 @@ class ModelRunner:
         cascade: bool = False,
     ) -> None:
         """``cascade``: find each step's cascade prefix (``AttentionMetadata.common_prefix_len``)
-        for a backend that attends it; such a step runs outside the decode graphs."""
+        for a backend that attends it; decode graphs are captured with it too."""
         self.model = model
         self.cascade = cascade
         self.group = group or TensorParallelGroup()
@@ -80,8 +80,9 @@ class ModelRunner:
             self.piecewise = piecewise
         max_blocks = -(-max_seq_len // self.block_size)
         graphs = DecodeGraphs(
-            self.model, self.kv_cache.layers, max_rows, max_blocks, max_seq_len, self.device
-        )
+            self.model, self.kv_cache.layers, max_rows, max_blocks, max_seq_len, self.device,
+            cascade=self.cascade,
+        )  # fmt: skip
         graphs.capture()
         self.graphs = graphs
         return graphs.capture_s + (self.piecewise.capture_s if self.piecewise else 0.0)
@@ -216,11 +217,10 @@ class ModelRunner:
 
     def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
         """[S, V] logits of the sampling rows: a graph replay for decode-only steps, piecewise
-        graphs around eager attention for the others (when captured), cascading decode steps
-        among them (their prefix length is a launch argument no graph holds)."""
+        graphs around eager attention for the others (when captured)."""
         meta = inputs.meta
-        replays = meta.max_query_len == 1 and not meta.common_prefix_len
-        if replays and self.graphs is not None and self.graphs.bucket_for(meta.num_seqs):
+        decode_only = meta.max_query_len == 1
+        if decode_only and self.graphs is not None and self.graphs.bucket_for(meta.num_seqs):
             logits = self.graphs.replay(inputs.input_ids, inputs.positions, meta)  # [B, V]
             if inputs.logits_indices is None:
                 return logits  # the graph's buffer: sampled before the next replay writes it
@@ -365,6 +365,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             max_query_len=max_query_len,
             common_prefix_len=prefix,
+            common_prefix=self._tensor([prefix], torch.int32) if prefix else None,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

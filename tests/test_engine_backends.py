@@ -131,7 +131,8 @@ def test_cascade_decode_equals_the_torch_engine(
     prefixes: list[int] = []
 
     def noted(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        prefixes.append(kwargs.get("common_prefix_len", 0))
+        prefix = kwargs.get("common_prefix_len")
+        prefixes.append(0 if prefix is None else int(prefix.item()))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(paged_attention_triton, "paged_attention", noted)

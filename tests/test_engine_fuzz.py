@@ -397,7 +397,8 @@ def _noting_prefixes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     prefixes: list[int] = []
 
     def noted(*args: Any, **kwargs: Any) -> Any:
-        prefixes.append(kwargs.get("common_prefix_len", 0))
+        prefix = kwargs.get("common_prefix_len")
+        prefixes.append(0 if prefix is None else int(prefix.item()))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(paged_attention_triton, "paged_attention", noted)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,19 +92,21 @@ def test_graphs_are_captured_and_replayed(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_cascade_decode_gives_the_plain_decode_s_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """32 requests over a 1,024-token shared prompt with ``--cascade-attention on``: the
-    decode steps attend the prefix together (outside the decode graphs) and give the tokens of
-    the plain decode, graphs on (fp32: no near-tie flips from a different summation order)."""
-    from kernels.attention import paged_attention_triton
+    decode steps replay the cascade graphs (the prefix attended together, its length read on
+    the device) and give the tokens of the plain decode (fp32: no near-tie flips from a
+    different summation order)."""
+    from engine.cuda_graphs import DecodeGraphs
 
     monkeypatch.setenv(ATTN_BACKEND_ENV, "triton")
-    real = paged_attention_triton.paged_attention
-    prefixes: list[int] = []
+    real = DecodeGraphs.replay
+    replayed: list[int] = []
 
-    def noted(*args: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        prefixes.append(int(kwargs.get("common_prefix_len", 0)))  # type: ignore[call-overload]
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+    def noted(self: DecodeGraphs, *args: Any) -> torch.Tensor:
+        meta = args[-1]
+        replayed.append(meta.common_prefix_len)
+        return real(self, *args)
 
-    monkeypatch.setattr(paged_attention_triton, "paged_attention", noted)
+    monkeypatch.setattr(DecodeGraphs, "replay", noted)
     shared = random_prompts([1024], 151936, seed=8)[0]
     tails = random_prompts([3 + 5 * i for i in range(32)], 151936, seed=9)
     prompts = [shared + tail for tail in tails]
@@ -114,10 +117,13 @@ def test_cascade_decode_gives_the_plain_decode_s_tokens(monkeypatch: pytest.Monk
             "dummy:qwen3-0.6b", device="cuda", dtype="float32", max_model_len=2048,
             pa_memory_mb=1024, cascade_attention=cascade,
         )  # fmt: skip
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and bool(graphs.cascade_graphs) == cascade
         tokens.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if cascade:
+            assert 1024 in replayed  # decode steps of the 32 replayed a cascade graph
         del llm
     assert tokens[0] == tokens[1]
-    assert 1024 in prefixes
 
 
 def test_decode_graphs_switch_to_the_split_variant_past_a_short_context(

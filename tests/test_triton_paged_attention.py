@@ -215,6 +215,11 @@ def test_a_range_of_the_batch_writes_only_its_rows() -> None:
         assert out[: starts[first]].isnan().all() and out[starts[end] :].isnan().all()
 
 
+def prefix_len(tokens: int) -> torch.Tensor:
+    """A cascade decode's prefix length as the kernels read it: [1] int32 on the device."""
+    return torch.tensor([tokens], dtype=torch.int32, device=DEVICE)
+
+
 def shared_prefix_batch(
     num_decodes: int,
     prefix_pages: int,
@@ -248,7 +253,9 @@ def test_cascade_decode_matches_reference(
         5, 3, suffixes, ([5, 9], [40, 0]), block_size=block_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, dtype=dtype, seed=num_kv_splits,
     )  # fmt: skip
-    assert_matches_reference(batch, num_kv_splits=num_kv_splits, common_prefix_len=3 * block_size)
+    assert_matches_reference(
+        batch, num_kv_splits=num_kv_splits, common_prefix_len=prefix_len(3 * block_size)
+    )
 
 
 def test_cascade_decode_over_several_row_tiles() -> None:
@@ -258,7 +265,7 @@ def test_cascade_decode_over_several_row_tiles() -> None:
         num_decodes, 2, [1 + (5 * i) % 20 for i in range(num_decodes)], block_size=16,
         num_heads=8, num_kv_heads=2, dtype=torch.float32, seed=4,
     )  # fmt: skip
-    assert_matches_reference(batch, num_kv_splits=1, common_prefix_len=32)
+    assert_matches_reference(batch, num_kv_splits=1, common_prefix_len=prefix_len(32))
 
 
 def test_cascade_decode_of_an_fp8_pool_matches_reference() -> None:
@@ -266,7 +273,7 @@ def test_cascade_decode_of_an_fp8_pool_matches_reference() -> None:
         6, 2, [1, 4, 17, 30, 2, 9], block_size=16, num_heads=8, num_kv_heads=2,
         dtype=torch.bfloat16, cache_dtype=FP8, seed=5,
     )  # fmt: skip
-    assert_matches_reference(batch, num_kv_splits=2, common_prefix_len=32)
+    assert_matches_reference(batch, num_kv_splits=2, common_prefix_len=prefix_len(32))
 
 
 def test_cascade_decode_reads_the_prefix_from_the_first_table() -> None:
@@ -276,14 +283,16 @@ def test_cascade_decode_reads_the_prefix_from_the_first_table() -> None:
         [1, 1, 1], [40, 50, 60], block_size=16, num_heads=4, num_kv_heads=2,
         dtype=torch.float32, seed=2,
     )  # fmt: skip
-    out = batch.run(common_prefix_len=32)
+    out = batch.run(common_prefix_len=prefix_len(32))
     expected = batch.reference()
     tol = TOLERANCE[torch.float32]
     torch.testing.assert_close(out[:1], expected[:1], atol=tol, rtol=tol)
     assert not torch.allclose(out[1:], expected[1:], atol=0.1)
+    zero = batch.run(common_prefix_len=prefix_len(0))  # what a captured graph may be handed
+    torch.testing.assert_close(zero, expected, atol=tol, rtol=tol)
     batch.block_tables[1:, :2] = batch.block_tables[0, :2]  # now they do share them
     torch.testing.assert_close(
-        batch.run(common_prefix_len=32), batch.reference(), atol=tol, rtol=tol
+        batch.run(common_prefix_len=prefix_len(32)), batch.reference(), atol=tol, rtol=tol
     )
 
 
@@ -302,9 +311,9 @@ def test_launcher_rejects_bad_arguments() -> None:
         ("first_seq < end_seq", dict(first_seq=1, end_seq=1)),
         ("end_seq <= B", dict(end_seq=3)),
         ("after the 2 leading decodes", dict(num_decodes=2, first_seq=1)),
-        ("whole pages of 16", dict(common_prefix_len=8)),
-        ("whole pages of 16", dict(common_prefix_len=48)),  # past the tables' 32
-        ("sliding window", dict(common_prefix_len=16, sliding_window=4)),
+        ("common_prefix_len must be \\[1\\] int32", dict(common_prefix_len=prefix_len(16).long())),
+        ("common_prefix_len must be \\[1\\] int32", dict(common_prefix_len=prefix_len(16)[:0])),
+        ("sliding window", dict(common_prefix_len=prefix_len(16), sliding_window=4)),
         ("out", dict(out=batch.q.float())),
     ]
     for message, change in cases:

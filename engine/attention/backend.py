@@ -87,9 +87,10 @@ class AttentionMetadata:
     max_seq_len: int
     max_query_len: int
     # Tokens (whole pages) at the start of every decode's context that all of them read from
-    # the same pages, ``block_tables[0]``'s: a cascade decode's prefix (0: none). A host int
-    # the Triton backend bakes into its launch, so a step that sets it is never captured.
+    # the same pages, ``block_tables[0]``'s: a cascade decode's prefix (0: none), on the host
+    # and as the kernels read it (``[1]`` int32 on the device; None: no cascade).
     common_prefix_len: int = 0
+    common_prefix: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -148,7 +149,7 @@ class AttentionBackend(Protocol):
     # Whether a forward reads only device tensors of the metadata (no host lists, no syncs),
     # so that it can be captured in a CUDA graph and replayed with new contents.
     graph_safe: bool
-    # Whether it attends a step's ``common_prefix_len`` as a cascade (else it ignores it)
+    # Whether it attends a step's ``common_prefix`` as a cascade (else it ignores it)
     takes_common_prefix: bool
 
     def forward(
@@ -468,7 +469,7 @@ class TritonAttentionBackend:
                 q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 scale=scale, max_query_len=longest, num_decodes=meta.num_decodes,
                 max_seq_len=meta.max_seq_len, out=out, first_seq=first, end_seq=end,
-                common_prefix_len=meta.common_prefix_len if first == 0 else 0,
+                common_prefix_len=meta.common_prefix if first == 0 else None,
             )  # fmt: skip
         self._prefill_sdpa(
             q, cache.k, cache.v, meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu,
@@ -477,10 +478,10 @@ class TritonAttentionBackend:
         return out
 
 
-def _common_prefix(meta: AttentionMetadata, sliding_window: int | None) -> int:
+def _common_prefix(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor | None:
     """The step's cascade prefix, unless the layer's window hides keys of it (a model whose
     layers alternate windows attends its windowed ones plainly)."""
-    return meta.common_prefix_len if sliding_window is None else 0
+    return meta.common_prefix if sliding_window is None else None
 
 
 def common_prefix_len(

@@ -14,7 +14,8 @@ A batch is split in two phases, each one launch (two for split decode):
   once, the rows of its ``tl.dot`` being (sequence, query head) pairs of many sequences, so a
   prefix tile is read once per row tile instead of once per sequence; the decode kernel then
   attends each sequence's keys after the prefix, and the reduction folds both kinds of partials
-  (the prefix's as extra splits). The softmax over the two disjoint key sets is exact.
+  (the prefix's as extra splits). The softmax over the two disjoint key sets is exact. Both
+  kernels read the prefix's length from the device, so a graph captured once replays any.
 - prefill (the other sequences, any query length): flash attention, GQA packed as well, in
   ``paged_attention_prefill_triton.py``.
 The grids depend only on tensor shapes and host ints: the launch is CUDA-graph capturable.
@@ -99,13 +100,13 @@ def _attend_keys(
 
 # Ints that change from step to step are not specialized (Triton would compile a variant for
 # each value that is 1 or a multiple of 16, at the first step that meets it).
-@triton.jit(do_not_specialize=["stride_bt", "prefix_len"])
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    prefix_len_ptr,  # [1]: keys below it are the prefix kernel's (if CASCADE)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     window,  # keys with pos > q_pos - window are kept (if HAS_WINDOW)
-    prefix_len,  # keys below it are the prefix kernel's (cascade decode), else 0
     stride_qt, stride_qh, stride_qd,  # q, out: [T, Hq, D]
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,  # k_cache, v_cache: [NB, BS, Hkv, D]
@@ -119,6 +120,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per page
     NUM_SPLITS: tl.constexpr,
     PART_STRIDE: tl.constexpr,  # partials per (sequence, head): NUM_SPLITS, + the prefix's
+    CASCADE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dot operand dtype
@@ -131,7 +133,9 @@ def _decode_kernel(
     split = tl.program_id(2)
     # 1. this split's run of tiles, from the device seq_len (the query is at seq_len - 1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo = prefix_len
+    lo = 0
+    if CASCADE:
+        lo = tl.load(prefix_len_ptr)
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, lo)
     first_tile = lo // BLOCK_N
@@ -169,12 +173,13 @@ def _decode_kernel(
         tl.store(part_lse_ptr + rows, lse, mask=offs_g < GROUP)
 
 
-@triton.jit(do_not_specialize=["prefix_len", "num_rows"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     table_ptr,  # the prefix's pages: the first decode's block table row
     part_out_ptr, part_lse_ptr,
-    qk_scale, prefix_len,
+    prefix_len_ptr,  # [1]: the prefix's tokens
+    qk_scale,
     num_rows,  # decodes * GROUP: the (sequence, query head) pairs of one kv head
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -207,6 +212,7 @@ def _prefix_kernel(
     q_ptrs = q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=mask_q, other=0.0).to(DOT_DTYPE)
 
+    prefix_len = tl.load(prefix_len_ptr)
     num_tiles = tl.cdiv(prefix_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, PREFIX_SPLITS)
     tile_begin = split * tiles_per_split
@@ -277,7 +283,7 @@ def paged_attention(
     prefill_config: PrefillConfig | None = None,
     first_seq: int = 0,
     end_seq: int | None = None,
-    common_prefix_len: int = 0,
+    common_prefix_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed batch over the page pool; matches ``paged_attention_ref``.
 
@@ -301,11 +307,12 @@ def paged_attention(
     moves the int32 pointers by ``4 * s`` bytes, and Triton compiles another kernel for a
     pointer off 16-byte alignment (1.6-1.8 s on an H100, inside whatever step first meets it).
 
-    ``common_prefix_len``: tokens, in whole pages, that every decode of the call reads from
-    the same pages, ``block_tables[0]``'s first ones, and that are not the last token of any of
-    them (each ``seq_len`` exceeds it): the decodes then attend that prefix together (cascade
-    decode, the module docstring). Not with a sliding window. A host int that the launch bakes
-    in: a graph captured with it replays it, so callers that capture leave it 0.
+    ``common_prefix_len``: ``[1]`` int32 on the device, tokens in whole pages that every
+    decode of the call reads from the same pages, ``block_tables[0]``'s first ones, and that
+    are not the last token of any of them (each ``seq_len`` exceeds it; 0 is allowed): the
+    decodes then attend that prefix together (cascade decode, the module docstring). The
+    kernels read it on the device: a graph captured with the tensor replays whatever it holds.
+    Not with a sliding window.
     """
     check_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale
@@ -333,10 +340,9 @@ def paged_attention(
         raise ValueError(f"scale must be positive (it multiplies q.k), got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
-    _check_common_prefix(common_prefix_len, k_cache.shape[1], block_tables, sliding_window)
-    if num_kv_splits is None:  # over the keys the decode kernel reads: a cascade's after its prefix
-        bound = None if max_seq_len is None else max_seq_len - common_prefix_len
-        num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device, bound)
+    _check_common_prefix(common_prefix_len, q.device, sliding_window)
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device, max_seq_len)
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
     if out is None:
@@ -348,7 +354,7 @@ def paged_attention(
         _launch_decode(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, out,
             scale=scale, num_decodes=num_decodes, sliding_window=sliding_window,
-            num_splits=num_kv_splits, prefix_len=common_prefix_len,
+            num_splits=num_kv_splits, prefix_len=common_prefix_len, max_seq_len=max_seq_len,
         )  # fmt: skip
     if first_prefill < end_seq:  # prefill / mixed
         launch_prefill(
@@ -360,28 +366,30 @@ def paged_attention(
 
 
 def _check_common_prefix(
-    prefix_len: int, block_size: int, block_tables: torch.Tensor, sliding_window: int | None
+    prefix_len: torch.Tensor | None, device: torch.device, sliding_window: int | None
 ) -> None:
-    if prefix_len == 0:
+    if prefix_len is None:
         return
-    max_len = block_tables.shape[1] * block_size
-    if not 0 < prefix_len <= max_len or prefix_len % block_size:
+    if prefix_len.shape != (1,) or prefix_len.dtype != torch.int32 or prefix_len.device != device:
         raise ValueError(
-            f"common_prefix_len must be whole pages of {block_size} tokens within the block "
-            f"tables' {max_len}, got {prefix_len}"
+            f"common_prefix_len must be [1] int32 on {device}, got {tuple(prefix_len.shape)} "
+            f"{prefix_len.dtype} on {prefix_len.device}"
         )
     if sliding_window is not None:
         raise ValueError("common_prefix_len does not go with a sliding window")
 
 
 def prefix_num_splits(
-    num_row_tiles: int, num_kv_heads: int, prefix_len: int, device: torch.device
+    num_row_tiles: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
 ) -> int:
     """Splits of a cascade decode's prefix: up to TARGET_PROGRAMS_PER_SM programs per SM over
     the (row tile, kv head) programs, a power of two (a compiled-in constant), at most
-    MAX_PREFIX_SPLITS and no more than the prefix has tiles."""
+    MAX_PREFIX_SPLITS, and no more than a prefix below ``max_seq_len`` (a bound, if known) has
+    tiles. Splits past the prefix's tiles end at once."""
     wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * _num_sms(device), num_row_tiles * num_kv_heads)
-    wanted = min(wanted, MAX_PREFIX_SPLITS, triton.cdiv(prefix_len, PREFIX_BLOCK_N))
+    wanted = min(wanted, MAX_PREFIX_SPLITS)
+    if max_seq_len is not None:
+        wanted = min(wanted, triton.cdiv(max_seq_len, PREFIX_BLOCK_N))
     return 1 << (max(wanted, 1).bit_length() - 1)
 
 
@@ -432,7 +440,8 @@ def _launch_decode(
     num_decodes: int,
     sliding_window: int | None,
     num_splits: int,
-    prefix_len: int = 0,  # a cascade decode's shared prefix (``paged_attention``'s)
+    prefix_len: torch.Tensor | None = None,  # a cascade decode's prefix (``paged_attention``'s)
+    max_seq_len: int | None = None,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -445,11 +454,10 @@ def _launch_decode(
         IS_FP8=is_fp8, DOT_DTYPE=dot_dtype(q, k_cache), DOT_PRECISION=dot_precision(q.dtype)
     )
     num_rows = num_decodes * group  # the prefix kernel's: (sequence, query head) pairs
-    block_m = num_row_tiles = prefix_splits = 0
-    if prefix_len:
-        block_m = min(PREFIX_BLOCK_M, pow2_at_least(num_rows, MIN_DOT_ROWS))
-        num_row_tiles = triton.cdiv(num_rows, block_m)
-        prefix_splits = prefix_num_splits(num_row_tiles, num_kv_heads, prefix_len, q.device)
+    num_row_tiles = triton.cdiv(num_rows, PREFIX_BLOCK_M)  # one tile height for any batch
+    prefix_splits = 0
+    if prefix_len is not None:
+        prefix_splits = prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, q.device)
     part_stride = num_splits + prefix_splits
     part_out = part_lse = out  # placeholders when the decode writes `out` directly
     if part_stride > 1:
@@ -461,13 +469,13 @@ def _launch_decode(
         )
     if prefix_splits:
         _prefix_kernel[(num_row_tiles, num_kv_heads, prefix_splits)](
-            q, k_cache, v_cache, *scale_args, block_tables, part_out, part_lse,
-            scale * LOG2_E, prefix_len, num_rows,
+            q, k_cache, v_cache, *scale_args, block_tables, part_out, part_lse, prefix_len,
+            scale * LOG2_E, num_rows,
             *q.stride(), *k_cache.stride(), *scale_strides,
             GROUP=group,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_M=block_m,
+            BLOCK_M=PREFIX_BLOCK_M,
             BLOCK_N=PREFIX_BLOCK_N,
             BLOCK_SIZE=k_cache.shape[1],
             PREFIX_SPLITS=prefix_splits,
@@ -481,7 +489,8 @@ def _launch_decode(
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         q, k_cache, v_cache, *scale_args,
         block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2_E, sliding_window or 0, prefix_len,
+        seq_lens if prefix_len is None else prefix_len,  # read only with CASCADE
+        scale * LOG2_E, sliding_window or 0,
         *q.stride(), *out.stride(), *k_cache.stride(), *scale_strides, block_tables.stride(0),
         GROUP=group,
         GROUP_PAD=pow2_at_least(group, MIN_DOT_ROWS),
@@ -491,6 +500,7 @@ def _launch_decode(
         BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
         PART_STRIDE=part_stride,
+        CASCADE=prefix_len is not None,
         HAS_WINDOW=sliding_window is not None,
         **dot_args,
         num_warps=DECODE_NUM_WARPS,
