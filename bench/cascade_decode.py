@@ -6,7 +6,7 @@ sequences share a prompt prefix (CUDA only).
 For llama3-8b's heads (32 over 8 KV heads) and qwen3-0.6b's (16 over 8), batches of 16 to 256
 decodes over a shared prefix of 512 to 4,096 tokens, each with a suffix of its own (1 to 384
 tokens, seeded): the plain call (each sequence reads the prefix, the engine's split count)
-against ``common_prefix_len`` (the prefix attended once per tile of queries), both checked
+against ``prefix_lens``/``prefix_pages`` (the prefix attended once per tile of queries), both checked
 against each other. Prints microseconds per call, the speedup, and the bandwidth of the bytes
 the step must read at least (the prefix once, every suffix once) against a device copy's.
 """
@@ -55,13 +55,14 @@ def _case(
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q = torch.randn(batch, num_q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
-    shared_len = torch.tensor([prefix], dtype=torch.int32, device=device)
+    shares = torch.full((batch,), prefix, dtype=torch.int32, device=device)
 
-    def run(common_prefix_len: int) -> torch.Tensor:
+    def run(prefix_len: int) -> torch.Tensor:
         return attention.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, starts, scale=HEAD_DIM**-0.5,
             max_query_len=1, max_seq_len=max(lens),
-            common_prefix_len=shared_len if common_prefix_len else None,
+            prefix_lens=shares if prefix_len else None,
+            prefix_pages=block_tables[0] if prefix_len else None,
         )  # fmt: skip
 
     token_bytes = NUM_KV_HEADS * HEAD_DIM * 2 * k_cache.element_size()

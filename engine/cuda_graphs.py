@@ -7,10 +7,10 @@ padding rows write nothing (slot -1) and read one token of page 0, and their log
 dropped. Graphs read their inputs from static buffers that each replay refills.
 
 With cascade decode on (``--cascade-attention``), buckets of at least CASCADE_MIN_DECODES rows
-get a second graph that attends a shared prefix together, its length read from a static
-buffer; a step with a cascade prefix replays it (the padding rows attend the prefix too, and
-their logits are dropped as ever). A step without one replays the plain graph, and so may a
-step with one: the plain attention over every key gives the same result.
+get a second graph that attends a shared prefix together, its pages and each row's share read
+from static buffers; a step with a shared prefix replays it (padding rows share none). A step
+without one replays the plain graph, and so may a step with one: the plain attention over
+every key gives the same result.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class _StaticInputs:
     block_tables: torch.Tensor  # [N, max_blocks] int32
     seq_lens: torch.Tensor  # [N] int32
     query_start_loc: torch.Tensor  # [N + 1] int32: 0, 1, ..., N (one token per sequence)
-    common_prefix: torch.Tensor  # [1] int32: a cascade graph's prefix tokens
+    prefix_pages: torch.Tensor  # [max_blocks] int32: a cascade graph's shared pages
+    prefix_lens: torch.Tensor  # [N] int32: each row's share of them, in tokens
 
     @classmethod
     def allocate(cls, size: int, max_blocks: int, device: torch.device) -> _StaticInputs:
@@ -69,7 +70,8 @@ class _StaticInputs:
             block_tables=zeros(size, max_blocks, dtype=torch.int32),
             seq_lens=torch.ones(size, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-            common_prefix=zeros(1, dtype=torch.int32),
+            prefix_pages=zeros(max_blocks, dtype=torch.int32),
+            prefix_lens=zeros(size, dtype=torch.int32),
         )
 
     def metadata(self, batch: int, max_seq_len: int, cascade: bool = False) -> AttentionMetadata:
@@ -83,7 +85,8 @@ class _StaticInputs:
             num_decodes=batch,
             max_seq_len=max_seq_len,
             max_query_len=1,
-            common_prefix=self.common_prefix if cascade else None,
+            prefix_pages=self.prefix_pages if cascade else None,
+            prefix_lens=self.prefix_lens[:batch] if cascade else None,
         )
 
 
@@ -197,8 +200,12 @@ class DecodeGraphs:
         static.slot_mapping[num_seqs:bucket].fill_(-1)
         static.seq_lens[num_seqs:bucket].fill_(1)
         graphs = self.graphs[bucket]
-        if meta.common_prefix is not None and bucket in self.cascade_graphs:
-            static.common_prefix.copy_(meta.common_prefix)
+        shared = meta.prefix_lens is not None and meta.prefix_pages is not None
+        if shared and bucket in self.cascade_graphs:
+            assert meta.prefix_lens is not None and meta.prefix_pages is not None
+            static.prefix_lens[:num_seqs].copy_(meta.prefix_lens)
+            static.prefix_lens[num_seqs:bucket].fill_(0)
+            static.prefix_pages[: meta.prefix_pages.shape[0]].copy_(meta.prefix_pages)
             graphs = self.cascade_graphs[bucket]
         graph = next(graph for bound, graph in graphs if bound >= meta.max_seq_len)
         graph.replay()

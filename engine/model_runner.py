@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.backend import common_prefix_len
+from engine.attention.backend import shared_prefix
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
@@ -43,8 +43,8 @@ class ModelRunner:
         group: TensorParallelGroup | None = None,
         cascade: bool = False,
     ) -> None:
-        """``cascade``: find each step's cascade prefix (``AttentionMetadata.common_prefix_len``)
-        for a backend that attends it; decode graphs are captured with it too."""
+        """``cascade``: find each step's shared prefix (``AttentionMetadata.prefix_lens``) for
+        a backend that attends it as a cascade; decode graphs are captured with it too."""
         self.model = model
         self.cascade = cascade
         self.group = group or TensorParallelGroup()
@@ -351,12 +351,13 @@ class ModelRunner:
             max_query_len = max(b - a for a, b in itertools.pairwise(query_start_loc))
         table_lens = [len(table) for table in tables]
         padded = padded_tables(tables, table_lens)
-        prefix = 0
+        block_tables = self._to_device(padded)
+        shared = None
         if self.cascade:
-            prefix = common_prefix_len(padded, table_lens, seq_lens, num_decodes, self.block_size)
+            shared = shared_prefix(padded, table_lens, seq_lens, num_decodes, self.block_size)
         return AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._to_device(padded),
+            block_tables=block_tables,
             seq_lens=self._tensor(seq_lens, torch.int32),
             query_start_loc=self._tensor(query_start_loc, torch.int32),
             seq_lens_cpu=seq_lens,
@@ -364,8 +365,8 @@ class ModelRunner:
             num_decodes=num_decodes,
             max_seq_len=max(seq_lens),
             max_query_len=max_query_len,
-            common_prefix_len=prefix,
-            common_prefix=self._tensor([prefix], torch.int32) if prefix else None,
+            prefix_pages=None if shared is None else block_tables[shared[1]],
+            prefix_lens=None if shared is None else self._tensor(shared[0], torch.int32),
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

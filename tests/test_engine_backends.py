@@ -128,19 +128,21 @@ def test_cascade_decode_equals_the_torch_engine(
     from kernels.attention import paged_attention_triton
 
     real = paged_attention_triton.paged_attention
-    prefixes: list[int] = []
+    shares_seen: list[tuple[int, int]] = []  # (least, most) of a call's shares
 
     def noted(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        prefix = kwargs.get("common_prefix_len")
-        prefixes.append(0 if prefix is None else int(prefix.item()))
+        shares = kwargs.get("prefix_lens")
+        if shares is not None:
+            shares_seen.append((int(shares.min()), int(shares.max())))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(paged_attention_triton, "paged_attention", noted)
     monkeypatch.setattr(backend, "CASCADE_MIN_DECODES", 3)
     monkeypatch.setattr(backend, "CASCADE_MIN_PREFIX_TOKENS", 32)
     shared = random_prompts([48], 320, seed=5)[0]  # three pages of 16
-    tails = random_prompts([3, 9, 1, 20], 320, seed=6)
-    prompts = [shared + tail for tail in tails]
+    tails = random_prompts([3, 9, 20], 320, seed=6)
+    # and a prompt of its own, which runs beside them and shares nothing
+    prompts = [shared + tail for tail in tails] + random_prompts([40], 320, seed=7)
     model = str(tiny_model_dirs[kind])
     outs = {}
     for name in ("triton", "torch"):
@@ -148,13 +150,13 @@ def test_cascade_decode_equals_the_torch_engine(
         llm = LLM(model, device="cpu", cascade_attention=True, **SETTINGS)
         outs[name] = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]
-    if kind == "llama":
-        assert 48 in prefixes  # the whole shared prompt, as the decodes' common pages
+    if kind == "llama":  # the whole shared prompt, beside the other prompt's decode
+        assert (0, 48) in shares_seen
     else:
-        assert set(prefixes) == {0}  # every layer of the tiny mistral has a window
+        assert not shares_seen  # every layer of the tiny mistral has a window
 
 
-def test_a_step_s_cascade_prefix_is_the_pages_all_its_decodes_share(
+def test_a_step_s_shared_prefix_is_the_pages_most_decodes_begin_with(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from engine.attention import backend
@@ -163,20 +165,25 @@ def test_a_step_s_cascade_prefix_is_the_pages_all_its_decodes_share(
     monkeypatch.setattr(backend, "CASCADE_MIN_DECODES", 3)
     monkeypatch.setattr(backend, "CASCADE_MIN_PREFIX_TOKENS", 32)
 
-    def prefix(tables: list[list[int]], seq_lens: list[int], num_decodes: int) -> int:
+    def shared(
+        tables: list[list[int]], seq_lens: list[int], num_decodes: int
+    ) -> tuple[list[int], int] | None:
         lens = [len(t) for t in tables]
-        return backend.common_prefix_len(
-            padded_tables(tables, lens), lens, seq_lens, num_decodes, 16
-        )
+        padded = padded_tables(tables, lens)
+        return backend.shared_prefix(padded, lens, seq_lens, num_decodes, 16)
 
     tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 9, 3, 4], [5, 6]]
-    assert prefix(tables, [60, 60, 70, 20], 3) == 48  # the prefill chunk after them aside
-    assert prefix(tables, [60, 60, 70, 20], 4) == 0  # the 4th decode shares none of them
-    assert prefix(tables, [60, 60, 70, 20], 2) == 0  # too few decodes
-    assert prefix(tables, [60, 48, 70, 20], 3) == 32  # page 9 holds a decode's own token
-    assert prefix([[7, 8, 1], [7, 8, 2], [7, 9, 3]], [40, 40, 40], 3) == 0  # 16 < 32 tokens
+    assert shared(tables, [60, 60, 70, 20], 3) == ([48, 48, 48], 0)  # the prefill after aside
+    assert shared(tables, [60, 60, 70, 20], 4) == ([48, 48, 48, 0], 0)  # another prompt: none
+    assert shared(tables, [60, 60, 70, 20], 2) is None  # too few decodes
+    assert shared(tables, [60, 48, 70, 20], 3) == ([48, 32, 48], 0)  # page 9 holds its token
+    parted = [[7, 8, 1], [7, 8, 2], [7, 9, 3], [7, 8, 4]]  # the third parts after one page
+    assert shared(parted, [40] * 4, 4) == ([32, 32, 0, 32], 0)  # 16 tokens: below 32, none
+    assert shared(parted, [40] * 4, 3) is None  # two decodes share enough
     same = [[7, 8, 9], [7, 8, 9], [7, 8, 9]]  # samples of one prompt, nothing of their own yet
-    assert prefix(same, [40, 40, 40], 3) == 32  # the last page holds their own tokens
+    assert shared(same, [40, 40, 40], 3) == ([32, 32, 32], 0)  # the last page: their tokens
+    most = [[5, 6, 1], [7, 8, 2], [7, 8, 3], [7, 8, 4]]  # the prefix is the most common one
+    assert shared(most, [40] * 4, 4) == ([0, 32, 32, 32], 1)
     assert padded_tables(tables, [4, 4, 5, 2]).shape == (4, 8)  # rows 16-byte aligned
 
 

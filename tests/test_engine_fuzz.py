@@ -390,15 +390,15 @@ def test_the_triton_kernels_end_random_traffic_as_the_torch_references_do(
 
 
 def _noting_prefixes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The ``common_prefix_len`` of every Triton attention call from now on."""
+    """The longest share of a shared prefix in every Triton attention call from now on."""
     from kernels.attention import paged_attention_triton
 
     real = paged_attention_triton.paged_attention
     prefixes: list[int] = []
 
     def noted(*args: Any, **kwargs: Any) -> Any:
-        prefix = kwargs.get("common_prefix_len")
-        prefixes.append(0 if prefix is None else int(prefix.item()))
+        shares = kwargs.get("prefix_lens")
+        prefixes.append(0 if shares is None else int(shares.max()))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(paged_attention_triton, "paged_attention", noted)

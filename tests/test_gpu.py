@@ -103,7 +103,7 @@ def test_cascade_decode_gives_the_plain_decode_s_tokens(monkeypatch: pytest.Monk
 
     def noted(self: DecodeGraphs, *args: Any) -> torch.Tensor:
         meta = args[-1]
-        replayed.append(meta.common_prefix_len)
+        replayed.append(0 if meta.prefix_lens is None else int(meta.prefix_lens.max()))
         return real(self, *args)
 
     monkeypatch.setattr(DecodeGraphs, "replay", noted)

@@ -215,9 +215,11 @@ def test_a_range_of_the_batch_writes_only_its_rows() -> None:
         assert out[: starts[first]].isnan().all() and out[starts[end] :].isnan().all()
 
 
-def prefix_len(tokens: int) -> torch.Tensor:
-    """A cascade decode's prefix length as the kernels read it: [1] int32 on the device."""
-    return torch.tensor([tokens], dtype=torch.int32, device=DEVICE)
+def cascade(batch: Batch, shares: list[int], row: int = 0) -> dict[str, torch.Tensor]:
+    """``paged_attention``'s cascade arguments: each decode's share of the prefix (tokens) and
+    the prefix's pages, ``row``'s block table."""
+    lens = torch.tensor(shares, dtype=torch.int32, device=DEVICE)
+    return dict(prefix_lens=lens, prefix_pages=batch.block_tables[row].contiguous())
 
 
 def shared_prefix_batch(
@@ -246,16 +248,30 @@ def shared_prefix_batch(
 def test_cascade_decode_matches_reference(
     block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, num_kv_splits: int
 ) -> None:
-    """Decodes over a shared prefix attend it together (``common_prefix_len``), the prefill
-    chunks after them as before; suffixes of one token (the query's own) up to several pages."""
+    """Decodes over a shared prefix attend it together, the prefill chunks after them as
+    before; suffixes of one token (the query's own) up to several pages."""
     suffixes = [1, 2 * block_size + 5, 7, block_size, 3]
     batch = shared_prefix_batch(
         5, 3, suffixes, ([5, 9], [40, 0]), block_size=block_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, dtype=dtype, seed=num_kv_splits,
     )  # fmt: skip
-    assert_matches_reference(
-        batch, num_kv_splits=num_kv_splits, common_prefix_len=prefix_len(3 * block_size)
-    )
+    shares = [3 * block_size] * 5
+    assert_matches_reference(batch, num_kv_splits=num_kv_splits, **cascade(batch, shares))
+
+
+def test_each_decode_attends_its_own_share_of_the_prefix() -> None:
+    """Shares of 0 (another prompt, or one that parted after the first page and is left
+    out), of part of the prefix, and of all of it, in one step; the prefix's pages are a
+    later decode's."""
+    batch = make_batch(
+        [1] * 6, [49, 56, 48, 67, 52, 77], block_size=16, num_heads=8, num_kv_heads=2,
+        dtype=torch.float32, seed=6,
+    )  # fmt: skip
+    tables = batch.block_tables
+    tables[[1, 3, 4], :3] = tables[5, :3]  # three pages alike; decode 0 keeps its own
+    tables[2, :1] = tables[5, :1]  # decode 2: the first one only
+    shares = [0, 48, 16, 32, 48, 48]  # decode 3 gives two of its three
+    assert_matches_reference(batch, num_kv_splits=2, **cascade(batch, shares, row=4))
 
 
 def test_cascade_decode_over_several_row_tiles() -> None:
@@ -265,7 +281,7 @@ def test_cascade_decode_over_several_row_tiles() -> None:
         num_decodes, 2, [1 + (5 * i) % 20 for i in range(num_decodes)], block_size=16,
         num_heads=8, num_kv_heads=2, dtype=torch.float32, seed=4,
     )  # fmt: skip
-    assert_matches_reference(batch, num_kv_splits=1, common_prefix_len=prefix_len(32))
+    assert_matches_reference(batch, num_kv_splits=1, **cascade(batch, [32] * num_decodes))
 
 
 def test_cascade_decode_of_an_fp8_pool_matches_reference() -> None:
@@ -273,27 +289,26 @@ def test_cascade_decode_of_an_fp8_pool_matches_reference() -> None:
         6, 2, [1, 4, 17, 30, 2, 9], block_size=16, num_heads=8, num_kv_heads=2,
         dtype=torch.bfloat16, cache_dtype=FP8, seed=5,
     )  # fmt: skip
-    assert_matches_reference(batch, num_kv_splits=2, common_prefix_len=prefix_len(32))
+    assert_matches_reference(batch, num_kv_splits=2, **cascade(batch, [32] * 6))
 
 
-def test_cascade_decode_reads_the_prefix_from_the_first_table() -> None:
-    """The hint is taken at its word: over tables that do not share those pages, the others'
-    prefix is read from the first one's pages (so the cascade path is what ran)."""
+def test_cascade_decode_reads_the_prefix_from_the_pages_it_is_given() -> None:
+    """The shares are taken at their word: over tables that do not hold those pages, the
+    others' prefix is read from the first one's pages (so the cascade path is what ran)."""
     batch = make_batch(
         [1, 1, 1], [40, 50, 60], block_size=16, num_heads=4, num_kv_heads=2,
         dtype=torch.float32, seed=2,
     )  # fmt: skip
-    out = batch.run(common_prefix_len=prefix_len(32))
+    out = batch.run(**cascade(batch, [32, 32, 32]))
     expected = batch.reference()
     tol = TOLERANCE[torch.float32]
     torch.testing.assert_close(out[:1], expected[:1], atol=tol, rtol=tol)
     assert not torch.allclose(out[1:], expected[1:], atol=0.1)
-    zero = batch.run(common_prefix_len=prefix_len(0))  # what a captured graph may be handed
-    torch.testing.assert_close(zero, expected, atol=tol, rtol=tol)
+    none = batch.run(**cascade(batch, [0, 0, 0]))  # what a captured graph's warm-up hands it
+    torch.testing.assert_close(none, expected, atol=tol, rtol=tol)
     batch.block_tables[1:, :2] = batch.block_tables[0, :2]  # now they do share them
-    torch.testing.assert_close(
-        batch.run(common_prefix_len=prefix_len(32)), batch.reference(), atol=tol, rtol=tol
-    )
+    shared = batch.run(**cascade(batch, [32, 32, 32]))
+    torch.testing.assert_close(shared, batch.reference(), atol=tol, rtol=tol)
 
 
 def test_launcher_rejects_bad_arguments() -> None:
@@ -301,6 +316,7 @@ def test_launcher_rejects_bad_arguments() -> None:
     seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
     starts = torch.tensor(batch.query_start_loc, dtype=torch.int32, device=DEVICE)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables)
+    lens, pages = cascade(batch, [16, 0]).values()
     cases = [
         ("seq_lens", dict(seq_lens=seq_lens.long())),
         ("query_start_loc", dict(query_start_loc=starts[:-1])),
@@ -311,9 +327,10 @@ def test_launcher_rejects_bad_arguments() -> None:
         ("first_seq < end_seq", dict(first_seq=1, end_seq=1)),
         ("end_seq <= B", dict(end_seq=3)),
         ("after the 2 leading decodes", dict(num_decodes=2, first_seq=1)),
-        ("common_prefix_len must be \\[1\\] int32", dict(common_prefix_len=prefix_len(16).long())),
-        ("common_prefix_len must be \\[1\\] int32", dict(common_prefix_len=prefix_len(16)[:0])),
-        ("sliding window", dict(common_prefix_len=prefix_len(16), sliding_window=4)),
+        ("go together", dict(prefix_lens=lens)),
+        ("prefix_lens must be 1-d int32", dict(prefix_lens=lens.long(), prefix_pages=pages)),
+        ("prefix_pages must be 1-d int32", dict(prefix_lens=lens, prefix_pages=batch.block_tables)),
+        ("sliding window", dict(prefix_lens=lens, prefix_pages=pages, sliding_window=4)),
         ("out", dict(out=batch.q.float())),
     ]
     for message, change in cases:

@@ -50,10 +50,10 @@ SDPA_AUTO_CAPABILITY_MAJOR = 9  # Hopper: H100, H200
 SDPA_MIN_QUERY_LEN = 512
 SDPA_MIN_SEQ_LEN = 8192
 SDPA_MAX_CHUNKS = 8
-# Cascade decode (``--cascade-attention on``): a step whose decodes all read the same first
-# pages (a shared system prompt, the samples of one prompt) attends that prefix once per tile
-# of their queries instead of once per sequence (``paged_attention``'s ``common_prefix_len``),
-# when at least CASCADE_MIN_DECODES decodes share at least CASCADE_MIN_PREFIX_TOKENS tokens:
+# Cascade decode (``--cascade-attention on``): decodes of a step that read the same first
+# pages (a shared system prompt, the samples of one prompt) attend that prefix once per tile
+# of their queries instead of once per sequence (``paged_attention``'s ``prefix_lens``), when
+# at least CASCADE_MIN_DECODES decodes share at least CASCADE_MIN_PREFIX_TOKENS tokens each:
 # below that, the saved reads (16 x 512 tokens of 4 KB of K/V a layer, for llama3-8b or
 # qwen3-0.6b) are a few microseconds, about what the extra launch costs.
 CASCADE_MIN_DECODES = 16
@@ -86,11 +86,11 @@ class AttentionMetadata:
     num_decodes: int
     max_seq_len: int
     max_query_len: int
-    # Tokens (whole pages) at the start of every decode's context that all of them read from
-    # the same pages, ``block_tables[0]``'s: a cascade decode's prefix (0: none), on the host
-    # and as the kernels read it (``[1]`` int32 on the device; None: no cascade).
-    common_prefix_len: int = 0
-    common_prefix: torch.Tensor | None = None
+    # A cascade decode (None: none): the pages of a prefix that decodes share
+    # (``[max_blocks]`` int32 on the device) and each decode's share of it in tokens
+    # (``[num_decodes]``, 0: none), as the kernels read them (``paged_attention``)
+    prefix_pages: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -149,7 +149,7 @@ class AttentionBackend(Protocol):
     # Whether a forward reads only device tensors of the metadata (no host lists, no syncs),
     # so that it can be captured in a CUDA graph and replayed with new contents.
     graph_safe: bool
-    # Whether it attends a step's ``common_prefix`` as a cascade (else it ignores it)
+    # Whether it attends a step's shared prefix as a cascade (else it ignores it)
     takes_common_prefix: bool
 
     def forward(
@@ -423,6 +423,7 @@ class TritonAttentionBackend:
                     return self._attend_with_sdpa(q, cache, meta, scale, long_chunks, out)
                 except RuntimeError as error:  # a shape or card cuDNN refuses: Triton from here
                     self._fused_refused(error)
+        prefix_lens, prefix_pages = _shared_prefix(meta, sliding_window)
         return self._paged_attention(
             q,
             cache.k,
@@ -438,7 +439,8 @@ class TritonAttentionBackend:
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
             out=out,
-            common_prefix_len=_common_prefix(meta, sliding_window),
+            prefix_lens=prefix_lens,
+            prefix_pages=prefix_pages,
         )
 
     def _attend_with_sdpa(
@@ -469,7 +471,7 @@ class TritonAttentionBackend:
                 q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 scale=scale, max_query_len=longest, num_decodes=meta.num_decodes,
                 max_seq_len=meta.max_seq_len, out=out, first_seq=first, end_seq=end,
-                common_prefix_len=meta.common_prefix if first == 0 else None,
+                prefix_lens=meta.prefix_lens, prefix_pages=meta.prefix_pages,  # decodes: run 0
             )  # fmt: skip
         self._prefill_sdpa(
             q, cache.k, cache.v, meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu,
@@ -478,31 +480,45 @@ class TritonAttentionBackend:
         return out
 
 
-def _common_prefix(meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor | None:
-    """The step's cascade prefix, unless the layer's window hides keys of it (a model whose
-    layers alternate windows attends its windowed ones plainly)."""
-    return meta.common_prefix if sliding_window is None else None
+def _shared_prefix(
+    meta: AttentionMetadata, sliding_window: int | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The step's cascade for ``paged_attention`` (``prefix_lens``, ``prefix_pages``), unless
+    the layer's window hides keys of it (a model whose layers alternate windows attends its
+    windowed ones plainly)."""
+    if sliding_window is not None:
+        return None, None
+    return meta.prefix_lens, meta.prefix_pages
 
 
-def common_prefix_len(
+def shared_prefix(
     tables: np.ndarray, table_lens: list[int], seq_lens: list[int], num_decodes: int,
     block_size: int,
-) -> int:  # fmt: skip
-    """The cascade prefix of a step: tokens of the leading pages that its ``num_decodes``
-    decodes (the first rows of ``tables``, padded ``[B, W]`` block tables) all hold, below each
-    one's own token, if there are at least CASCADE_MIN_DECODES decodes and
-    CASCADE_MIN_PREFIX_TOKENS such tokens; else 0."""
+) -> tuple[list[int], int] | None:  # fmt: skip
+    """A step's cascade: each of its ``num_decodes`` decodes' share of a prefix, in tokens,
+    and the row of ``tables`` (padded ``[B, W]`` block tables, decodes first) whose pages it
+    is; None when fewer than CASCADE_MIN_DECODES decodes share CASCADE_MIN_PREFIX_TOKENS.
+
+    The prefix is the pages of the decode whose first page most decodes begin with (the
+    common system prompt); a decode's share is the run of leading pages its table names
+    alike, below the page of its own last token, if at least CASCADE_MIN_PREFIX_TOKENS, else 0.
+    So the decodes of other prompts, and prompts that part early, attend as ever."""
     if num_decodes < CASCADE_MIN_DECODES:
-        return 0
-    # pages every decode has, whose tokens all lie before each decode's query
-    limit = min(min(table_lens[:num_decodes]), (min(seq_lens[:num_decodes]) - 1) // block_size)
-    if limit * block_size < CASCADE_MIN_PREFIX_TOKENS:
-        return 0
-    rows = tables[:num_decodes, :limit]
-    shared = (rows == rows[0]).all(axis=0)
-    num_pages = limit if shared.all() else int(shared.argmin())
-    prefix = num_pages * block_size
-    return prefix if prefix >= CASCADE_MIN_PREFIX_TOKENS else 0
+        return None
+    rows = tables[:num_decodes]
+    firsts, counts = np.unique(rows[:, 0], return_counts=True)
+    row = int(np.flatnonzero(rows[:, 0] == firsts[counts.argmax()])[0])
+    # pages a decode may give: its own, whose tokens all lie before its query
+    own = np.minimum(
+        table_lens[:num_decodes], (np.asarray(seq_lens[:num_decodes]) - 1) // block_size
+    )
+    width = int(own[row])
+    alike = np.cumprod(rows[:, :width] == rows[row, :width], axis=1).sum(axis=1)
+    shares = np.minimum(alike, own) * block_size
+    shares[shares < CASCADE_MIN_PREFIX_TOKENS] = 0
+    if np.count_nonzero(shares) < CASCADE_MIN_DECODES:
+        return None
+    return shares.tolist(), row
 
 
 def prefill_attention_choice(device: torch.device | None = None) -> str:

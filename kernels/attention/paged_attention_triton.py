@@ -9,13 +9,14 @@ A batch is split in two phases, each one launch (two for split decode):
   of ``BLOCK_N`` tokens are gathered across pages. Split ``s`` of ``num_splits`` covers a
   contiguous run of tiles computed in the kernel from the device ``seq_len``; partial outputs
   and log-sum-exps go to a scratch buffer that ``_reduce_splits_kernel`` folds.
-- cascade decode (``common_prefix_len``): when every decode reads the same leading pages (a
-  shared system prompt), ``_prefix_kernel`` attends all of their queries over those pages at
-  once, the rows of its ``tl.dot`` being (sequence, query head) pairs of many sequences, so a
-  prefix tile is read once per row tile instead of once per sequence; the decode kernel then
-  attends each sequence's keys after the prefix, and the reduction folds both kinds of partials
-  (the prefix's as extra splits). The softmax over the two disjoint key sets is exact. Both
-  kernels read the prefix's length from the device, so a graph captured once replays any.
+- cascade decode (``shared_prefix``): when decodes read the same leading pages (a shared
+  system prompt), ``_prefix_kernel`` attends their queries over those pages at once, the rows
+  of its ``tl.dot`` being (sequence, query head) pairs of many sequences, so a prefix tile is
+  read once per row tile instead of once per sequence; the decode kernel then attends each
+  sequence's keys after its share of the prefix, and the reduction folds both kinds of
+  partials (the prefix's as extra splits). The softmax over the two disjoint key sets is
+  exact. Each decode's share is its own (0: none), read on the device, so a graph captured
+  once replays any.
 - prefill (the other sequences, any query length): flash attention, GQA packed as well, in
   ``paged_attention_prefill_triton.py``.
 The grids depend only on tensor shapes and host ints: the launch is CUDA-graph capturable.
@@ -68,25 +69,29 @@ PREFIX_NUM_STAGES = 2
 
 @triton.jit
 def _attend_keys(
-    q, tile_begin, tile_end, lo, hi,
+    q, tile_begin, tile_end, lo, hi, row_hi,
     table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
     stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROW_LIMITS: tl.constexpr,
 ):  # fmt: skip
     """The query rows ``q`` [ROWS, BLOCK_D] over keys ``lo <= pos < hi`` of tiles
-    ``tile_begin..tile_end`` (pages from ``table_ptr``): the normalized output [ROWS, BLOCK_D]
-    and its base-2 log-sum-exp [ROWS] (NEG_BIG where no key was seen)."""
+    ``tile_begin..tile_end`` (pages from ``table_ptr``), and with ``ROW_LIMITS`` each row
+    only below its own ``row_hi`` [ROWS]: the normalized output [ROWS, BLOCK_D] and its base-2
+    log-sum-exp [ROWS] (NEG_BIG where no key was seen)."""
     m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for tile in range(tile_begin, tile_end):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = (offs_n < hi) & (offs_n >= lo)
+        visible = mask_n[None, :]
+        if ROW_LIMITS:
+            visible = visible & (offs_n[None, :] < row_hi[:, None])
         # gather the tile's K, V and fold it into the online softmax
         acc, m_i, l_i = attend_tile(
-            q, acc, m_i, l_i, offs_n, mask_n, mask_n[None, :],
+            q, acc, m_i, l_i, offs_n, mask_n, visible,
             table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
             qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
             stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
@@ -104,7 +109,7 @@ def _attend_keys(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    prefix_len_ptr,  # [1]: keys below it are the prefix kernel's (if CASCADE)
+    prefix_lens_ptr,  # [B]: keys below a sequence's are the prefix kernel's (if CASCADE)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     window,  # keys with pos > q_pos - window are kept (if HAS_WINDOW)
     stride_qt, stride_qh, stride_qd,  # q, out: [T, Hq, D]
@@ -135,7 +140,7 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
     if CASCADE:
-        lo = tl.load(prefix_len_ptr)
+        lo = tl.load(prefix_lens_ptr + seq)
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, lo)
     first_tile = lo // BLOCK_N
@@ -154,10 +159,11 @@ def _decode_kernel(
 
     # 3. the split's tiles of the sequence's own pages
     result, lse = _attend_keys(
-        q, tile_begin, tile_end, lo, seq_len, block_tables_ptr + seq * stride_bt,
+        q, tile_begin, tile_end, lo, seq_len, seq_len, block_tables_ptr + seq * stride_bt,
         k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
         stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
         GROUP_PAD, BLOCK_D, BLOCK_N, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+        False,
     )  # fmt: skip
 
     # 4. straight to `out`, or a partial plus its log-sum-exp
@@ -176,9 +182,9 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def _prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    table_ptr,  # the prefix's pages: the first decode's block table row
+    table_ptr,  # [max_blocks]: the prefix's pages
     part_out_ptr, part_lse_ptr,
-    prefix_len_ptr,  # [1]: the prefix's tokens
+    prefix_lens_ptr,  # [B]: each decode's share of the prefix, in tokens (0: none)
     qk_scale,
     num_rows,  # decodes * GROUP: the (sequence, query head) pairs of one kv head
     stride_qt, stride_qh, stride_qd,
@@ -198,8 +204,9 @@ def _prefix_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """Every decode's queries of one kv head over the shared prefix: a program owns BLOCK_M
-    (sequence, query head) rows and one split of the prefix's tiles."""
+    """The decodes' queries of one kv head over the shared prefix, each row over its own
+    share: a program owns BLOCK_M (sequence, query head) rows and one split of the tiles of
+    the longest share among them."""
     wait_for_producers(PDL)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -212,16 +219,18 @@ def _prefix_kernel(
     q_ptrs = q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=mask_q, other=0.0).to(DOT_DTYPE)
 
-    prefix_len = tl.load(prefix_len_ptr)
+    row_lens = tl.load(prefix_lens_ptr + seqs, mask=mask_m, other=0)
+    prefix_len = tl.max(row_lens, axis=0)
     num_tiles = tl.cdiv(prefix_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, PREFIX_SPLITS)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     result, lse = _attend_keys(
-        q, tile_begin, tile_end, 0, prefix_len, table_ptr,
+        q, tile_begin, tile_end, 0, prefix_len, row_lens, table_ptr,
         k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
         stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
         BLOCK_M, BLOCK_D, BLOCK_N, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+        True,
     )  # fmt: skip
     num_heads = GROUP * tl.num_programs(1)
     rows = (seqs * num_heads + heads) * PART_STRIDE + SPLIT_BASE + split
@@ -283,7 +292,8 @@ def paged_attention(
     prefill_config: PrefillConfig | None = None,
     first_seq: int = 0,
     end_seq: int | None = None,
-    common_prefix_len: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
+    prefix_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed batch over the page pool; matches ``paged_attention_ref``.
 
@@ -307,12 +317,13 @@ def paged_attention(
     moves the int32 pointers by ``4 * s`` bytes, and Triton compiles another kernel for a
     pointer off 16-byte alignment (1.6-1.8 s on an H100, inside whatever step first meets it).
 
-    ``common_prefix_len``: ``[1]`` int32 on the device, tokens in whole pages that every
-    decode of the call reads from the same pages, ``block_tables[0]``'s first ones, and that
-    are not the last token of any of them (each ``seq_len`` exceeds it; 0 is allowed): the
-    decodes then attend that prefix together (cascade decode, the module docstring). The
-    kernels read it on the device: a graph captured with the tensor replays whatever it holds.
-    Not with a sliding window.
+    ``prefix_lens``, ``prefix_pages``: a cascade decode (the module docstring), both or
+    neither. ``prefix_pages: [max_blocks]`` int32 are the pages of a prefix that decodes share;
+    ``prefix_lens: [>= num_decodes]`` int32 gives each decode's share of it, in tokens: whole
+    pages that its own block table names as ``prefix_pages`` does, none of them holding its
+    last token (below its ``seq_len``), or 0. The decodes attend their shares together, then
+    the rest of their keys alone. The kernels read both on the device: a graph captured with
+    them replays whatever they hold. Not with a sliding window.
     """
     check_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale
@@ -340,7 +351,7 @@ def paged_attention(
         raise ValueError(f"scale must be positive (it multiplies q.k), got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
-    _check_common_prefix(common_prefix_len, q.device, sliding_window)
+    _check_shared_prefix(prefix_lens, prefix_pages, q.device, sliding_window)
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device, max_seq_len)
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
@@ -351,10 +362,13 @@ def paged_attention(
     is_fp8 = k_cache.dtype == FP8_DTYPE
     scales = (k_scale, v_scale) if is_fp8 else (None, None)
     if num_decodes > 0:  # decode
+        shared = (
+            None if prefix_lens is None or prefix_pages is None else (prefix_lens, prefix_pages)
+        )
         _launch_decode(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, out,
             scale=scale, num_decodes=num_decodes, sliding_window=sliding_window,
-            num_splits=num_kv_splits, prefix_len=common_prefix_len, max_seq_len=max_seq_len,
+            num_splits=num_kv_splits, prefix=shared, max_seq_len=max_seq_len,
         )  # fmt: skip
     if first_prefill < end_seq:  # prefill / mixed
         launch_prefill(
@@ -365,18 +379,24 @@ def paged_attention(
     return out
 
 
-def _check_common_prefix(
-    prefix_len: torch.Tensor | None, device: torch.device, sliding_window: int | None
+def _check_shared_prefix(
+    lens: torch.Tensor | None,
+    pages: torch.Tensor | None,
+    device: torch.device,
+    sliding_window: int | None,
 ) -> None:
-    if prefix_len is None:
+    if lens is None and pages is None:
         return
-    if prefix_len.shape != (1,) or prefix_len.dtype != torch.int32 or prefix_len.device != device:
-        raise ValueError(
-            f"common_prefix_len must be [1] int32 on {device}, got {tuple(prefix_len.shape)} "
-            f"{prefix_len.dtype} on {prefix_len.device}"
-        )
+    if lens is None or pages is None:
+        raise ValueError("prefix_lens and prefix_pages go together")
+    for name, tensor in (("prefix_lens", lens), ("prefix_pages", pages)):
+        if tensor.dim() != 1 or tensor.dtype != torch.int32 or tensor.device != device:
+            raise ValueError(
+                f"{name} must be 1-d int32 on {device}, got {tuple(tensor.shape)} "
+                f"{tensor.dtype} on {tensor.device}"
+            )
     if sliding_window is not None:
-        raise ValueError("common_prefix_len does not go with a sliding window")
+        raise ValueError("a shared prefix does not go with a sliding window")
 
 
 def prefix_num_splits(
@@ -440,7 +460,8 @@ def _launch_decode(
     num_decodes: int,
     sliding_window: int | None,
     num_splits: int,
-    prefix_len: torch.Tensor | None = None,  # a cascade decode's prefix (``paged_attention``'s)
+    # a cascade decode's (prefix_lens, prefix_pages), as ``paged_attention`` takes them
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_seq_len: int | None = None,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -456,7 +477,7 @@ def _launch_decode(
     num_rows = num_decodes * group  # the prefix kernel's: (sequence, query head) pairs
     num_row_tiles = triton.cdiv(num_rows, PREFIX_BLOCK_M)  # one tile height for any batch
     prefix_splits = 0
-    if prefix_len is not None:
+    if prefix is not None:
         prefix_splits = prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, q.device)
     part_stride = num_splits + prefix_splits
     part_out = part_lse = out  # placeholders when the decode writes `out` directly
@@ -467,9 +488,10 @@ def _launch_decode(
         part_lse = torch.empty(
             num_decodes, num_heads, part_stride, dtype=torch.float32, device=q.device
         )
-    if prefix_splits:
+    if prefix is not None:
+        prefix_lens, prefix_pages = prefix
         _prefix_kernel[(num_row_tiles, num_kv_heads, prefix_splits)](
-            q, k_cache, v_cache, *scale_args, block_tables, part_out, part_lse, prefix_len,
+            q, k_cache, v_cache, *scale_args, prefix_pages, part_out, part_lse, prefix_lens,
             scale * LOG2_E, num_rows,
             *q.stride(), *k_cache.stride(), *scale_strides,
             GROUP=group,
@@ -489,7 +511,7 @@ def _launch_decode(
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         q, k_cache, v_cache, *scale_args,
         block_tables, seq_lens, out, part_out, part_lse,
-        seq_lens if prefix_len is None else prefix_len,  # read only with CASCADE
+        seq_lens if prefix is None else prefix[0],  # read only with CASCADE
         scale * LOG2_E, sliding_window or 0,
         *q.stride(), *out.stride(), *k_cache.stride(), *scale_strides, block_tables.stride(0),
         GROUP=group,
@@ -500,7 +522,7 @@ def _launch_decode(
         BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
         PART_STRIDE=part_stride,
-        CASCADE=prefix_len is not None,
+        CASCADE=prefix is not None,
         HAS_WINDOW=sliding_window is not None,
         **dot_args,
         num_warps=DECODE_NUM_WARPS,
