@@ -183,7 +183,7 @@ def build_runtime(
         tenant_page_quotas=config.tenant_page_quotas,
         host_cache=host_cache,
     )
-    cascade = config.cascade_attention and backend.takes_common_prefix
+    cascade = config.cascade_attention and backend.takes_shared_prefix
     runner = ModelRunner(loaded.model, kv_cache, sampler, device, group, cascade=cascade)
     if use_graphs:
         runner.capture_cuda_graphs(

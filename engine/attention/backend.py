@@ -150,7 +150,7 @@ class AttentionBackend(Protocol):
     # so that it can be captured in a CUDA graph and replayed with new contents.
     graph_safe: bool
     # Whether it attends a step's shared prefix as a cascade (else it ignores it)
-    takes_common_prefix: bool
+    takes_shared_prefix: bool
 
     def forward(
         self,
@@ -211,7 +211,7 @@ class TorchAttentionBackend:
     name = "torch"
     ops = TORCH_OPS
     graph_safe = False  # it sizes its gathers from the host-side lengths
-    takes_common_prefix = False  # the reference: every sequence over its own pages
+    takes_shared_prefix = False  # the reference: every sequence over its own pages
     prefill_attention = "torch"
 
     def decode_graph_contexts(
@@ -270,7 +270,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     graph_safe = True
-    takes_common_prefix = True
+    takes_shared_prefix = True
 
     def __init__(self, prefill_attention: str | None = None) -> None:
         # Imported here: a CPU-only install never needs triton at import time.
