@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-json", default="cascade-decode.json")
     args = parser.parse_args(argv)
     from bench.kernels import measure_copy_bandwidth
+    from bench.plots import plot_record
     from bench.records import machine_info, write_record
 
     if not torch.cuda.is_available():
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         "kind": "cascade-decode",
         "machine": machine_info(device),
         "settings": dict(
+            model="one layer of " + " and ".join(HEADS),  # the plot's title
             num_kv_heads=NUM_KV_HEADS,
             head_dim=HEAD_DIM,
             block_size=BLOCK_SIZE,
@@ -123,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         "copy_bytes_per_s": copy_bytes_per_s,
         "results": rows,
     }
-    write_record(record, Path(args.output_json))
-    print(f"wrote {args.output_json}")
+    path = Path(args.output_json)
+    write_record(record, path)
+    plot_record(record, path.with_suffix(".png"))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ def plot_record(record: dict[str, Any], path: Path, *, required: bool = False) -
         "speculative": plots_features.speculative,
         "tp-scaling": _tp_scaling,
         "matrix": plots_features.matrix,
+        "cascade-decode": plots_features.cascade_decode,
         "multiturn-fleet": plots_features.multiturn_fleet,
         "redis-scale": redis_scale_plot.plot,
     }

@@ -134,6 +134,26 @@ def _kernel_kinds(ax: Any, rows: list[dict[str, Any]], peer: str) -> None:
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
+def cascade_decode(plt: Any, record: dict[str, Any]) -> Any:
+    """Per model's heads: the cascade's speedup over the plain decode by batch size, one line
+    per prefix length (``bench.cascade_decode``)."""
+    rows = record["results"]
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [row for row in rows if row["model"] == model]
+        for prefix in sorted({row["prefix"] for row in mine}):
+            line = sorted((row["batch"], row["speedup"]) for row in mine if row["prefix"] == prefix)
+            ax.plot([str(b) for b, _ in line], [x for _, x in line], marker="o",
+                    label=f"{prefix:,}-token prefix")  # fmt: skip
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_title(f"{model}'s heads", fontsize=9)
+        ax.set_xlabel("decodes in the step")
+        ax.set_ylabel("plain decode time / cascade's")
+        ax.legend(fontsize=7)
+    return fig
+
+
 FLEET_PARTS = (  # TTFT p50 parts of a multiturn-fleet row, bottom to top
     ("submit", "client's route", "tab:purple"),
     ("queue", "queue", "tab:orange"),

@@ -135,6 +135,23 @@ def test_plot_draws_the_feature_records(
     assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_a_cascade_decode_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench.cascade_decode's record (GPU only: its shape here, with made-up times)."""
+    rows = [
+        dict(model=model, batch=batch, prefix=prefix, plain_us=10.0 * batch, cascade_us=batch,
+             speedup=10.0, max_abs_diff=0.0, floor_bytes=1, cascade_of_copy=0.5)
+        for model in ("llama3-8b", "qwen3-0.6b") for batch in (16, 256) for prefix in (512, 2048)
+    ]  # fmt: skip
+    machine = {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6"}
+    record = {"kind": "cascade-decode", "machine": machine, "settings": {}, "results": rows}
+    path = tmp_path / "cascade-decode.json"
+    path.write_text(json.dumps(record))
+    assert run_cli(["bench", "plot", str(path)], capsys)[0] == 0
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 MULTITURN_ARGS = [
     "bench", "multiturn", "--model", "dummy:tiny", "--num-sessions", "6", "--num-turns", "3",
     "--system-len", "64", "--user-len", "8-16", "--output-len", "4", "--concurrency", "2",
