@@ -32,8 +32,7 @@ MAX_SUFFIX = 384
 def _case(
     num_q_heads: int, batch: int, prefix: int, device: torch.device, seed: int = 0
 ) -> tuple[Any, int]:
-    """(run(prefix) -> out, plain for 0 and cascade otherwise; the bytes of K/V the step reads
-    at least)."""
+    """(run(cascade) -> out, the bytes of K/V the step reads at least)."""
     gen = torch.Generator().manual_seed(seed)
     suffixes = torch.randint(1, MAX_SUFFIX + 1, (batch,), generator=gen).tolist()
     prefix_pages = prefix // BLOCK_SIZE
@@ -57,12 +56,12 @@ def _case(
 
     shares = torch.full((batch,), prefix, dtype=torch.int32, device=device)
 
-    def run(prefix_len: int) -> torch.Tensor:
+    def run(cascade: bool) -> torch.Tensor:
         return attention.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, starts, scale=HEAD_DIM**-0.5,
             max_query_len=1, max_seq_len=max(lens),
-            prefix_lens=shares if prefix_len else None,
-            prefix_pages=block_tables[0] if prefix_len else None,
+            prefix_lens=shares if cascade else None,
+            prefix_pages=block_tables[0] if cascade else None,
         )  # fmt: skip
 
     token_bytes = NUM_KV_HEADS * HEAD_DIM * 2 * k_cache.element_size()
@@ -75,11 +74,11 @@ def measure(device: torch.device) -> list[dict[str, Any]]:
         for batch in BATCHES:
             for prefix in PREFIXES:
                 run, floor_bytes = _case(num_q_heads, batch, prefix, device)
-                plain, cascade = run(0), run(prefix)
+                plain, cascade = run(False), run(True)
                 error = (plain.float() - cascade.float()).abs().max().item()
                 times = {
                     name: triton.testing.do_bench(lambda r=run, p=p: r(p), warmup=25, rep=200) * 1e3
-                    for name, p in (("plain_us", 0), ("cascade_us", prefix))
+                    for name, p in (("plain_us", False), ("cascade_us", True))
                 }
                 rows.append(dict(
                     model=model, batch=batch, prefix=prefix, **times,

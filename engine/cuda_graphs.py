@@ -85,8 +85,7 @@ class _StaticInputs:
             num_decodes=batch,
             max_seq_len=max_seq_len,
             max_query_len=1,
-            prefix_pages=self.prefix_pages if cascade else None,
-            prefix_lens=self.prefix_lens[:batch] if cascade else None,
+            shared_prefix=(self.prefix_lens[:batch], self.prefix_pages) if cascade else None,
         )
 
 
@@ -200,12 +199,11 @@ class DecodeGraphs:
         static.slot_mapping[num_seqs:bucket].fill_(-1)
         static.seq_lens[num_seqs:bucket].fill_(1)
         graphs = self.graphs[bucket]
-        shared = meta.prefix_lens is not None and meta.prefix_pages is not None
-        if shared and bucket in self.cascade_graphs:
-            assert meta.prefix_lens is not None and meta.prefix_pages is not None
-            static.prefix_lens[:num_seqs].copy_(meta.prefix_lens)
+        if meta.shared_prefix is not None and bucket in self.cascade_graphs:
+            prefix_lens, prefix_pages = meta.shared_prefix
+            static.prefix_lens[:num_seqs].copy_(prefix_lens)
             static.prefix_lens[num_seqs:bucket].fill_(0)
-            static.prefix_pages[: meta.prefix_pages.shape[0]].copy_(meta.prefix_pages)
+            static.prefix_pages[: prefix_pages.shape[0]].copy_(prefix_pages)
             graphs = self.cascade_graphs[bucket]
         graph = next(graph for bound, graph in graphs if bound >= meta.max_seq_len)
         graph.replay()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.backend import shared_prefix
+from engine.attention.backend import find_shared_prefix
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
@@ -43,7 +43,7 @@ class ModelRunner:
         group: TensorParallelGroup | None = None,
         cascade: bool = False,
     ) -> None:
-        """``cascade``: find each step's shared prefix (``AttentionMetadata.prefix_lens``) for
+        """``cascade``: find each step's shared prefix (``AttentionMetadata.shared_prefix``) for
         a backend that attends it as a cascade; decode graphs are captured with it too."""
         self.model = model
         self.cascade = cascade
@@ -352,9 +352,9 @@ class ModelRunner:
         table_lens = [len(table) for table in tables]
         padded = padded_tables(tables, table_lens)
         block_tables = self._to_device(padded)
-        shared = None
+        found = None
         if self.cascade:
-            shared = shared_prefix(padded, table_lens, seq_lens, num_decodes, self.block_size)
+            found = find_shared_prefix(padded, table_lens, seq_lens, num_decodes, self.block_size)
         return AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=block_tables,
@@ -365,8 +365,9 @@ class ModelRunner:
             num_decodes=num_decodes,
             max_seq_len=max(seq_lens),
             max_query_len=max_query_len,
-            prefix_pages=None if shared is None else block_tables[shared[1]],
-            prefix_lens=None if shared is None else self._tensor(shared[0], torch.int32),
+            shared_prefix=None
+            if found is None
+            else (self._tensor(found[0], torch.int32), block_tables[found[1]]),
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -170,7 +170,7 @@ def test_a_step_s_shared_prefix_is_the_pages_most_decodes_begin_with(
     ) -> tuple[list[int], int] | None:
         lens = [len(t) for t in tables]
         padded = padded_tables(tables, lens)
-        return backend.shared_prefix(padded, lens, seq_lens, num_decodes, 16)
+        return backend.find_shared_prefix(padded, lens, seq_lens, num_decodes, 16)
 
     tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 9, 3, 4], [5, 6]]
     assert shared(tables, [60, 60, 70, 20], 3) == ([48, 48, 48], 0)  # the prefill after aside

@@ -86,11 +86,10 @@ class AttentionMetadata:
     num_decodes: int
     max_seq_len: int
     max_query_len: int
-    # A cascade decode (None: none): the pages of a prefix that decodes share
-    # (``[max_blocks]`` int32 on the device) and each decode's share of it in tokens
-    # (``[num_decodes]``, 0: none), as the kernels read them (``paged_attention``)
-    prefix_pages: torch.Tensor | None = None
-    prefix_lens: torch.Tensor | None = None
+    # A cascade decode (None: none), as ``paged_attention`` reads it on the device: each
+    # decode's share of a prefix in tokens (``prefix_lens``, ``[num_decodes]`` int32, 0: none)
+    # and the prefix's pages (``prefix_pages``, ``[max_blocks]`` int32)
+    shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -465,13 +464,14 @@ class TritonAttentionBackend:
             if seq > first:
                 runs.append((first, seq))
             first = seq + 1
+        prefix_lens, prefix_pages = _shared_prefix(meta, None)  # the path takes no window
         for first, end in runs:
             longest = max(starts[seq + 1] - starts[seq] for seq in range(first, end))
             self._paged_attention(
                 q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 scale=scale, max_query_len=longest, num_decodes=meta.num_decodes,
                 max_seq_len=meta.max_seq_len, out=out, first_seq=first, end_seq=end,
-                prefix_lens=meta.prefix_lens, prefix_pages=meta.prefix_pages,  # decodes: run 0
+                prefix_lens=prefix_lens, prefix_pages=prefix_pages,  # the decodes: run 0
             )  # fmt: skip
         self._prefill_sdpa(
             q, cache.k, cache.v, meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu,
@@ -486,12 +486,12 @@ def _shared_prefix(
     """The step's cascade for ``paged_attention`` (``prefix_lens``, ``prefix_pages``), unless
     the layer's window hides keys of it (a model whose layers alternate windows attends its
     windowed ones plainly)."""
-    if sliding_window is not None:
+    if sliding_window is not None or meta.shared_prefix is None:
         return None, None
-    return meta.prefix_lens, meta.prefix_pages
+    return meta.shared_prefix
 
 
-def shared_prefix(
+def find_shared_prefix(
     tables: np.ndarray, table_lens: list[int], seq_lens: list[int], num_decodes: int,
     block_size: int,
 ) -> tuple[list[int], int] | None:  # fmt: skip

@@ -474,10 +474,10 @@ def _launch_decode(
     dot_args = dict(
         IS_FP8=is_fp8, DOT_DTYPE=dot_dtype(q, k_cache), DOT_PRECISION=dot_precision(q.dtype)
     )
-    num_rows = num_decodes * group  # the prefix kernel's: (sequence, query head) pairs
-    num_row_tiles = triton.cdiv(num_rows, PREFIX_BLOCK_M)  # one tile height for any batch
-    prefix_splits = 0
+    num_rows = num_row_tiles = prefix_splits = 0  # the prefix kernel's, for a cascade
     if prefix is not None:
+        num_rows = num_decodes * group  # (sequence, query head) pairs
+        num_row_tiles = triton.cdiv(num_rows, PREFIX_BLOCK_M)  # one tile height for any batch
         prefix_splits = prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, q.device)
     part_stride = num_splits + prefix_splits
     part_out = part_lse = out  # placeholders when the decode writes `out` directly
