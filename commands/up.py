@@ -284,7 +284,12 @@ def _stop(
             try:
                 if worker is not None:
                     worker.stop(timeout_s=grace_s + STOP_MARGIN_S)
-                redis.stop()
+                if not redis.stop():
+                    from worker.local_stack import REDIS_STOP_TIMEOUT_S
+
+                    print(f"redis-server did not exit within {REDIS_STOP_TIMEOUT_S:g} s of "
+                          "SIGTERM and was killed: its last second of writes may be lost",
+                          file=sys.stderr, flush=True)  # fmt: skip
                 break
             except StopRequested:  # the handler killed the worker; reap it and go on
                 continue

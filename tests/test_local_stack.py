@@ -6,6 +6,7 @@ import contextlib
 import glob
 import http.server
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -84,6 +85,21 @@ def test_a_redis_on_a_free_port_that_another_server_took_starts_on_another(tmp_p
             assert server.port == port and redis.Redis(port=port).ping()
         finally:
             server.stop()
+
+
+def test_a_redis_that_does_not_exit_on_sigterm_is_killed_and_reaped(tmp_path: Path) -> None:
+    """A stopped redis-server (SIGSTOP: it cannot act on SIGTERM) is killed after the
+    timeout, not left running nor raised about (CI once saw a redis-server take more than the
+    old 10 s to exit, and ``pagestream up`` ended with a traceback)."""
+    server = RedisProcess(tmp_path)
+    server.start()
+    process = server.process
+    assert process is not None
+    os.kill(process.pid, signal.SIGSTOP)
+    assert server.stop(timeout_s=0.5) is False
+    assert process.returncode == -signal.SIGKILL and server.process is None
+    server.start()
+    assert server.stop() is True  # a server that can exit on SIGTERM does
 
 
 def test_a_redis_on_a_given_port_that_another_server_holds_is_refused_by_name(

@@ -31,6 +31,9 @@ from worker.errors import CommandError
 WORKER_START_TIMEOUT_S = 300.0  # loading a model, profiling memory, capturing graphs
 GATEWAY_START_TIMEOUT_S = 30.0  # the gateway imports no torch: it answers within seconds
 REDIS_START_TIMEOUT_S = 10.0
+# SIGTERM to exit: Redis fsyncs its AOF first, which a busy disk can hold for seconds (a CI
+# run's redis-server took over 10 s beside the test suite on 2 cores)
+REDIS_STOP_TIMEOUT_S = 30.0
 FREE_PORT_ATTEMPTS = 3  # starts on free ports that another process may take first
 CLUSTER_CONFIG_FILE = "nodes.conf"  # a cluster node's own record of the cluster, in its --dir
 CLUSTER_NODE_TIMEOUT_MS = 5000  # a primary unreachable this long is marked failed
@@ -147,13 +150,22 @@ class RedisProcess:
         finally:
             client.close()
 
-    def stop(self) -> None:
-        """SIGTERM (redis flushes its AOF) and wait for the exit."""
+    def stop(self, timeout_s: float = REDIS_STOP_TIMEOUT_S) -> bool:
+        """SIGTERM (redis flushes its AOF) and wait up to ``timeout_s`` for the exit, then
+        SIGKILL: a server that does not stop is killed and reaped rather than left running
+        (its writes of the last second may be lost). True when it exited on SIGTERM."""
         if self.process is None:
-            return
-        self.process.terminate()
-        self.process.wait(timeout=10)
-        self.process = None
+            return True
+        process, self.process = self.process, None
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            return False
 
     def restart(self, down_s: float = 0.0) -> None:
         self.stop()
