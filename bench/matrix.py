@@ -43,7 +43,7 @@ from engine.loader.dummy import DUMMY_PREFIX, DUMMY_SHAPES
 from engine.memory import release_device_memory
 
 PEERS = ("vllm", "self")
-DEFAULT_MODELS = ("qwen3-0.6b", "llama3-8b")
+DEFAULT_MODELS = ("dummy:qwen3-0.6b", "dummy:llama3-8b")  # as --models spells them
 LONG_CONTEXT_SHAPES = {"llama3-8b": "llama3.1-8b"}  # same layers, a 128k context
 
 

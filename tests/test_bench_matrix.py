@@ -150,6 +150,16 @@ def test_bad_flags_are_usage_errors(
     assert code == 2 and message in err
 
 
+def test_the_default_models_are_the_dummy_shapes_named() -> None:
+    # argparse applies --models' type to a string default only: a bare default shape reached
+    # --compare vllm unconverted, which refused it
+    from commands import build_parser
+
+    args = build_parser().parse_args(["bench", "matrix"])
+    named = build_parser().parse_args(["bench", "matrix", "--models", "qwen3-0.6b,llama3-8b"])
+    assert args.models == named.models == ("dummy:qwen3-0.6b", "dummy:llama3-8b")
+
+
 def test_model_is_refused_in_favour_of_models(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(["bench", "matrix", "--model", "dummy:tiny", *SMALL_POOL], capsys)
     assert code == 1 and "leave --model out" in err
