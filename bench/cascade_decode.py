@@ -28,7 +28,7 @@ import kernels.attention.paged_attention_triton as attention
 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 32
 HEADS = {"llama3-8b": 32, "qwen3-0.6b": 16}
 BATCHES = (16, 64, 256)
-PREFIXES = (512, 2048, 4096)
+PREFIXES = (512, 1024, 2048, 4096)
 MAX_SUFFIX = 384
 
 

@@ -51,7 +51,7 @@ class EngineConfig:
     prefix_caching: bool = True
     # Decodes sharing a prefix's pages attend it together (engine/attention/backend.py's
     # CASCADE_MIN_*); the Triton backend only.
-    cascade_attention: bool = False
+    cascade_attention: bool = True
     preemption: PreemptionMode = "recompute"
     swap_space_mb: int = 4096
     # Host memory for prefix-cache pages evicted from the device pool; 0 = no host tier.

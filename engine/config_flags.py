@@ -122,10 +122,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cascade-attention",
         type=_on_off,
-        default=False,
+        default=True,
         metavar="on/off",
         help="decodes that share a prefix's pages attend it together, once per tile of their "
-        "queries (Triton backend; default off)",
+        "queries (Triton backend; default on)",
     )
     g.add_argument(
         "--preemption",

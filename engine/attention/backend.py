@@ -53,11 +53,11 @@ SDPA_MAX_CHUNKS = 8
 # Cascade decode (``--cascade-attention on``): decodes of a step that read the same first
 # pages (a shared system prompt, the samples of one prompt) attend that prefix once per tile
 # of their queries instead of once per sequence (``paged_attention``'s ``prefix_lens``), when
-# at least CASCADE_MIN_DECODES decodes share at least CASCADE_MIN_PREFIX_TOKENS tokens each:
-# below that, the saved reads (16 x 512 tokens of 4 KB of K/V a layer, for llama3-8b or
-# qwen3-0.6b) are a few microseconds, about what the extra launch costs.
+# at least CASCADE_MIN_DECODES decodes share at least CASCADE_MIN_PREFIX_TOKENS tokens each.
+# Replayed from graphs on an H100 (bench/results/cascade-decode-h100.json), a 512-token prefix
+# is a wash (0.92-1.34x the plain decode over 16-256 decodes) and 2,048 tokens are 2-3x.
 CASCADE_MIN_DECODES = 16
-CASCADE_MIN_PREFIX_TOKENS = 512
+CASCADE_MIN_PREFIX_TOKENS = 1024
 
 
 def sdpa_takes_chunk(query_len: int, seq_len: int) -> bool:
