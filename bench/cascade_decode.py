@@ -24,6 +24,7 @@ import torch
 import triton
 
 import kernels.attention.paged_attention_triton as attention
+from engine.attention.backend import CASCADE_MAX_GROUPS, CascadeArgs, SharedPrefix
 
 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 32
 HEADS = {"llama3-8b": 32, "qwen3-0.6b": 16}
@@ -58,13 +59,22 @@ def _case(
     q = torch.randn(batch, num_q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
     shares = torch.full((batch,), prefix, dtype=torch.int32, device=device)
+    # laid out as a captured decode graph holds them: tiles to spare for more groups
+    group = num_q_heads // NUM_KV_HEADS
+    num_tiles = attention.max_prefix_tiles(batch, CASCADE_MAX_GROUPS, group)
+    rows, tile_groups = attention.prefix_tiles([list(range(batch))], group, num_tiles)
+    cascade_args = SharedPrefix(
+        lens=shares,
+        pages=block_tables[:1],
+        rows=torch.tensor(rows, dtype=torch.int32, device=device),
+        tile_groups=torch.tensor(tile_groups, dtype=torch.int32, device=device),
+    )
 
     def run(cascade: bool) -> torch.Tensor:
         return attention.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, starts, scale=HEAD_DIM**-0.5,
             max_query_len=1, max_seq_len=max(lens),
-            prefix_lens=shares if cascade else None,
-            prefix_pages=block_tables[0] if cascade else None,
+            **(cascade_args.kwargs() if cascade else CascadeArgs()),
         )  # fmt: skip
 
     token_bytes = NUM_KV_HEADS * HEAD_DIM * 2 * k_cache.element_size()

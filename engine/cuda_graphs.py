@@ -7,8 +7,9 @@ padding rows write nothing (slot -1) and read one token of page 0, and their log
 dropped. Graphs read their inputs from static buffers that each replay refills.
 
 With cascade decode on (``--cascade-attention``), buckets of at least CASCADE_MIN_DECODES rows
-get a second graph that attends a shared prefix together, its pages and each row's share read
-from static buffers; a step with a shared prefix replays it (padding rows share none). A step
+get a second graph that attends shared prefixes together (up to CASCADE_MAX_GROUPS of them),
+their pages, each row's share and the prefix kernel's row tiles read from static buffers; a
+step with a shared prefix replays it (padding rows share none, spare tiles hold no rows). A step
 without one replays the plain graph, and so may a step with one: the plain attention over
 every key gives the same result.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, LayerCache
-from engine.attention.backend import CASCADE_MIN_DECODES
+from engine.attention.backend import CASCADE_MAX_GROUPS, CASCADE_MIN_DECODES, SharedPrefix
 from engine.host_inputs import TABLE_WIDTH_MULTIPLE
 from engine.models.llama import LlamaForCausalLM
 
@@ -55,13 +56,24 @@ class _StaticInputs:
     block_tables: torch.Tensor  # [N, max_blocks] int32
     seq_lens: torch.Tensor  # [N] int32
     query_start_loc: torch.Tensor  # [N + 1] int32: 0, 1, ..., N (one token per sequence)
-    prefix_pages: torch.Tensor  # [max_blocks] int32: a cascade graph's shared pages
-    prefix_lens: torch.Tensor  # [N] int32: each row's share of them, in tokens
+    # a cascade graph's (``SharedPrefix``): each row's share of its group's prefix in tokens,
+    # the groups' pages, and the prefix kernel's row tiles (their slots' rows, their groups;
+    # -1: none), as many tiles as the largest bucket may need
+    prefix_lens: torch.Tensor  # [N] int32
+    prefix_pages: torch.Tensor  # [CASCADE_MAX_GROUPS, max_blocks] int32
+    prefix_rows: torch.Tensor  # [tiles * rows a tile] int32
+    prefix_tile_groups: torch.Tensor  # [tiles] int32
 
     @classmethod
-    def allocate(cls, size: int, max_blocks: int, device: torch.device) -> _StaticInputs:
+    def allocate(
+        cls, size: int, max_blocks: int, device: torch.device, prefix_tiles: tuple[int, int]
+    ) -> _StaticInputs:
+        """``prefix_tiles``: (tiles, rows a tile) of the largest cascade, (0, 0) if none."""
+
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
+
+        num_tiles, per_tile = prefix_tiles
 
         return cls(
             input_ids=zeros(size, dtype=torch.int64),
@@ -70,11 +82,23 @@ class _StaticInputs:
             block_tables=zeros(size, max_blocks, dtype=torch.int32),
             seq_lens=torch.ones(size, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-            prefix_pages=zeros(max_blocks, dtype=torch.int32),
             prefix_lens=zeros(size, dtype=torch.int32),
+            prefix_pages=zeros(CASCADE_MAX_GROUPS, max_blocks, dtype=torch.int32),
+            prefix_rows=torch.full((num_tiles * per_tile,), -1, dtype=torch.int32, device=device),
+            prefix_tile_groups=torch.full((num_tiles,), -1, dtype=torch.int32, device=device),
         )
 
-    def metadata(self, batch: int, max_seq_len: int, cascade: bool = False) -> AttentionMetadata:
+    def metadata(self, batch: int, max_seq_len: int, prefix_tiles: int = 0) -> AttentionMetadata:
+        """Of the first ``batch`` rows; a cascade's over ``prefix_tiles`` row tiles, if any."""
+        shared_prefix = None
+        if prefix_tiles:
+            per_tile = self.prefix_rows.shape[0] // self.prefix_tile_groups.shape[0]
+            shared_prefix = SharedPrefix(
+                lens=self.prefix_lens[:batch],
+                pages=self.prefix_pages,
+                rows=self.prefix_rows[: prefix_tiles * per_tile],
+                tile_groups=self.prefix_tile_groups[:prefix_tiles],
+            )
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
             block_tables=self.block_tables[:batch],
@@ -85,7 +109,7 @@ class _StaticInputs:
             num_decodes=batch,
             max_seq_len=max_seq_len,
             max_query_len=1,
-            shared_prefix=(self.prefix_lens[:batch], self.prefix_pages) if cascade else None,
+            shared_prefix=shared_prefix,
         )
 
 
@@ -108,7 +132,25 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         # as wide as any step's padded tables (``host_inputs.padded_tables``)
         width = -(-max_blocks_per_seq // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
-        self.static = _StaticInputs.allocate(self.buckets[-1], width, device)
+        # the prefix kernel's row tiles each cascade bucket's graph holds, up to
+        # CASCADE_MAX_GROUPS groups of its rows
+        self.cascade_tiles: dict[int, int] = {}
+        per_tile = 0
+        if cascade:
+            from kernels.attention.paged_attention_triton import (
+                max_prefix_tiles,
+                prefix_seqs_per_tile,
+            )
+
+            group = model.arch.num_q_per_kv
+            per_tile = prefix_seqs_per_tile(group)
+            self.cascade_tiles = {
+                bucket: max_prefix_tiles(bucket, CASCADE_MAX_GROUPS, group)
+                for bucket in self.buckets
+                if bucket >= CASCADE_MIN_DECODES
+            }
+        prefix_tiles = (max(self.cascade_tiles.values(), default=0), per_tile)
+        self.static = _StaticInputs.allocate(self.buckets[-1], width, device, prefix_tiles)
         # per bucket, (context bound, graph) ascending: kernels may launch differently for
         # short contexts (an unsplit decode attention), which a graph then has to hold
         self.graphs: dict[int, list[tuple[int, torch.cuda.CUDAGraph]]] = {}
@@ -138,7 +180,7 @@ class DecodeGraphs:
                 bucket, num_kv_heads, self.device, self.max_seq_len
             )
             variants = [(False, self.graphs)]
-            if self.cascade and bucket >= CASCADE_MIN_DECODES:
+            if bucket in self.cascade_tiles:
                 variants.append((True, self.cascade_graphs))
             for cascade, graphs in variants:
                 graphs[bucket] = []
@@ -166,7 +208,7 @@ class DecodeGraphs:
         cascade: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         static = self.static
-        meta = static.metadata(bucket, max_seq_len, cascade)
+        meta = static.metadata(bucket, max_seq_len, self.cascade_tiles[bucket] if cascade else 0)
         hidden = self.model(
             static.input_ids[:bucket], static.positions[:bucket], self.kv_layers, meta
         )
@@ -200,11 +242,24 @@ class DecodeGraphs:
         static.seq_lens[num_seqs:bucket].fill_(1)
         graphs = self.graphs[bucket]
         if meta.shared_prefix is not None and bucket in self.cascade_graphs:
-            prefix_lens, prefix_pages = meta.shared_prefix
-            static.prefix_lens[:num_seqs].copy_(prefix_lens)
-            static.prefix_lens[num_seqs:bucket].fill_(0)
-            static.prefix_pages[: prefix_pages.shape[0]].copy_(prefix_pages)
+            self._load_prefix(meta.shared_prefix, num_seqs, bucket)
             graphs = self.cascade_graphs[bucket]
         graph = next(graph for bound, graph in graphs if bound >= meta.max_seq_len)
         graph.replay()
         return self.logits[:num_seqs]
+
+    def _load_prefix(self, prefix: SharedPrefix, num_seqs: int, bucket: int) -> None:
+        """``prefix`` into the static buffers of ``bucket``'s cascade graph: padding rows
+        share nothing, tiles past the step's hold no rows."""
+        static = self.static
+        static.prefix_lens[:num_seqs].copy_(prefix.lens)
+        static.prefix_lens[num_seqs:bucket].fill_(0)
+        num_groups, width = prefix.pages.shape
+        static.prefix_pages[:num_groups, :width].copy_(prefix.pages)
+        num_tiles, num_rows = prefix.tile_groups.shape[0], prefix.rows.shape[0]
+        tiles = self.cascade_tiles[bucket]
+        static.prefix_tile_groups[:num_tiles].copy_(prefix.tile_groups)
+        static.prefix_tile_groups[num_tiles:tiles].fill_(-1)
+        static.prefix_rows[:num_rows].copy_(prefix.rows)
+        per_tile = static.prefix_rows.shape[0] // static.prefix_tile_groups.shape[0]
+        static.prefix_rows[num_rows : tiles * per_tile].fill_(-1)

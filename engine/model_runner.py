@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.backend import find_shared_prefix
+from engine.attention.backend import SharedPrefix, find_shared_prefixes
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
@@ -352,9 +352,10 @@ class ModelRunner:
         table_lens = [len(table) for table in tables]
         padded = padded_tables(tables, table_lens)
         block_tables = self._to_device(padded)
-        found = None
+        shared_prefix = None
         if self.cascade:
-            found = find_shared_prefix(padded, table_lens, seq_lens, num_decodes, self.block_size)
+            found = find_shared_prefixes(padded, table_lens, seq_lens, num_decodes, self.block_size)
+            shared_prefix = None if found is None else self._shared_prefix(padded, *found)
         return AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=block_tables,
@@ -365,9 +366,24 @@ class ModelRunner:
             num_decodes=num_decodes,
             max_seq_len=max(seq_lens),
             max_query_len=max_query_len,
-            shared_prefix=None
-            if found is None
-            else (self._tensor(found[0], torch.int32), block_tables[found[1]]),
+            shared_prefix=shared_prefix,
+        )
+
+    def _shared_prefix(
+        self, tables: np.ndarray, shares: list[int], groups: list[tuple[int, list[int]]]
+    ) -> SharedPrefix:
+        """``find_shared_prefixes``' cascade on the device, its decodes in the row tiles of
+        the prefix kernel."""
+        from kernels.attention.paged_attention_triton import prefix_tiles
+
+        rows, tile_groups = prefix_tiles(
+            [members for _, members in groups], self.model.arch.num_q_per_kv
+        )
+        return SharedPrefix(
+            lens=self._tensor(shares, torch.int32),
+            pages=self._to_device(tables[[row for row, _ in groups]]),
+            rows=self._tensor(rows, torch.int32),
+            tile_groups=self._tensor(tile_groups, torch.int32),
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

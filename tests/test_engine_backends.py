@@ -23,6 +23,7 @@ from tests.conftest import random_prompts
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
+LONGER = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
 # Small pages and budgets: prompts are split into chunks and steps mix chunks with decodes.
 SETTINGS = dict(
     pa_block_size=16, max_seqs=4, max_batched_tokens=48, prefill_chunk=32, max_model_len=128
@@ -122,36 +123,40 @@ def test_cascade_decode_equals_the_torch_engine(
     tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """``--cascade-attention on``: decodes over a shared prompt prefix attend it together
-    (thresholds lowered to this model's sizes); tokens equal the torch engine's, and steps did
-    cascade. Mistral's sliding window attends its prefix plainly, with the same tokens."""
+    (thresholds lowered to this model's sizes), those of a second shared prompt over theirs in
+    the same calls; tokens equal the torch engine's, and steps did cascade. Mistral's sliding
+    window attends its prefix plainly, with the same tokens."""
     from engine.attention import backend
     from kernels.attention import paged_attention_triton
 
     real = paged_attention_triton.paged_attention
-    shares_seen: list[tuple[int, int]] = []  # (least, most) of a call's shares
+    shares_seen: list[tuple[int, int, int]] = []  # (least, most) of a call's shares, groups
 
     def noted(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         shares = kwargs.get("prefix_lens")
         if shares is not None:
-            shares_seen.append((int(shares.min()), int(shares.max())))
+            groups = kwargs["prefix_pages"].shape[0]
+            shares_seen.append((int(shares.min()), int(shares.max()), groups))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(paged_attention_triton, "paged_attention", noted)
     monkeypatch.setattr(backend, "CASCADE_MIN_DECODES", 3)
     monkeypatch.setattr(backend, "CASCADE_MIN_PREFIX_TOKENS", 32)
-    shared = random_prompts([48], 320, seed=5)[0]  # three pages of 16
+    shared, other = random_prompts([48, 32], 320, seed=5)  # three pages of 16, and two
     tails = random_prompts([3, 9, 20], 320, seed=6)
     # and a prompt of its own, which runs beside them and shares nothing
     prompts = [shared + tail for tail in tails] + random_prompts([40], 320, seed=7)
+    prompts += [other + tail for tail in tails]
     model = str(tiny_model_dirs[kind])
     outs = {}
     for name in ("triton", "torch"):
         monkeypatch.setenv(ATTN_BACKEND_ENV, name)
-        llm = LLM(model, device="cpu", cascade_attention=True, **SETTINGS)
-        outs[name] = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        # room for all seven at once, decoding long enough for both groups to meet
+        llm = LLM(model, device="cpu", cascade_attention=True, **{**SETTINGS, "max_seqs": 8})
+        outs[name] = [o.token_ids for o in llm.generate(prompts, LONGER, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]
-    if kind == "llama":  # the whole shared prompt, beside the other prompt's decode
-        assert (0, 48) in shares_seen
+    if kind == "llama":  # the whole shared prompts, beside the unshared prompt's decode
+        assert (0, 48, 2) in shares_seen
     else:
         assert not shares_seen  # every layer of the tiny mistral has a window
 
@@ -167,23 +172,30 @@ def test_a_step_s_shared_prefix_is_the_pages_most_decodes_begin_with(
 
     def shared(
         tables: list[list[int]], seq_lens: list[int], num_decodes: int
-    ) -> tuple[list[int], int] | None:
+    ) -> tuple[list[int], list[tuple[int, list[int]]]] | None:
         lens = [len(t) for t in tables]
         padded = padded_tables(tables, lens)
-        return backend.find_shared_prefix(padded, lens, seq_lens, num_decodes, 16)
+        return backend.find_shared_prefixes(padded, lens, seq_lens, num_decodes, 16)
 
+    first3 = [(0, [0, 1, 2])]  # (the row whose pages are the prefix, the group's decodes)
     tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 9, 3, 4], [5, 6]]
-    assert shared(tables, [60, 60, 70, 20], 3) == ([48, 48, 48], 0)  # the prefill after aside
-    assert shared(tables, [60, 60, 70, 20], 4) == ([48, 48, 48, 0], 0)  # another prompt: none
+    assert shared(tables, [60, 60, 70, 20], 3) == ([48, 48, 48], first3)  # prefill aside
+    assert shared(tables, [60, 60, 70, 20], 4) == ([48, 48, 48, 0], first3)  # another prompt
     assert shared(tables, [60, 60, 70, 20], 2) is None  # too few decodes
-    assert shared(tables, [60, 48, 70, 20], 3) == ([48, 32, 48], 0)  # page 9 holds its token
+    assert shared(tables, [60, 48, 70, 20], 3) == ([48, 32, 48], first3)  # page 9 holds its token
     parted = [[7, 8, 1], [7, 8, 2], [7, 9, 3], [7, 8, 4]]  # the third parts after one page
-    assert shared(parted, [40] * 4, 4) == ([32, 32, 0, 32], 0)  # 16 tokens: below 32, none
+    assert shared(parted, [40] * 4, 4) == ([32, 32, 0, 32], [(0, [0, 1, 3])])  # 16 tokens: none
     assert shared(parted, [40] * 4, 3) is None  # two decodes share enough
     same = [[7, 8, 9], [7, 8, 9], [7, 8, 9]]  # samples of one prompt, nothing of their own yet
-    assert shared(same, [40, 40, 40], 3) == ([32, 32, 32], 0)  # the last page: their tokens
-    most = [[5, 6, 1], [7, 8, 2], [7, 8, 3], [7, 8, 4]]  # the prefix is the most common one
-    assert shared(most, [40] * 4, 4) == ([0, 32, 32, 32], 1)
+    assert shared(same, [40, 40, 40], 3) == ([32, 32, 32], first3)  # the last page: their tokens
+    most = [[5, 6, 1], [7, 8, 2], [7, 8, 3], [7, 8, 4]]  # the most common first page leads
+    assert shared(most, [40] * 4, 4) == ([0, 32, 32, 32], [(1, [1, 2, 3])])
+    # two prompts of three decodes each, and one of its own: two groups, the larger first
+    two = [[5, 6, 1], [7, 8, 2], [5, 6, 3], [7, 8, 3], [7, 8, 4], [5, 6, 9], [7, 8, 9], [3, 1]]
+    both = ([32, 32, 32, 32, 32, 32, 32, 0], [(1, [1, 3, 4, 6]), (0, [0, 2, 5])])
+    assert shared(two, [40] * 8, 8) == both
+    monkeypatch.setattr(backend, "CASCADE_MAX_GROUPS", 1)
+    assert shared(two, [40] * 8, 8) == ([0, 32, 0, 32, 32, 0, 32, 0], both[1][:1])
     assert padded_tables(tables, [4, 4, 5, 2]).shape == (4, 8)  # rows 16-byte aligned
 
 

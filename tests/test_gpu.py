@@ -91,26 +91,26 @@ def test_graphs_are_captured_and_replayed(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_cascade_decode_gives_the_plain_decode_s_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """32 requests over a 1,024-token shared prompt with ``--cascade-attention on``: the
-    decode steps replay the cascade graphs (the prefix attended together, its length read on
-    the device) and give the tokens of the plain decode (fp32: no near-tie flips from a
-    different summation order)."""
+    """32 requests, 16 over each of two 1,024-token shared prompts, with
+    ``--cascade-attention on``: the decode steps replay the cascade graphs (each prefix
+    attended together by its group, the shares and tiles read on the device) and give the
+    tokens of the plain decode (fp32: no near-tie flips from a different summation order)."""
     from engine.cuda_graphs import DecodeGraphs
 
     monkeypatch.setenv(ATTN_BACKEND_ENV, "triton")
     real = DecodeGraphs.replay
-    replayed: list[int] = []
+    replayed: list[tuple[int, int]] = []  # (the longest share, the groups) of each replay
 
     def noted(self: DecodeGraphs, *args: Any) -> torch.Tensor:
-        meta = args[-1]
-        shared = meta.shared_prefix
-        replayed.append(0 if shared is None else int(shared[0].max()))
+        shared = args[-1].shared_prefix
+        if shared is not None:
+            replayed.append((int(shared.lens.max()), shared.pages.shape[0]))
         return real(self, *args)
 
     monkeypatch.setattr(DecodeGraphs, "replay", noted)
-    shared = random_prompts([1024], 151936, seed=8)[0]
+    shared = random_prompts([1024, 1024], 151936, seed=8)
     tails = random_prompts([3 + 5 * i for i in range(32)], 151936, seed=9)
-    prompts = [shared + tail for tail in tails]
+    prompts = [shared[i % 2] + tail for i, tail in enumerate(tails)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     tokens = []
     for cascade in (True, False):
@@ -122,7 +122,7 @@ def test_cascade_decode_gives_the_plain_decode_s_tokens(monkeypatch: pytest.Monk
         assert graphs is not None and bool(graphs.cascade_graphs) == cascade
         tokens.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if cascade:
-            assert 1024 in replayed  # decode steps of the 32 replayed a cascade graph
+            assert (1024, 2) in replayed  # decode steps of the 32 replayed a cascade graph
         del llm
     assert tokens[0] == tokens[1]
 

@@ -17,6 +17,7 @@ from tests.test_triton_kernels import CUDA, DEVICE, KERNELS
 
 paged_attention = KERNELS["paged_attention_triton"].paged_attention
 PREFIX_BLOCK_M = KERNELS["paged_attention_triton"].PREFIX_BLOCK_M
+prefix_tiles = KERNELS["paged_attention_triton"].prefix_tiles
 write_kv = KERNELS["kv_write_triton"].write_kv
 FP8 = torch.float8_e4m3fn
 POISON = 300.0  # finite in fp8 e4m3 too
@@ -311,6 +312,89 @@ def test_cascade_decode_reads_the_prefix_from_the_pages_it_is_given() -> None:
     torch.testing.assert_close(shared, batch.reference(), atol=tol, rtol=tol)
 
 
+def test_several_prefixes_cascade_in_one_call() -> None:
+    """Three groups of decodes, each over its own prefix (one of them over two row tiles,
+    one with shares of part of it), decodes of no group between them, then a prefill chunk;
+    three query heads a kv head (a row tile of 21 decodes, 63 of its 64 rows), and the tiles
+    padded with empty ones as a captured graph's are."""
+    group_size, block_size = 3, 16
+    per_tile = PREFIX_BLOCK_M // group_size
+    members = [
+        [i for i in range(40) if i % 3 != 1][: per_tile + 2],  # two tiles
+        [1, 4, 7, 10],
+        [13, 16],
+    ]
+    prefix_pages = [3, 2, 4]
+    contexts = [4 * block_size + 5 + (7 * i) % 23 for i in range(40)]
+    batch = make_batch(
+        [1] * 40 + [6], [*contexts, 40], block_size=block_size, num_heads=2 * group_size,
+        num_kv_heads=2, dtype=torch.float32, seed=9,
+    )  # fmt: skip
+    tables = batch.block_tables
+    shares = [0] * 40
+    for rows, pages in zip(members, prefix_pages, strict=True):
+        tables[rows, :pages] = tables[rows[0], :pages]
+        for row in rows:
+            shares[row] = pages * block_size
+    shares[16] = block_size  # the last group's second decode shares the first page only
+    tile_rows, tile_groups = prefix_tiles(members, group_size, num_tiles=6)
+    assert tile_groups == [0, 0, 1, 2, -1, -1] and len(tile_rows) == 6 * per_tile
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    cascade_args = dict(
+        prefix_lens=as_tensor(shares),
+        prefix_pages=tables[[rows[0] for rows in members]].contiguous(),
+        prefix_rows=as_tensor(tile_rows),
+        prefix_tile_groups=as_tensor(tile_groups),
+    )
+    assert_matches_reference(batch, num_kv_splits=2, **cascade_args)
+    # the pages are each tile's group's: hand group 1 group 2's and its decodes go wrong
+    swapped = cascade_args["prefix_pages"][[0, 2, 2]].contiguous()
+    out = batch.run(num_kv_splits=2, **(cascade_args | dict(prefix_pages=swapped)))
+    expected = batch.reference()
+    tol = TOLERANCE[torch.float32]
+    others = [row for row in range(out.shape[0]) if row not in members[1]]
+    torch.testing.assert_close(out[others], expected[others], atol=tol, rtol=tol)
+    assert not torch.allclose(out[members[1]], expected[members[1]], atol=0.1)
+
+
+def test_a_graph_s_spare_prefix_tiles_do_not_cut_the_splits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A captured graph's layout holds tiles for more groups than a step has; the prefix is
+    split as for the busy tiles alone (a regression halved the splits, and the speed, of a
+    one-group step replayed in a graph)."""
+    module = KERNELS["paged_attention_triton"]
+    real = module._prefix_kernel
+    grids: list[tuple[int, int, int]] = []
+
+    class Recording:
+        def __getitem__(self, grid: tuple[int, int, int]) -> Callable[..., None]:
+            grids.append(grid)
+            return real[grid]  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(module, "_prefix_kernel", Recording())
+    batch = shared_prefix_batch(
+        8, 2, [1 + 3 * i for i in range(8)], block_size=16, num_heads=4, num_kv_heads=1,
+        dtype=torch.float32, seed=11,
+    )  # fmt: skip
+    rows, tile_groups = prefix_tiles([list(range(8))], 4, num_tiles=4)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    padded = dict(prefix_rows=as_tensor(rows), prefix_tile_groups=as_tensor(tile_groups))
+    assert_matches_reference(batch, num_kv_splits=1, **cascade(batch, [32] * 8), **padded)
+    assert_matches_reference(batch, num_kv_splits=1, **cascade(batch, [32] * 8))
+    assert grids[0][0] == 4 and grids[1][0] == 1  # the grid holds the spare tiles
+    assert grids[0][2] == grids[1][2] > 1
+
+
+def test_prefix_tiles_lay_each_group_out_in_whole_tiles() -> None:
+    rows, groups = prefix_tiles([[5, 1], [0, 2, 3]], 32)  # two decodes a tile
+    assert (rows, groups) == ([5, 1, 0, 2, 3, -1], [0, 1, 1])
+    rows, groups = prefix_tiles([], 4, num_tiles=2)
+    assert rows == [-1] * 32 and groups == [-1, -1]
+    with pytest.raises(ValueError, match="3 prefix tiles do not fit in 2"):
+        prefix_tiles([[5, 1], [0, 2, 3]], 32, num_tiles=2)
+
+
 def test_launcher_rejects_bad_arguments() -> None:
     batch = make_batch([1, 3], [10, 5], block_size=16, num_heads=4, num_kv_heads=2)
     seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
@@ -329,7 +413,25 @@ def test_launcher_rejects_bad_arguments() -> None:
         ("after the 2 leading decodes", dict(num_decodes=2, first_seq=1)),
         ("go together", dict(prefix_lens=lens)),
         ("prefix_lens must be 1-d int32", dict(prefix_lens=lens.long(), prefix_pages=pages)),
-        ("prefix_pages must be 1-d int32", dict(prefix_lens=lens, prefix_pages=batch.block_tables)),
+        (
+            "prefix_pages must be 1-d or 2-d int32",
+            dict(prefix_lens=lens, prefix_pages=pages.long()),
+        ),
+        (
+            "prefix_pages must be 1-d or 2-d",
+            dict(prefix_lens=lens, prefix_pages=pages.view(1, 1, -1)),
+        ),
+        ("need prefix_lens", dict(prefix_rows=lens, prefix_tile_groups=lens[:1])),
+        (
+            "prefix_rows and prefix_tile_groups go together",
+            dict(prefix_lens=lens, prefix_pages=pages, prefix_rows=lens),
+        ),
+        (
+            "the same slots for each",
+            dict(
+                prefix_lens=lens, prefix_pages=pages, prefix_rows=lens[:1], prefix_tile_groups=lens
+            ),
+        ),
         ("sliding window", dict(prefix_lens=lens, prefix_pages=pages, sliding_window=4)),
         ("out", dict(out=batch.q.float())),
     ]

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypedDict
 
 import numpy as np
 import torch
@@ -54,16 +54,44 @@ SDPA_MAX_CHUNKS = 8
 # pages (a shared system prompt, the samples of one prompt) attend that prefix once per tile
 # of their queries instead of once per sequence (``paged_attention``'s ``prefix_lens``), when
 # at least CASCADE_MIN_DECODES decodes share at least CASCADE_MIN_PREFIX_TOKENS tokens each.
-# Replayed from graphs on an H100 (bench/results/cascade-decode-h100.json), a 512-token prefix
-# is a wash (0.92-1.34x the plain decode over 16-256 decodes) and 2,048 tokens are 2-3x.
+# Replayed from graphs (bench/results/cascade-decode-h100.json, -h200.json), over 16-256
+# decodes a 512-token prefix is a wash (0.76-1.47x the plain decode), 1,024 tokens 0.93-2.24x
+# and 2,048 tokens 1.4-3.6x.
 CASCADE_MIN_DECODES = 16
 CASCADE_MIN_PREFIX_TOKENS = 1024
+# Prefixes a step cascades at most (groups of decodes, each over its own prompt's pages), the
+# most shared first; a decode graph is captured with room for this many.
+CASCADE_MAX_GROUPS = 4
 
 
 def sdpa_takes_chunk(query_len: int, seq_len: int) -> bool:
     """Whether a chunk of ``query_len`` new tokens, ``seq_len`` with its context, is long
     enough for the SDPA path (in a step with at most SDPA_MAX_CHUNKS such chunks)."""
     return query_len >= SDPA_MIN_QUERY_LEN and seq_len >= SDPA_MIN_SEQ_LEN
+
+
+class CascadeArgs(TypedDict, total=False):
+    """``paged_attention``'s cascade arguments (none: a plain decode)."""
+
+    prefix_lens: torch.Tensor
+    prefix_pages: torch.Tensor
+    prefix_rows: torch.Tensor
+    prefix_tile_groups: torch.Tensor
+
+
+class SharedPrefix(NamedTuple):
+    """A step's cascade decode on the device, as ``paged_attention``'s ``prefix_*`` take it."""
+
+    lens: torch.Tensor  # [>= num_decodes] int32: each decode's share, in tokens (0: none)
+    pages: torch.Tensor  # [G, max_blocks] int32: each group's prefix pages
+    rows: torch.Tensor  # the groups' decodes in row tiles (``prefix_tiles``)
+    tile_groups: torch.Tensor
+
+    def kwargs(self) -> CascadeArgs:
+        return CascadeArgs(
+            prefix_lens=self.lens, prefix_pages=self.pages, prefix_rows=self.rows,
+            prefix_tile_groups=self.tile_groups,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,9 +115,10 @@ class AttentionMetadata:
     max_seq_len: int
     max_query_len: int
     # A cascade decode (None: none), as ``paged_attention`` reads it on the device: each
-    # decode's share of a prefix in tokens (``prefix_lens``, ``[num_decodes]`` int32, 0: none)
-    # and the prefix's pages (``prefix_pages``, ``[max_blocks]`` int32)
-    shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+    # decode's share of its group's prefix in tokens (``prefix_lens``, ``[num_decodes]`` int32,
+    # 0: none), the groups' prefix pages (``prefix_pages``, ``[G, max_blocks]`` int32) and
+    # their decodes in row tiles (``prefix_rows``, ``prefix_tile_groups``: ``prefix_tiles``)
+    shared_prefix: SharedPrefix | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -422,7 +451,6 @@ class TritonAttentionBackend:
                     return self._attend_with_sdpa(q, cache, meta, scale, long_chunks, out)
                 except RuntimeError as error:  # a shape or card cuDNN refuses: Triton from here
                     self._fused_refused(error)
-        prefix_lens, prefix_pages = _shared_prefix(meta, sliding_window)
         return self._paged_attention(
             q,
             cache.k,
@@ -438,8 +466,7 @@ class TritonAttentionBackend:
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
             out=out,
-            prefix_lens=prefix_lens,
-            prefix_pages=prefix_pages,
+            **_cascade(meta, sliding_window),
         )
 
     def _attend_with_sdpa(
@@ -464,14 +491,14 @@ class TritonAttentionBackend:
             if seq > first:
                 runs.append((first, seq))
             first = seq + 1
-        prefix_lens, prefix_pages = _shared_prefix(meta, None)  # the path takes no window
+        cascade = _cascade(meta, None)  # the path takes no window
         for first, end in runs:
             longest = max(starts[seq + 1] - starts[seq] for seq in range(first, end))
             self._paged_attention(
                 q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 scale=scale, max_query_len=longest, num_decodes=meta.num_decodes,
                 max_seq_len=meta.max_seq_len, out=out, first_seq=first, end_seq=end,
-                prefix_lens=prefix_lens, prefix_pages=prefix_pages,  # the decodes: run 0
+                **cascade,  # the decodes: run 0
             )  # fmt: skip
         self._prefill_sdpa(
             q, cache.k, cache.v, meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu,
@@ -480,45 +507,54 @@ class TritonAttentionBackend:
         return out
 
 
-def _shared_prefix(
-    meta: AttentionMetadata, sliding_window: int | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The step's cascade for ``paged_attention`` (``prefix_lens``, ``prefix_pages``), unless
-    the layer's window hides keys of it (a model whose layers alternate windows attends its
-    windowed ones plainly)."""
+def _cascade(meta: AttentionMetadata, sliding_window: int | None) -> CascadeArgs:
+    """The step's cascade as ``paged_attention``'s ``prefix_*`` arguments, unless the layer's
+    window hides keys of it (a model whose layers alternate windows attends its windowed
+    ones plainly)."""
     if sliding_window is not None or meta.shared_prefix is None:
-        return None, None
-    return meta.shared_prefix
+        return CascadeArgs()
+    return meta.shared_prefix.kwargs()
 
 
-def find_shared_prefix(
+def find_shared_prefixes(
     tables: np.ndarray, table_lens: list[int], seq_lens: list[int], num_decodes: int,
     block_size: int,
-) -> tuple[list[int], int] | None:  # fmt: skip
-    """A step's cascade: each of its ``num_decodes`` decodes' share of a prefix, in tokens,
-    and the row of ``tables`` (padded ``[B, W]`` block tables, decodes first) whose pages it
-    is; None when fewer than CASCADE_MIN_DECODES decodes share CASCADE_MIN_PREFIX_TOKENS.
+) -> tuple[list[int], list[tuple[int, list[int]]]] | None:  # fmt: skip
+    """A step's cascade: each of its ``num_decodes`` decodes' share of its group's prefix, in
+    tokens, and the groups, each as (the row of ``tables`` whose pages its prefix is, its
+    decodes), ``tables`` being the padded ``[B, W]`` block tables, decodes first; None when no
+    CASCADE_MIN_DECODES decodes share CASCADE_MIN_PREFIX_TOKENS.
 
-    The prefix is the pages of the decode whose first page most decodes begin with (the
-    common system prompt); a decode's share is the run of leading pages its table names
-    alike, below the page of its own last token, if at least CASCADE_MIN_PREFIX_TOKENS, else 0.
-    So the decodes of other prompts, and prompts that part early, attend as ever."""
+    A group is the decodes that begin with one page (a system prompt), the most common first
+    page first, CASCADE_MAX_GROUPS at most. Its prefix is the pages of its first decode; a
+    decode's share is the run of leading pages its table names alike, below the page of its
+    own last token, if at least CASCADE_MIN_PREFIX_TOKENS, else 0. A group needs
+    CASCADE_MIN_DECODES decodes with a share; the decodes of no group, and prompts that part
+    early, attend as ever."""
     if num_decodes < CASCADE_MIN_DECODES:
         return None
     rows = tables[:num_decodes]
-    firsts, counts = np.unique(rows[:, 0], return_counts=True)
-    row = int(np.flatnonzero(rows[:, 0] == firsts[counts.argmax()])[0])
     # pages a decode may give: its own, whose tokens all lie before its query
     own = np.minimum(
         table_lens[:num_decodes], (np.asarray(seq_lens[:num_decodes]) - 1) // block_size
     )
-    width = int(own[row])
-    alike = np.cumprod(rows[:, :width] == rows[row, :width], axis=1).sum(axis=1)
-    shares = np.minimum(alike, own) * block_size
-    shares[shares < CASCADE_MIN_PREFIX_TOKENS] = 0
-    if np.count_nonzero(shares) < CASCADE_MIN_DECODES:
-        return None
-    return shares.tolist(), row
+    firsts, counts = np.unique(rows[:, 0], return_counts=True)
+    shares = np.zeros(num_decodes, dtype=np.int64)
+    groups: list[tuple[int, list[int]]] = []
+    order = np.argsort(-counts, kind="stable")
+    for first, count in zip(firsts[order], counts[order], strict=True):
+        if count < CASCADE_MIN_DECODES or len(groups) == CASCADE_MAX_GROUPS:
+            break
+        members = np.flatnonzero(rows[:, 0] == first)
+        row = int(members[0])
+        width = int(own[row])
+        alike = np.cumprod(rows[members, :width] == rows[row, :width], axis=1).sum(axis=1)
+        share = np.minimum(alike, own[members]) * block_size
+        share[share < CASCADE_MIN_PREFIX_TOKENS] = 0
+        if np.count_nonzero(share) >= CASCADE_MIN_DECODES:
+            shares[members] = share
+            groups.append((row, members[share > 0].tolist()))
+    return (shares.tolist(), groups) if groups else None
 
 
 def prefill_attention_choice(device: torch.device | None = None) -> str:

@@ -9,14 +9,15 @@ A batch is split in two phases, each one launch (two for split decode):
   of ``BLOCK_N`` tokens are gathered across pages. Split ``s`` of ``num_splits`` covers a
   contiguous run of tiles computed in the kernel from the device ``seq_len``; partial outputs
   and log-sum-exps go to a scratch buffer that ``_reduce_splits_kernel`` folds.
-- cascade decode (``shared_prefix``): when decodes read the same leading pages (a shared
-  system prompt), ``_prefix_kernel`` attends their queries over those pages at once, the rows
-  of its ``tl.dot`` being (sequence, query head) pairs of many sequences, so a prefix tile is
-  read once per row tile instead of once per sequence; the decode kernel then attends each
+- cascade decode (``prefix_*``): when decodes read the same leading pages (a shared system
+  prompt), ``_prefix_kernel`` attends their queries over those pages at once, the rows of its
+  ``tl.dot`` being (sequence, query head) pairs of many sequences, so a prefix tile is read
+  once per row tile instead of once per sequence; the decode kernel then attends each
   sequence's keys after its share of the prefix, and the reduction folds both kinds of
   partials (the prefix's as extra splits). The softmax over the two disjoint key sets is
-  exact. Each decode's share is its own (0: none), read on the device, so a graph captured
-  once replays any.
+  exact. Several prefixes (groups) may cascade in one call: each row tile holds the decodes
+  of one group (``prefix_tiles``). Each decode's share, its tiles and their groups are read on
+  the device, so a graph captured once replays any.
 - prefill (the other sequences, any query length): flash attention, GQA packed as well, in
   ``paged_attention_prefill_triton.py``.
 The grids depend only on tensor shapes and host ints: the launch is CUDA-graph capturable.
@@ -65,6 +66,43 @@ PREFIX_BLOCK_N = 64
 MAX_PREFIX_SPLITS = 16
 PREFIX_NUM_WARPS = 4
 PREFIX_NUM_STAGES = 2
+
+
+def prefix_block_m(group: int) -> int:
+    """Rows of a prefix program: PREFIX_BLOCK_M, or one sequence's query heads if more."""
+    return max(PREFIX_BLOCK_M, pow2_at_least(group, 1))
+
+
+def prefix_seqs_per_tile(group: int) -> int:
+    """Decodes in one row tile of the prefix kernel, for ``group`` query heads a kv head."""
+    return prefix_block_m(group) // group
+
+
+def max_prefix_tiles(num_decodes: int, num_groups: int, group: int) -> int:
+    """The most row tiles ``prefix_tiles`` lays ``num_decodes`` out in over ``num_groups``."""
+    return triton.cdiv(num_decodes, prefix_seqs_per_tile(group)) + num_groups - 1
+
+
+def prefix_tiles(
+    groups: list[list[int]], group: int, num_tiles: int | None = None
+) -> tuple[list[int], list[int]]:
+    """The prefix kernel's row tiles for decodes sharing ``groups[g]``'s prefix (decode
+    indices, each in one group at most), ``group`` query heads a kv head: (``prefix_rows``,
+    the decode of each tile's slots, -1 for none; ``prefix_tile_groups``, each tile's group,
+    -1 for none). ``num_tiles`` pads both to that many tiles (a graph's fixed grid)."""
+    per_tile = prefix_seqs_per_tile(group)
+    rows: list[int] = []
+    tile_groups: list[int] = []
+    for index, members in enumerate(groups):
+        tiles = triton.cdiv(len(members), per_tile)
+        rows += [*members, *[-1] * (tiles * per_tile - len(members))]
+        tile_groups += [index] * tiles
+    if num_tiles is not None:
+        if len(tile_groups) > num_tiles:
+            raise ValueError(f"{len(tile_groups)} prefix tiles do not fit in {num_tiles}")
+        rows += [-1] * ((num_tiles - len(tile_groups)) * per_tile)
+        tile_groups += [-1] * (num_tiles - len(tile_groups))
+    return rows, tile_groups
 
 
 @triton.jit
@@ -179,14 +217,16 @@ def _decode_kernel(
         tl.store(part_lse_ptr + rows, lse, mask=offs_g < GROUP)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["stride_pg"])
 def _prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    table_ptr,  # [max_blocks]: the prefix's pages
+    pages_ptr,  # [G, max_blocks]: each group's prefix pages
     part_out_ptr, part_lse_ptr,
-    prefix_lens_ptr,  # [B]: each decode's share of the prefix, in tokens (0: none)
+    prefix_lens_ptr,  # [B]: each decode's share of its group's prefix, in tokens (0: none)
+    rows_ptr,  # [tiles * SEQS_PER_TILE]: the decode in each slot of each tile (-1: none)
+    tile_groups_ptr,  # [tiles]: each tile's group (-1: none)
     qk_scale,
-    num_rows,  # decodes * GROUP: the (sequence, query head) pairs of one kv head
+    stride_pg,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_sb, stride_ss, stride_sh,
@@ -194,6 +234,7 @@ def _prefix_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SEQS_PER_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PREFIX_SPLITS: tl.constexpr,
@@ -204,17 +245,23 @@ def _prefix_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """The decodes' queries of one kv head over the shared prefix, each row over its own
-    share: a program owns BLOCK_M (sequence, query head) rows and one split of the tiles of
-    the longest share among them."""
+    """The decodes' queries of one kv head over their group's prefix, each row over its own
+    share: a program owns one row tile (up to SEQS_PER_TILE decodes of one group, their
+    query heads of the kv head as BLOCK_M rows) and one split of the tiles of the longest
+    share among them."""
     wait_for_producers(PDL)
+    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < num_rows
-    seqs = offs_m // GROUP
+    slot = offs_m // GROUP
+    in_tile = slot < SEQS_PER_TILE
+    seqs = tl.load(rows_ptr + tile * SEQS_PER_TILE + slot, mask=in_tile, other=-1)
+    mask_m = in_tile & (seqs >= 0)
+    seqs = tl.where(mask_m, seqs, 0)
     heads = kv_head * GROUP + offs_m % GROUP
+    table_ptr = pages_ptr + tl.maximum(tl.load(tile_groups_ptr + tile), 0) * stride_pg
     mask_q = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
     q_ptrs = q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=mask_q, other=0.0).to(DOT_DTYPE)
@@ -243,11 +290,14 @@ def _reduce_splits_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, BLOCK_D] float32
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] float32, base 2
     out_ptr,
+    prefix_lens_ptr,  # [B] (if CASCADE): a decode without a share has no prefix partials
     stride_ot, stride_oh, stride_od,  # out: [T, Hq, D]
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    DECODE_SPLITS: tl.constexpr,  # the decode kernel's; the prefix kernel's follow (CASCADE)
+    CASCADE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_producers(PDL)
@@ -257,6 +307,9 @@ def _reduce_splits_kernel(
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
+    if CASCADE:  # the prefix kernel wrote the partials of the decodes in its tiles only
+        share = tl.load(prefix_lens_ptr + seq)
+        mask_s = offs_s < tl.where(share > 0, NUM_SPLITS, DECODE_SPLITS)
     # 1. weight of each split: 2^(lse_s - max lse); empty splits carry NEG_BIG, weight 0
     lse = tl.load(part_lse_ptr + row0 + offs_s, mask=mask_s, other=NEG_BIG)
     weights = tl.exp2(lse - tl.max(lse, axis=0))
@@ -294,6 +347,8 @@ def paged_attention(
     end_seq: int | None = None,
     prefix_lens: torch.Tensor | None = None,
     prefix_pages: torch.Tensor | None = None,
+    prefix_rows: torch.Tensor | None = None,
+    prefix_tile_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed batch over the page pool; matches ``paged_attention_ref``.
 
@@ -318,12 +373,15 @@ def paged_attention(
     pointer off 16-byte alignment (1.6-1.8 s on an H100, inside whatever step first meets it).
 
     ``prefix_lens``, ``prefix_pages``: a cascade decode (the module docstring), both or
-    neither. ``prefix_pages: [max_blocks]`` int32 are the pages of a prefix that decodes share;
-    ``prefix_lens: [>= num_decodes]`` int32 gives each decode's share of it, in tokens: whole
-    pages that its own block table names as ``prefix_pages`` does, none of them holding its
-    last token (below its ``seq_len``), or 0. The decodes attend their shares together, then
-    the rest of their keys alone. The kernels read both on the device: a graph captured with
-    them replays whatever they hold. Not with a sliding window.
+    neither. ``prefix_pages: [G, max_blocks]`` (or ``[max_blocks]``, one group) int32 are the
+    pages of the prefixes that groups of decodes share; ``prefix_lens: [>= num_decodes]`` int32
+    gives each decode's share of its group's, in tokens: whole pages that its own block table
+    names as its group's row does, none of them holding its last token (below its
+    ``seq_len``), or 0. ``prefix_rows``, ``prefix_tile_groups`` (both or neither): the groups'
+    decodes laid out in row tiles (``prefix_tiles``); without them, all the decodes are one
+    group. The decodes attend their shares together, then the rest of their keys alone. The
+    kernels read all four on the device: a graph captured with them replays whatever they
+    hold. Not with a sliding window.
     """
     check_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale
@@ -351,7 +409,9 @@ def paged_attention(
         raise ValueError(f"scale must be positive (it multiplies q.k), got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
-    _check_shared_prefix(prefix_lens, prefix_pages, q.device, sliding_window)
+    _check_shared_prefix(
+        (prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups), q.device, sliding_window
+    )
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device, max_seq_len)
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
@@ -362,9 +422,10 @@ def paged_attention(
     is_fp8 = k_cache.dtype == FP8_DTYPE
     scales = (k_scale, v_scale) if is_fp8 else (None, None)
     if num_decodes > 0:  # decode
-        shared = (
-            None if prefix_lens is None or prefix_pages is None else (prefix_lens, prefix_pages)
-        )
+        shared = _cascade_tensors(
+            (prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups), num_decodes,
+            q.shape[1] // num_kv_heads, q.device,
+        )  # fmt: skip
         _launch_decode(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, out,
             scale=scale, num_decodes=num_decodes, sliding_window=sliding_window,
@@ -380,23 +441,50 @@ def paged_attention(
 
 
 def _check_shared_prefix(
-    lens: torch.Tensor | None,
-    pages: torch.Tensor | None,
-    device: torch.device,
-    sliding_window: int | None,
+    tensors: tuple[torch.Tensor | None, ...], device: torch.device, sliding_window: int | None
 ) -> None:
+    lens, pages, rows, tile_groups = tensors
     if lens is None and pages is None:
+        if rows is not None or tile_groups is not None:
+            raise ValueError("prefix_rows and prefix_tile_groups need prefix_lens and pages")
         return
     if lens is None or pages is None:
         raise ValueError("prefix_lens and prefix_pages go together")
-    for name, tensor in (("prefix_lens", lens), ("prefix_pages", pages)):
-        if tensor.dim() != 1 or tensor.dtype != torch.int32 or tensor.device != device:
+    if (rows is None) != (tile_groups is None):
+        raise ValueError("prefix_rows and prefix_tile_groups go together")
+    named = {"prefix_lens": (lens, "1-d"), "prefix_pages": (pages, "1-d or 2-d")}
+    if rows is not None and tile_groups is not None:
+        named |= {"prefix_rows": (rows, "1-d"), "prefix_tile_groups": (tile_groups, "1-d")}
+    for name, (tensor, dims) in named.items():
+        if f"{tensor.dim()}-d" not in dims or tensor.dtype != torch.int32:
             raise ValueError(
-                f"{name} must be 1-d int32 on {device}, got {tuple(tensor.shape)} "
-                f"{tensor.dtype} on {tensor.device}"
+                f"{name} must be {dims} int32, got {tuple(tensor.shape)} {tensor.dtype}"
             )
+        if tensor.device != device:
+            raise ValueError(f"{name} must be on {device}, not {tensor.device}")
+    if rows is not None and tile_groups is not None and rows.numel() % max(tile_groups.numel(), 1):
+        raise ValueError(
+            f"prefix_rows ({rows.numel()}) must hold the same slots for each of the "
+            f"{tile_groups.numel()} tiles of prefix_tile_groups"
+        )
     if sliding_window is not None:
         raise ValueError("a shared prefix does not go with a sliding window")
+
+
+def _cascade_tensors(
+    tensors: tuple[torch.Tensor | None, ...], num_decodes: int, group: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(lens, pages ``[G, max_blocks]``, rows, tile groups) of a checked cascade, if any;
+    without row tiles, all ``num_decodes`` decodes are one group, laid out on the device."""
+    lens, pages, rows, tile_groups = tensors
+    if lens is None or pages is None:
+        return None
+    if rows is None or tile_groups is None:
+        num_tiles = max_prefix_tiles(num_decodes, 1, group)
+        rows = torch.arange(num_tiles * prefix_seqs_per_tile(group), device=device)
+        rows = rows.masked_fill_(rows >= num_decodes, -1).to(torch.int32)
+        tile_groups = torch.zeros(num_tiles, dtype=torch.int32, device=device)
+    return lens, pages.view(-1, pages.shape[-1]), rows, tile_groups
 
 
 def prefix_num_splits(
@@ -460,8 +548,9 @@ def _launch_decode(
     num_decodes: int,
     sliding_window: int | None,
     num_splits: int,
-    # a cascade decode's (prefix_lens, prefix_pages), as ``paged_attention`` takes them
-    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    # a cascade decode's (prefix_lens, prefix_pages [G, max_blocks], prefix_rows,
+    # prefix_tile_groups), as ``paged_attention`` takes them
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     max_seq_len: int | None = None,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -474,11 +563,13 @@ def _launch_decode(
     dot_args = dict(
         IS_FP8=is_fp8, DOT_DTYPE=dot_dtype(q, k_cache), DOT_PRECISION=dot_precision(q.dtype)
     )
-    num_rows = num_row_tiles = prefix_splits = 0  # the prefix kernel's, for a cascade
+    num_row_tiles = prefix_splits = 0  # the prefix kernel's, for a cascade
     if prefix is not None:
-        num_rows = num_decodes * group  # (sequence, query head) pairs
-        num_row_tiles = triton.cdiv(num_rows, PREFIX_BLOCK_M)  # one tile height for any batch
-        prefix_splits = prefix_num_splits(num_row_tiles, num_kv_heads, max_seq_len, q.device)
+        num_row_tiles = prefix[3].shape[0]
+        # split as for the tiles of the decodes in one group: a graph's spare tiles (room for
+        # more groups) hold no rows, and counting them would halve the splits of the rest
+        busy_tiles = triton.cdiv(num_decodes, prefix_seqs_per_tile(group))
+        prefix_splits = prefix_num_splits(busy_tiles, num_kv_heads, max_seq_len, q.device)
     part_stride = num_splits + prefix_splits
     part_out = part_lse = out  # placeholders when the decode writes `out` directly
     if part_stride > 1:
@@ -489,15 +580,16 @@ def _launch_decode(
             num_decodes, num_heads, part_stride, dtype=torch.float32, device=q.device
         )
     if prefix is not None:
-        prefix_lens, prefix_pages = prefix
+        prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups = prefix
         _prefix_kernel[(num_row_tiles, num_kv_heads, prefix_splits)](
             q, k_cache, v_cache, *scale_args, prefix_pages, part_out, part_lse, prefix_lens,
-            scale * LOG2_E, num_rows,
+            prefix_rows, prefix_tile_groups, scale * LOG2_E, prefix_pages.stride(0),
             *q.stride(), *k_cache.stride(), *scale_strides,
             GROUP=group,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_M=PREFIX_BLOCK_M,
+            BLOCK_M=prefix_block_m(group),
+            SEQS_PER_TILE=prefix_seqs_per_tile(group),
             BLOCK_N=PREFIX_BLOCK_N,
             BLOCK_SIZE=k_cache.shape[1],
             PREFIX_SPLITS=prefix_splits,
@@ -531,11 +623,13 @@ def _launch_decode(
     )  # fmt: skip
     if part_stride > 1:
         _reduce_splits_kernel[(num_decodes, num_heads)](
-            part_out, part_lse, out, *out.stride(),
+            part_out, part_lse, out, seq_lens if prefix is None else prefix[0], *out.stride(),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=part_stride,
             SPLITS_PAD=triton.next_power_of_2(part_stride),
+            DECODE_SPLITS=num_splits,
+            CASCADE=prefix is not None,
             **pdl_launch(q),
         )  # fmt: skip
 
