@@ -19,9 +19,9 @@ from typing import Any
 
 from bench.kernel_sample import category_gap, format_gap, kernel_ceiling
 from bench.matrix_workloads import (
+    MATRIX_ORDER,
     TOK_S_TARGET,
     TPOT_TARGET,
-    WORKLOAD_NAMES,
     MatrixWorkload,
     row_target,
 )
@@ -148,7 +148,7 @@ def _find_or_add_row(
     record["results"].append(row)
     models = record["settings"]["models"]
     record["results"].sort(
-        key=lambda r: (models.index(r["model"]), WORKLOAD_NAMES.index(r["workload"]))
+        key=lambda r: (models.index(r["model"]), MATRIX_ORDER.index(r["workload"]))
     )
     return row
 

@@ -30,6 +30,7 @@ class MatrixWorkload:
     description: str
     throughput: ThroughputWorkload | None = None
     latency: LatencyWorkload | None = None
+    extra: bool = False  # run only when named: not one of ``all`` (the issue's matrix)
 
     @property
     def metric(self) -> str:
@@ -60,6 +61,7 @@ class MatrixWorkload:
             input_len=(_times(t.input_len[0], scale), _times(t.input_len[1], scale)),
             output_len=(_times(t.output_len[0], scale), _times(t.output_len[1], scale)),
             shared_prefix_len=_times(t.shared_prefix_len, scale) if t.shared_prefix_len else 0,
+            num_shared_prefixes=min(t.num_shared_prefixes, _times(t.num_prompts, scale)),
             seed=seed,
         )
         return dataclasses.replace(self, throughput=throughput)
@@ -71,12 +73,13 @@ def _times(count: int, scale: float) -> int:
 
 def _throughput(
     name: str, description: str, num_prompts: int, input_len: tuple[int, int],
-    output_len: tuple[int, int], **extra: int,
+    output_len: tuple[int, int], *, extra: bool = False, **fields: int,
 ) -> MatrixWorkload:  # fmt: skip
     return MatrixWorkload(
         name,
         description,
-        throughput=ThroughputWorkload(num_prompts, input_len, output_len, **extra),
+        extra=extra,
+        throughput=ThroughputWorkload(num_prompts, input_len, output_len, **fields),
     )
 
 
@@ -105,6 +108,16 @@ WORKLOADS: tuple[MatrixWorkload, ...] = (
         shared_prefix_len=2048,
     ),
     _throughput(
+        "shared-prefixes",
+        "four 2048-token system prompts, each shared by 64 of 256 prompts of 128 in / 256 out",
+        256,
+        (128, 128),
+        (256, 256),
+        shared_prefix_len=2048,
+        num_shared_prefixes=4,
+        extra=True,
+    ),
+    _throughput(
         "long-context",
         "32768 in / 256 out, 32 prompts",
         32,
@@ -115,21 +128,24 @@ WORKLOADS: tuple[MatrixWorkload, ...] = (
     _tpot(1),
     _tpot(64),
 )
-WORKLOAD_NAMES = tuple(w.name for w in WORKLOADS)
+WORKLOAD_NAMES = tuple(w.name for w in WORKLOADS if not w.extra)  # ``all``
+EXTRA_WORKLOAD_NAMES = tuple(w.name for w in WORKLOADS if w.extra)
+MATRIX_ORDER = tuple(w.name for w in WORKLOADS)  # a record's rows, extras in their place
 
 
 def parse_workload_names(text: str) -> tuple[str, ...]:
-    """``all`` or a comma-separated list of names, in the matrix's order, each once."""
+    """``all`` (the issue's matrix: every row but the extra ones) or a comma-separated list of
+    names, in the matrix's order, each once."""
     names = [part.strip() for part in text.split(",") if part.strip()]
     if names == ["all"]:
         return WORKLOAD_NAMES
-    unknown = [name for name in names if name not in WORKLOAD_NAMES]
+    unknown = [name for name in names if name not in MATRIX_ORDER]
     if unknown or not names:
         raise ConfigError(
             f"unknown workload(s) {', '.join(unknown) or repr(text)}; choose from all or "
-            + ", ".join(WORKLOAD_NAMES)
+            + ", ".join(MATRIX_ORDER)
         )
-    return tuple(name for name in WORKLOAD_NAMES if name in names)
+    return tuple(name for name in MATRIX_ORDER if name in names)
 
 
 def select_workloads(

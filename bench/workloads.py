@@ -19,8 +19,10 @@ class ThroughputWorkload:
     """How many prompts, and the inclusive ranges their input and output lengths come from.
 
     ``shared_prefix_len`` tokens (one random run, the same for every prompt: a system prompt)
-    go before each prompt's own ``input_len`` tokens; ``num_warmup_prompts`` caps the untimed
-    run (a few 32k-token prompts warm every kernel up; 64 of them would double the run).
+    go before each prompt's own ``input_len`` tokens; with ``num_shared_prefixes`` N, there are
+    N such runs (the system prompts of N tenants), prompt i taking run i mod N.
+    ``num_warmup_prompts`` caps the untimed run (a few 32k-token prompts warm every kernel up;
+    64 of them would double the run).
     """
 
     num_prompts: int = 256
@@ -29,12 +31,15 @@ class ThroughputWorkload:
     seed: int = 0
     shared_prefix_len: int = 0
     num_warmup_prompts: int = NUM_WARMUP_PROMPTS
+    num_shared_prefixes: int = 1
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
             raise ConfigError("num_prompts must be >= 1")
         if self.shared_prefix_len < 0 or self.num_warmup_prompts < 1:
             raise ConfigError("shared_prefix_len must be >= 0 and num_warmup_prompts >= 1")
+        if self.num_shared_prefixes < 1:
+            raise ConfigError("num_shared_prefixes must be >= 1")
         for name in ("input_len", "output_len"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
@@ -66,8 +71,14 @@ def make_random_prompts(workload: ThroughputWorkload, vocab_size: int) -> list[B
         for n_in, n_out in zip(input_lens, output_lens, strict=True)
     ]
     if workload.shared_prefix_len:  # drawn last: the prompts' own tokens stay as without it
-        prefix = rng.integers(0, vocab_size, workload.shared_prefix_len).tolist()
-        prompts = [BenchPrompt(prefix + p.token_ids, p.output_len) for p in prompts]
+        prefixes = [
+            rng.integers(0, vocab_size, workload.shared_prefix_len).tolist()
+            for _ in range(workload.num_shared_prefixes)
+        ]
+        prompts = [
+            BenchPrompt(prefixes[i % len(prefixes)] + p.token_ids, p.output_len)
+            for i, p in enumerate(prompts)
+        ]
     return prompts
 
 

@@ -13,7 +13,7 @@ from commands.parser import CommandError
 
 def configure_matrix(parser: argparse.ArgumentParser) -> None:
     from bench.matrix import DEFAULT_MODELS, PEERS
-    from bench.matrix_workloads import WORKLOAD_NAMES
+    from bench.matrix_workloads import EXTRA_WORKLOAD_NAMES, WORKLOAD_NAMES
     from commands.bench_device import finish_engine_bench
 
     w = parser.add_argument_group("matrix")
@@ -30,7 +30,8 @@ def configure_matrix(parser: argparse.ArgumentParser) -> None:
         type=_workloads,
         default=WORKLOAD_NAMES,
         metavar="all|W[,W,...]",
-        help=f"which rows to run (default all): {', '.join(WORKLOAD_NAMES)}",
+        help=f"which rows to run (default all): {', '.join(WORKLOAD_NAMES)}; also, only when "
+        f"named: {', '.join(EXTRA_WORKLOAD_NAMES)}",
     )
     w.add_argument(
         "--compare",

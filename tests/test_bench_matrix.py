@@ -77,6 +77,24 @@ def test_the_shared_prefix_is_one_2048_token_run_before_each_own_128() -> None:
     assert all(w.token_ids[:2048] != prompts[0].token_ids[:2048] for w in warmup_prompts(prompts))
 
 
+def test_shared_prefixes_are_four_system_prompts_of_64_prompts_each() -> None:
+    """The extra row for cascade decode over several prefixes a step: not one of ``all``."""
+    assert "shared-prefixes" not in WORKLOAD_NAMES
+    assert parse_workload_names("shared-prefixes,shared-prefix") == (
+        "shared-prefix", "shared-prefixes",
+    )  # fmt: skip
+    prompts = _prompts("shared-prefixes")
+    assert len(prompts) == 256 and {len(p.token_ids) for p in prompts} == {2048 + 128}
+    heads = [tuple(p.token_ids[:2048]) for p in prompts]
+    assert len(set(heads)) == 4 and all(heads[i] == heads[i % 4] for i in range(256))
+    # the first system prompt is the one-prefix row's, the prompts' own tokens too
+    single = _prompts("shared-prefix")
+    assert heads[0] == tuple(single[0].token_ids[:2048])
+    assert [p.token_ids[2048:] for p in prompts] == [p.token_ids[2048:] for p in single]
+    (tiny,) = select_workloads(("shared-prefixes",), scale=0.01)  # 3 prompts: 3 prefixes
+    assert tiny.throughput is not None and tiny.throughput.num_shared_prefixes == 3
+
+
 def test_tpot_rows_are_one_latency_batch_of_128_in_and_out() -> None:
     b1, b64 = select_workloads(("tpot-b1", "tpot-b64"))
     assert b1.latency is not None and b64.latency is not None
