@@ -171,16 +171,17 @@ gemv_table() {  # a new GPU model's rows of the decode linears' table (kernels/l
     done
 }
 cascade() {  # cascade decode (--cascade-attention): its GPU tests, one layer's attention plain
-    # against cascade, then the shared-prefix rows against vLLM with it off and on (the A/B that
-    # decides its default)
+    # against cascade, then the shared-prefix rows (one system prompt, and four) against vLLM
+    # with it off and on
     log cascade decode
     python -m pytest -q -x -p no:cacheprovider tests/test_triton_paged_attention.py \
-        tests/test_gpu.py -k "cascade or reference or capturable" || return 1
+        tests/test_gpu.py -k "cascade or several_prefixes or spare_prefix or reference or capturable" \
+        || return 1
     python -m bench.cascade_decode --output-json "$OUT/cascade-decode-$(card).json"
     for cascade in off on; do
         log shared-prefix rows against vllm, cascade "$cascade"
-        "${PS[@]}" bench matrix --compare vllm --resume --no-progress --workloads shared-prefix \
-            --cascade-attention "$cascade" \
+        "${PS[@]}" bench matrix --compare vllm --resume --no-progress \
+            --workloads shared-prefix,shared-prefixes --cascade-attention "$cascade" \
             --output-json "$OUT/matrix-shared-prefix-cascade-$cascade-$(card).json"
     done
 }
