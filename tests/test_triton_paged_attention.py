@@ -427,9 +427,13 @@ def test_launcher_rejects_bad_arguments() -> None:
             dict(prefix_lens=lens, prefix_pages=pages, prefix_rows=lens),
         ),
         (
-            "the same slots for each",
+            "must hold 32 slots for each of the 2 tiles at 2 query heads",
             dict(
-                prefix_lens=lens, prefix_pages=pages, prefix_rows=lens[:1], prefix_tile_groups=lens
+                prefix_lens=lens,
+                prefix_pages=pages,
+                prefix_rows=lens,
+                prefix_tile_groups=lens,
+                num_decodes=1,
             ),
         ),
         ("sliding window", dict(prefix_lens=lens, prefix_pages=pages, sliding_window=4)),

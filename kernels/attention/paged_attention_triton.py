@@ -462,11 +462,6 @@ def _check_shared_prefix(
             )
         if tensor.device != device:
             raise ValueError(f"{name} must be on {device}, not {tensor.device}")
-    if rows is not None and tile_groups is not None and rows.numel() % max(tile_groups.numel(), 1):
-        raise ValueError(
-            f"prefix_rows ({rows.numel()}) must hold the same slots for each of the "
-            f"{tile_groups.numel()} tiles of prefix_tile_groups"
-        )
     if sliding_window is not None:
         raise ValueError("a shared prefix does not go with a sliding window")
 
@@ -484,6 +479,12 @@ def _cascade_tensors(
         rows = torch.arange(num_tiles * prefix_seqs_per_tile(group), device=device)
         rows = rows.masked_fill_(rows >= num_decodes, -1).to(torch.int32)
         tile_groups = torch.zeros(num_tiles, dtype=torch.int32, device=device)
+    elif rows.numel() != tile_groups.numel() * prefix_seqs_per_tile(group):
+        raise ValueError(
+            f"prefix_rows must hold {prefix_seqs_per_tile(group)} slots for each of the "
+            f"{tile_groups.numel()} tiles at {group} query heads a kv head "
+            f"(prefix_tiles), got {rows.numel()}"
+        )
     return lens, pages.view(-1, pages.shape[-1]), rows, tile_groups
 
 
