@@ -136,8 +136,8 @@ def _kernel_kinds(ax: Any, rows: list[dict[str, Any]], peer: str) -> None:
 
 def cascade_decode(plt: Any, record: dict[str, Any]) -> Any:
     """Per model's heads: the cascade's speedup over the plain decode by batch size, one line
-    per prefix length (``bench.cascade_decode``)."""
-    rows = record["results"]
+    per prefix length (``bench.cascade_decode``; the steps of one prefix)."""
+    rows = [row for row in record["results"] if row.get("groups", 1) == 1]
     models = list(dict.fromkeys(row["model"] for row in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
