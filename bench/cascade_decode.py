@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import triton
 
+import kernels.attention.cascade_triton as cascade_kernels
 import kernels.attention.paged_attention_triton as attention
 from engine.attention.backend import CASCADE_MAX_GROUPS, CascadeArgs, SharedPrefix
 
@@ -69,9 +70,9 @@ def _case(
     shares = torch.full((batch,), prefix, dtype=torch.int32, device=device)
     # laid out as a captured decode graph holds them: tiles to spare for more groups
     group = num_q_heads // NUM_KV_HEADS
-    num_tiles = attention.max_prefix_tiles(batch, CASCADE_MAX_GROUPS, group)
+    num_tiles = cascade_kernels.max_prefix_tiles(batch, CASCADE_MAX_GROUPS, group)
     members = [list(range(g, batch, groups)) for g in range(groups)]
-    rows, tile_groups = attention.prefix_tiles(members, group, num_tiles)
+    rows, tile_groups = cascade_kernels.prefix_tiles(members, group, num_tiles)
     cascade_args = SharedPrefix(
         lens=shares,
         pages=block_tables[:groups],  # decode g is the first over prefix g

@@ -137,7 +137,7 @@ class DecodeGraphs:
         self.cascade_tiles: dict[int, int] = {}
         per_tile = 0
         if cascade:
-            from kernels.attention.paged_attention_triton import (
+            from kernels.attention.cascade_triton import (
                 max_prefix_tiles,
                 prefix_seqs_per_tile,
             )

@@ -374,7 +374,7 @@ class ModelRunner:
     ) -> SharedPrefix:
         """``find_shared_prefixes``' cascade on the device, its decodes in the row tiles of
         the prefix kernel."""
-        from kernels.attention.paged_attention_triton import prefix_tiles
+        from kernels.attention.cascade_triton import prefix_tiles
 
         rows, tile_groups = prefix_tiles(
             [members for _, members in groups], self.model.arch.num_q_per_kv

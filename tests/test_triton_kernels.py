@@ -15,6 +15,7 @@ from tests.triton_interpret import CUDA, DEVICE, import_kernels
 KERNEL_MODULES = (
     "kernels.attention.kv_write_triton",
     "kernels.attention.paged_attention_common",
+    "kernels.attention.cascade_triton",
     "kernels.attention.paged_attention_prefill_triton",
     "kernels.attention.paged_attention_triton",
     "kernels.elementwise.norm_triton",

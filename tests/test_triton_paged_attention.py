@@ -16,8 +16,8 @@ from kernels.attention.paged_attention import paged_attention_ref
 from tests.test_triton_kernels import CUDA, DEVICE, KERNELS
 
 paged_attention = KERNELS["paged_attention_triton"].paged_attention
-PREFIX_BLOCK_M = KERNELS["paged_attention_triton"].PREFIX_BLOCK_M
-prefix_tiles = KERNELS["paged_attention_triton"].prefix_tiles
+PREFIX_BLOCK_M = KERNELS["cascade_triton"].PREFIX_BLOCK_M
+prefix_tiles = KERNELS["cascade_triton"].prefix_tiles
 write_kv = KERNELS["kv_write_triton"].write_kv
 FP8 = torch.float8_e4m3fn
 POISON = 300.0  # finite in fp8 e4m3 too
@@ -363,7 +363,7 @@ def test_a_graph_s_spare_prefix_tiles_do_not_cut_the_splits(
     """A captured graph's layout holds tiles for more groups than a step has; the prefix is
     split as for the busy tiles alone (a regression halved the splits, and the speed, of a
     one-group step replayed in a graph)."""
-    module = KERNELS["paged_attention_triton"]
+    module = KERNELS["cascade_triton"]
     real = module._prefix_kernel
     grids: list[tuple[int, int, int]] = []
 

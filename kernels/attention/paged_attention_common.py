@@ -1,8 +1,11 @@
 # @triton.jit functions take Triton pointers and blocks, which have no Python types:
 # mypy: disable-error-code="no-untyped-def"
-"""Pieces shared by the decode and prefill paged-attention kernels: page gathers, checks."""
+"""Pieces shared by the decode, cascade and prefill paged-attention kernels: page gathers,
+the online softmax over a run of key tiles, checks."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -13,6 +16,7 @@ from kernels.attention.paged_attention import FP8_DTYPE
 
 LOG2_E = 1.4426950408889634  # the kernels use exp2: scores are scaled by log2(e)
 E4M3_MAX = tl.constexpr(448.0)  # v scales are folded into p as v_scale * 448 (= the amax)
+NOMINAL_CPU_SMS = 4  # the interpreter has no SMs; any small count exercises the split path
 NEG_BIG = tl.constexpr(-1.0e30)  # a finite "minus infinity": no (-inf) - (-inf)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -174,3 +178,47 @@ def check_out(out: torch.Tensor, q: torch.Tensor) -> None:
 
 def pow2_at_least(n: int, minimum: int) -> int:
     return max(triton.next_power_of_2(n), minimum)
+
+
+@triton.jit
+def attend_keys(
+    q, tile_begin, tile_end, lo, hi, row_hi,
+    table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROW_LIMITS: tl.constexpr,
+):  # fmt: skip
+    """The query rows ``q`` [ROWS, BLOCK_D] over keys ``lo <= pos < hi`` of tiles
+    ``tile_begin..tile_end`` (pages from ``table_ptr``), and with ``ROW_LIMITS`` each row
+    only below its own ``row_hi`` [ROWS]: the normalized output [ROWS, BLOCK_D] and its base-2
+    log-sum-exp [ROWS] (NEG_BIG where no key was seen)."""
+    m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for tile in range(tile_begin, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n < hi) & (offs_n >= lo)
+        visible = mask_n[None, :]
+        if ROW_LIMITS:
+            visible = visible & (offs_n[None, :] < row_hi[:, None])
+        # gather the tile's K, V and fold it into the online softmax
+        acc, m_i, l_i = attend_tile(
+            q, acc, m_i, l_i, offs_n, mask_n, visible,
+            table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
+            qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
+            stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if IS_FP8:
+        acc = acc / E4M3_MAX  # undo the fold of v scales into p
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), NEG_BIG)
+    return acc / l_safe[:, None], lse
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """The device's SMs: how many programs a launch needs to fill it."""
+    if device.type != "cuda":
+        return NOMINAL_CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -9,15 +9,10 @@ A batch is split in two phases, each one launch (two for split decode):
   of ``BLOCK_N`` tokens are gathered across pages. Split ``s`` of ``num_splits`` covers a
   contiguous run of tiles computed in the kernel from the device ``seq_len``; partial outputs
   and log-sum-exps go to a scratch buffer that ``_reduce_splits_kernel`` folds.
-- cascade decode (``prefix_*``): when decodes read the same leading pages (a shared system
-  prompt), ``_prefix_kernel`` attends their queries over those pages at once, the rows of its
-  ``tl.dot`` being (sequence, query head) pairs of many sequences, so a prefix tile is read
-  once per row tile instead of once per sequence; the decode kernel then attends each
-  sequence's keys after its share of the prefix, and the reduction folds both kinds of
-  partials (the prefix's as extra splits). The softmax over the two disjoint key sets is
-  exact. Several prefixes (groups) may cascade in one call: each row tile holds the decodes
-  of one group (``prefix_tiles``). Each decode's share, its tiles and their groups are read on
-  the device, so a graph captured once replays any.
+- cascade decode (``prefix_*``): decodes that read the same leading pages (a shared system
+  prompt; up to a few such groups) attend them together in ``cascade_triton.py``'s prefix
+  kernel, the decode kernel then attends each sequence's keys after its share, and the
+  reduction folds both kinds of partials (the prefix's as extra splits).
 - prefill (the other sequences, any query length): flash attention, GQA packed as well, in
   ``paged_attention_prefill_triton.py``.
 The grids depend only on tensor shapes and host ints: the launch is CUDA-graph capturable.
@@ -25,22 +20,26 @@ The grids depend only on tensor shapes and host ints: the launch is CUDA-graph c
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.cascade_triton import (
+    cascade_tensors,
+    check_cascade,
+    launch_prefix,
+    prefix_num_splits,
+)
 from kernels.attention.paged_attention import FP8_DTYPE
 from kernels.attention.paged_attention_common import (
-    E4M3_MAX,
     LOG2_E,
     NEG_BIG,
-    attend_tile,
+    attend_keys,
     check_attention_args,
     check_out,
     dot_dtype,
     dot_precision,
+    num_sms,
     pow2_at_least,
 )
 from kernels.attention.paged_attention_prefill_triton import launch_prefill
@@ -54,91 +53,9 @@ TARGET_PROGRAMS_PER_SM = 2  # default split count: enough programs to hide gathe
 # context took 8.6 us a layer unsplit against 9.1 split (the reduction's launch and the
 # partial sums cost more than the parallel gather saves); at 8k splitting wins (22 vs 25 us).
 UNSPLIT_MAX_CONTEXT = 1024
-NOMINAL_CPU_SMS = 4  # the interpreter has no SMs; any small count exercises the split path
 DECODE_TILE_BYTES = 16384  # bytes of one K (or V) tile: 64 tokens of bf16 D=128, 128 of fp8
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
-# Cascade decode's prefix kernel: BLOCK_M (sequence, query head) rows a program, BLOCK_N keys
-# a tile, and at most this many splits of the prefix (enough programs to fill the SMs when the
-# row tiles are few)
-PREFIX_BLOCK_M = 64
-PREFIX_BLOCK_N = 64
-MAX_PREFIX_SPLITS = 16
-PREFIX_NUM_WARPS = 4
-PREFIX_NUM_STAGES = 2
-
-
-def prefix_block_m(group: int) -> int:
-    """Rows of a prefix program: PREFIX_BLOCK_M, or one sequence's query heads if more."""
-    return max(PREFIX_BLOCK_M, pow2_at_least(group, 1))
-
-
-def prefix_seqs_per_tile(group: int) -> int:
-    """Decodes in one row tile of the prefix kernel, for ``group`` query heads a kv head."""
-    return prefix_block_m(group) // group
-
-
-def max_prefix_tiles(num_decodes: int, num_groups: int, group: int) -> int:
-    """The most row tiles ``prefix_tiles`` lays ``num_decodes`` out in over ``num_groups``."""
-    return triton.cdiv(num_decodes, prefix_seqs_per_tile(group)) + num_groups - 1
-
-
-def prefix_tiles(
-    groups: list[list[int]], group: int, num_tiles: int | None = None
-) -> tuple[list[int], list[int]]:
-    """The prefix kernel's row tiles for decodes sharing ``groups[g]``'s prefix (decode
-    indices, each in one group at most), ``group`` query heads a kv head: (``prefix_rows``,
-    the decode of each tile's slots, -1 for none; ``prefix_tile_groups``, each tile's group,
-    -1 for none). ``num_tiles`` pads both to that many tiles (a graph's fixed grid)."""
-    per_tile = prefix_seqs_per_tile(group)
-    rows: list[int] = []
-    tile_groups: list[int] = []
-    for index, members in enumerate(groups):
-        tiles = triton.cdiv(len(members), per_tile)
-        rows += [*members, *[-1] * (tiles * per_tile - len(members))]
-        tile_groups += [index] * tiles
-    if num_tiles is not None:
-        if len(tile_groups) > num_tiles:
-            raise ValueError(f"{len(tile_groups)} prefix tiles do not fit in {num_tiles}")
-        rows += [-1] * ((num_tiles - len(tile_groups)) * per_tile)
-        tile_groups += [-1] * (num_tiles - len(tile_groups))
-    return rows, tile_groups
-
-
-@triton.jit
-def _attend_keys(
-    q, tile_begin, tile_end, lo, hi, row_hi,
-    table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
-    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROW_LIMITS: tl.constexpr,
-):  # fmt: skip
-    """The query rows ``q`` [ROWS, BLOCK_D] over keys ``lo <= pos < hi`` of tiles
-    ``tile_begin..tile_end`` (pages from ``table_ptr``), and with ``ROW_LIMITS`` each row
-    only below its own ``row_hi`` [ROWS]: the normalized output [ROWS, BLOCK_D] and its base-2
-    log-sum-exp [ROWS] (NEG_BIG where no key was seen)."""
-    m_i = tl.full([ROWS], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    for tile in range(tile_begin, tile_end):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n < hi) & (offs_n >= lo)
-        visible = mask_n[None, :]
-        if ROW_LIMITS:
-            visible = visible & (offs_n[None, :] < row_hi[:, None])
-        # gather the tile's K, V and fold it into the online softmax
-        acc, m_i, l_i = attend_tile(
-            q, acc, m_i, l_i, offs_n, mask_n, visible,
-            table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head,
-            qk_scale, stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
-            stride_sh, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
-        )  # fmt: skip
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    if IS_FP8:
-        acc = acc / E4M3_MAX  # undo the fold of v scales into p
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), NEG_BIG)
-    return acc / l_safe[:, None], lse
 
 
 # Ints that change from step to step are not specialized (Triton would compile a variant for
@@ -196,7 +113,7 @@ def _decode_kernel(
     q = tl.load(q_ptrs, mask=mask_q, other=0.0).to(DOT_DTYPE)
 
     # 3. the split's tiles of the sequence's own pages
-    result, lse = _attend_keys(
+    result, lse = attend_keys(
         q, tile_begin, tile_end, lo, seq_len, seq_len, block_tables_ptr + seq * stride_bt,
         k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
         stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
@@ -215,74 +132,6 @@ def _decode_kernel(
         rows = (seq * GROUP * tl.num_programs(1) + heads) * PART_STRIDE + split
         tl.store(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], result, mask=mask_q)
         tl.store(part_lse_ptr + rows, lse, mask=offs_g < GROUP)
-
-
-@triton.jit(do_not_specialize=["stride_pg"])
-def _prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    pages_ptr,  # [G, max_blocks]: each group's prefix pages
-    part_out_ptr, part_lse_ptr,
-    prefix_lens_ptr,  # [B]: each decode's share of its group's prefix, in tokens (0: none)
-    rows_ptr,  # [tiles * SEQS_PER_TILE]: the decode in each slot of each tile (-1: none)
-    tile_groups_ptr,  # [tiles]: each tile's group (-1: none)
-    qk_scale,
-    stride_pg,
-    stride_qt, stride_qh, stride_qd,
-    stride_cb, stride_cs, stride_ch, stride_cd,
-    stride_sb, stride_ss, stride_sh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    SEQS_PER_TILE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    PREFIX_SPLITS: tl.constexpr,
-    SPLIT_BASE: tl.constexpr,  # the prefix's partials follow the decode kernel's NUM_SPLITS
-    PART_STRIDE: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """The decodes' queries of one kv head over their group's prefix, each row over its own
-    share: a program owns one row tile (up to SEQS_PER_TILE decodes of one group, their
-    query heads of the kv head as BLOCK_M rows) and one split of the tiles of the longest
-    share among them."""
-    wait_for_producers(PDL)
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    slot = offs_m // GROUP
-    in_tile = slot < SEQS_PER_TILE
-    seqs = tl.load(rows_ptr + tile * SEQS_PER_TILE + slot, mask=in_tile, other=-1)
-    mask_m = in_tile & (seqs >= 0)
-    seqs = tl.where(mask_m, seqs, 0)
-    heads = kv_head * GROUP + offs_m % GROUP
-    table_ptr = pages_ptr + tl.maximum(tl.load(tile_groups_ptr + tile), 0) * stride_pg
-    mask_q = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q_ptrs = q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=mask_q, other=0.0).to(DOT_DTYPE)
-
-    row_lens = tl.load(prefix_lens_ptr + seqs, mask=mask_m, other=0)
-    prefix_len = tl.max(row_lens, axis=0)
-    num_tiles = tl.cdiv(prefix_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, PREFIX_SPLITS)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-    result, lse = _attend_keys(
-        q, tile_begin, tile_end, 0, prefix_len, row_lens, table_ptr,
-        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, offs_d, kv_head, qk_scale,
-        stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
-        BLOCK_M, BLOCK_D, BLOCK_N, HEAD_DIM, BLOCK_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
-        True,
-    )  # fmt: skip
-    num_heads = GROUP * tl.num_programs(1)
-    rows = (seqs * num_heads + heads) * PART_STRIDE + SPLIT_BASE + split
-    tl.store(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], result, mask=mask_q)
-    tl.store(part_lse_ptr + rows, lse, mask=mask_m)
 
 
 @triton.jit
@@ -409,7 +258,7 @@ def paged_attention(
         raise ValueError(f"scale must be positive (it multiplies q.k), got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
-    _check_shared_prefix(
+    check_cascade(
         (prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups), q.device, sliding_window
     )
     if num_kv_splits is None:
@@ -422,7 +271,7 @@ def paged_attention(
     is_fp8 = k_cache.dtype == FP8_DTYPE
     scales = (k_scale, v_scale) if is_fp8 else (None, None)
     if num_decodes > 0:  # decode
-        shared = _cascade_tensors(
+        shared = cascade_tensors(
             (prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups), num_decodes,
             q.shape[1] // num_kv_heads, q.device,
         )  # fmt: skip
@@ -440,68 +289,6 @@ def paged_attention(
     return out
 
 
-def _check_shared_prefix(
-    tensors: tuple[torch.Tensor | None, ...], device: torch.device, sliding_window: int | None
-) -> None:
-    lens, pages, rows, tile_groups = tensors
-    if lens is None and pages is None:
-        if rows is not None or tile_groups is not None:
-            raise ValueError("prefix_rows and prefix_tile_groups need prefix_lens and pages")
-        return
-    if lens is None or pages is None:
-        raise ValueError("prefix_lens and prefix_pages go together")
-    if (rows is None) != (tile_groups is None):
-        raise ValueError("prefix_rows and prefix_tile_groups go together")
-    named = {"prefix_lens": (lens, "1-d"), "prefix_pages": (pages, "1-d or 2-d")}
-    if rows is not None and tile_groups is not None:
-        named |= {"prefix_rows": (rows, "1-d"), "prefix_tile_groups": (tile_groups, "1-d")}
-    for name, (tensor, dims) in named.items():
-        if f"{tensor.dim()}-d" not in dims or tensor.dtype != torch.int32:
-            raise ValueError(
-                f"{name} must be {dims} int32, got {tuple(tensor.shape)} {tensor.dtype}"
-            )
-        if tensor.device != device:
-            raise ValueError(f"{name} must be on {device}, not {tensor.device}")
-    if sliding_window is not None:
-        raise ValueError("a shared prefix does not go with a sliding window")
-
-
-def _cascade_tensors(
-    tensors: tuple[torch.Tensor | None, ...], num_decodes: int, group: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(lens, pages ``[G, max_blocks]``, rows, tile groups) of a checked cascade, if any;
-    without row tiles, all ``num_decodes`` decodes are one group, laid out on the device."""
-    lens, pages, rows, tile_groups = tensors
-    if lens is None or pages is None:
-        return None
-    if rows is None or tile_groups is None:
-        num_tiles = max_prefix_tiles(num_decodes, 1, group)
-        rows = torch.arange(num_tiles * prefix_seqs_per_tile(group), device=device)
-        rows = rows.masked_fill_(rows >= num_decodes, -1).to(torch.int32)
-        tile_groups = torch.zeros(num_tiles, dtype=torch.int32, device=device)
-    elif rows.numel() != tile_groups.numel() * prefix_seqs_per_tile(group):
-        raise ValueError(
-            f"prefix_rows must hold {prefix_seqs_per_tile(group)} slots for each of the "
-            f"{tile_groups.numel()} tiles at {group} query heads a kv head "
-            f"(prefix_tiles), got {rows.numel()}"
-        )
-    return lens, pages.view(-1, pages.shape[-1]), rows, tile_groups
-
-
-def prefix_num_splits(
-    num_row_tiles: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
-) -> int:
-    """Splits of a cascade decode's prefix: up to TARGET_PROGRAMS_PER_SM programs per SM over
-    the (row tile, kv head) programs, a power of two (a compiled-in constant), at most
-    MAX_PREFIX_SPLITS, and no more than a prefix below ``max_seq_len`` (a bound, if known) has
-    tiles. Splits past the prefix's tiles end at once."""
-    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * _num_sms(device), num_row_tiles * num_kv_heads)
-    wanted = min(wanted, MAX_PREFIX_SPLITS)
-    if max_seq_len is not None:
-        wanted = min(wanted, triton.cdiv(max_seq_len, PREFIX_BLOCK_N))
-    return 1 << (max(wanted, 1).bit_length() - 1)
-
-
 def default_num_kv_splits(
     num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int | None = None
 ) -> int:
@@ -515,19 +302,12 @@ def default_num_kv_splits(
     if max_seq_len is not None and max_seq_len <= UNSPLIT_MAX_CONTEXT:
         return 1
     num_programs = max(num_seqs * num_kv_heads, 1)
-    if num_programs >= 2 * _num_sms(device):
+    if num_programs >= 2 * num_sms(device):
         return 1  # already two waves: splitting only adds the reduction
-    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * _num_sms(device), num_programs)
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms(device), num_programs)
     # A power of two: NUM_SPLITS is compiled in, and a mixed step's decode count is anything
     # from 1 up: seven variants to compile instead of one per count.
     return min(MAX_KV_SPLITS, 1 << (wanted.bit_length() - 1))
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return NOMINAL_CPU_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _decode_block_n(block_d: int, element_size: int) -> int:
@@ -564,13 +344,9 @@ def _launch_decode(
     dot_args = dict(
         IS_FP8=is_fp8, DOT_DTYPE=dot_dtype(q, k_cache), DOT_PRECISION=dot_precision(q.dtype)
     )
-    num_row_tiles = prefix_splits = 0  # the prefix kernel's, for a cascade
+    prefix_splits = 0  # the prefix kernel's, for a cascade
     if prefix is not None:
-        num_row_tiles = prefix[3].shape[0]
-        # split as for the tiles of the decodes in one group: a graph's spare tiles (room for
-        # more groups) hold no rows, and counting them would halve the splits of the rest
-        busy_tiles = triton.cdiv(num_decodes, prefix_seqs_per_tile(group))
-        prefix_splits = prefix_num_splits(busy_tiles, num_kv_heads, max_seq_len, q.device)
+        prefix_splits = prefix_num_splits(num_decodes, group, num_kv_heads, max_seq_len, q.device)
     part_stride = num_splits + prefix_splits
     part_out = part_lse = out  # placeholders when the decode writes `out` directly
     if part_stride > 1:
@@ -581,25 +357,10 @@ def _launch_decode(
             num_decodes, num_heads, part_stride, dtype=torch.float32, device=q.device
         )
     if prefix is not None:
-        prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups = prefix
-        _prefix_kernel[(num_row_tiles, num_kv_heads, prefix_splits)](
-            q, k_cache, v_cache, *scale_args, prefix_pages, part_out, part_lse, prefix_lens,
-            prefix_rows, prefix_tile_groups, scale * LOG2_E, prefix_pages.stride(0),
-            *q.stride(), *k_cache.stride(), *scale_strides,
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=prefix_block_m(group),
-            SEQS_PER_TILE=prefix_seqs_per_tile(group),
-            BLOCK_N=PREFIX_BLOCK_N,
-            BLOCK_SIZE=k_cache.shape[1],
-            PREFIX_SPLITS=prefix_splits,
-            SPLIT_BASE=num_splits,
-            PART_STRIDE=part_stride,
-            **dot_args,
-            num_warps=PREFIX_NUM_WARPS,
-            num_stages=PREFIX_NUM_STAGES,
-            **pdl_launch(q),
+        launch_prefix(
+            q, k_cache, v_cache, scale_args, scale_strides, prefix, part_out, part_lse,
+            qk_scale=scale * LOG2_E, prefix_splits=prefix_splits, split_base=num_splits,
+            dot_args=dot_args,
         )  # fmt: skip
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         q, k_cache, v_cache, *scale_args,
