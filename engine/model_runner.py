@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.backend import SharedPrefix, find_shared_prefixes
+from engine.attention.backend import PrefixGroup, SharedPrefix, find_shared_prefixes
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
@@ -370,18 +370,18 @@ class ModelRunner:
         )
 
     def _shared_prefix(
-        self, tables: np.ndarray, shares: list[int], groups: list[tuple[int, list[int]]]
+        self, tables: np.ndarray, shares: list[int], groups: list[PrefixGroup]
     ) -> SharedPrefix:
         """``find_shared_prefixes``' cascade on the device, its decodes in the row tiles of
         the prefix kernel."""
         from kernels.attention.cascade_triton import prefix_tiles
 
         rows, tile_groups = prefix_tiles(
-            [members for _, members in groups], self.model.arch.num_q_per_kv
+            [group.decodes for group in groups], self.model.arch.num_q_per_kv
         )
         return SharedPrefix(
             lens=self._tensor(shares, torch.int32),
-            pages=self._to_device(tables[[row for row, _ in groups]]),
+            pages=self._to_device(tables[[group.row for group in groups]]),
             rows=self._tensor(rows, torch.int32),
             tile_groups=self._tensor(tile_groups, torch.int32),
         )

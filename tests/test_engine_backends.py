@@ -172,7 +172,7 @@ def test_a_step_s_shared_prefix_is_the_pages_most_decodes_begin_with(
 
     def shared(
         tables: list[list[int]], seq_lens: list[int], num_decodes: int
-    ) -> tuple[list[int], list[tuple[int, list[int]]]] | None:
+    ) -> tuple[list[int], list[backend.PrefixGroup]] | None:
         lens = [len(t) for t in tables]
         padded = padded_tables(tables, lens)
         return backend.find_shared_prefixes(padded, lens, seq_lens, num_decodes, 16)

@@ -79,6 +79,13 @@ class CascadeArgs(TypedDict, total=False):
     prefix_tile_groups: torch.Tensor
 
 
+class PrefixGroup(NamedTuple):
+    """Decodes of a step that begin with one prompt's pages (``find_shared_prefixes``)."""
+
+    row: int  # the row of the step's block tables whose pages are the group's prefix
+    decodes: list[int]  # the decodes with a share of it, in step order
+
+
 class SharedPrefix(NamedTuple):
     """A step's cascade decode on the device, as ``paged_attention``'s ``prefix_*`` take it."""
 
@@ -519,11 +526,10 @@ def _cascade(meta: AttentionMetadata, sliding_window: int | None) -> CascadeArgs
 def find_shared_prefixes(
     tables: np.ndarray, table_lens: list[int], seq_lens: list[int], num_decodes: int,
     block_size: int,
-) -> tuple[list[int], list[tuple[int, list[int]]]] | None:  # fmt: skip
+) -> tuple[list[int], list[PrefixGroup]] | None:  # fmt: skip
     """A step's cascade: each of its ``num_decodes`` decodes' share of its group's prefix, in
-    tokens, and the groups, each as (the row of ``tables`` whose pages its prefix is, its
-    decodes), ``tables`` being the padded ``[B, W]`` block tables, decodes first; None when no
-    CASCADE_MIN_DECODES decodes share CASCADE_MIN_PREFIX_TOKENS.
+    tokens, and the groups, ``tables`` being the padded ``[B, W]`` block tables, decodes
+    first; None when no CASCADE_MIN_DECODES decodes share CASCADE_MIN_PREFIX_TOKENS.
 
     A group is the decodes that begin with one page (a system prompt), the most common first
     page first, CASCADE_MAX_GROUPS at most. Its prefix is the pages of its first decode; a
@@ -540,7 +546,7 @@ def find_shared_prefixes(
     )
     firsts, counts = np.unique(rows[:, 0], return_counts=True)
     shares = np.zeros(num_decodes, dtype=np.int64)
-    groups: list[tuple[int, list[int]]] = []
+    groups: list[PrefixGroup] = []
     order = np.argsort(-counts, kind="stable")
     for first, count in zip(firsts[order], counts[order], strict=True):
         if count < CASCADE_MIN_DECODES or len(groups) == CASCADE_MAX_GROUPS:
@@ -553,7 +559,7 @@ def find_shared_prefixes(
         share[share < CASCADE_MIN_PREFIX_TOKENS] = 0
         if np.count_nonzero(share) >= CASCADE_MIN_DECODES:
             shares[members] = share
-            groups.append((row, members[share > 0].tolist()))
+            groups.append(PrefixGroup(row, members[share > 0].tolist()))
     return (shares.tolist(), groups) if groups else None
 
 
