@@ -154,9 +154,8 @@ class DecodeGraphs:
         # per bucket, (context bound, graph) ascending: kernels may launch differently for
         # short contexts (an unsplit decode attention), which a graph then has to hold
         self.graphs: dict[int, list[tuple[int, torch.cuda.CUDAGraph]]] = {}
-        # the same for cascade decode, from CASCADE_MIN_DECODES rows (``cascade``)
+        # the same for cascade decode, for the buckets of ``cascade_tiles``
         self.cascade_graphs: dict[int, list[tuple[int, torch.cuda.CUDAGraph]]] = {}
-        self.cascade = cascade
         self.device = device
         # One logits buffer for every graph (each writes its leading rows), so that the graphs
         # share one pool of intermediates and keep no per-bucket outputs alive.
