@@ -216,11 +216,24 @@ def test_a_range_of_the_batch_writes_only_its_rows() -> None:
         assert out[: starts[first]].isnan().all() and out[starts[end] :].isnan().all()
 
 
-def cascade(batch: Batch, shares: list[int], row: int = 0) -> dict[str, torch.Tensor]:
-    """``paged_attention``'s cascade arguments: each decode's share of the prefix (tokens) and
-    the prefix's pages, ``row``'s block table."""
-    lens = torch.tensor(shares, dtype=torch.int32, device=DEVICE)
-    return dict(prefix_lens=lens, prefix_pages=batch.block_tables[row].contiguous())
+def int32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def cascade(
+    batch: Batch, shares: list[int], row: int = 0, num_tiles: int | None = None
+) -> dict[str, torch.Tensor]:
+    """``paged_attention``'s cascade arguments for one group of every decode: each decode's
+    share of the prefix (tokens), the prefix's pages (``row``'s block table) and the row tiles
+    (``num_tiles`` of them, if given: a graph's, with tiles to spare)."""
+    group = batch.q.shape[1] // batch.k_cache.shape[2]
+    rows, tile_groups = prefix_tiles([list(range(len(shares)))], group, num_tiles)
+    return dict(
+        prefix_lens=int32(shares),
+        prefix_pages=batch.block_tables[row : row + 1].contiguous(),
+        prefix_rows=int32(rows),
+        prefix_tile_groups=int32(tile_groups),
+    )
 
 
 def shared_prefix_batch(
@@ -339,12 +352,11 @@ def test_several_prefixes_cascade_in_one_call() -> None:
     shares[16] = block_size  # the last group's second decode shares the first page only
     tile_rows, tile_groups = prefix_tiles(members, group_size, num_tiles=6)
     assert tile_groups == [0, 0, 1, 2, -1, -1] and len(tile_rows) == 6 * per_tile
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
     cascade_args = dict(
-        prefix_lens=as_tensor(shares),
+        prefix_lens=int32(shares),
         prefix_pages=tables[[rows[0] for rows in members]].contiguous(),
-        prefix_rows=as_tensor(tile_rows),
-        prefix_tile_groups=as_tensor(tile_groups),
+        prefix_rows=int32(tile_rows),
+        prefix_tile_groups=int32(tile_groups),
     )
     assert_matches_reference(batch, num_kv_splits=2, **cascade_args)
     # the pages are each tile's group's: hand group 1 group 2's and its decodes go wrong
@@ -377,10 +389,7 @@ def test_a_graph_s_spare_prefix_tiles_do_not_cut_the_splits(
         8, 2, [1 + 3 * i for i in range(8)], block_size=16, num_heads=4, num_kv_heads=1,
         dtype=torch.float32, seed=11,
     )  # fmt: skip
-    rows, tile_groups = prefix_tiles([list(range(8))], 4, num_tiles=4)
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    padded = dict(prefix_rows=as_tensor(rows), prefix_tile_groups=as_tensor(tile_groups))
-    assert_matches_reference(batch, num_kv_splits=1, **cascade(batch, [32] * 8), **padded)
+    assert_matches_reference(batch, num_kv_splits=1, **cascade(batch, [32] * 8, num_tiles=4))
     assert_matches_reference(batch, num_kv_splits=1, **cascade(batch, [32] * 8))
     assert grids[0][0] == 4 and grids[1][0] == 1  # the grid holds the spare tiles
     assert grids[0][2] == grids[1][2] > 1
@@ -400,7 +409,10 @@ def test_launcher_rejects_bad_arguments() -> None:
     seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
     starts = torch.tensor(batch.query_start_loc, dtype=torch.int32, device=DEVICE)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables)
-    lens, pages = cascade(batch, [16, 0]).values()
+    lens, pages, rows, tile_groups = cascade(batch, [16, 0]).values()
+    whole = dict(
+        prefix_lens=lens, prefix_pages=pages, prefix_rows=rows, prefix_tile_groups=tile_groups
+    )
     cases = [
         ("seq_lens", dict(seq_lens=seq_lens.long())),
         ("query_start_loc", dict(query_start_loc=starts[:-1])),
@@ -412,31 +424,17 @@ def test_launcher_rejects_bad_arguments() -> None:
         ("end_seq <= B", dict(end_seq=3)),
         ("after the 2 leading decodes", dict(num_decodes=2, first_seq=1)),
         ("go together", dict(prefix_lens=lens)),
-        ("prefix_lens must be 1-d int32", dict(prefix_lens=lens.long(), prefix_pages=pages)),
-        (
-            "prefix_pages must be 1-d or 2-d int32",
-            dict(prefix_lens=lens, prefix_pages=pages.long()),
-        ),
-        (
-            "prefix_pages must be 1-d or 2-d",
-            dict(prefix_lens=lens, prefix_pages=pages.view(1, 1, -1)),
-        ),
-        ("need prefix_lens", dict(prefix_rows=lens, prefix_tile_groups=lens[:1])),
-        (
-            "prefix_rows and prefix_tile_groups go together",
-            dict(prefix_lens=lens, prefix_pages=pages, prefix_rows=lens),
-        ),
+        ("go together", dict(prefix_lens=lens, prefix_pages=pages)),
+        ("go together", dict(prefix_rows=rows, prefix_tile_groups=tile_groups)),
+        ("prefix_lens must be 1-d int32", whole | dict(prefix_lens=lens.long())),
+        ("prefix_pages must be 2-d int32", whole | dict(prefix_pages=pages.long())),
+        ("prefix_pages must be 2-d", whole | dict(prefix_pages=pages[0])),
+        ("prefix_tile_groups must be 1-d", whole | dict(prefix_tile_groups=tile_groups[None])),
         (
             "must hold 32 slots for each of the 2 tiles at 2 query heads",
-            dict(
-                prefix_lens=lens,
-                prefix_pages=pages,
-                prefix_rows=lens,
-                prefix_tile_groups=lens,
-                num_decodes=1,
-            ),
+            whole | dict(prefix_rows=lens, prefix_tile_groups=lens),
         ),
-        ("sliding window", dict(prefix_lens=lens, prefix_pages=pages, sliding_window=4)),
+        ("sliding window", whole | dict(sliding_window=4)),
         ("out", dict(out=batch.q.float())),
     ]
     for message, change in cases:

@@ -141,51 +141,40 @@ def _prefix_kernel(
 
 
 def check_cascade(
-    tensors: tuple[torch.Tensor | None, ...], device: torch.device, sliding_window: int | None
-) -> None:
+    tensors: tuple[torch.Tensor | None, ...],
+    group: int,
+    device: torch.device,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``paged_attention``'s (prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups),
+    checked for ``group`` query heads a kv head: all four, or None for none."""
+    if all(tensor is None for tensor in tensors):
+        return None
     lens, pages, rows, tile_groups = tensors
-    if lens is None and pages is None:
-        if rows is not None or tile_groups is not None:
-            raise ValueError("prefix_rows and prefix_tile_groups need prefix_lens and pages")
-        return
-    if lens is None or pages is None:
-        raise ValueError("prefix_lens and prefix_pages go together")
-    if (rows is None) != (tile_groups is None):
-        raise ValueError("prefix_rows and prefix_tile_groups go together")
-    named = {"prefix_lens": (lens, "1-d"), "prefix_pages": (pages, "1-d or 2-d")}
-    if rows is not None and tile_groups is not None:
-        named |= {"prefix_rows": (rows, "1-d"), "prefix_tile_groups": (tile_groups, "1-d")}
-    for name, (tensor, dims) in named.items():
-        if f"{tensor.dim()}-d" not in dims or tensor.dtype != torch.int32:
+    if lens is None or pages is None or rows is None or tile_groups is None:
+        raise ValueError(
+            "prefix_lens, prefix_pages, prefix_rows and prefix_tile_groups go together"
+        )
+    named = (
+        ("prefix_lens", lens, 1), ("prefix_pages", pages, 2), ("prefix_rows", rows, 1),
+        ("prefix_tile_groups", tile_groups, 1),
+    )  # fmt: skip
+    for name, tensor, dims in named:
+        if tensor.dim() != dims or tensor.dtype != torch.int32:
             raise ValueError(
-                f"{name} must be {dims} int32, got {tuple(tensor.shape)} {tensor.dtype}"
+                f"{name} must be {dims}-d int32, got {tuple(tensor.shape)} {tensor.dtype}"
             )
         if tensor.device != device:
             raise ValueError(f"{name} must be on {device}, not {tensor.device}")
-    if sliding_window is not None:
-        raise ValueError("a shared prefix does not go with a sliding window")
-
-
-def cascade_tensors(
-    tensors: tuple[torch.Tensor | None, ...], num_decodes: int, group: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(lens, pages ``[G, max_blocks]``, rows, tile groups) of a checked cascade, if any;
-    without row tiles, all ``num_decodes`` decodes are one group, laid out on the device."""
-    lens, pages, rows, tile_groups = tensors
-    if lens is None or pages is None:
-        return None
-    if rows is None or tile_groups is None:
-        num_tiles = max_prefix_tiles(num_decodes, 1, group)
-        rows = torch.arange(num_tiles * prefix_seqs_per_tile(group), device=device)
-        rows = rows.masked_fill_(rows >= num_decodes, -1).to(torch.int32)
-        tile_groups = torch.zeros(num_tiles, dtype=torch.int32, device=device)
-    elif rows.numel() != tile_groups.numel() * prefix_seqs_per_tile(group):
+    if rows.numel() != tile_groups.numel() * prefix_seqs_per_tile(group):
         raise ValueError(
             f"prefix_rows must hold {prefix_seqs_per_tile(group)} slots for each of the "
             f"{tile_groups.numel()} tiles at {group} query heads a kv head "
             f"(prefix_tiles), got {rows.numel()}"
         )
-    return lens, pages.view(-1, pages.shape[-1]), rows, tile_groups
+    if sliding_window is not None:
+        raise ValueError("a shared prefix does not go with a sliding window")
+    return lens, pages, rows, tile_groups
 
 
 def prefix_num_splits(
@@ -214,7 +203,7 @@ def launch_prefix(
     v_cache: torch.Tensor,
     scale_args: tuple[torch.Tensor | None, ...],  # k_scale, v_scale (placeholders if not fp8)
     scale_strides: tuple[int, ...],
-    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # cascade_tensors
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # check_cascade's
     part_out: torch.Tensor,  # [num_decodes, Hq, part_stride, BLOCK_D] float32
     part_lse: torch.Tensor,  # [num_decodes, Hq, part_stride] float32
     *,

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from kernels.attention.cascade_triton import (
-    cascade_tensors,
     check_cascade,
     launch_prefix,
     prefix_num_splits,
@@ -221,16 +220,15 @@ def paged_attention(
     moves the int32 pointers by ``4 * s`` bytes, and Triton compiles another kernel for a
     pointer off 16-byte alignment (1.6-1.8 s on an H100, inside whatever step first meets it).
 
-    ``prefix_lens``, ``prefix_pages``: a cascade decode (the module docstring), both or
-    neither. ``prefix_pages: [G, max_blocks]`` (or ``[max_blocks]``, one group) int32 are the
-    pages of the prefixes that groups of decodes share; ``prefix_lens: [>= num_decodes]`` int32
-    gives each decode's share of its group's, in tokens: whole pages that its own block table
-    names as its group's row does, none of them holding its last token (below its
-    ``seq_len``), or 0. ``prefix_rows``, ``prefix_tile_groups`` (both or neither): the groups'
-    decodes laid out in row tiles (``prefix_tiles``); without them, all the decodes are one
-    group. The decodes attend their shares together, then the rest of their keys alone. The
-    kernels read all four on the device: a graph captured with them replays whatever they
-    hold. Not with a sliding window.
+    ``prefix_lens``, ``prefix_pages``, ``prefix_rows``, ``prefix_tile_groups``: a cascade
+    decode (the module docstring), all four or none, int32. ``prefix_pages: [G, max_blocks]``
+    are the pages of the prefixes that groups of decodes share; ``prefix_lens: [>=
+    num_decodes]`` gives each decode's share of its group's, in tokens: whole pages that its
+    own block table names as its group's row does, none of them holding its last token (below
+    its ``seq_len``), or 0; ``prefix_rows``, ``prefix_tile_groups``: the groups' decodes laid
+    out in row tiles (``cascade_triton.prefix_tiles``). The decodes attend their shares
+    together, then the rest of their keys alone. The kernels read all four on the device: a
+    graph captured with them replays whatever they hold. Not with a sliding window.
     """
     check_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale
@@ -258,9 +256,8 @@ def paged_attention(
         raise ValueError(f"scale must be positive (it multiplies q.k), got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive token count, got {sliding_window}")
-    check_cascade(
-        (prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups), q.device, sliding_window
-    )
+    cascade = (prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups)
+    shared = check_cascade(cascade, q.shape[1] // num_kv_heads, q.device, sliding_window)
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_decodes, num_kv_heads, q.device, max_seq_len)
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
@@ -271,10 +268,6 @@ def paged_attention(
     is_fp8 = k_cache.dtype == FP8_DTYPE
     scales = (k_scale, v_scale) if is_fp8 else (None, None)
     if num_decodes > 0:  # decode
-        shared = cascade_tensors(
-            (prefix_lens, prefix_pages, prefix_rows, prefix_tile_groups), num_decodes,
-            q.shape[1] // num_kv_heads, q.device,
-        )  # fmt: skip
         _launch_decode(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, out,
             scale=scale, num_decodes=num_decodes, sliding_window=sliding_window,
