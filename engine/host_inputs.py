@@ -147,3 +147,17 @@ def padded_tables(tables: list[list[int]], table_lens: list[int]) -> np.ndarray:
     for row, table in enumerate(tables):
         padded[row, : len(table)] = table
     return padded
+
+
+def packed_int32(parts: list[np.ndarray]) -> tuple[np.ndarray, list[slice]]:
+    """``parts`` in one int32 array, for one copy to the device, and each one's slice of it.
+    Each part starts 16 bytes aligned (at a multiple of TABLE_WIDTH_MULTIPLE), as a kernel
+    handed a view of it needs to compile one variant (``padded_tables``)."""
+    slices, start = [], 0
+    for part in parts:
+        slices.append(slice(start, start + part.size))
+        start += -(-part.size // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+    packed = np.zeros(start, dtype=np.int32)
+    for part, where in zip(parts, slices, strict=True):
+        packed[where] = part.ravel()
+    return packed, slices

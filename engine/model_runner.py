@@ -13,7 +13,14 @@ from engine.attention.backend import PrefixGroup, SharedPrefix, find_shared_pref
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
-from engine.host_inputs import HostBatch, HostInputs, StepMessage, padded_tables, slots_of
+from engine.host_inputs import (
+    HostBatch,
+    HostInputs,
+    StepMessage,
+    packed_int32,
+    padded_tables,
+    slots_of,
+)
 from engine.kv_cache import KVCache
 from engine.kv_offload import PageMove
 from engine.models.llama import LlamaForCausalLM
@@ -372,19 +379,19 @@ class ModelRunner:
     def _shared_prefix(
         self, tables: np.ndarray, shares: list[int], groups: list[PrefixGroup]
     ) -> SharedPrefix:
-        """``find_shared_prefixes``' cascade on the device, its decodes in the row tiles of
-        the prefix kernel."""
+        """``find_shared_prefixes``' cascade on the device (one copy), its decodes in the row
+        tiles of the prefix kernel."""
         from kernels.attention.cascade_triton import prefix_tiles
 
         rows, tile_groups = prefix_tiles(
             [group.decodes for group in groups], self.model.arch.num_q_per_kv
         )
-        return SharedPrefix(
-            lens=self._tensor(shares, torch.int32),
-            pages=self._to_device(tables[[group.row for group in groups]]),
-            rows=self._tensor(rows, torch.int32),
-            tile_groups=self._tensor(tile_groups, torch.int32),
-        )
+        pages = tables[[group.row for group in groups]]  # [G, W]
+        parts = [np.asarray(values, dtype=np.int32) for values in (shares, rows, tile_groups)]
+        packed, slices = packed_int32([*parts, pages])
+        on_device = self._to_device(packed)
+        lens, rows_t, groups_t, pages_t = (on_device[where] for where in slices)
+        return SharedPrefix(lens, pages_t.view(pages.shape), rows_t, groups_t)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)

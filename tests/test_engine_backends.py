@@ -199,6 +199,20 @@ def test_a_step_s_shared_prefix_is_the_pages_most_decodes_begin_with(
     assert padded_tables(tables, [4, 4, 5, 2]).shape == (4, 8)  # rows 16-byte aligned
 
 
+def test_a_cascade_goes_to_the_device_in_one_array_of_aligned_parts() -> None:
+    """``packed_int32``: each part back whole from its slice, each starting 16 bytes aligned
+    (a kernel handed a misaligned view compiles another variant)."""
+    import numpy as np
+
+    from engine.host_inputs import packed_int32
+
+    parts = [np.arange(5), np.arange(3) + 10, np.array([7]), np.arange(8).reshape(2, 4) + 20]
+    packed, slices = packed_int32(parts)
+    assert packed.dtype == np.int32 and [where.start for where in slices] == [0, 8, 12, 16]
+    for part, where in zip(parts, slices, strict=True):
+        assert packed[where].tolist() == part.ravel().tolist()
+
+
 def test_an_unknown_prefill_attention_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.attention import backend
 
