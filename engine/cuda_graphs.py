@@ -88,15 +88,18 @@ class _StaticInputs:
             prefix_tile_groups=torch.full((num_tiles,), -1, dtype=torch.int32, device=device),
         )
 
+    @property
+    def prefix_rows_per_tile(self) -> int:
+        return self.prefix_rows.shape[0] // max(self.prefix_tile_groups.shape[0], 1)
+
     def metadata(self, batch: int, max_seq_len: int, prefix_tiles: int = 0) -> AttentionMetadata:
         """Of the first ``batch`` rows; a cascade's over ``prefix_tiles`` row tiles, if any."""
         shared_prefix = None
         if prefix_tiles:
-            per_tile = self.prefix_rows.shape[0] // self.prefix_tile_groups.shape[0]
             shared_prefix = SharedPrefix(
                 lens=self.prefix_lens[:batch],
                 pages=self.prefix_pages,
-                rows=self.prefix_rows[: prefix_tiles * per_tile],
+                rows=self.prefix_rows[: prefix_tiles * self.prefix_rows_per_tile],
                 tile_groups=self.prefix_tile_groups[:prefix_tiles],
             )
         return AttentionMetadata(
@@ -260,5 +263,4 @@ class DecodeGraphs:
         static.prefix_tile_groups[:num_tiles].copy_(prefix.tile_groups)
         static.prefix_tile_groups[num_tiles:tiles].fill_(-1)
         static.prefix_rows[:num_rows].copy_(prefix.rows)
-        per_tile = static.prefix_rows.shape[0] // static.prefix_tile_groups.shape[0]
-        static.prefix_rows[num_rows : tiles * per_tile].fill_(-1)
+        static.prefix_rows[num_rows : tiles * static.prefix_rows_per_tile].fill_(-1)
