@@ -6,7 +6,7 @@ sequences share a prompt prefix (CUDA only).
 For llama3-8b's heads (32 over 8 KV heads) and qwen3-0.6b's (16 over 8), batches of 16 to 256
 decodes over a shared prefix of 512 to 4,096 tokens, each with a suffix of its own (1 to 384
 tokens, seeded): the plain call (each sequence reads the prefix, the engine's split count)
-against ``prefix_lens``/``prefix_pages`` (the prefix attended once per tile of queries), both checked
+against the cascade (``prefix_*``: the prefix attended once per tile of queries), both checked
 against each other; then steps of 64 and 256 decodes taking turns over four 2,048-token
 prefixes (four tenants' system prompts: the cascade's groups). Prints microseconds per call replayed from a CUDA graph (as the engine's
 decode steps run), the speedup, the eager calls' times (a mixed step's, the host's launches
