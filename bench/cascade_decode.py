@@ -9,9 +9,9 @@ tokens, seeded): the plain call (each sequence reads the prefix, the engine's sp
 against the cascade (``prefix_*``: the prefix attended once per tile of queries), both checked
 against each other; then steps of 64 and 256 decodes taking turns over four 2,048-token
 prefixes (four tenants' system prompts: the cascade's groups). Prints microseconds per call
-replayed from a CUDA graph (as the engine's decode steps run), the speedup, the eager calls' times (a mixed step's, the host's launches
-included), and the bandwidth of the bytes the step must read at least (the prefix once, every
-suffix once) against a device copy's.
+replayed from a CUDA graph (as the engine's decode steps run), the speedup, the eager calls'
+times (a mixed step's, the host's launches included), and the bandwidth of the bytes the step
+must read at least (each prefix once, every suffix once) against a device copy's.
 """
 
 from __future__ import annotations
