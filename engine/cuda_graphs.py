@@ -46,6 +46,27 @@ def batch_size_buckets(max_rows: int) -> list[int]:
     return sorted({*buckets, max_rows})
 
 
+def decode_graph_scratch_bytes(
+    model: LlamaForCausalLM, max_rows: int, max_seq_len: int, device: torch.device, cascade: bool
+) -> int:
+    """The most split-KV partials one layer's attention holds in any graph that
+    ``DecodeGraphs`` captures for these settings. The graphs share one pool, and the memory
+    profile's decode (one-token contexts) never splits, so the plan adds this to its reserve:
+    some 13 MB for llama3-8b's cascade at 256 rows."""
+    backend, arch = model.attention_backend, model.arch
+    worst = 0
+    for bucket in batch_size_buckets(max_rows):
+        variants = (False, True) if cascade and bucket >= CASCADE_MIN_DECODES else (False,)
+        for bound in backend.decode_graph_contexts(bucket, arch.num_kv_heads, device, max_seq_len):
+            for with_prefix in variants:
+                scratch = backend.decode_scratch_bytes(
+                    bucket, arch.num_heads, arch.num_kv_heads, arch.head_dim, device, bound,
+                    with_prefix,
+                )  # fmt: skip
+                worst = max(worst, scratch)
+    return worst
+
+
 @dataclass
 class _StaticInputs:
     """The buffers every captured graph reads; sized for the largest bucket."""

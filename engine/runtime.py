@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.block_manager import BlockManager, HostBlockPool
 from engine.config import EngineConfig
+from engine.cuda_graphs import decode_graph_scratch_bytes
 from engine.distributed.group import TensorParallelGroup
 from engine.errors import ConfigError
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -158,6 +159,11 @@ def build_runtime(
         peak_bytes, graph_bytes = _measure_peaks(
             config, loaded, spec, sampler, max_model_len, device, use_graphs
         )
+        if use_graphs:  # the graphs' attention partials, which the profile's decode lacks
+            graph_bytes += decode_graph_scratch_bytes(
+                loaded.model, config.decode_graph_rows(), max_model_len, device,
+                _cascade(config, backend),
+            )  # fmt: skip
         arch = loaded.model.arch  # this rank's heads
         peak_bytes += backend.prefill_workspace_bytes(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, dtype, max_model_len,
@@ -183,8 +189,9 @@ def build_runtime(
         tenant_page_quotas=config.tenant_page_quotas,
         host_cache=host_cache,
     )
-    cascade = config.cascade_attention and backend.takes_shared_prefix
-    runner = ModelRunner(loaded.model, kv_cache, sampler, device, group, cascade=cascade)
+    runner = ModelRunner(
+        loaded.model, kv_cache, sampler, device, group, cascade=_cascade(config, backend)
+    )
     if use_graphs:
         runner.capture_cuda_graphs(
             config.decode_graph_rows(), max_model_len, config.piecewise_graph_tokens()
@@ -319,6 +326,11 @@ def _measure_peaks(
             "on the GPU beside the weights: lower --max-batched-tokens or --max-seqs"
         ) from exc
     return peak_bytes, graph_bytes
+
+
+def _cascade(config: EngineConfig, backend: AttentionBackend) -> bool:
+    """Whether steps attend shared prefixes as a cascade (and graphs are captured with it)."""
+    return config.cascade_attention and backend.takes_shared_prefix
 
 
 def _graphs_enabled(config: EngineConfig, backend: AttentionBackend, device: torch.device) -> bool:

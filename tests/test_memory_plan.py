@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from engine.attention.backend import TorchAttentionBackend, TritonAttentionBackend
 from engine.config import EngineConfig
+from engine.cuda_graphs import decode_graph_scratch_bytes
 from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec
+from engine.loader.dummy import dummy_hf_config
 from engine.memory import GIB, MIB, MemoryProfile, log_plan, plan_pool
+from engine.models.arch import ModelArch
+from kernels.attention.paged_attention_triton import UNSPLIT_MAX_CONTEXT, decode_scratch_bytes
 
 # 2 layers x 2 (k/v) x 4 heads x 64 dims x 2 bytes = 2 KiB per token, 32 KiB per 16-token page
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.bfloat16)
@@ -80,3 +88,22 @@ def test_log_line_says_what_fits(caplog: pytest.LogCaptureFixture) -> None:
     assert f"{tokens // 4096} sequences of 4096 tokens fit" in line
     assert "activation peak 3.00 GiB" in line
     assert plan.budget_bytes <= 52 * GIB and plan.budget_bytes > 51 * GIB - MIB
+
+
+def test_graph_reserve_holds_the_decode_graphs_attention_partials() -> None:
+    """The memory profile's decode has one-token contexts, which never split. A graph of
+    long contexts splits its keys, and a cascade's graph its prefix too: the partials come
+    out of the graphs' pool, so the reserve counts the largest (one kv head: the CPU's
+    nominal four SMs split it as a GPU's many split more heads)."""
+    arch = ModelArch.from_hf_config(dummy_hf_config("llama3-8b"))
+    arch = dataclasses.replace(arch, num_heads=4, num_kv_heads=1)
+    model: Any = SimpleNamespace(attention_backend=TritonAttentionBackend(), arch=arch)
+    cpu = torch.device("cpu")
+    plain = decode_graph_scratch_bytes(model, 64, 8192, cpu, cascade=False)
+    with_cascade = decode_graph_scratch_bytes(model, 64, 8192, cpu, cascade=True)
+    assert decode_graph_scratch_bytes(model, 64, UNSPLIT_MAX_CONTEXT, cpu, cascade=False) == 0
+    assert 0 < plain < with_cascade
+    largest_cascade = decode_scratch_bytes(64, 4, 1, arch.head_dim, cpu, 8192, cascade=True)
+    assert with_cascade >= largest_cascade > 0
+    model.attention_backend = TorchAttentionBackend()  # the reference never splits
+    assert decode_graph_scratch_bytes(model, 64, 8192, cpu, cascade=True) == 0

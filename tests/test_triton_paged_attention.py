@@ -395,6 +395,37 @@ def test_a_graph_s_spare_prefix_tiles_do_not_cut_the_splits(
     assert grids[0][2] == grids[1][2] > 1
 
 
+@pytest.mark.parametrize(
+    ("num_kv_splits", "with_prefix"), [(1, False), (4, False), (1, True), (2, True)]
+)
+def test_decode_scratch_bytes_counts_what_the_decode_allocates(
+    monkeypatch: pytest.MonkeyPatch, num_kv_splits: int, with_prefix: bool
+) -> None:
+    """The memory plan reserves ``decode_scratch_bytes`` for a graph's attention partials:
+    it must be what a launch at the default split count allocates, the cascade's included."""
+    module = KERNELS["paged_attention_triton"]
+    real = module._allocate_partials
+    allocated: list[int] = []
+
+    def recording(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = real(*args)
+        allocated.append(sum(part.numel() * part.element_size() for part in parts))
+        return parts  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(module, "_allocate_partials", recording)
+    monkeypatch.setattr(module, "default_num_kv_splits", lambda *args: num_kv_splits)
+    batch = shared_prefix_batch(
+        8, 2, [1 + 3 * i for i in range(8)], block_size=16, num_heads=4, num_kv_heads=1,
+        head_dim=24, dtype=torch.float32, seed=12,
+    )  # fmt: skip
+    args = cascade(batch, [32] * 8, num_tiles=4) if with_prefix else {}
+    max_seq_len = max(batch.seq_lens)
+    assert_matches_reference(batch, max_seq_len=max_seq_len, **args)
+    expected = module.decode_scratch_bytes(8, 4, 1, 24, batch.q.device, max_seq_len, with_prefix)
+    assert sum(allocated) == expected
+    assert (expected > 0) == (num_kv_splits > 1 or with_prefix)
+
+
 def test_prefix_tiles_lay_each_group_out_in_whole_tiles() -> None:
     rows, groups = prefix_tiles([[5, 1], [0, 2, 3]], 32)  # two decodes a tile
     assert (rows, groups) == ([5, 1, 0, 2, 3, -1], [0, 1, 1])

@@ -210,6 +210,15 @@ class AttentionBackend(Protocol):
         replays the first that holds its longest context."""
         ...
 
+    def decode_scratch_bytes(
+        self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        device: torch.device, max_seq_len: int, cascade: bool,
+    ) -> int:  # fmt: skip
+        """Bytes a layer's attention holds for a decode of ``num_seqs`` rows with contexts
+        up to ``max_seq_len`` (``cascade``: over a shared prefix) beyond what a decode of
+        one-token contexts holds: the split-KV partials."""
+        ...
+
     @property
     def prefill_attention(self) -> str:
         """What attends prefill chunks now: ``torch``, ``triton``, ``sdpa`` or ``sdpa-exact``."""
@@ -253,6 +262,12 @@ class TorchAttentionBackend:
         self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
     ) -> list[int]:
         return [max_seq_len]
+
+    def decode_scratch_bytes(
+        self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        device: torch.device, max_seq_len: int, cascade: bool,
+    ) -> int:  # fmt: skip
+        return 0  # the reference does not split
 
     def prefill_workspace_bytes(
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -355,6 +370,16 @@ class TritonAttentionBackend:
         self, num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int
     ) -> list[int]:
         return self._decode_graph_contexts(num_seqs, num_kv_heads, device, max_seq_len)
+
+    def decode_scratch_bytes(
+        self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        device: torch.device, max_seq_len: int, cascade: bool,
+    ) -> int:  # fmt: skip
+        from kernels.attention.paged_attention_triton import decode_scratch_bytes
+
+        return decode_scratch_bytes(
+            num_seqs, num_heads, num_kv_heads, head_dim, device, max_seq_len, cascade
+        )
 
     def prefill_workspace_bytes(
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

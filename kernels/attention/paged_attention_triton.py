@@ -303,6 +303,35 @@ def default_num_kv_splits(
     return min(MAX_KV_SPLITS, 1 << (wanted.bit_length() - 1))
 
 
+def decode_scratch_bytes(
+    num_decodes: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+    max_seq_len: int, cascade: bool = False,
+) -> int:  # fmt: skip
+    """Bytes of the split partials that a decode of ``num_decodes`` rows at the default split
+    count for the bound ``max_seq_len`` allocates (with ``cascade``, its prefix's splits
+    too). They live for one layer's attention; what a captured decode graph holds at its peak
+    beyond a one-token step's temporaries, which never split."""
+    num_splits = default_num_kv_splits(num_decodes, num_kv_heads, device, max_seq_len)
+    if cascade:
+        group = num_heads // num_kv_heads
+        num_splits += prefix_num_splits(num_decodes, group, num_kv_heads, max_seq_len, device)
+    if num_splits <= 1:
+        return 0  # the decode writes its output directly
+    return num_decodes * num_heads * num_splits * (pow2_at_least(head_dim, 16) + 1) * 4
+
+
+def _allocate_partials(
+    num_decodes: int, num_heads: int, part_stride: int, block_d: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's float32 output and log-sum-exp, for the reduction (``decode_scratch_bytes``
+    counts them)."""
+    part_out = torch.empty(
+        num_decodes, num_heads, part_stride, block_d, dtype=torch.float32, device=device
+    )
+    part_lse = torch.empty(num_decodes, num_heads, part_stride, dtype=torch.float32, device=device)
+    return part_out, part_lse
+
+
 def _decode_block_n(block_d: int, element_size: int) -> int:
     """Tokens per tile: DECODE_TILE_BYTES of one head's K (fp8 pools get twice the tokens)."""
     return max(16, min(128, DECODE_TILE_BYTES // (block_d * element_size)))
@@ -343,11 +372,8 @@ def _launch_decode(
     part_stride = num_splits + prefix_splits
     part_out = part_lse = out  # placeholders when the decode writes `out` directly
     if part_stride > 1:
-        part_out = torch.empty(
-            num_decodes, num_heads, part_stride, block_d, dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(
-            num_decodes, num_heads, part_stride, dtype=torch.float32, device=q.device
+        part_out, part_lse = _allocate_partials(
+            num_decodes, num_heads, part_stride, block_d, q.device
         )
     if prefix is not None:
         launch_prefix(
