@@ -6,6 +6,7 @@ ranks that were gone or stuck, forever (issue 28)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
 import signal
 from concurrent.futures import ProcessPoolExecutor
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.distributed.ranks import exit_with_parent
 from tests.conftest import random_prompts
 from tests.test_tensor_parallel_exit import (
     ExitRun,
@@ -52,7 +54,10 @@ def _tokens_and_sums(model: str, **settings: object) -> tuple[list[list[int]], b
     if settings.get("tensor_parallel_size", 1) == 1:
         return _run_tokens_and_sums(model, **settings)
     spawn = multiprocessing.get_context("spawn")  # the environment as the test set it
-    with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
+    # a killed pytest must not leave the engine (and its ranks) holding the GPUs (two H100s)
+    with ProcessPoolExecutor(
+        1, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),)
+    ) as fresh:
         return fresh.submit(_run_tokens_and_sums, model, **settings).result(timeout=300)
 
 

@@ -12,6 +12,7 @@ An interrupted step hangs on gloo too: rank 0 then sent the stop message on the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -162,3 +163,54 @@ def test_a_rank_killed_mid_generation_is_an_error_and_the_process_ends() -> None
         rf"EngineDeadError: tensor-parallel rank 1 \(pid {pid}\) exited with code -9", run.output
     )
     assert_ended_in_order(run, "-9", after="decoding")
+
+
+# Runs the exit script as its child and passes its lines on: the test kills this process as a
+# time limit kills pytest, with no chance to stop its children
+PARENT = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-m", "tests.tp_exit_script", "wait-for-ctrl-c"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+print("script", child.pid, flush=True)
+for line in child.stdout:
+    print(line, end="", flush=True)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's new parent may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_an_engine_whose_parent_is_killed_ends_with_its_ranks() -> None:
+    """A test's engine process outlived a killed pytest and held 70 GiB of an H100: the
+    exit script (and the two-GPU tests' engine process) end within moments of their parent,
+    and their ranks with them."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    run = ExitRun()
+    reader = threading.Thread(target=_read_lines, args=(parent, run), daemon=True)
+    reader.start()
+    try:
+        _wait_for_line(run, "decoding", parent)
+        script = int(re.search(r"^script (\d+)$", run.output, re.M).group(1))  # type: ignore[union-attr]
+        pids = [script, *run.rank_pids]
+        assert len(pids) == 2 and all(map(_running, pids)), run.output[-4000:]
+        parent.kill()
+        deadline_s = time.monotonic() + 10.0
+        while any(map(_running, pids)) and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+        left = [pid for pid in pids if _running(pid)]
+        assert not left, f"{left} outlived their killed parent"
+    finally:  # whatever is left of the group, the script and its rank included
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+        reader.join(5)
+        assert parent.stdout is not None
+        parent.stdout.close()

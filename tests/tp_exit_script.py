@@ -26,6 +26,7 @@ import signal
 from typing import Any
 
 from engine import LLM, LLMEngine, SamplingParams
+from engine.distributed.ranks import exit_with_parent
 
 SCENARIOS = ("shutdown", "fall-off", "interrupt-step", "wait-for-ctrl-c", "kill-rank")
 NUM_STEPS_BEFORE = 3  # decode steps before the interruption: the ranks are mid-generation
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> LLM:
     # (as `.ci/run &` is) hands its children SIGINT ignored, and Python then installs no
     # KeyboardInterrupt handler: the Ctrl-C scenarios would decode forever
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # a killed pytest (a call's time limit) must not leave this engine holding the GPUs
+    exit_with_parent(os.getppid())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank 0 %(name)s: %(message)s")
     # on a GPU, a small engine: few CUDA graphs to capture on each rank (a minute otherwise)
     small: dict[str, Any] = (

@@ -15,16 +15,14 @@ import os
 import pickle
 import signal
 import sys
-import threading
-import time
 
 import torch
 
 from engine.distributed.group import TensorParallelGroup
 from engine.distributed.ranks import (
     LEAVE_TIMEOUT_S,
-    WATCH_INTERVAL_S,
     RankSpec,
+    exit_with_parent,
     join_ranks,
     rank_device,
     run_bounded,
@@ -36,14 +34,6 @@ from engine.model_runner import ModelRunner
 from engine.runtime import build_prefill_shapes, setup_rank
 
 logger = logging.getLogger("pagestream.engine")
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """A rank outlives rank 0 by at most a moment (it may be stuck in a collective)."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(WATCH_INTERVAL_S)
 
 
 def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> None:
@@ -72,7 +62,7 @@ def rank_main(spec: RankSpec) -> int:
     logging.basicConfig(
         level=spec.log_level, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s"
     )
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    exit_with_parent(spec.parent_pid)  # a rank outlives rank 0 by at most a moment
     config = spec.config
     device = rank_device(config, spec.rank)
     if device.type == "cuda":

@@ -56,6 +56,18 @@ LEAVE_TIMEOUT_S = 5.0  # aborting a rank's communicators
 ENGINE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds `engine/`
 
 
+def exit_with_parent(parent_pid: int) -> None:
+    """Exit this process (code 1) within WATCH_INTERVAL_S of ``parent_pid``'s end, whatever
+    it is doing: a rank may be stuck in a collective, an engine's process in a step."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(WATCH_INTERVAL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 @dataclass(frozen=True)
 class RankSpec:
     """What a rank process needs to join: the engine's settings and where to meet."""
