@@ -379,14 +379,15 @@ moe_mixtral() {  # two GPUs, vLLM with its MoE extension: mixtral-8x7b TP2, the 
         --output-json "$OUT/throughput-mixtral-8x7b-tp2-vs-vllm-$(card).json"
 }
 prefetch() {  # the GEMVs' weights asked into L2 before they wait (PAGESTREAM_PDL_PREFETCH_BYTES):
-    # its GPU test, then batch-1 and -8 TPOT at budgets of none, part of a row, all of it; on two
-    # GPUs llama3-8b and llama3-70b TP2 too (latency-MODEL[-tp2]-prefetch-BYTES-CARD.json)
+    # its GPU test, then batch-1 and -8 TPOT at budgets of none, part of a row, all of it
+    # (qwen3-0.6b, llama3-8b, and qwen3-30b-a3b's attention GEMVs); on two GPUs llama3-8b and
+    # llama3-70b TP2 too (latency-MODEL[-tp2]-prefetch-BYTES-CARD.json)
     log gemv prefetch
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k prefetch || return 1
     local latency=("${PS[@]}" bench latency --batch-sizes 1,8 --max-model-len 4096 --no-progress)
     local bytes model
     for bytes in 0 4096 65536; do
-        for model in qwen3-0.6b llama3-8b; do
+        for model in qwen3-0.6b llama3-8b qwen3-30b-a3b; do
             PAGESTREAM_PDL_PREFETCH_BYTES=$bytes "${latency[@]}" --model "dummy:$model" \
                 --output-json "$OUT/latency-$model-prefetch-$bytes-$(card).json"
         done
