@@ -386,7 +386,7 @@ prefetch() {  # the GEMVs' weights asked into L2 before they wait (PAGESTREAM_PD
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k prefetch || return 1
     local latency=("${PS[@]}" bench latency --batch-sizes 1,8 --max-model-len 4096 --no-progress)
     local bytes model
-    for bytes in 0 4096 65536; do
+    for bytes in ${PREFETCH_BUDGETS:-0 4096 65536}; do  # split over calls if need be
         for model in qwen3-0.6b llama3-8b qwen3-30b-a3b; do
             PAGESTREAM_PDL_PREFETCH_BYTES=$bytes "${latency[@]}" --model "dummy:$model" \
                 --output-json "$OUT/latency-$model-prefetch-$bytes-$(card).json"
