@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,27 @@ def batch_size_buckets(max_rows: int) -> list[int]:
     return sorted({*buckets, max_rows})
 
 
+def cascade_buckets(buckets: list[int], cascade: bool) -> list[int]:
+    """The buckets captured a second time with cascade decode (none with it off)."""
+    return [bucket for bucket in buckets if cascade and bucket >= CASCADE_MIN_DECODES]
+
+
+def graph_shapes(
+    model: LlamaForCausalLM, buckets: list[int], cascaded: list[int], max_seq_len: int,
+    device: torch.device,
+) -> Iterator[tuple[int, bool, int]]:  # fmt: skip
+    """(bucket, cascade, context bound) of every decode graph ``DecodeGraphs`` captures,
+    largest bucket first (smaller ones reuse its memory pool)."""
+    num_kv_heads = model.arch.num_kv_heads
+    for bucket in reversed(buckets):
+        bounds = model.attention_backend.decode_graph_contexts(
+            bucket, num_kv_heads, device, max_seq_len
+        )
+        for cascade in (False, True) if bucket in cascaded else (False,):
+            for bound in bounds:
+                yield bucket, cascade, bound
+
+
 def decode_graph_scratch_bytes(
     model: LlamaForCausalLM, max_rows: int, max_seq_len: int, device: torch.device, cascade: bool
 ) -> int:
@@ -54,17 +76,14 @@ def decode_graph_scratch_bytes(
     profile's decode (one-token contexts) never splits, so the plan adds this to its reserve:
     some 13 MB for llama3-8b's cascade at 256 rows."""
     backend, arch = model.attention_backend, model.arch
-    worst = 0
-    for bucket in batch_size_buckets(max_rows):
-        variants = (False, True) if cascade and bucket >= CASCADE_MIN_DECODES else (False,)
-        for bound in backend.decode_graph_contexts(bucket, arch.num_kv_heads, device, max_seq_len):
-            for with_prefix in variants:
-                scratch = backend.decode_scratch_bytes(
-                    bucket, arch.num_heads, arch.num_kv_heads, arch.head_dim, device, bound,
-                    with_prefix,
-                )  # fmt: skip
-                worst = max(worst, scratch)
-    return worst
+    buckets = batch_size_buckets(max_rows)
+    shapes = graph_shapes(model, buckets, cascade_buckets(buckets, cascade), max_seq_len, device)
+    return max(
+        backend.decode_scratch_bytes(
+            bucket, arch.num_heads, arch.num_kv_heads, arch.head_dim, device, bound, with_prefix
+        )
+        for bucket, with_prefix, bound in shapes
+    )
 
 
 @dataclass
@@ -170,8 +189,7 @@ class DecodeGraphs:
             per_tile = prefix_seqs_per_tile(group)
             self.cascade_tiles = {
                 bucket: max_prefix_tiles(bucket, CASCADE_MAX_GROUPS, group)
-                for bucket in self.buckets
-                if bucket >= CASCADE_MIN_DECODES
+                for bucket in cascade_buckets(self.buckets, cascade)
             }
         prefix_tiles = (max(self.cascade_tiles.values(), default=0), per_tile)
         self.static = _StaticInputs.allocate(self.buckets[-1], width, device, prefix_tiles)
@@ -196,27 +214,19 @@ class DecodeGraphs:
         """Capture every bucket, largest first so that smaller ones reuse its memory pool."""
         start_s = time.perf_counter()
         pool = None
-        backend = self.model.attention_backend
-        num_kv_heads = self.model.arch.num_kv_heads
-        for bucket in reversed(self.buckets):
-            bounds = backend.decode_graph_contexts(
-                bucket, num_kv_heads, self.device, self.max_seq_len
-            )
-            variants = [(False, self.graphs)]
-            if bucket in self.cascade_tiles:
-                variants.append((True, self.cascade_graphs))
-            for cascade, graphs in variants:
-                graphs[bucket] = []
-                for bound in bounds:
-                    # compiles kernels, settles autotuning first
-                    self._forward(bucket, bound, cascade=cascade)
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    mode = capture_mode(self.model)
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                        self._forward(bucket, bound, self.logits[:bucket], cascade)
-                    pool = graph.pool()
-                    graphs[bucket].append((bound, graph))
+        shapes = graph_shapes(
+            self.model, self.buckets, list(self.cascade_tiles), self.max_seq_len, self.device
+        )
+        for bucket, cascade, bound in shapes:
+            self._forward(bucket, bound, cascade=cascade)  # compiles kernels, settles autotuning
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            mode = capture_mode(self.model)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                self._forward(bucket, bound, self.logits[:bucket], cascade)
+            pool = graph.pool()
+            graphs = self.cascade_graphs if cascade else self.graphs
+            graphs.setdefault(bucket, []).append((bound, graph))
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start_s
         logger.info(

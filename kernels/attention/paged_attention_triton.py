@@ -20,6 +20,8 @@ The grids depend only on tensor shapes and host ints: the launch is CUDA-graph c
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -317,19 +319,25 @@ def decode_scratch_bytes(
         num_splits += prefix_num_splits(num_decodes, group, num_kv_heads, max_seq_len, device)
     if num_splits <= 1:
         return 0  # the decode writes its output directly
-    return num_decodes * num_heads * num_splits * (pow2_at_least(head_dim, 16) + 1) * 4
+    shapes = _partial_shapes(num_decodes, num_heads, num_splits, pow2_at_least(head_dim, 16))
+    return sum(math.prod(shape) for shape in shapes) * 4  # float32
+
+
+def _partial_shapes(
+    num_decodes: int, num_heads: int, part_stride: int, block_d: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each split's output and log-sum-exp, float32: what the reduction folds."""
+    return (num_decodes, num_heads, part_stride, block_d), (num_decodes, num_heads, part_stride)
 
 
 def _allocate_partials(
     num_decodes: int, num_heads: int, part_stride: int, block_d: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each split's float32 output and log-sum-exp, for the reduction (``decode_scratch_bytes``
-    counts them)."""
-    part_out = torch.empty(
-        num_decodes, num_heads, part_stride, block_d, dtype=torch.float32, device=device
+    out_shape, lse_shape = _partial_shapes(num_decodes, num_heads, part_stride, block_d)
+    return (
+        torch.empty(out_shape, dtype=torch.float32, device=device),
+        torch.empty(lse_shape, dtype=torch.float32, device=device),
     )
-    part_lse = torch.empty(num_decodes, num_heads, part_stride, dtype=torch.float32, device=device)
-    return part_out, part_lse
 
 
 def _decode_block_n(block_d: int, element_size: int) -> int:
