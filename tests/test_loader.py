@@ -77,3 +77,32 @@ def test_logits_into_a_callers_buffer_equal_the_plain_ones(
     out = model.compute_logits(hidden, out=buffer[:5])
     assert out.data_ptr() == buffer.data_ptr()
     torch.testing.assert_close(buffer[:5], model.compute_logits(hidden))
+
+
+@pytest.mark.parametrize("name", ["dummy:tiny", "dummy:tiny-moe"])
+def test_weights_are_allocated_once_in_the_load_dtype(name: str) -> None:
+    """A bf16 model's parameters are made in bf16: no float32 copy of the weights first,
+    which would need twice the memory (a 30B MoE model would not fit one 80 GB GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes_by_dtype: dict[torch.dtype, int] = {}
+            ops = torch.ops.aten
+            self.factories = (ops.empty, ops.empty_like, ops.empty_strided)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in self.factories and out.device.type == "cpu":
+                size = out.numel() * out.element_size()
+                self.bytes_by_dtype[out.dtype] = self.bytes_by_dtype.get(out.dtype, 0) + size
+            return out
+
+    with Allocations() as allocations:
+        loaded = load_model(name, torch.bfloat16, torch.device("cpu"), TorchAttentionBackend())
+    params = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert allocations.bytes_by_dtype.get(torch.bfloat16, 0) >= params
+    # float32 allocations: the rotary tables and the like, never the weights' size
+    assert allocations.bytes_by_dtype.get(torch.float32, 0) < params / 2

@@ -169,14 +169,16 @@ def _build(
     group: TensorParallelGroup,
     quant_plan: QuantPlan,
 ) -> LlamaForCausalLM:
-    # Build on the meta device: no time spent on random init that loading overwrites.
+    # Build on the meta device: no time spent on random init that loading overwrites. The
+    # parameters take their dtype there, so the device holds them once, in that dtype: made
+    # in float32 first, a 30B model would need 122 GB before its cast.
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, plan, group)
         swap_in_quantized(model, quant_plan)
+        # parameters only: a quantized linear's planes (buffers) keep their own dtypes
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
     model = model.to_empty(device=device)
-    # parameters only: a quantized linear's planes (buffers) keep their own dtypes
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
     model.init_rope(max_positions or arch.max_position_embeddings, device)
     return model.eval().requires_grad_(False)
 
