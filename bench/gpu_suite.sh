@@ -4,9 +4,9 @@
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
 #                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows|
-#                       matrix_budget|first_process|gemv_table|cascade|prefetch|moe_mixtral|tp4]...
+#                       matrix_budget|first_process|gemv_table|cascade|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
-# first_process, gemv_table, cascade, prefetch, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
+# first_process, gemv_table, cascade, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
 # two GPUs), and tp4 (four GPUs),
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, prefill_rows, matrix_budget, cascade, tp_vllm and
@@ -378,29 +378,6 @@ moe_mixtral() {  # two GPUs, vLLM with its MoE extension: mixtral-8x7b TP2, the 
         --max-model-len 4096 --compare vllm --no-progress \
         --output-json "$OUT/throughput-mixtral-8x7b-tp2-vs-vllm-$(card).json"
 }
-prefetch() {  # the GEMVs' weights asked into L2 before they wait (PAGESTREAM_PDL_PREFETCH_BYTES):
-    # its GPU test, then batch-1 and -8 TPOT at budgets of none, part of a row, all of it
-    # (qwen3-0.6b, llama3-8b, and qwen3-30b-a3b's attention GEMVs); on two GPUs llama3-8b and
-    # llama3-70b TP2 too (latency-MODEL[-tp2]-prefetch-BYTES-CARD.json)
-    log gemv prefetch
-    python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k prefetch || return 1
-    local latency=("${PS[@]}" bench latency --batch-sizes 1,8 --max-model-len 4096 --no-progress)
-    local bytes model
-    for bytes in ${PREFETCH_BUDGETS:-0 4096 65536}; do  # split over calls if need be
-        for model in qwen3-0.6b llama3-8b qwen3-30b-a3b; do
-            PAGESTREAM_PDL_PREFETCH_BYTES=$bytes "${latency[@]}" --model "dummy:$model" \
-                --output-json "$OUT/latency-$model-prefetch-$bytes-$(card).json"
-        done
-        if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-            for model in llama3-8b llama3-70b; do
-                PAGESTREAM_PDL_PREFETCH_BYTES=$bytes "${latency[@]}" --model "dummy:$model" \
-                    --tensor-parallel-size 2 \
-                    --output-json "$OUT/latency-$model-tp2-prefetch-$bytes-$(card).json"
-            done
-        fi
-    done
-}
-
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \

@@ -32,10 +32,6 @@ import triton.language as tl
 
 PDL_ENV = "PAGESTREAM_PDL"
 PDL_MIN_CAPABILITY = (9, 0)
-# Bytes of each weight row a GEMV program asks into L2 before it waits (0: none). Off until the
-# decode step's A/B on the GPU says what pays (bench/gpu_suite.sh prefetch).
-PREFETCH_ENV = "PAGESTREAM_PDL_PREFETCH_BYTES"
-CACHE_LINE_BYTES = 128
 
 try:  # Triton 3.4 and newer
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -60,31 +56,6 @@ def wait_for_producers(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask for the 128-byte lines at ``ptrs`` in L2, reading nothing into registers (a hint:
-    it blocks nothing and faults on nothing). A kernel launched with PDL may do this before
-    ``wait_for_producers`` for memory no kernel writes, its weights, so that their first
-    reads overlap the kernel ahead of it; L2 is where the device's writes meet, so the lines
-    are never stale. PTX: compile-time only (the interpreter has no inline assembly)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-def prefetch_elements(weight: torch.Tensor, k_per_program: int) -> int:
-    """Elements of each of its weight rows a PDL-launched program asks into L2 before it
-    waits: ``PAGESTREAM_PDL_PREFETCH_BYTES`` of them, at most ``k_per_program``, a power of
-    two of whole cache lines; 0 where PDL is off or the budget is under a line."""
-    budget = int(os.environ.get(PREFETCH_ENV, "0") or 0)
-    if budget <= 0 or not uses_pdl(weight):
-        return 0
-    line = CACHE_LINE_BYTES // weight.element_size()
-    elements = min(budget // weight.element_size(), k_per_program)
-    return 0 if elements < line else 1 << (elements.bit_length() - 1)
 
 
 def uses_pdl(x: torch.Tensor) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import pdl
 from kernels.elementwise.activation import silu_and_mul_ref
 from kernels.linear.gemv_triton import MAX_ROWS, GemvConfig, default_config, gemv
 
@@ -71,23 +70,3 @@ def test_gemv_refuses_shapes_it_cannot_take(
 ) -> None:
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace(".", r"\.")):
         gemv(torch.zeros(x_shape), torch.zeros(w_shape))
-
-
-def test_prefetch_budget_is_whole_lines_of_the_program_s_run_and_only_under_pdl(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``PAGESTREAM_PDL_PREFETCH_BYTES`` in elements of a weight row: a power of two of
-    128-byte lines, no more than a program walks; nothing without PDL (the CPU) or a budget."""
-    bf16 = torch.empty(4, 4096, dtype=torch.bfloat16)
-    monkeypatch.setattr(pdl, "uses_pdl", lambda tensor: True)
-    monkeypatch.setenv(pdl.PREFETCH_ENV, "6000")
-    assert pdl.prefetch_elements(bf16, 4096) == 2048  # 3,000 elements, down to a power of two
-    assert pdl.prefetch_elements(bf16, 1024) == 1024  # the program walks no more
-    assert pdl.prefetch_elements(bf16.float(), 4096) == 1024
-    monkeypatch.setenv(pdl.PREFETCH_ENV, "100")
-    assert pdl.prefetch_elements(bf16, 4096) == 0  # under one line
-    monkeypatch.setenv(pdl.PREFETCH_ENV, "0")
-    assert pdl.prefetch_elements(bf16, 4096) == 0
-    monkeypatch.setenv(pdl.PREFETCH_ENV, "8192")
-    monkeypatch.setattr(pdl, "uses_pdl", lambda tensor: False)
-    assert pdl.prefetch_elements(bf16, 4096) == 0

@@ -274,36 +274,6 @@ def test_gemv_at_llama3_8b_sizes_matches_torch(num_rows: int, silu_mul: bool) ->
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("prefetch_bytes", [256, 8192, 1 << 20])
-def test_gemv_with_weights_prefetched_under_pdl_matches_torch(
-    monkeypatch: pytest.MonkeyPatch, prefetch_bytes: int
-) -> None:
-    """``PAGESTREAM_PDL_PREFETCH_BYTES``: each program asks for part of its rows (two cache
-    lines, 8 KiB) or all of them before it waits; in a graph after a kernel that writes x."""
-    from kernels.linear.gemv_triton import GemvConfig, gemv
-    from kernels.pdl import PREFETCH_ENV, prefetch_elements, uses_pdl
-
-    monkeypatch.setenv(PREFETCH_ENV, str(prefetch_bytes))
-    gen = torch.Generator("cuda").manual_seed(prefetch_bytes)
-    source = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-    weight = 0.02 * torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-    wanted = min(prefetch_bytes // 2, 4096) if uses_pdl(weight) else 0  # PDL: Hopper and newer
-    assert prefetch_elements(weight, 4096) == wanted
-    x, out = torch.empty_like(source), torch.empty(1, 6144, device="cuda", dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for config in (None, GemvConfig(block_n=1, block_k=2048, num_warps=1, num_stages=2),
-                       GemvConfig(block_n=16, block_k=512, split_k=2)):  # fmt: skip
-            torch.mul(source, 2.0, out=x)  # the kernel ahead writes x
-            gemv(x, weight, config=config, out=out)
-            out.add_(0)  # and one that reads the GEMV's output
-    graph.replay()
-    torch.cuda.synchronize()
-    expected = (2.0 * source).float() @ weight.float().T
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * scale)
-
-
 def test_the_gemv_lm_head_gives_cublas_logits_at_batch_one() -> None:
     model = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=512).engine.runner.model
     gen = torch.Generator("cuda").manual_seed(5)

@@ -15,12 +15,6 @@ A program owns ``BLOCK_N`` output columns (rows of ``w``) for all ``M <= MAX_ROW
   3. ``acc[m, n] += sum_k x[m, k] * w[n, k]`` in fp32
 and stores ``acc`` in the output dtype. ``SPLIT_K > 1`` splits ``K`` over programs that add
 their fp32 partial sums atomically into a zeroed fp32 buffer (more programs for short ``N``).
-
-Launched as a programmatic dependent (``kernels/pdl.py``), a program may first ask for the
-first ``PREFETCH_K`` elements of each of its weight rows in L2 (``PAGESTREAM_PDL_PREFETCH_BYTES``
-of a row), then wait for the kernel ahead: at one row a decode step is a chain of short
-kernels (a norm, an all-reduce, attention), and the weights no kernel writes may stream in
-while the one ahead ends.
 """
 
 from __future__ import annotations
@@ -32,13 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.linear.common import k_split, rows_pad, split_k_target, store_split_k, tile_offsets
-from kernels.pdl import (
-    CACHE_LINE_BYTES,
-    pdl_launch,
-    prefetch_elements,
-    prefetch_l2,
-    wait_for_producers,
-)
+from kernels.pdl import pdl_launch, wait_for_producers
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # rows of x a GEMV program carries; larger batches use a GEMM
@@ -73,20 +61,14 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_K: tl.constexpr = 0,  # with PDL: elements of each weight row asked into L2 first
-    LINE: tl.constexpr = 64,  # elements of w in a cache line (prefetch_elements)
 ):
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
-    k_start, k_per_split = k_split(pid_k, K, BLOCK_K, SPLIT_K)
-    if PDL and PREFETCH_K > 0:  # the weights: no kernel before this one writes them
-        cols = tl.minimum(k_start + tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1)
-        rows = tl.minimum(offs_n, N - 1)
-        prefetch_l2(w_ptr + rows[:, None] * stride_wn + cols[None, :])
-    wait_for_producers(PDL)
     offs_m = tl.arange(0, M_PAD)
     mask_m = offs_m < M
+    k_start, k_per_split = k_split(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -128,15 +110,12 @@ def gemv(
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     target = split_k_target(out, cfg.split_k)
     grid = (triton.cdiv(num_cols, cfg.block_n), cfg.split_k)
-    k_per_program = triton.cdiv(size_k, cfg.block_k * cfg.split_k) * cfg.block_k
     _gemv_kernel[grid](
         x, weight, target, num_rows, num_cols, size_k,
         x.stride(0), weight.stride(0), target.stride(0),
         M_PAD=rows_pad(num_rows), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU_MUL=silu_mul,
         EVEN_K=size_k % (cfg.block_k * cfg.split_k) == 0,
-        PREFETCH_K=prefetch_elements(weight, k_per_program),
-        LINE=CACHE_LINE_BYTES // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
     )  # fmt: skip
     if target is not out:
