@@ -15,8 +15,8 @@ launch shape per linear.
 head split their outputs, o and down their inputs). ``--install`` writes, per linear, the
 fastest of cuBLAS and the GEMV's launch shapes into ``kernels/linear/gemv_configs.json`` for
 this GPU, where it beats the engine's current choice by more than ``INSTALL_MARGIN`` (without
-an entry: the GEMV for o, down with the activation and the LM head; cuBLAS for qkv and
-gate_up).
+an entry: the GEMV for o, down with the activation, a router and the LM head; cuBLAS for
+qkv and gate_up).
 """
 
 from __future__ import annotations
@@ -101,12 +101,14 @@ INSTALL_MARGIN = 0.03  # a choice must beat the current one by this much (noise)
 
 def engine_default(linear: str, num_cols: int, size_k: int) -> GemvConfig | None:
     """What the engine runs ``linear`` on where the table says nothing (``None``: cuBLAS):
-    the GEMV for o, down (the activation fused) and the LM head, cuBLAS for qkv, gate_up and
-    a mixture of experts' router."""
-    from engine.models.linears import LAYER_GEMV_CONFIG
+    the GEMV for o, down (the activation fused), a mixture of experts' router and the LM
+    head, cuBLAS for qkv and gate_up."""
+    from engine.models.linears import LAYER_GEMV_CONFIG, ROUTER_GEMV_CONFIG
 
     if linear in ("o", "down+silu"):
         return LAYER_GEMV_CONFIG
+    if linear == "router":
+        return ROUTER_GEMV_CONFIG
     if linear == "lm_head":
         return default_config(num_cols, size_k)
     return None

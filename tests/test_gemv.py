@@ -70,3 +70,20 @@ def test_gemv_refuses_shapes_it_cannot_take(
 ) -> None:
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace(".", r"\.")):
         gemv(torch.zeros(x_shape), torch.zeros(w_shape))
+
+
+@pytest.mark.parametrize(("num_experts", "hidden"), [(8, 96), (24, 2048), (8, 2560)])
+def test_the_router_s_default_launch_shape_gives_torch_s_logits(
+    num_experts: int, hidden: int
+) -> None:
+    """``ROUTER_GEMV_CONFIG`` (a program per expert, 2,048-wide K tiles) over a hidden size
+    under one tile, exactly one, and one and a bit: the router logits of a decode row."""
+    from bench.gemv import engine_default
+    from engine.models.linears import ROUTER_GEMV_CONFIG
+
+    assert engine_default("router", num_experts, hidden) is ROUTER_GEMV_CONFIG
+    gen = torch.Generator().manual_seed(num_experts + hidden)
+    x = torch.randn(1, hidden, generator=gen)
+    weight = torch.randn(num_experts, hidden, generator=gen)
+    got = gemv(x.to(DEVICE), weight.to(DEVICE), config=ROUTER_GEMV_CONFIG).cpu()
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-4, atol=1e-3)

@@ -20,6 +20,10 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # one row, weights not in L2: o_proj 13.9-14.8 us against cuBLAS's 16.0, down 42.3 against
 # 44.4 (and the activation kernel folds into it); the batch-1 decode step 6.26 -> 6.10 ms.
 LAYER_GEMV_CONFIG = GemvConfig(block_n=8, block_k=1024)
+# A mixture of experts' router (a few hundred outputs at most): a program per expert, where
+# cuBLAS runs a handful of tiles. H100, qwen3-30b-a3b's 128 x 2048, one row, from memory:
+# 1.77 us against cuBLAS's 5.32 (gemv-qwen3-30b-a3b-tp1-h100.json).
+ROUTER_GEMV_CONFIG = GemvConfig(block_n=1, block_k=2048, num_warps=2, num_stages=3)
 
 
 def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -51,12 +55,13 @@ def input_linear(
     x: torch.Tensor | Int8Rows,
     linear: nn.Module,
     out: torch.Tensor | None = None,  # [T, out_features], contiguous (``linear_into``)
+    default: GemvConfig | None = None,  # where the table has no row: None for cuBLAS
 ) -> torch.Tensor:  # [T, out_features]: ``out`` where given
-    """``linear(x)`` for qkv, gate_up and a MoE router: cuBLAS, or the GEMV where
-    ``bench.gemv --install`` measured a launch shape of it faster than cuBLAS on this GPU (one
+    """``linear(x)`` for qkv, gate_up and a MoE router: cuBLAS (or ``default``), or the GEMV
+    where ``bench.gemv --install`` measured a launch shape of it faster on this GPU (one
     rank's shard of a tensor-parallel layer is a narrower matrix, which cuBLAS streams less
     well). With ``out`` the product lands there (``linear_into``)."""
-    config = gemv_config(x, linear, False, None)
+    config = gemv_config(x, linear, False, default)
     if config is not None:
         assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
         return gemv(x, linear.weight, config=config, out=out)

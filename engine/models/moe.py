@@ -26,7 +26,7 @@ from engine.attention import LayerOps
 from engine.distributed.group import PartialSum, TensorParallelGroup
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
-from engine.models.linears import input_linear
+from engine.models.linears import ROUTER_GEMV_CONFIG, input_linear
 from engine.quant.linear import PackedWeight
 from kernels.linear.quant import FORMATS, quantize
 
@@ -123,9 +123,9 @@ class SparseMoeBlock(nn.Module):
         return self.gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:  # [T, hidden]
-        # [T, E], in the model's dtype (as HF computes them): cuBLAS, or at a decode row the
-        # GEMV where bench.gemv measured it faster on this GPU
-        router_logits = input_linear(x, self.gate)
+        # [T, E], in the model's dtype (as HF computes them): at a decode row the GEMV (its
+        # launch shape from bench.gemv's table where it has one), else cuBLAS
+        router_logits = input_linear(x, self.gate, default=ROUTER_GEMV_CONFIG)
         out = self.ops.fused_moe(
             x, self.w13.weight, self.w2.weight, router_logits, self.top_k, self.renormalize,
             w13_scale=self.w13.scale, w2_scale=self.w2.scale,
