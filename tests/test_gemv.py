@@ -87,3 +87,80 @@ def test_the_router_s_default_launch_shape_gives_torch_s_logits(
     weight = torch.randn(num_experts, hidden, generator=gen)
     got = gemv(x.to(DEVICE), weight.to(DEVICE), config=ROUTER_GEMV_CONFIG).cpu()
     torch.testing.assert_close(got, x @ weight.T, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "size_k", "config"),
+    [
+        (1, 96, GemvConfig(block_n=8, block_k=32)),  # K in whole blocks
+        (3, 80, GemvConfig(block_n=4, block_k=32)),  # ragged K, three rows
+        (2, 128, GemvConfig(block_n=8, block_k=32, split_k=2)),  # K split: atomics
+    ],
+)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_gemv_with_the_norm_in_its_prologue_equals_norm_then_gemv(
+    num_rows: int, size_k: int, config: GemvConfig, with_residual: bool
+) -> None:
+    """``RowNorm``: the residual add and RMSNorm before the product, in fp32, against
+    ``fused_add_rms_norm_ref`` then a matmul; the new residual written apart, the old one
+    and x untouched."""
+    from kernels.elementwise.norm import fused_add_rms_norm_ref, rms_norm_ref
+    from kernels.linear.gemv_triton import RowNorm
+
+    gen = torch.Generator().manual_seed(num_rows * 100 + size_k)
+    x = torch.randn(num_rows, size_k, generator=gen)
+    residual = torch.randn(num_rows, size_k, generator=gen)
+    norm_weight = 1.0 + 0.1 * torch.randn(size_k, generator=gen)
+    weight = torch.randn(20, size_k, generator=gen)
+    if with_residual:
+        normed, summed = fused_add_rms_norm_ref(x, residual, norm_weight, 1e-6)
+    else:
+        normed, summed = rms_norm_ref(x, norm_weight, 1e-6), x
+    xd, rd = x.to(DEVICE), residual.to(DEVICE)
+    new_residual = torch.full_like(rd, float("nan"))
+    norm = RowNorm(norm_weight.to(DEVICE), 1e-6, *((rd, new_residual) if with_residual else ()))
+    got = gemv(xd, weight.to(DEVICE), config=config, norm=norm).cpu()
+    torch.testing.assert_close(got, normed @ weight.T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(xd.cpu(), x) and torch.equal(rd.cpu(), residual)
+    if with_residual:
+        assert torch.equal(new_residual.cpu(), summed)
+    else:
+        assert new_residual.isnan().all()
+
+
+def test_gemv_norm_rounds_as_the_norm_kernel_does_in_bf16() -> None:
+    """In bf16: the new residual is the rounded sum bit for bit (on a GPU; the interpreter
+    truncates fp32 -> bf16 casts, a ulp off); the product is the norm's bf16 rows times the
+    weight (the rows' statistics summed in another order: within a rounding of the output)."""
+    from kernels.elementwise.norm import fused_add_rms_norm_ref
+    from kernels.linear.gemv_triton import RowNorm
+
+    gen = torch.Generator().manual_seed(11)
+    x, residual = (torch.randn(1, 256, generator=gen).bfloat16() for _ in range(2))
+    norm_weight = (1.0 + 0.1 * torch.randn(256, generator=gen)).bfloat16()
+    weight = (0.05 * torch.randn(64, 256, generator=gen)).bfloat16()
+    normed, summed = fused_add_rms_norm_ref(x, residual.clone(), norm_weight, 1e-5)
+    new_residual = torch.empty(1, 256, dtype=torch.bfloat16, device=DEVICE)
+    norm = RowNorm(norm_weight.to(DEVICE), 1e-5, residual.to(DEVICE), new_residual)
+    got = gemv(x.to(DEVICE), weight.to(DEVICE), config=GemvConfig(block_n=8, block_k=64),
+               norm=norm).cpu()  # fmt: skip
+    tol = 0.0 if DEVICE == "cuda" else 2.0**-7
+    torch.testing.assert_close(new_residual.cpu(), summed, atol=tol, rtol=tol)
+    expected = normed.float() @ weight.float().T
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_gemv_refuses_a_norm_it_cannot_apply() -> None:
+    from kernels.linear.gemv_triton import RowNorm
+
+    x, weight = torch.randn(1, 64, device=DEVICE), torch.randn(8, 64, device=DEVICE)
+    residual, g = torch.randn(1, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    with pytest.raises(ValueError, match="cannot overwrite"):
+        gemv(x, weight, norm=RowNorm(g, 1e-6, residual, residual))
+    with pytest.raises(ValueError, match="come together"):
+        gemv(x, weight, norm=RowNorm(g, 1e-6, residual))
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv(x, weight, norm=RowNorm(torch.ones(32, device=DEVICE), 1e-6))
+    with pytest.raises(ValueError, match="do not combine"):
+        gemv(torch.randn(1, 128, device=DEVICE), weight, silu_mul=True, norm=RowNorm(g, 1e-6))

@@ -15,6 +15,14 @@ A program owns ``BLOCK_N`` output columns (rows of ``w``) for all ``M <= MAX_ROW
   3. ``acc[m, n] += sum_k x[m, k] * w[n, k]`` in fp32
 and stores ``acc`` in the output dtype. ``SPLIT_K > 1`` splits ``K`` over programs that add
 their fp32 partial sums atomically into a zeroed fp32 buffer (more programs for short ``N``).
+
+With a ``RowNorm`` the layer's residual add and RMSNorm run in the prologue instead of a
+kernel of their own (one launch, and one wait on it, less a norm): ``x`` is the block's
+output, ``h = x + residual`` (rounded to the dtype) the new residual, and the product is
+``rms_norm(h) @ w.T``. Each program first walks all of ``h`` for its rows' statistics (a
+row, read from the caches), then its own run of K as above with each element normed as
+``kernels/elementwise/norm_triton.py`` rounds it. Program ``(0, 0)`` writes ``h`` to the new
+residual, never over the residual the other programs still read.
 """
 
 from __future__ import annotations
@@ -43,17 +51,57 @@ class GemvConfig:
     num_stages: int = 3
 
 
+@dataclass(frozen=True)
+class RowNorm:
+    """The residual add and RMSNorm a GEMV applies to its ``x`` first (``gemv``'s ``norm``):
+    ``h = x + residual`` goes to ``residual_out`` (a tensor apart from both), and the GEMV
+    multiplies ``rms_norm(h, weight, eps)``. Without a residual ``h`` is ``x``, and nothing
+    is written."""
+
+    weight: torch.Tensor  # [K], the norm's, in x's dtype
+    eps: float
+    residual: torch.Tensor | None = None  # [M, K], last stride 1
+    residual_out: torch.Tensor | None = None  # [M, K], last stride 1: h
+
+
+@triton.jit
+def _mean_squares(x_ptr, res_ptr, h_ptr, offs_m, mask_m, K, stride_xm, stride_rm, stride_hm,
+                  rows_h, HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``mean(h^2)`` per row over all of K, in float32, ``h = x + residual`` rounded to x's
+    dtype (stored for the rows below ``rows_h``: all of them in one program, else none)."""
+    sum_sq = tl.zeros((offs_m.shape[0],), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_m[:, None] & (offs_k < K)[None, :]
+        h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask,
+                          other=0.0)  # fmt: skip
+            h = (h.to(tl.float32) + res.to(tl.float32)).to(h.dtype)
+            store = (offs_m < rows_h)[:, None] & (offs_k < K)[None, :]
+            tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], h, mask=store)
+        h32 = h.to(tl.float32)
+        sum_sq += tl.sum(h32 * h32, axis=1)
+    return sum_sq / K
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    res_ptr,  # NORM and HAS_RESIDUAL: the residual [M, K], last stride 1
+    g_ptr,  # NORM: the norm's weight [K]
+    h_ptr,  # NORM and HAS_RESIDUAL: the new residual [M, K], last stride 1
     M,
     N,
     K,
+    eps,
     stride_xm,  # x: [M, K] (or [M, 2K] with SILU_MUL), last stride 1
     stride_wn,  # w: [N, K], last stride 1
     stride_om,  # out: [M, N], last stride 1
+    stride_rm,
+    stride_hm,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -61,6 +109,8 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
+    NORM: tl.constexpr = False,  # x is a block's output: the residual add and RMSNorm first
+    HAS_RESIDUAL: tl.constexpr = False,
 ):
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
@@ -69,6 +119,11 @@ def _gemv_kernel(
     offs_m = tl.arange(0, M_PAD)
     mask_m = offs_m < M
     k_start, k_per_split = k_split(pid_k, K, BLOCK_K, SPLIT_K)
+    if NORM:  # the rows' statistics over all of K, as the norm kernel takes them
+        rows_h = tl.where((pid_n == 0) & (pid_k == 0), M, 0)  # the first program writes h
+        mean_sq = _mean_squares(x_ptr, res_ptr, h_ptr, offs_m, mask_m, K, stride_xm, stride_rm,
+                                stride_hm, rows_h, HAS_RESIDUAL, BLOCK_K)  # fmt: skip
+        rstd = tl.rsqrt(mean_sq + eps)[:, None]
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -83,6 +138,14 @@ def _gemv_kernel(
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         x_mask = mask_m[:, None] & mask_k[None, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        if NORM:  # h, normed and cast back, times the norm's weight: norm_triton's roundings
+            if HAS_RESIDUAL:
+                res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :],
+                              mask=x_mask, other=0.0)  # fmt: skip
+                x = (x + res.to(tl.float32)).to(w_ptr.dtype.element_ty).to(tl.float32)
+            normed = (x * rstd).to(w_ptr.dtype.element_ty).to(tl.float32)
+            g = tl.load(g_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            x = (g * normed).to(w_ptr.dtype.element_ty).to(tl.float32)
         if SILU_MUL:  # x held the gate; the up half follows at +K, as silu_and_mul rounds
             up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
             silu = (x / (1.0 + tl.exp(-x))).to(w_ptr.dtype.element_ty).to(tl.float32)
@@ -100,22 +163,31 @@ def gemv(
     silu_mul: bool = False,
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,  # [M, N] in x's dtype
+    norm: RowNorm | None = None,  # the residual add and RMSNorm of x first
 ) -> torch.Tensor:  # [M, N]
-    """``x @ weight.T`` (``silu(gate) * up`` first when ``silu_mul``) for ``M <= MAX_ROWS``."""
+    """``x @ weight.T`` (``silu(gate) * up`` first when ``silu_mul``; ``rms_norm(x +
+    residual)`` first with ``norm``) for ``M <= MAX_ROWS``."""
     num_rows, width = x.shape
     num_cols, size_k = weight.shape
     _check(x, weight, silu_mul, width, size_k)
+    if norm is not None:
+        _check_norm(x, norm, silu_mul)
     cfg = config or default_config(num_cols, size_k)
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     target = split_k_target(out, cfg.split_k)
     grid = (triton.cdiv(num_cols, cfg.block_n), cfg.split_k)
+    residual = norm.residual if norm is not None and norm.residual is not None else x
+    residual_out = norm.residual_out if norm is not None and norm.residual_out is not None else x
     _gemv_kernel[grid](
-        x, weight, target, num_rows, num_cols, size_k,
-        x.stride(0), weight.stride(0), target.stride(0),
+        x, weight, target, residual, x if norm is None else norm.weight, residual_out,
+        num_rows, num_cols, size_k, 0.0 if norm is None else norm.eps,
+        x.stride(0), weight.stride(0), target.stride(0), residual.stride(0),
+        residual_out.stride(0),
         M_PAD=rows_pad(num_rows), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU_MUL=silu_mul,
-        EVEN_K=size_k % (cfg.block_k * cfg.split_k) == 0,
+        EVEN_K=size_k % (cfg.block_k * cfg.split_k) == 0, NORM=norm is not None,
+        HAS_RESIDUAL=norm is not None and norm.residual is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
     )  # fmt: skip
     if target is not out:
@@ -147,3 +219,27 @@ def _check(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, width: int, si
                          f"{weight.dtype}")  # fmt: skip
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("gemv: x and weight need a contiguous last dimension")
+
+
+def _check_norm(x: torch.Tensor, norm: RowNorm, silu_mul: bool) -> None:
+    """A ``RowNorm`` fits ``x [M, K]``: a weight of K in x's dtype, a residual and a new
+    residual of x's shape together or neither, the new one apart from x and the residual."""
+    if silu_mul:
+        raise ValueError("gemv: a norm and silu_mul do not combine")
+    if norm.weight.shape != (x.shape[1],) or norm.weight.dtype != x.dtype:
+        raise ValueError(f"gemv: a norm weight [{x.shape[1]}] in {x.dtype} expected, got "
+                         f"{tuple(norm.weight.shape)} in {norm.weight.dtype}")  # fmt: skip
+    if (norm.residual is None) != (norm.residual_out is None):
+        raise ValueError("gemv: a norm's residual and residual_out come together")
+    for name in ("residual", "residual_out"):
+        rows = getattr(norm, name)
+        if rows is not None and (rows.shape != x.shape or rows.dtype != x.dtype
+                                 or rows.stride(-1) != 1):  # fmt: skip
+            raise ValueError(f"gemv: the norm's {name} must be like x {tuple(x.shape)} "
+                             f"{x.dtype} with last stride 1, got {tuple(rows.shape)}")  # fmt: skip
+    out_ptr = None if norm.residual_out is None else norm.residual_out.data_ptr()
+    if out_ptr is not None and out_ptr in (x.data_ptr(), norm.residual.data_ptr()):  # type: ignore[union-attr]
+        raise ValueError(
+            "gemv: the new residual cannot overwrite x or the residual (other "
+            "programs still read them)"
+        )
