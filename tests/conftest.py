@@ -167,3 +167,21 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
 def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def gemv_on_one_tile(monkeypatch: pytest.MonkeyPatch, tile: Any) -> list[bool]:
+    """Every linear the GEMV takes runs on ``tile`` (a ``GemvConfig``; this card's table
+    need not list the model's shapes). Returns, per GEMV call, whether it carried a norm
+    (``PAGESTREAM_GEMV_NORM``): under CUDA graphs, the calls captured."""
+    from engine.models import linears
+
+    monkeypatch.setattr(linears, "tuned_config", lambda *args: tile)
+    calls: list[bool] = []
+    real = linears.gemv
+
+    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs.get("norm") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linears, "gemv", recorded)
+    return calls

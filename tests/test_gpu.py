@@ -14,7 +14,7 @@ from engine.attention.backend import ATTN_BACKEND_ENV
 from engine.config import CUDA_GRAPHS_ENV
 from engine.errors import ConfigError
 from engine.memory import MIB
-from tests.conftest import random_prompts
+from tests.conftest import gemv_on_one_tile, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -284,6 +284,30 @@ def test_the_gemv_lm_head_gives_cublas_logits_at_batch_one() -> None:
         scale = expected.abs().max().item()
         torch.testing.assert_close(logits.float(), expected, rtol=2e-2, atol=2e-2 * scale)
     assert out.abs().sum() > 0
+
+
+def test_norms_folded_into_the_gemvs_give_the_same_tokens_in_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``PAGESTREAM_GEMV_NORM=1`` on a bf16 model, one sequence at a time (the GEMV's rows),
+    decode steps replayed from CUDA graphs: every linear at one row on the same GEMV tile
+    (this card's table need not list the model's shapes), and the same greedy tokens with the
+    norms in the GEMVs' prologues as with each a kernel."""
+    from engine.models import linears
+    from kernels.linear.gemv_triton import GemvConfig
+
+    folded = gemv_on_one_tile(monkeypatch, GemvConfig(block_n=2, block_k=1024, num_warps=1))
+    prompts = random_prompts([100, 7, 300], 151936, seed=21)
+    tokens = {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv(linears.GEMV_NORM_ENV, fold)
+        llm = LLM("dummy:qwen3-0.6b", device="cuda", max_model_len=512, max_seqs=1)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        tokens[fold] = [o.token_ids for o in outs]
+        del llm
+        gc.collect()
+    assert tokens["1"] == tokens["0"]
+    assert any(folded)  # the captured graphs called the GEMV with the norm
 
 
 def test_the_cudnn_prefill_path_gives_the_triton_kernels_logprobs(

@@ -22,10 +22,16 @@ from engine.attention import (
 )
 from engine.distributed.group import PartialSum, TensorParallelGroup, summed
 from engine.models.arch import ModelArch
-from engine.models.linears import LAYER_GEMV_CONFIG, gemv_config, input_linear
+from engine.models.linears import (
+    LAYER_GEMV_CONFIG,
+    NormedRows,
+    folds_norm,
+    gemv_config,
+    input_linear,
+)
 from engine.models.moe import SparseMoeBlock
 from engine.quant.linear import QuantizedLinear
-from kernels.linear.gemv_triton import gemv
+from kernels.linear.gemv_triton import RowNorm, gemv
 from kernels.linear.int8_rows_triton import Int8Rows
 
 
@@ -64,14 +70,23 @@ class RMSNorm(nn.Module):
         return self.forward(x)
 
     def add_and_norm_for(
-        self, x: torch.Tensor | PartialSum, residual: torch.Tensor, linear: nn.Module
-    ) -> tuple[torch.Tensor | Int8Rows, torch.Tensor]:
+        self,
+        x: torch.Tensor | PartialSum,
+        residual: torch.Tensor,
+        linear: nn.Module,
+        fold: bool = True,  # whether ``linear`` is the normed rows' only reader
+    ) -> tuple[torch.Tensor | Int8Rows | NormedRows, torch.Tensor]:
         """``add_and_norm``, the normed rows rounded to int8 blocks where ``linear`` takes them
-        (after a sum of its own: the fused sum has no int8 variant)."""
+        (after a sum of its own: the fused sum has no int8 variant), or left to ``linear``'s
+        GEMV (``folds_norm``; the new residual a tensor of its own, written by the GEMV)."""
         rounding = self.ops.fused_add_rms_norm_int8
         rows = x.local if isinstance(x, PartialSum) else x
         if rounding is not None and takes_int8_rows(rows, linear):
             return rounding(summed(x), residual, self.weight, self.eps)
+        if fold and isinstance(x, torch.Tensor) and folds_norm(x, linear):
+            new_residual = torch.empty_like(residual)
+            norm = RowNorm(self.weight, self.eps, residual, new_residual)
+            return NormedRows(x, norm), new_residual
         return self.add_and_norm(x, residual)
 
 
@@ -123,7 +138,7 @@ class Attention(nn.Module):
 
     def project(
         self,
-        x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where qkv_proj takes int8 rows
+        x: torch.Tensor | Int8Rows | NormedRows,  # [T, hidden]: rounded or normed by qkv_proj
         out: torch.Tensor | None = None,  # [T, (Hq + 2 * Hkv) * D]: where the projection goes
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
         """The new tokens' queries, keys and values, not yet normed (Qwen3) nor rotated:
@@ -171,6 +186,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
+    # the input's only reader is gate_up_proj: the norm before may run in its GEMV
+    folds_norm = True
+
     @property
     def input_linear(self) -> nn.Module:
         """The first linear to read the MLP's input (the norm rounds for it where it takes
@@ -179,7 +197,7 @@ class MLP(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where gate_up_proj takes int8 rows
+        x: torch.Tensor | Int8Rows | NormedRows,  # [T, hidden]: rounded or normed by gate_up
     ) -> torch.Tensor | PartialSum:  # [T, hidden], summed over the ranks or left to the norm
         gate_up = input_linear(x, self.gate_up_proj)
         rounding = self.ops.silu_and_mul_int8
@@ -233,7 +251,7 @@ class DecoderLayer(nn.Module):
         qkv_out: torch.Tensor | None = None,  # [T, (Hq + 2 * Hkv) * D]: q, k, v's rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
         qkv_proj = self.self_attn.qkv_proj
-        normed: torch.Tensor | Int8Rows
+        normed: torch.Tensor | Int8Rows | NormedRows
         if residual is None:  # the embeddings: summed by their own all-reduce
             residual = summed(x)
             normed = self.input_layernorm.norm_for(residual, qkv_proj)
@@ -247,6 +265,6 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,  # [T, hidden]
     ) -> tuple[torch.Tensor | PartialSum, torch.Tensor]:  # the layer's output, the new residual
         x, residual = self.post_attention_layernorm.add_and_norm_for(
-            self.self_attn.output(attn), residual, self.mlp.input_linear
+            self.self_attn.output(attn), residual, self.mlp.input_linear, self.mlp.folds_norm
         )
         return self.mlp(x), residual

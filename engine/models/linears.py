@@ -5,12 +5,15 @@ into a given buffer. Shared by the decoder's layers and a mixture of experts' ro
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from engine.quant.linear import QuantizedLinear
 from kernels.linear.common import linear_out
-from kernels.linear.gemv_triton import GemvConfig, gemv
+from kernels.linear.gemv_triton import GemvConfig, RowNorm, gemv
 from kernels.linear.gemv_tuning import tuned_config
 from kernels.linear.int8_rows_triton import Int8Rows
 
@@ -24,6 +27,35 @@ LAYER_GEMV_CONFIG = GemvConfig(block_n=8, block_k=1024)
 # cuBLAS runs a handful of tiles. H100, qwen3-30b-a3b's 128 x 2048, one row, from memory:
 # 1.77 us against cuBLAS's 5.32 (gemv-qwen3-30b-a3b-tp1-h100.json).
 ROUTER_GEMV_CONFIG = GemvConfig(block_n=1, block_k=2048, num_warps=2, num_stages=3)
+
+
+# "1": a decoder layer's residual add and RMSNorm run in the prologue of the GEMV after them
+# (qkv, a dense MLP's gate_up) where that linear takes the GEMV, not in a kernel of their
+# own. Off until a decode step on the GPU measures it (bench/gpu_suite.sh gemv_norm).
+GEMV_NORM_ENV = "PAGESTREAM_GEMV_NORM"
+
+
+@dataclass(frozen=True)
+class NormedRows:
+    """``rms_norm(x + residual)``, not yet computed: the GEMV that reads it next does the add
+    and the norm in its prologue (``RowNorm``), writing the sum to ``norm.residual_out``, the
+    layer's new residual. Made by ``RMSNorm.add_and_norm_for`` only for a linear that takes
+    the GEMV (``folds_norm``)."""
+
+    x: torch.Tensor  # [T, hidden]: the block's output
+    norm: RowNorm
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+
+def folds_norm(x: torch.Tensor, linear: nn.Module) -> bool:
+    """Whether the norm of ``x`` (rows of the norm's input) goes into ``linear``'s GEMV:
+    ``PAGESTREAM_GEMV_NORM=1`` and ``linear`` takes the GEMV at these rows on this GPU."""
+    if os.environ.get(GEMV_NORM_ENV, "0") != "1":
+        return False
+    return gemv_config(x, linear, False, None) is not None
 
 
 def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -52,7 +84,7 @@ def gemv_config(
 
 
 def input_linear(
-    x: torch.Tensor | Int8Rows,
+    x: torch.Tensor | Int8Rows | NormedRows,
     linear: nn.Module,
     out: torch.Tensor | None = None,  # [T, out_features], contiguous (``linear_into``)
     default: GemvConfig | None = None,  # where the table has no row: None for cuBLAS
@@ -60,7 +92,14 @@ def input_linear(
     """``linear(x)`` for qkv, gate_up and a MoE router: cuBLAS (or ``default``), or the GEMV
     where ``bench.gemv --install`` measured a launch shape of it faster on this GPU (one
     rank's shard of a tensor-parallel layer is a narrower matrix, which cuBLAS streams less
-    well). With ``out`` the product lands there (``linear_into``)."""
+    well). With ``out`` the product lands there (``linear_into``). ``NormedRows`` take the
+    GEMV, the norm in its prologue."""
+    if isinstance(x, NormedRows):
+        config = gemv_config(x.x, linear, False, default)
+        if config is None:  # folds_norm said it would: the table changed under the step
+            raise RuntimeError(f"a norm was left for a linear that takes no GEMV: {linear}")
+        assert isinstance(linear.weight, torch.Tensor)
+        return gemv(x.x, linear.weight, config=config, out=out, norm=x.norm)
     config = gemv_config(x, linear, False, default)
     if config is not None:
         assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)

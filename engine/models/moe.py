@@ -117,6 +117,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SharedExpert(hidden, moe.shared_intermediate_size, ops)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
+    # the router and the experts both read the input: the norm before stays a kernel
+    folds_norm = False
+
     @property
     def input_linear(self) -> nn.Module:
         """The first linear to read the block's input (the router)."""

@@ -1,0 +1,58 @@
+"""``PAGESTREAM_GEMV_NORM``: a decoder layer's residual add and RMSNorm in the prologue of the
+GEMV after them (qkv, a dense MLP's gate_up), through the engine.
+
+The GEMV takes decode rows on a GPU only; here its table says "the GEMV" for every linear at
+one row and the kernel runs in Triton's interpreter, so the engine's own path (the layer
+leaving its norm to the linear, the new residual the GEMV writes) runs on the CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torch import nn
+
+from engine import LLM, SamplingParams
+from engine.models import linears
+from kernels.linear.gemv_triton import GemvConfig
+from tests.conftest import gemv_on_one_tile
+
+PROMPT = [17, 42, 99, 3, 250, 7]
+SAMPLING = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, logprobs=2)
+
+
+@pytest.fixture
+def gemv_everywhere(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every plain linear at one row on one GEMV tile, fp32 and off the GPU too; per GEMV
+    call, whether it carried a norm."""
+    monkeypatch.setattr(
+        linears,
+        "takes_gemv",
+        lambda x, linear: x.shape[0] <= 1 and isinstance(linear, nn.Linear) and linear.bias is None,
+    )
+    return gemv_on_one_tile(monkeypatch, GemvConfig(block_n=64, block_k=64, num_warps=1))
+
+
+def run(monkeypatch: pytest.MonkeyPatch, fold: str, model: str) -> Any:
+    monkeypatch.setenv(linears.GEMV_NORM_ENV, fold)
+    llm = LLM(model, dtype="float32", max_seqs=1, cuda_graphs=False)
+    return llm.generate([PROMPT], SAMPLING, use_tqdm=False)[0]
+
+
+# norms folded a decode step: every layer's but the first layer's input norm (no add there),
+# and the norm before a dense MLP (a MoE block's router and experts both read it: a kernel)
+@pytest.mark.parametrize(("model", "folds_per_step"), [("dummy:tiny", 3), ("dummy:tiny-moe", 2)])
+def test_norms_folded_into_the_gemv_give_the_same_tokens_and_logprobs(
+    monkeypatch: pytest.MonkeyPatch, gemv_everywhere: list[bool], model: str, folds_per_step: int
+) -> None:
+    """One sequence, greedy: the same tokens and logprobs as with every norm a kernel."""
+    plain = run(monkeypatch, "0", model)
+    assert gemv_everywhere and not any(gemv_everywhere)
+    gemv_everywhere.clear()
+    folded = run(monkeypatch, "1", model)
+    assert folded.token_ids == plain.token_ids
+    for a, b in zip(folded.logprobs, plain.logprobs, strict=True):
+        assert a is not None and b is not None
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    # the decode steps: every token but the first (the prefill's rows take no GEMV)
+    assert sum(gemv_everywhere) == folds_per_step * (SAMPLING.max_tokens - 1)
