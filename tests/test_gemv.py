@@ -97,13 +97,15 @@ def test_the_router_s_default_launch_shape_gives_torch_s_logits(
         (2, 128, GemvConfig(block_n=8, block_k=32, split_k=2)),  # K split: atomics
     ],
 )
-@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(
+    ("with_residual", "keep_normed"), [(True, False), (False, True), (True, True)]
+)
 def test_gemv_with_the_norm_in_its_prologue_equals_norm_then_gemv(
-    num_rows: int, size_k: int, config: GemvConfig, with_residual: bool
+    num_rows: int, size_k: int, config: GemvConfig, with_residual: bool, keep_normed: bool
 ) -> None:
     """``RowNorm``: the residual add and RMSNorm before the product, in fp32, against
-    ``fused_add_rms_norm_ref`` then a matmul; the new residual written apart, the old one
-    and x untouched."""
+    ``fused_add_rms_norm_ref`` then a matmul; the new residual (and the normed rows, where
+    kept) written apart, the old residual and x untouched."""
     from kernels.elementwise.norm import fused_add_rms_norm_ref, rms_norm_ref
     from kernels.linear.gemv_triton import RowNorm
 
@@ -117,10 +119,15 @@ def test_gemv_with_the_norm_in_its_prologue_equals_norm_then_gemv(
     else:
         normed, summed = rms_norm_ref(x, norm_weight, 1e-6), x
     xd, rd = x.to(DEVICE), residual.to(DEVICE)
-    new_residual = torch.full_like(rd, float("nan"))
-    norm = RowNorm(norm_weight.to(DEVICE), 1e-6, *((rd, new_residual) if with_residual else ()))
+    new_residual, kept = torch.full_like(rd, float("nan")), torch.full_like(rd, float("nan"))
+    norm = RowNorm(norm_weight.to(DEVICE), 1e-6, *((rd, new_residual) if with_residual else ()),
+                   normed_out=kept if keep_normed else None)  # fmt: skip
     got = gemv(xd, weight.to(DEVICE), config=config, norm=norm).cpu()
     torch.testing.assert_close(got, normed @ weight.T, rtol=1e-4, atol=1e-4)
+    if keep_normed:
+        torch.testing.assert_close(kept.cpu(), normed, rtol=1e-5, atol=1e-5)
+    else:
+        assert kept.isnan().all()
     assert torch.equal(xd.cpu(), x) and torch.equal(rd.cpu(), residual)
     if with_residual:
         assert torch.equal(new_residual.cpu(), summed)

@@ -205,13 +205,15 @@ def _compile_plain(
 
 GEMV_NORM_ID = "_gemv_kernel-norm"
 GEMV_ARGUMENTS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
-                  "g_ptr": "*bf16", "h_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                  "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
-                  "stride_rm": "i32", "stride_hm": "i32"}  # fmt: skip
-# qwen3-30b-a3b's qkv at one row on an H100 (a weight row, one warp a program), its layer's
-# residual add and RMSNorm in the prologue
+                  "g_ptr": "*bf16", "h_ptr": "*bf16", "normed_ptr": "*bf16", "M": "i32",
+                  "N": "i32", "K": "i32", "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32",
+                  "stride_om": "i32", "stride_rm": "i32", "stride_hm": "i32",
+                  "stride_nm": "i32"}  # fmt: skip
+# qwen3-30b-a3b's router at one row (a program per expert), its layer's residual add and
+# RMSNorm in the prologue, the normed row kept for the experts
 GEMV_NORM = {"M_PAD": 1, "BLOCK_N": 1, "BLOCK_K": 2048, "SPLIT_K": 1, "SILU_MUL": False,
-             "EVEN_K": True, "PDL": True, "NORM": True, "HAS_RESIDUAL": True}  # fmt: skip
+             "EVEN_K": True, "PDL": True, "NORM": True, "HAS_RESIDUAL": True,
+             "STORE_NORMED": True}  # fmt: skip
 
 
 def compile_gemv_norm() -> dict[str, Any]:

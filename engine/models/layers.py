@@ -25,6 +25,7 @@ from engine.models.arch import ModelArch
 from engine.models.linears import (
     LAYER_GEMV_CONFIG,
     NormedRows,
+    NormFold,
     folds_norm,
     gemv_config,
     input_linear,
@@ -33,6 +34,10 @@ from engine.models.moe import SparseMoeBlock
 from engine.quant.linear import QuantizedLinear
 from kernels.linear.gemv_triton import RowNorm, gemv
 from kernels.linear.int8_rows_triton import Int8Rows
+
+# A linear that is its normed rows' only reader (qkv, a dense MLP's gate_up), no GEMV of its
+# own where the table has no row
+SINGLE_READER = NormFold()
 
 
 def takes_int8_rows(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -74,7 +79,7 @@ class RMSNorm(nn.Module):
         x: torch.Tensor | PartialSum,
         residual: torch.Tensor,
         linear: nn.Module,
-        fold: bool = True,  # whether ``linear`` is the normed rows' only reader
+        fold: NormFold | None = SINGLE_READER,  # None: the norm stays a kernel
     ) -> tuple[torch.Tensor | Int8Rows | NormedRows, torch.Tensor]:
         """``add_and_norm``, the normed rows rounded to int8 blocks where ``linear`` takes them
         (after a sum of its own: the fused sum has no int8 variant), or left to ``linear``'s
@@ -83,9 +88,10 @@ class RMSNorm(nn.Module):
         rows = x.local if isinstance(x, PartialSum) else x
         if rounding is not None and takes_int8_rows(rows, linear):
             return rounding(summed(x), residual, self.weight, self.eps)
-        if fold and isinstance(x, torch.Tensor) and folds_norm(x, linear):
+        if fold is not None and isinstance(x, torch.Tensor) and folds_norm(x, linear, fold):
             new_residual = torch.empty_like(residual)
-            norm = RowNorm(self.weight, self.eps, residual, new_residual)
+            kept = torch.empty_like(x) if fold.keep_normed else None
+            norm = RowNorm(self.weight, self.eps, residual, new_residual, kept)
             return NormedRows(x, norm), new_residual
         return self.add_and_norm(x, residual)
 
@@ -187,7 +193,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
     # the input's only reader is gate_up_proj: the norm before may run in its GEMV
-    folds_norm = True
+    input_fold = SINGLE_READER
 
     @property
     def input_linear(self) -> nn.Module:
@@ -265,6 +271,6 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,  # [T, hidden]
     ) -> tuple[torch.Tensor | PartialSum, torch.Tensor]:  # the layer's output, the new residual
         x, residual = self.post_attention_layernorm.add_and_norm_for(
-            self.self_attn.output(attn), residual, self.mlp.input_linear, self.mlp.folds_norm
+            self.self_attn.output(attn), residual, self.mlp.input_linear, self.mlp.input_fold
         )
         return self.mlp(x), residual

@@ -30,17 +30,26 @@ ROUTER_GEMV_CONFIG = GemvConfig(block_n=1, block_k=2048, num_warps=2, num_stages
 
 
 # "1": a decoder layer's residual add and RMSNorm run in the prologue of the GEMV after them
-# (qkv, a dense MLP's gate_up) where that linear takes the GEMV, not in a kernel of their
-# own. Off until a decode step on the GPU measures it (bench/gpu_suite.sh gemv_norm).
+# (qkv, a dense MLP's gate_up, a MoE block's router) where that linear takes the GEMV, not in
+# a kernel of their own. Off until a decode step on the GPU measures it (bench/gpu_suite.sh gemv_norm).
 GEMV_NORM_ENV = "PAGESTREAM_GEMV_NORM"
+
+
+@dataclass(frozen=True)
+class NormFold:
+    """How a block's first linear may take the norm before it (``folds_norm``)."""
+
+    default: GemvConfig | None = None  # its GEMV launch shape where the table has no row
+    keep_normed: bool = False  # other kernels of the block read the normed rows too
 
 
 @dataclass(frozen=True)
 class NormedRows:
     """``rms_norm(x + residual)``, not yet computed: the GEMV that reads it next does the add
     and the norm in its prologue (``RowNorm``), writing the sum to ``norm.residual_out``, the
-    layer's new residual. Made by ``RMSNorm.add_and_norm_for`` only for a linear that takes
-    the GEMV (``folds_norm``)."""
+    layer's new residual (and the normed rows to ``norm.normed_out`` where the block keeps
+    them). Made by ``RMSNorm.add_and_norm_for`` only for a linear that takes the GEMV
+    (``folds_norm``)."""
 
     x: torch.Tensor  # [T, hidden]: the block's output
     norm: RowNorm
@@ -49,13 +58,18 @@ class NormedRows:
     def shape(self) -> torch.Size:
         return self.x.shape
 
+    def normed(self) -> torch.Tensor:  # [T, hidden]
+        """The normed rows, once the GEMV has run (``NormFold.keep_normed``)."""
+        assert self.norm.normed_out is not None, "the block did not keep the normed rows"
+        return self.norm.normed_out
 
-def folds_norm(x: torch.Tensor, linear: nn.Module) -> bool:
+
+def folds_norm(x: torch.Tensor, linear: nn.Module, fold: NormFold) -> bool:
     """Whether the norm of ``x`` (rows of the norm's input) goes into ``linear``'s GEMV:
     ``PAGESTREAM_GEMV_NORM=1`` and ``linear`` takes the GEMV at these rows on this GPU."""
     if os.environ.get(GEMV_NORM_ENV, "0") != "1":
         return False
-    return gemv_config(x, linear, False, None) is not None
+    return gemv_config(x, linear, False, fold.default) is not None
 
 
 def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:

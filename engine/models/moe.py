@@ -26,7 +26,7 @@ from engine.attention import LayerOps
 from engine.distributed.group import PartialSum, TensorParallelGroup
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
-from engine.models.linears import ROUTER_GEMV_CONFIG, input_linear
+from engine.models.linears import ROUTER_GEMV_CONFIG, NormedRows, NormFold, input_linear
 from engine.quant.linear import PackedWeight
 from kernels.linear.quant import FORMATS, quantize
 
@@ -117,18 +117,20 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SharedExpert(hidden, moe.shared_intermediate_size, ops)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    # the router and the experts both read the input: the norm before stays a kernel
-    folds_norm = False
+    # the norm before may run in the router's GEMV, which keeps the normed rows for the experts
+    input_fold = NormFold(ROUTER_GEMV_CONFIG, keep_normed=True)
 
     @property
     def input_linear(self) -> nn.Module:
         """The first linear to read the block's input (the router)."""
         return self.gate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:  # [T, hidden]
+    def forward(self, x: torch.Tensor | NormedRows) -> torch.Tensor | PartialSum:  # [T, hidden]
         # [T, E], in the model's dtype (as HF computes them): at a decode row the GEMV (its
         # launch shape from bench.gemv's table where it has one), else cuBLAS
         router_logits = input_linear(x, self.gate, default=ROUTER_GEMV_CONFIG)
+        if isinstance(x, NormedRows):  # the router's GEMV normed them, and kept them
+            x = x.normed()
         out = self.ops.fused_moe(
             x, self.w13.weight, self.w2.weight, router_logits, self.top_k, self.renormalize,
             w13_scale=self.w13.scale, w2_scale=self.w2.scale,

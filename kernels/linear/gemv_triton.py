@@ -22,7 +22,8 @@ output, ``h = x + residual`` (rounded to the dtype) the new residual, and the pr
 ``rms_norm(h) @ w.T``. Each program first walks all of ``h`` for its rows' statistics (a
 row, read from the caches), then its own run of K as above with each element normed as
 ``kernels/elementwise/norm_triton.py`` rounds it. Program ``(0, 0)`` writes ``h`` to the new
-residual, never over the residual the other programs still read.
+residual, never over the residual the other programs still read; where other kernels read
+the normed rows too, the first column tile's programs keep them, each its run of K.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ class RowNorm:
     """The residual add and RMSNorm a GEMV applies to its ``x`` first (``gemv``'s ``norm``):
     ``h = x + residual`` goes to ``residual_out`` (a tensor apart from both), and the GEMV
     multiplies ``rms_norm(h, weight, eps)``. Without a residual ``h`` is ``x``, and nothing
-    is written."""
+    is written. With ``normed_out`` the normed rows are kept there too, for other readers
+    (a mixture of experts' experts, after its router)."""
 
     weight: torch.Tensor  # [K], the norm's, in x's dtype
     eps: float
     residual: torch.Tensor | None = None  # [M, K], last stride 1
     residual_out: torch.Tensor | None = None  # [M, K], last stride 1: h
+    normed_out: torch.Tensor | None = None  # [M, K], last stride 1: the normed rows, kept
 
 
 @triton.jit
@@ -93,6 +96,7 @@ def _gemv_kernel(
     res_ptr,  # NORM and HAS_RESIDUAL: the residual [M, K], last stride 1
     g_ptr,  # NORM: the norm's weight [K]
     h_ptr,  # NORM and HAS_RESIDUAL: the new residual [M, K], last stride 1
+    normed_ptr,  # NORM and STORE_NORMED: the normed rows [M, K], last stride 1
     M,
     N,
     K,
@@ -102,6 +106,7 @@ def _gemv_kernel(
     stride_om,  # out: [M, N], last stride 1
     stride_rm,
     stride_hm,
+    stride_nm,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -111,6 +116,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     NORM: tl.constexpr = False,  # x is a block's output: the residual add and RMSNorm first
     HAS_RESIDUAL: tl.constexpr = False,
+    STORE_NORMED: tl.constexpr = False,
 ):
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
@@ -146,6 +152,10 @@ def _gemv_kernel(
             normed = (x * rstd).to(w_ptr.dtype.element_ty).to(tl.float32)
             g = tl.load(g_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
             x = (g * normed).to(w_ptr.dtype.element_ty).to(tl.float32)
+            if STORE_NORMED:  # by the programs of the first column tile: each its run of K
+                store = (offs_m < tl.where(pid_n == 0, M, 0))[:, None] & mask_k[None, :]
+                tl.store(normed_ptr + offs_m[:, None] * stride_nm + offs_k[None, :],
+                         x.to(normed_ptr.dtype.element_ty), mask=store)  # fmt: skip
         if SILU_MUL:  # x held the gate; the up half follows at +K, as silu_and_mul rounds
             up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
             silu = (x / (1.0 + tl.exp(-x))).to(w_ptr.dtype.element_ty).to(tl.float32)
@@ -179,15 +189,17 @@ def gemv(
     grid = (triton.cdiv(num_cols, cfg.block_n), cfg.split_k)
     residual = norm.residual if norm is not None and norm.residual is not None else x
     residual_out = norm.residual_out if norm is not None and norm.residual_out is not None else x
+    normed_out = norm.normed_out if norm is not None and norm.normed_out is not None else x
     _gemv_kernel[grid](
         x, weight, target, residual, x if norm is None else norm.weight, residual_out,
-        num_rows, num_cols, size_k, 0.0 if norm is None else norm.eps,
+        normed_out, num_rows, num_cols, size_k, 0.0 if norm is None else norm.eps,
         x.stride(0), weight.stride(0), target.stride(0), residual.stride(0),
-        residual_out.stride(0),
+        residual_out.stride(0), normed_out.stride(0),
         M_PAD=rows_pad(num_rows), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU_MUL=silu_mul,
         EVEN_K=size_k % (cfg.block_k * cfg.split_k) == 0, NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        STORE_NORMED=norm is not None and norm.normed_out is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
     )  # fmt: skip
     if target is not out:
@@ -223,7 +235,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, width: int, si
 
 def _check_norm(x: torch.Tensor, norm: RowNorm, silu_mul: bool) -> None:
     """A ``RowNorm`` fits ``x [M, K]``: a weight of K in x's dtype, a residual and a new
-    residual of x's shape together or neither, the new one apart from x and the residual."""
+    residual of x's shape together or neither, what it writes apart from what it reads."""
     if silu_mul:
         raise ValueError("gemv: a norm and silu_mul do not combine")
     if norm.weight.shape != (x.shape[1],) or norm.weight.dtype != x.dtype:
@@ -231,15 +243,14 @@ def _check_norm(x: torch.Tensor, norm: RowNorm, silu_mul: bool) -> None:
                          f"{tuple(norm.weight.shape)} in {norm.weight.dtype}")  # fmt: skip
     if (norm.residual is None) != (norm.residual_out is None):
         raise ValueError("gemv: a norm's residual and residual_out come together")
-    for name in ("residual", "residual_out"):
+    for name in ("residual", "residual_out", "normed_out"):
         rows = getattr(norm, name)
         if rows is not None and (rows.shape != x.shape or rows.dtype != x.dtype
                                  or rows.stride(-1) != 1):  # fmt: skip
             raise ValueError(f"gemv: the norm's {name} must be like x {tuple(x.shape)} "
                              f"{x.dtype} with last stride 1, got {tuple(rows.shape)}")  # fmt: skip
-    out_ptr = None if norm.residual_out is None else norm.residual_out.data_ptr()
-    if out_ptr is not None and out_ptr in (x.data_ptr(), norm.residual.data_ptr()):  # type: ignore[union-attr]
-        raise ValueError(
-            "gemv: the new residual cannot overwrite x or the residual (other "
-            "programs still read them)"
-        )
+    read = {x.data_ptr()} | ({norm.residual.data_ptr()} if norm.residual is not None else set())
+    for rows in (norm.residual_out, norm.normed_out):
+        if rows is not None and rows.data_ptr() in read:
+            raise ValueError("gemv: the new residual and the normed rows cannot overwrite x "
+                             "or the residual (other programs still read them)")  # fmt: skip
