@@ -39,9 +39,10 @@ def run(monkeypatch: pytest.MonkeyPatch, fold: str, model: str) -> Any:
     return llm.generate([PROMPT], SAMPLING, use_tqdm=False)[0]
 
 
-# norms folded a decode step: every layer's but the first layer's input norm (no add there):
-# into qkv, a dense MLP's gate_up, a MoE block's router (which keeps the rows for the experts)
-@pytest.mark.parametrize(("model", "folds_per_step"), [("dummy:tiny", 3), ("dummy:tiny-moe", 3)])
+# norms folded a decode step, both of each layer's: into qkv (the first layer's with no
+# residual to add), a dense MLP's gate_up, a MoE block's router (which keeps the normed rows
+# for the experts)
+@pytest.mark.parametrize(("model", "folds_per_step"), [("dummy:tiny", 4), ("dummy:tiny-moe", 4)])
 def test_norms_folded_into_the_gemv_give_the_same_tokens_and_logprobs(
     monkeypatch: pytest.MonkeyPatch, gemv_everywhere: list[bool], model: str, folds_per_step: int
 ) -> None:

@@ -67,11 +67,14 @@ class RMSNorm(nn.Module):
             return x.add_rms_norm(residual, self.weight, self.eps)
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def norm_for(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor | Int8Rows:
-        """``forward(x)``, rounded to int8 blocks where ``linear`` takes them."""
+    def norm_for(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor | Int8Rows | NormedRows:
+        """``forward(x)``, rounded to int8 blocks where ``linear`` takes them, or left to
+        ``linear``'s GEMV (``folds_norm``; ``linear`` its only reader)."""
         rounding = self.ops.rms_norm_int8
         if rounding is not None and takes_int8_rows(x, linear):
             return rounding(x, self.weight, self.eps)
+        if folds_norm(x, linear, SINGLE_READER):
+            return NormedRows(x, RowNorm(self.weight, self.eps))
         return self.forward(x)
 
     def add_and_norm_for(
