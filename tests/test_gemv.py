@@ -171,3 +171,45 @@ def test_gemv_refuses_a_norm_it_cannot_apply() -> None:
         gemv(x, weight, norm=RowNorm(torch.ones(32, device=DEVICE), 1e-6))
     with pytest.raises(ValueError, match="do not combine"):
         gemv(torch.randn(1, 128, device=DEVICE), weight, silu_mul=True, norm=RowNorm(g, 1e-6))
+
+
+@pytest.mark.parametrize(("num_rows", "num_experts", "top_k", "renormalize", "with_norm"),
+                         [(1, 24, 4, True, False), (3, 10, 2, False, True), (1, 128, 8, True, True)])  # fmt: skip
+def test_a_router_gemv_routes_as_route_topk_after_it(
+    num_rows: int, num_experts: int, top_k: int, renormalize: bool, with_norm: bool
+) -> None:
+    """``RouteTopK``: the last program's top-k equals ``route_topk`` on the logits the GEMV
+    stored, bit for bit, twice on one ticket (the last program sets it back to zero)."""
+    from kernels.linear.gemv_triton import RouteTopK, RowNorm
+    from kernels.moe.router_triton import route_topk
+
+    gen = torch.Generator().manual_seed(num_experts * 10 + top_k)
+    weight = torch.randn(num_experts, 96, generator=gen).to(DEVICE)
+    config = GemvConfig(block_n=1, block_k=64, num_warps=1)
+    ticket = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        x = torch.randn(num_rows, 96, generator=gen).to(DEVICE)
+        norm = RowNorm(torch.ones(96, device=DEVICE), 1e-6) if with_norm else None
+        weights = torch.empty(num_rows, top_k, dtype=torch.float32, device=DEVICE)
+        ids = torch.empty(num_rows, top_k, dtype=torch.int32, device=DEVICE)
+        route = RouteTopK(top_k, renormalize, weights, ids, ticket)
+        logits = gemv(x, weight, config=config, norm=norm, route=route)
+        expected_weights, expected_ids = route_topk(logits, top_k, renormalize)
+        assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+        assert ticket.item() == 0
+
+
+def test_a_router_gemv_refuses_a_top_k_it_cannot_take() -> None:
+    from kernels.linear.gemv_triton import RouteTopK
+
+    x, weight = torch.randn(1, 64, device=DEVICE), torch.randn(16, 64, device=DEVICE)
+    ticket = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    weights = torch.empty(1, 2, device=DEVICE)
+    ids = torch.empty(1, 2, dtype=torch.int32, device=DEVICE)
+    split = GemvConfig(block_n=4, block_k=32, split_k=2)
+    with pytest.raises(ValueError, match="split_k 1"):
+        gemv(x, weight, config=split, route=RouteTopK(2, True, weights, ids, ticket))
+    with pytest.raises(ValueError, match="top_k"):
+        gemv(x, weight, route=RouteTopK(32, True, weights, ids, ticket))
+    with pytest.raises(ValueError, match="routing outputs"):
+        gemv(x, weight, route=RouteTopK(2, True, weights.double(), ids, ticket))

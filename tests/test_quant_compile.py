@@ -205,15 +205,17 @@ def _compile_plain(
 
 GEMV_NORM_ID = "_gemv_kernel-norm"
 GEMV_ARGUMENTS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
-                  "g_ptr": "*bf16", "h_ptr": "*bf16", "normed_ptr": "*bf16", "M": "i32",
+                  "g_ptr": "*bf16", "h_ptr": "*bf16", "normed_ptr": "*bf16",
+                  "topk_w_ptr": "*fp32", "topk_ids_ptr": "*i32", "ticket_ptr": "*i32", "M": "i32",
                   "N": "i32", "K": "i32", "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32",
                   "stride_om": "i32", "stride_rm": "i32", "stride_hm": "i32",
                   "stride_nm": "i32"}  # fmt: skip
 # qwen3-30b-a3b's router at one row (a program per expert), its layer's residual add and
-# RMSNorm in the prologue, the normed row kept for the experts
+# RMSNorm in the prologue, the normed row kept for the experts, its top-8 in the epilogue
 GEMV_NORM = {"M_PAD": 1, "BLOCK_N": 1, "BLOCK_K": 2048, "SPLIT_K": 1, "SILU_MUL": False,
              "EVEN_K": True, "PDL": True, "NORM": True, "HAS_RESIDUAL": True,
-             "STORE_NORMED": True}  # fmt: skip
+             "STORE_NORMED": True, "TOP_K": 8, "E_PAD": 128, "K_PAD": 8,
+             "RENORMALIZE": True}  # fmt: skip
 
 
 def compile_gemv_norm() -> dict[str, Any]:
@@ -296,8 +298,9 @@ def test_int8_tensor_core_kernel_compiles_to_int8_wgmma(compiled: dict[str, Any]
 
 
 def test_gemv_with_the_norm_in_its_prologue_compiles_for_hopper(compiled: dict[str, Any]) -> None:
-    """The GEMV with a ``RowNorm`` (the statistics pass, the normed K loop, the new residual's
-    store) compiles for sm_90 with PDL and 16-byte weight loads."""
+    """The router's GEMV with a ``RowNorm`` (the statistics pass, the normed K loop, the new
+    residual's and the normed rows' stores) and a ``RouteTopK`` (the ticket, the last
+    program's top-k) compiles for sm_90 with PDL and 16-byte weight loads."""
     result = compiled[GEMV_NORM_ID]
     assert "error" not in result, result.get("error")
     assert result["cubin"] and result["pdl"] and result["vector"]

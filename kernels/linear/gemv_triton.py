@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.linear.common import k_split, rows_pad, split_k_target, store_split_k, tile_offsets
+from kernels.moe.router_triton import MAX_EXPERTS, route_rows
 from kernels.pdl import pdl_launch, wait_for_producers
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,6 +68,21 @@ class RowNorm:
     normed_out: torch.Tensor | None = None  # [M, K], last stride 1: the normed rows, kept
 
 
+@dataclass(frozen=True)
+class RouteTopK:
+    """A router's top-k in its GEMV's epilogue (``gemv``'s ``route``): the program that
+    finishes last softmaxes the logits, picks each row's ``top_k`` experts and stores them
+    as ``route_topk`` does, one launch less than ``route_topk`` after the GEMV. ``ticket``
+    counts the programs done: an int32 zero at rest (the last program sets it back), kept by
+    the caller across calls."""
+
+    top_k: int
+    renormalize: bool
+    weights: torch.Tensor  # [M, top_k] float32, contiguous
+    ids: torch.Tensor  # [M, top_k] int32, contiguous
+    ticket: torch.Tensor  # [1] int32
+
+
 @triton.jit
 def _mean_squares(x_ptr, res_ptr, h_ptr, offs_m, mask_m, K, stride_xm, stride_rm, stride_hm,
                   rows_h, HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
@@ -97,6 +113,9 @@ def _gemv_kernel(
     g_ptr,  # NORM: the norm's weight [K]
     h_ptr,  # NORM and HAS_RESIDUAL: the new residual [M, K], last stride 1
     normed_ptr,  # NORM and STORE_NORMED: the normed rows [M, K], last stride 1
+    topk_w_ptr,  # TOP_K: the rows' routing weights [M, TOP_K] float32
+    topk_ids_ptr,  # TOP_K: their experts [M, TOP_K] int32
+    ticket_ptr,  # TOP_K: the programs done, int32, zero at rest
     M,
     N,
     K,
@@ -117,6 +136,10 @@ def _gemv_kernel(
     NORM: tl.constexpr = False,  # x is a block's output: the residual add and RMSNorm first
     HAS_RESIDUAL: tl.constexpr = False,
     STORE_NORMED: tl.constexpr = False,
+    TOP_K: tl.constexpr = 0,  # > 0: out is a router's logits, routed by the last program
+    E_PAD: tl.constexpr = 1,
+    K_PAD: tl.constexpr = 1,
+    RENORMALIZE: tl.constexpr = False,
 ):
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
@@ -164,6 +187,20 @@ def _gemv_kernel(
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     out_mask = mask_m[:, None] & mask_n[None, :]
     store_split_k(out_ptr, acc, offs_m, offs_n, out_mask, stride_om, SPLIT_K)
+    if TOP_K > 0:  # SPLIT_K 1: the last program to finish routes the rows
+        # every thread's store issued before the one thread's release (as the direct MoE
+        # path's split-slot kernel); the acquire orders the last program's loads after all
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) - 1:
+            tl.debug_barrier()
+            offs_e = tl.arange(0, E_PAD)
+            logits = tl.load(out_ptr + offs_m[:, None] * stride_om + offs_e[None, :],
+                             mask=mask_m[:, None] & (offs_e < N)[None, :], other=-float("inf"),
+                             cache_modifier=".cg")  # fmt: skip
+            route_rows(logits.to(tl.float32), offs_m, mask_m, topk_w_ptr, topk_ids_ptr, N,
+                       E_PAD, TOP_K, K_PAD, RENORMALIZE)  # fmt: skip
+            tl.store(ticket_ptr, 0)  # for the next call: every ticket of this one is drawn
 
 
 def gemv(
@@ -174,15 +211,19 @@ def gemv(
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,  # [M, N] in x's dtype
     norm: RowNorm | None = None,  # the residual add and RMSNorm of x first
+    route: RouteTopK | None = None,  # a router's: its top-k after
 ) -> torch.Tensor:  # [M, N]
     """``x @ weight.T`` (``silu(gate) * up`` first when ``silu_mul``; ``rms_norm(x +
-    residual)`` first with ``norm``) for ``M <= MAX_ROWS``."""
+    residual)`` first with ``norm``; the rows routed after with ``route``) for
+    ``M <= MAX_ROWS``."""
     num_rows, width = x.shape
     num_cols, size_k = weight.shape
     _check(x, weight, silu_mul, width, size_k)
     if norm is not None:
         _check_norm(x, norm, silu_mul)
     cfg = config or default_config(num_cols, size_k)
+    if route is not None:
+        _check_route(num_rows, num_cols, route, cfg)
     if out is None:
         out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     target = split_k_target(out, cfg.split_k)
@@ -190,9 +231,12 @@ def gemv(
     residual = norm.residual if norm is not None and norm.residual is not None else x
     residual_out = norm.residual_out if norm is not None and norm.residual_out is not None else x
     normed_out = norm.normed_out if norm is not None and norm.normed_out is not None else x
+    topk_w, topk_ids, ticket = (x, x, x) if route is None else (route.weights, route.ids,
+                                                                 route.ticket)  # fmt: skip
     _gemv_kernel[grid](
         x, weight, target, residual, x if norm is None else norm.weight, residual_out,
-        normed_out, num_rows, num_cols, size_k, 0.0 if norm is None else norm.eps,
+        normed_out, topk_w, topk_ids, ticket, num_rows, num_cols, size_k,
+        0.0 if norm is None else norm.eps,
         x.stride(0), weight.stride(0), target.stride(0), residual.stride(0),
         residual_out.stride(0), normed_out.stride(0),
         M_PAD=rows_pad(num_rows), BLOCK_N=cfg.block_n,
@@ -200,6 +244,10 @@ def gemv(
         EVEN_K=size_k % (cfg.block_k * cfg.split_k) == 0, NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         STORE_NORMED=norm is not None and norm.normed_out is not None,
+        TOP_K=0 if route is None else route.top_k,
+        E_PAD=1 if route is None else triton.next_power_of_2(num_cols),
+        K_PAD=1 if route is None else triton.next_power_of_2(route.top_k),
+        RENORMALIZE=route is not None and route.renormalize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x),
     )  # fmt: skip
     if target is not out:
@@ -254,3 +302,24 @@ def _check_norm(x: torch.Tensor, norm: RowNorm, silu_mul: bool) -> None:
         if rows is not None and rows.data_ptr() in read:
             raise ValueError("gemv: the new residual and the normed rows cannot overwrite x "
                              "or the residual (other programs still read them)")  # fmt: skip
+
+
+def _check_route(num_rows: int, num_cols: int, route: RouteTopK, config: GemvConfig) -> None:
+    """A router's top-k fits: logits of at most ``MAX_EXPERTS`` experts, whole in each row's
+    program set (no K split), and outputs of ``[M, top_k]``."""
+    if config.split_k != 1:
+        raise ValueError(f"gemv: a router's top-k needs whole sums (split_k 1), got {config}")
+    if not 1 <= route.top_k <= num_cols <= MAX_EXPERTS:
+        raise ValueError(f"gemv: need 1 <= top_k {route.top_k} <= experts {num_cols} <= "
+                         f"{MAX_EXPERTS}")  # fmt: skip
+    shape = (num_rows, route.top_k)
+    if (route.weights.shape, route.weights.dtype, route.ids.shape, route.ids.dtype) != (
+        shape,
+        torch.float32,
+        shape,
+        torch.int32,
+    ) or not (route.weights.is_contiguous() and route.ids.is_contiguous()):
+        raise ValueError(f"gemv: routing outputs of {shape} (float32 weights, int32 ids), "
+                         "contiguous")  # fmt: skip
+    if route.ticket.numel() != 1 or route.ticket.dtype != torch.int32:
+        raise ValueError("gemv: a router's ticket is one int32")
