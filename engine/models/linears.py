@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.quant.linear import QuantizedLinear
 from kernels.linear.common import linear_out
-from kernels.linear.gemv_triton import GemvConfig, RowNorm, gemv
+from kernels.linear.gemv_triton import GemvConfig, RouteTopK, RowNorm, gemv
 from kernels.linear.gemv_tuning import tuned_config
 from kernels.linear.int8_rows_triton import Int8Rows
 
@@ -29,10 +29,22 @@ LAYER_GEMV_CONFIG = GemvConfig(block_n=8, block_k=1024)
 ROUTER_GEMV_CONFIG = GemvConfig(block_n=1, block_k=2048, num_warps=2, num_stages=3)
 
 
-# "1": a decoder layer's residual add and RMSNorm run in the prologue of the GEMV after them
-# (qkv, a dense MLP's gate_up, a MoE block's router) where that linear takes the GEMV, not in
-# a kernel of their own. Off until a decode step on the GPU measures it (bench/gpu_suite.sh gemv_norm).
-GEMV_NORM_ENV = "PAGESTREAM_GEMV_NORM"
+# Kernels that run inside the decode GEMVs at one row instead of on their own, a comma list:
+# "norm", a decoder layer's residual add and RMSNorm in the prologue of the GEMV after them
+# (qkv, a dense MLP's gate_up, a MoE block's router); "topk", a MoE router's top-k in its
+# GEMV's epilogue. None until a decode step on the GPU measures them (bench/gpu_suite.sh
+# gemv_folds).
+GEMV_FOLDS_ENV = "PAGESTREAM_GEMV_FOLDS"
+GEMV_FOLDS = ("norm", "topk")
+
+
+def gemv_folds() -> frozenset[str]:
+    """The folds ``PAGESTREAM_GEMV_FOLDS`` asks for; an unknown name is an error."""
+    names = frozenset(n.strip() for n in os.environ.get(GEMV_FOLDS_ENV, "").split(",") if n.strip())
+    unknown = names - set(GEMV_FOLDS)
+    if unknown:
+        raise ValueError(f"{GEMV_FOLDS_ENV}: unknown {sorted(unknown)}; known: {GEMV_FOLDS}")
+    return names
 
 
 @dataclass(frozen=True)
@@ -66,10 +78,20 @@ class NormedRows:
 
 def folds_norm(x: torch.Tensor, linear: nn.Module, fold: NormFold) -> bool:
     """Whether the norm of ``x`` (rows of the norm's input) goes into ``linear``'s GEMV:
-    ``PAGESTREAM_GEMV_NORM=1`` and ``linear`` takes the GEMV at these rows on this GPU."""
-    if os.environ.get(GEMV_NORM_ENV, "0") != "1":
+    ``PAGESTREAM_GEMV_FOLDS`` has "norm" and ``linear`` takes the GEMV at these rows on this
+    GPU."""
+    if "norm" not in gemv_folds():
         return False
     return gemv_config(x, linear, False, fold.default) is not None
+
+
+def folds_topk(x: torch.Tensor, router: nn.Module, default: GemvConfig | None) -> bool:
+    """Whether a router's top-k on rows ``x`` goes into its GEMV's epilogue (``RouteTopK``):
+    ``PAGESTREAM_GEMV_FOLDS`` has "topk" and the router takes the GEMV here, whole sums."""
+    if "topk" not in gemv_folds():
+        return False
+    config = gemv_config(x, router, False, default)
+    return config is not None and config.split_k == 1
 
 
 def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -102,25 +124,23 @@ def input_linear(
     linear: nn.Module,
     out: torch.Tensor | None = None,  # [T, out_features], contiguous (``linear_into``)
     default: GemvConfig | None = None,  # where the table has no row: None for cuBLAS
+    route: RouteTopK | None = None,  # a router's top-k in its GEMV (``folds_topk``)
 ) -> torch.Tensor:  # [T, out_features]: ``out`` where given
     """``linear(x)`` for qkv, gate_up and a MoE router: cuBLAS (or ``default``), or the GEMV
     where ``bench.gemv --install`` measured a launch shape of it faster on this GPU (one
     rank's shard of a tensor-parallel layer is a narrower matrix, which cuBLAS streams less
-    well). With ``out`` the product lands there (``linear_into``). ``NormedRows`` take the
-    GEMV, the norm in its prologue."""
-    if isinstance(x, NormedRows):
-        config = gemv_config(x.x, linear, False, default)
-        if config is None:  # folds_norm said it would: the table changed under the step
-            raise RuntimeError(f"a norm was left for a linear that takes no GEMV: {linear}")
-        assert isinstance(linear.weight, torch.Tensor)
-        return gemv(x.x, linear.weight, config=config, out=out, norm=x.norm)
-    config = gemv_config(x, linear, False, default)
+    well). With ``out`` the product lands there (``linear_into``). ``NormedRows``, and a
+    ``route``, take the GEMV, the norm in its prologue, the top-k in its epilogue."""
+    rows, norm = (x.x, x.norm) if isinstance(x, NormedRows) else (x, None)
+    config = gemv_config(rows, linear, False, default)
+    if config is None and (norm is not None or route is not None):  # folds_* said it would
+        raise RuntimeError(f"a norm or a top-k was left to a linear that takes no GEMV: {linear}")
     if config is not None:
-        assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
-        return gemv(x, linear.weight, config=config, out=out)
+        assert isinstance(rows, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
+        return gemv(rows, linear.weight, config=config, out=out, norm=norm, route=route)
     if out is not None:
-        return linear_into(x, linear, out)
-    result: torch.Tensor = linear(x)
+        return linear_into(rows, linear, out)
+    result: torch.Tensor = linear(rows)
     return result
 
 
