@@ -24,6 +24,10 @@ row, read from the caches), then its own run of K as above with each element nor
 ``kernels/elementwise/norm_triton.py`` rounds it. Program ``(0, 0)`` writes ``h`` to the new
 residual, never over the residual the other programs still read; where other kernels read
 the normed rows too, the first column tile's programs keep them, each its run of K.
+
+With a ``RouteTopK`` the GEMV is a mixture of experts' router, and its top-k runs in the
+epilogue instead of ``route_topk`` after it: each program stores its logits and draws a
+ticket, and the last one routes the rows (``kernels/moe/router_triton.route_rows``).
 """
 
 from __future__ import annotations
