@@ -96,3 +96,11 @@ def assert_same(folded: Any, plain: Any) -> None:
     for a, b in zip(folded.logprobs, plain.logprobs, strict=True):
         assert a is not None and b is not None
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_an_unknown_fold_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.errors import ConfigError
+
+    monkeypatch.setenv(linears.GEMV_FOLDS_ENV, "norm,nrom")
+    with pytest.raises(ConfigError, match="PAGESTREAM_GEMV_FOLDS: unknown nrom"):
+        LLM("dummy:tiny", max_seqs=1)

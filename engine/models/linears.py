@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.errors import ConfigError
 from engine.quant.linear import QuantizedLinear
 from kernels.linear.common import linear_out
 from kernels.linear.gemv_triton import GemvConfig, RouteTopK, RowNorm, gemv
@@ -43,7 +44,9 @@ def gemv_folds() -> frozenset[str]:
     names = frozenset(n.strip() for n in os.environ.get(GEMV_FOLDS_ENV, "").split(",") if n.strip())
     unknown = names - set(GEMV_FOLDS)
     if unknown:
-        raise ValueError(f"{GEMV_FOLDS_ENV}: unknown {sorted(unknown)}; known: {GEMV_FOLDS}")
+        raise ConfigError(
+            f"{GEMV_FOLDS_ENV}: unknown {', '.join(sorted(unknown))}; known: {', '.join(GEMV_FOLDS)}"
+        )
     return names
 
 
