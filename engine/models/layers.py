@@ -26,9 +26,9 @@ from engine.models.linears import (
     LAYER_GEMV_CONFIG,
     NormedRows,
     NormFold,
-    folds_norm,
     gemv_config,
     input_linear,
+    norm_fold_config,
 )
 from engine.models.moe import SparseMoeBlock
 from engine.quant.linear import QuantizedLinear
@@ -69,12 +69,13 @@ class RMSNorm(nn.Module):
 
     def norm_for(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor | Int8Rows | NormedRows:
         """``forward(x)``, rounded to int8 blocks where ``linear`` takes them, or left to
-        ``linear``'s GEMV (``folds_norm``; ``linear`` its only reader)."""
+        ``linear``'s GEMV (``norm_fold_config``; ``linear`` its only reader)."""
         rounding = self.ops.rms_norm_int8
         if rounding is not None and takes_int8_rows(x, linear):
             return rounding(x, self.weight, self.eps)
-        if folds_norm(x, linear, SINGLE_READER):
-            return NormedRows(x, RowNorm(self.weight, self.eps))
+        config = norm_fold_config(x, linear, SINGLE_READER)
+        if config is not None:
+            return NormedRows(x, RowNorm(self.weight, self.eps), config)
         return self.forward(x)
 
     def add_and_norm_for(
@@ -86,16 +87,18 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor | Int8Rows | NormedRows, torch.Tensor]:
         """``add_and_norm``, the normed rows rounded to int8 blocks where ``linear`` takes them
         (after a sum of its own: the fused sum has no int8 variant), or left to ``linear``'s
-        GEMV (``folds_norm``; the new residual a tensor of its own, written by the GEMV)."""
+        GEMV (``norm_fold_config``; the new residual a tensor of its own, written by the GEMV)."""
         rounding = self.ops.fused_add_rms_norm_int8
         rows = x.local if isinstance(x, PartialSum) else x
         if rounding is not None and takes_int8_rows(rows, linear):
             return rounding(summed(x), residual, self.weight, self.eps)
-        if fold is not None and isinstance(x, torch.Tensor) and folds_norm(x, linear, fold):
-            new_residual = torch.empty_like(residual)
-            kept = torch.empty_like(x) if fold.keep_normed else None
-            norm = RowNorm(self.weight, self.eps, residual, new_residual, kept)
-            return NormedRows(x, norm), new_residual
+        if fold is not None and isinstance(x, torch.Tensor):
+            config = norm_fold_config(x, linear, fold)
+            if config is not None:
+                new_residual = torch.empty_like(residual)
+                kept = torch.empty_like(x) if fold.keep_normed else None
+                norm = RowNorm(self.weight, self.eps, residual, new_residual, kept)
+                return NormedRows(x, norm, config), new_residual
         return self.add_and_norm(x, residual)
 
 

@@ -5,6 +5,7 @@ into a given buffer. Shared by the decoder's layers and a mixture of experts' ro
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -40,8 +41,14 @@ GEMV_FOLDS = ("norm", "topk")
 
 
 def gemv_folds() -> frozenset[str]:
-    """The folds ``PAGESTREAM_GEMV_FOLDS`` asks for; an unknown name is an error."""
-    names = frozenset(n.strip() for n in os.environ.get(GEMV_FOLDS_ENV, "").split(",") if n.strip())
+    """The folds ``PAGESTREAM_GEMV_FOLDS`` asks for; an unknown name is an error. Asked per
+    layer of an eager step: the setting is parsed once per value."""
+    return _parse_folds(os.environ.get(GEMV_FOLDS_ENV, ""))
+
+
+@functools.cache
+def _parse_folds(setting: str) -> frozenset[str]:
+    names = frozenset(n.strip() for n in setting.split(",") if n.strip())
     unknown = names - set(GEMV_FOLDS)
     if unknown:
         raise ConfigError(
@@ -52,7 +59,7 @@ def gemv_folds() -> frozenset[str]:
 
 @dataclass(frozen=True)
 class NormFold:
-    """How a block's first linear may take the norm before it (``folds_norm``)."""
+    """How a block's first linear may take the norm before it (``norm_fold_config``)."""
 
     default: GemvConfig | None = None  # its GEMV launch shape where the table has no row
     keep_normed: bool = False  # other kernels of the block read the normed rows too
@@ -64,10 +71,11 @@ class NormedRows:
     and the norm in its prologue (``RowNorm``), writing the sum to ``norm.residual_out``, the
     layer's new residual (and the normed rows to ``norm.normed_out`` where the block keeps
     them). Made by ``RMSNorm.add_and_norm_for`` only for a linear that takes the GEMV
-    (``folds_norm``)."""
+    (``norm_fold_config``)."""
 
     x: torch.Tensor  # [T, hidden]: the block's output
     norm: RowNorm
+    config: GemvConfig  # the launch shape of the GEMV that applies it (``norm_fold_config``)
 
     @property
     def shape(self) -> torch.Size:
@@ -79,13 +87,13 @@ class NormedRows:
         return self.norm.normed_out
 
 
-def folds_norm(x: torch.Tensor, linear: nn.Module, fold: NormFold) -> bool:
-    """Whether the norm of ``x`` (rows of the norm's input) goes into ``linear``'s GEMV:
-    ``PAGESTREAM_GEMV_FOLDS`` has "norm" and ``linear`` takes the GEMV at these rows on this
-    GPU."""
+def norm_fold_config(x: torch.Tensor, linear: nn.Module, fold: NormFold) -> GemvConfig | None:
+    """The GEMV launch shape that takes the norm of ``x`` (rows of the norm's input) into
+    ``linear``'s prologue, or None: ``PAGESTREAM_GEMV_FOLDS`` has "norm" and ``linear``
+    takes the GEMV at these rows on this GPU."""
     if "norm" not in gemv_folds():
-        return False
-    return gemv_config(x, linear, False, fold.default) is not None
+        return None
+    return gemv_config(x, linear, False, fold.default)
 
 
 def folds_topk(x: torch.Tensor, router: nn.Module, default: GemvConfig | None) -> bool:
@@ -134,10 +142,15 @@ def input_linear(
     rank's shard of a tensor-parallel layer is a narrower matrix, which cuBLAS streams less
     well). With ``out`` the product lands there (``linear_into``). ``NormedRows``, and a
     ``route``, take the GEMV, the norm in its prologue, the top-k in its epilogue."""
-    rows, norm = (x.x, x.norm) if isinstance(x, NormedRows) else (x, None)
-    config = gemv_config(rows, linear, False, default)
-    if config is None and (norm is not None or route is not None):  # folds_* said it would
-        raise RuntimeError(f"a norm or a top-k was left to a linear that takes no GEMV: {linear}")
+    rows: torch.Tensor | Int8Rows
+    norm: RowNorm | None
+    config: GemvConfig | None
+    if isinstance(x, NormedRows):  # the launch shape was chosen with the fold
+        rows, norm, config = x.x, x.norm, x.config
+    else:
+        rows, norm, config = x, None, gemv_config(x, linear, False, default)
+    if config is None and route is not None:  # folds_topk said it would
+        raise RuntimeError(f"a top-k was left to a router that takes no GEMV: {linear}")
     if config is not None:
         assert isinstance(rows, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
         return gemv(rows, linear.weight, config=config, out=out, norm=norm, route=route)

@@ -155,10 +155,10 @@ class SparseMoeBlock(nn.Module):
         router_logits = input_linear(x, self.gate, default=ROUTER_GEMV_CONFIG, route=route)
         if isinstance(x, NormedRows):  # the router's GEMV normed them, and kept them
             x = x.normed()
-        routing = {} if route is None else {"routing": (route.weights, route.ids)}
         out = self.ops.fused_moe(
             x, self.w13.weight, self.w2.weight, router_logits, self.top_k, self.renormalize,
-            w13_scale=self.w13.scale, w2_scale=self.w2.scale, **routing,
+            w13_scale=self.w13.scale, w2_scale=self.w2.scale,
+            routing=None if route is None else (route.weights, route.ids),
         )  # fmt: skip
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
