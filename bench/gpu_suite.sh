@@ -4,9 +4,9 @@
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
 #                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows|
-#                       matrix_budget|first_process|gemv_table|cascade|gemv_folds|moe_mixtral|tp4]...
+#                       matrix_budget|first_process|gemv_table|cascade|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
-# first_process, gemv_table, cascade, gemv_folds, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
+# first_process, gemv_table, cascade, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
 # two GPUs), and tp4 (four GPUs),
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, prefill_rows, matrix_budget, cascade, tp_vllm and
@@ -378,23 +378,6 @@ moe_mixtral() {  # two GPUs, vLLM with its MoE extension: mixtral-8x7b TP2, the 
         --max-model-len 4096 --compare vllm --no-progress \
         --output-json "$OUT/throughput-mixtral-8x7b-tp2-vs-vllm-$(card).json"
 }
-gemv_folds() {  # norms in the next GEMV's prologue, a router's top-k in its epilogue
-    # (PAGESTREAM_GEMV_FOLDS): the GPU tests, then batch-1 TPOT with none, norm, norm and topk
-    # (latency-MODEL-gemv-folds-none|norm|norm,topk-CARD.json)
-    log gemv folds
-    python -m pytest -q -x -p no:cacheprovider tests/test_gemv.py \
-        tests/test_gpu.py -k "norm or route or folds" || return 1
-    local model folds
-    for model in qwen3-0.6b llama3-8b qwen3-30b-a3b; do
-        for folds in none norm norm,topk; do
-            [ "$folds" = norm,topk ] && [ "$model" != qwen3-30b-a3b ] && continue
-            PAGESTREAM_GEMV_FOLDS=${folds#none} "${PS[@]}" bench latency --model "dummy:$model" \
-                --batch-sizes 1 --max-model-len 4096 --no-progress \
-                --output-json "$OUT/latency-$model-gemv-folds-$folds-$(card).json"
-        done
-    done
-}
-
 tests() {
     log gpu tests
     python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \

@@ -30,7 +30,6 @@ from engine.memory import (
     read_device_memory,
 )
 from engine.model_runner import ModelRunner
-from engine.models.linears import gemv_folds
 from engine.piecewise_graphs import activation_buffer_bytes
 from engine.quant import allocate_dequant_scratch
 from engine.sampler import Sampler
@@ -79,7 +78,6 @@ def setup_rank(
     runs this at once: loading, profiling and graph capture take part in collectives."""
     dtype = resolve_dtype(config, device)
     backend = get_attention_backend(device)
-    gemv_folds()  # a wrong PAGESTREAM_GEMV_FOLDS fails here, not in the first step
     loaded = load_model(
         config.model,
         dtype,

@@ -167,21 +167,3 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
 def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
-
-
-def gemv_on_one_tile(monkeypatch: pytest.MonkeyPatch, tile: Any) -> list[frozenset[str]]:
-    """Every linear the GEMV takes runs on ``tile`` (a ``GemvConfig``; this card's table
-    need not list the model's shapes). Returns, per GEMV call, which folds it carried
-    (``PAGESTREAM_GEMV_FOLDS``: "norm", "route"); under CUDA graphs, the calls captured."""
-    from engine.models import linears
-
-    monkeypatch.setattr(linears, "tuned_config", lambda *args: tile)
-    calls: list[frozenset[str]] = []
-    real = linears.gemv
-
-    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(frozenset(k for k in ("norm", "route") if kwargs.get(k) is not None))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(linears, "gemv", recorded)
-    return calls

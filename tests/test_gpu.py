@@ -14,7 +14,7 @@ from engine.attention.backend import ATTN_BACKEND_ENV
 from engine.config import CUDA_GRAPHS_ENV
 from engine.errors import ConfigError
 from engine.memory import MIB
-from tests.conftest import gemv_on_one_tile, random_prompts
+from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -284,33 +284,6 @@ def test_the_gemv_lm_head_gives_cublas_logits_at_batch_one() -> None:
         scale = expected.abs().max().item()
         torch.testing.assert_close(logits.float(), expected, rtol=2e-2, atol=2e-2 * scale)
     assert out.abs().sum() > 0
-
-
-@pytest.mark.parametrize(("model", "vocab_size"), [("qwen3-0.6b", 151936), ("tiny-moe", 512)])
-def test_folds_into_the_gemvs_give_the_same_tokens_in_graphs(
-    monkeypatch: pytest.MonkeyPatch, model: str, vocab_size: int
-) -> None:
-    """``PAGESTREAM_GEMV_FOLDS`` on a bf16 model, dense or MoE, one sequence at a time (the
-    GEMV's rows), decode steps replayed from CUDA graphs: every linear at one row on the same
-    GEMV tile (this card's table need not list the model's shapes), and the same greedy
-    tokens with the norms in the GEMVs' prologues (and a router's top-k in its epilogue) as
-    with each a kernel."""
-    from engine.models import linears
-    from kernels.linear.gemv_triton import GemvConfig
-
-    calls = gemv_on_one_tile(monkeypatch, GemvConfig(block_n=2, block_k=1024, num_warps=1))
-    prompts = random_prompts([100, 7, 300], vocab_size, seed=21)
-    tokens = {}
-    for folds in ("", "norm", "norm,topk"):
-        monkeypatch.setenv(linears.GEMV_FOLDS_ENV, folds)
-        llm = LLM(f"dummy:{model}", device="cuda", max_model_len=512, max_seqs=1)
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        tokens[folds] = [o.token_ids for o in outs]
-        del llm
-        gc.collect()
-    assert tokens["norm"] == tokens[""] and tokens["norm,topk"] == tokens[""]
-    assert any("norm" in c for c in calls)  # the captured graphs called the GEMV with them
-    assert any("route" in c for c in calls) == (model == "tiny-moe")
 
 
 def test_the_cudnn_prefill_path_gives_the_triton_kernels_logprobs(

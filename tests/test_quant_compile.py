@@ -26,7 +26,6 @@ from triton.compiler import ASTSource
 from kernels.elementwise.activation_triton import _silu_and_mul_kernel
 from kernels.elementwise.norm_triton import _rms_norm_kernel
 from kernels.linear.fp8_mma_triton import _fp8_mma_kernel
-from kernels.linear.gemv_triton import _gemv_kernel
 from kernels.linear.int8_rows_triton import _quantize_x_kernel
 from kernels.linear.quant import FORMATS
 from kernels.linear.quant_gemm_triton import _quant_gemm_kernel, _quant_gemv_kernel
@@ -203,32 +202,11 @@ def _compile_plain(
             "dp4a": "dp4a.s32.s32" in ptx, "pdl": "griddepcontrol.wait" in ptx}  # fmt: skip
 
 
-GEMV_NORM_ID = "_gemv_kernel-norm"
-GEMV_ARGUMENTS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
-                  "g_ptr": "*bf16", "h_ptr": "*bf16", "normed_ptr": "*bf16",
-                  "topk_w_ptr": "*fp32", "topk_ids_ptr": "*i32", "ticket_ptr": "*i32", "M": "i32",
-                  "N": "i32", "K": "i32", "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32",
-                  "stride_om": "i32", "stride_rm": "i32", "stride_hm": "i32",
-                  "stride_nm": "i32"}  # fmt: skip
-# qwen3-30b-a3b's router at one row (a program per expert), its layer's residual add and
-# RMSNorm in the prologue, the normed row kept for the experts, its top-8 in the epilogue
-GEMV_NORM = {"M_PAD": 1, "BLOCK_N": 1, "BLOCK_K": 2048, "SPLIT_K": 1, "SILU_MUL": False,
-             "EVEN_K": True, "PDL": True, "NORM": True, "HAS_RESIDUAL": True,
-             "STORE_NORMED": True, "TOP_K": 8, "E_PAD": 128, "K_PAD": 8,
-             "RENORMALIZE": True}  # fmt: skip
-
-
-def compile_gemv_norm() -> dict[str, Any]:
-    """The bf16 GEMV with the residual add and RMSNorm in its prologue."""
-    return _compile_plain(_gemv_kernel, GEMV_ARGUMENTS, GEMV_NORM, num_warps=1)
-
-
 def main() -> None:
     results: dict[str, Any] = {}
     jobs = {case_id(index): functools.partial(compile_case, index) for index in range(len(CASES))}
     jobs |= {FP8_MMA_ID: compile_fp8_mma, INT8_GEMV_ID: compile_int8_gemv,
-             X_QUANT_ID: compile_x_quant, INT8_MMA_ID: compile_int8_mma,
-             GEMV_NORM_ID: compile_gemv_norm}  # fmt: skip
+             X_QUANT_ID: compile_x_quant, INT8_MMA_ID: compile_int8_mma}  # fmt: skip
     for name, job in jobs.items():
         try:
             results[name] = job()
@@ -295,12 +273,3 @@ def test_int8_tensor_core_kernel_compiles_to_int8_wgmma(compiled: dict[str, Any]
     assert "error" not in result, result.get("error")
     assert result["cubin"] and result["pdl"]
     assert result["wgmma"]  # int8 operands on Hopper's warpgroup MMA
-
-
-def test_gemv_with_the_norm_in_its_prologue_compiles_for_hopper(compiled: dict[str, Any]) -> None:
-    """The router's GEMV with a ``RowNorm`` (the statistics pass, the normed K loop, the new
-    residual's and the normed rows' stores) and a ``RouteTopK`` (the ticket, the last
-    program's top-k) compiles for sm_90 with PDL and 16-byte weight loads."""
-    result = compiled[GEMV_NORM_ID]
-    assert "error" not in result, result.get("error")
-    assert result["cubin"] and result["pdl"] and result["vector"]

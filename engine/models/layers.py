@@ -22,22 +22,11 @@ from engine.attention import (
 )
 from engine.distributed.group import PartialSum, TensorParallelGroup, summed
 from engine.models.arch import ModelArch
-from engine.models.linears import (
-    LAYER_GEMV_CONFIG,
-    NormedRows,
-    NormFold,
-    gemv_config,
-    input_linear,
-    norm_fold_config,
-)
+from engine.models.linears import LAYER_GEMV_CONFIG, gemv_config, input_linear
 from engine.models.moe import SparseMoeBlock
 from engine.quant.linear import QuantizedLinear
-from kernels.linear.gemv_triton import RowNorm, gemv
+from kernels.linear.gemv_triton import gemv
 from kernels.linear.int8_rows_triton import Int8Rows
-
-# A linear that is its normed rows' only reader (qkv, a dense MLP's gate_up), no GEMV of its
-# own where the table has no row
-SINGLE_READER = NormFold()
 
 
 def takes_int8_rows(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -67,38 +56,22 @@ class RMSNorm(nn.Module):
             return x.add_rms_norm(residual, self.weight, self.eps)
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def norm_for(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor | Int8Rows | NormedRows:
-        """``forward(x)``, rounded to int8 blocks where ``linear`` takes them, or left to
-        ``linear``'s GEMV (``norm_fold_config``; ``linear`` its only reader)."""
+    def norm_for(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor | Int8Rows:
+        """``forward(x)``, rounded to int8 blocks where ``linear`` takes them."""
         rounding = self.ops.rms_norm_int8
         if rounding is not None and takes_int8_rows(x, linear):
             return rounding(x, self.weight, self.eps)
-        config = norm_fold_config(x, linear, SINGLE_READER)
-        if config is not None:
-            return NormedRows(x, RowNorm(self.weight, self.eps), config)
         return self.forward(x)
 
     def add_and_norm_for(
-        self,
-        x: torch.Tensor | PartialSum,
-        residual: torch.Tensor,
-        linear: nn.Module,
-        fold: NormFold | None = SINGLE_READER,  # None: the norm stays a kernel
-    ) -> tuple[torch.Tensor | Int8Rows | NormedRows, torch.Tensor]:
+        self, x: torch.Tensor | PartialSum, residual: torch.Tensor, linear: nn.Module
+    ) -> tuple[torch.Tensor | Int8Rows, torch.Tensor]:
         """``add_and_norm``, the normed rows rounded to int8 blocks where ``linear`` takes them
-        (after a sum of its own: the fused sum has no int8 variant), or left to ``linear``'s
-        GEMV (``norm_fold_config``; the new residual a tensor of its own, written by the GEMV)."""
+        (after a sum of its own: the fused sum has no int8 variant)."""
         rounding = self.ops.fused_add_rms_norm_int8
         rows = x.local if isinstance(x, PartialSum) else x
         if rounding is not None and takes_int8_rows(rows, linear):
             return rounding(summed(x), residual, self.weight, self.eps)
-        if fold is not None and isinstance(x, torch.Tensor):
-            config = norm_fold_config(x, linear, fold)
-            if config is not None:
-                new_residual = torch.empty_like(residual)
-                kept = torch.empty_like(x) if fold.keep_normed else None
-                norm = RowNorm(self.weight, self.eps, residual, new_residual, kept)
-                return NormedRows(x, norm, config), new_residual
         return self.add_and_norm(x, residual)
 
 
@@ -150,7 +123,7 @@ class Attention(nn.Module):
 
     def project(
         self,
-        x: torch.Tensor | Int8Rows | NormedRows,  # [T, hidden]: rounded or normed by qkv_proj
+        x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where qkv_proj takes int8 rows
         out: torch.Tensor | None = None,  # [T, (Hq + 2 * Hkv) * D]: where the projection goes
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
         """The new tokens' queries, keys and values, not yet normed (Qwen3) nor rotated:
@@ -198,9 +171,6 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
 
-    # the input's only reader is gate_up_proj: the norm before may run in its GEMV
-    input_fold = SINGLE_READER
-
     @property
     def input_linear(self) -> nn.Module:
         """The first linear to read the MLP's input (the norm rounds for it where it takes
@@ -209,7 +179,7 @@ class MLP(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | Int8Rows | NormedRows,  # [T, hidden]: rounded or normed by gate_up
+        x: torch.Tensor | Int8Rows,  # [T, hidden]: rounded where gate_up_proj takes int8 rows
     ) -> torch.Tensor | PartialSum:  # [T, hidden], summed over the ranks or left to the norm
         gate_up = input_linear(x, self.gate_up_proj)
         rounding = self.ops.silu_and_mul_int8
@@ -263,7 +233,7 @@ class DecoderLayer(nn.Module):
         qkv_out: torch.Tensor | None = None,  # [T, (Hq + 2 * Hkv) * D]: q, k, v's rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
         qkv_proj = self.self_attn.qkv_proj
-        normed: torch.Tensor | Int8Rows | NormedRows
+        normed: torch.Tensor | Int8Rows
         if residual is None:  # the embeddings: summed by their own all-reduce
             residual = summed(x)
             normed = self.input_layernorm.norm_for(residual, qkv_proj)
@@ -277,6 +247,6 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,  # [T, hidden]
     ) -> tuple[torch.Tensor | PartialSum, torch.Tensor]:  # the layer's output, the new residual
         x, residual = self.post_attention_layernorm.add_and_norm_for(
-            self.self_attn.output(attn), residual, self.mlp.input_linear, self.mlp.input_fold
+            self.self_attn.output(attn), residual, self.mlp.input_linear
         )
         return self.mlp(x), residual

@@ -5,17 +5,12 @@ into a given buffer. Shared by the decoder's layers and a mixture of experts' ro
 
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from engine.errors import ConfigError
 from engine.quant.linear import QuantizedLinear
 from kernels.linear.common import linear_out
-from kernels.linear.gemv_triton import GemvConfig, RouteTopK, RowNorm, gemv
+from kernels.linear.gemv_triton import GemvConfig, gemv
 from kernels.linear.gemv_tuning import tuned_config
 from kernels.linear.int8_rows_triton import Int8Rows
 
@@ -29,80 +24,6 @@ LAYER_GEMV_CONFIG = GemvConfig(block_n=8, block_k=1024)
 # cuBLAS runs a handful of tiles. H100, qwen3-30b-a3b's 128 x 2048, one row, from memory:
 # 1.77 us against cuBLAS's 5.32 (gemv-qwen3-30b-a3b-tp1-h100.json).
 ROUTER_GEMV_CONFIG = GemvConfig(block_n=1, block_k=2048, num_warps=2, num_stages=3)
-
-
-# Kernels that run inside the decode GEMVs at one row instead of on their own, a comma list:
-# "norm", a decoder layer's residual add and RMSNorm in the prologue of the GEMV after them
-# (qkv, a dense MLP's gate_up, a MoE block's router); "topk", a MoE router's top-k in its
-# GEMV's epilogue. None until a decode step on the GPU measures them (bench/gpu_suite.sh
-# gemv_folds).
-GEMV_FOLDS_ENV = "PAGESTREAM_GEMV_FOLDS"
-GEMV_FOLDS = ("norm", "topk")
-
-
-def gemv_folds() -> frozenset[str]:
-    """The folds ``PAGESTREAM_GEMV_FOLDS`` asks for; an unknown name is an error. Asked per
-    layer of an eager step: the setting is parsed once per value."""
-    return _parse_folds(os.environ.get(GEMV_FOLDS_ENV, ""))
-
-
-@functools.cache
-def _parse_folds(setting: str) -> frozenset[str]:
-    names = frozenset(n.strip() for n in setting.split(",") if n.strip())
-    unknown = names - set(GEMV_FOLDS)
-    if unknown:
-        raise ConfigError(
-            f"{GEMV_FOLDS_ENV}: unknown {', '.join(sorted(unknown))}; known: {', '.join(GEMV_FOLDS)}"
-        )
-    return names
-
-
-@dataclass(frozen=True)
-class NormFold:
-    """How a block's first linear may take the norm before it (``norm_fold_config``)."""
-
-    default: GemvConfig | None = None  # its GEMV launch shape where the table has no row
-    keep_normed: bool = False  # other kernels of the block read the normed rows too
-
-
-@dataclass(frozen=True)
-class NormedRows:
-    """``rms_norm(x + residual)``, not yet computed: the GEMV that reads it next does the add
-    and the norm in its prologue (``RowNorm``), writing the sum to ``norm.residual_out``, the
-    layer's new residual (and the normed rows to ``norm.normed_out`` where the block keeps
-    them). Made by ``RMSNorm.add_and_norm_for`` only for a linear that takes the GEMV
-    (``norm_fold_config``)."""
-
-    x: torch.Tensor  # [T, hidden]: the block's output
-    norm: RowNorm
-    config: GemvConfig  # the launch shape of the GEMV that applies it (``norm_fold_config``)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    def normed(self) -> torch.Tensor:  # [T, hidden]
-        """The normed rows, once the GEMV has run (``NormFold.keep_normed``)."""
-        assert self.norm.normed_out is not None, "the block did not keep the normed rows"
-        return self.norm.normed_out
-
-
-def norm_fold_config(x: torch.Tensor, linear: nn.Module, fold: NormFold) -> GemvConfig | None:
-    """The GEMV launch shape that takes the norm of ``x`` (rows of the norm's input) into
-    ``linear``'s prologue, or None: ``PAGESTREAM_GEMV_FOLDS`` has "norm" and ``linear``
-    takes the GEMV at these rows on this GPU."""
-    if "norm" not in gemv_folds():
-        return None
-    return gemv_config(x, linear, False, fold.default)
-
-
-def folds_topk(x: torch.Tensor, router: nn.Module, default: GemvConfig | None) -> bool:
-    """Whether a router's top-k on rows ``x`` goes into its GEMV's epilogue (``RouteTopK``):
-    ``PAGESTREAM_GEMV_FOLDS`` has "topk" and the router takes the GEMV here, whole sums."""
-    if "topk" not in gemv_folds():
-        return False
-    config = gemv_config(x, router, False, default)
-    return config is not None and config.split_k == 1
 
 
 def takes_gemv(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -131,32 +52,22 @@ def gemv_config(
 
 
 def input_linear(
-    x: torch.Tensor | Int8Rows | NormedRows,
+    x: torch.Tensor | Int8Rows,
     linear: nn.Module,
     out: torch.Tensor | None = None,  # [T, out_features], contiguous (``linear_into``)
     default: GemvConfig | None = None,  # where the table has no row: None for cuBLAS
-    route: RouteTopK | None = None,  # a router's top-k in its GEMV (``folds_topk``)
 ) -> torch.Tensor:  # [T, out_features]: ``out`` where given
     """``linear(x)`` for qkv, gate_up and a MoE router: cuBLAS (or ``default``), or the GEMV
     where ``bench.gemv --install`` measured a launch shape of it faster on this GPU (one
     rank's shard of a tensor-parallel layer is a narrower matrix, which cuBLAS streams less
-    well). With ``out`` the product lands there (``linear_into``). ``NormedRows``, and a
-    ``route``, take the GEMV, the norm in its prologue, the top-k in its epilogue."""
-    rows: torch.Tensor | Int8Rows
-    norm: RowNorm | None
-    config: GemvConfig | None
-    if isinstance(x, NormedRows):  # the launch shape was chosen with the fold
-        rows, norm, config = x.x, x.norm, x.config
-    else:
-        rows, norm, config = x, None, gemv_config(x, linear, False, default)
-    if config is None and route is not None:  # folds_topk said it would
-        raise RuntimeError(f"a top-k was left to a router that takes no GEMV: {linear}")
+    well). With ``out`` the product lands there (``linear_into``)."""
+    config = gemv_config(x, linear, False, default)
     if config is not None:
-        assert isinstance(rows, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
-        return gemv(rows, linear.weight, config=config, out=out, norm=norm, route=route)
+        assert isinstance(x, torch.Tensor) and isinstance(linear.weight, torch.Tensor)
+        return gemv(x, linear.weight, config=config, out=out)
     if out is not None:
-        return linear_into(rows, linear, out)
-    result: torch.Tensor = linear(rows)
+        return linear_into(x, linear, out)
+    result: torch.Tensor = linear(x)
     return result
 
 

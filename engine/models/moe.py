@@ -26,15 +26,8 @@ from engine.attention import LayerOps
 from engine.distributed.group import PartialSum, TensorParallelGroup
 from engine.errors import ModelLoadError
 from engine.models.arch import ModelArch
-from engine.models.linears import (
-    ROUTER_GEMV_CONFIG,
-    NormedRows,
-    NormFold,
-    folds_topk,
-    input_linear,
-)
+from engine.models.linears import ROUTER_GEMV_CONFIG, input_linear
 from engine.quant.linear import PackedWeight
-from kernels.linear.gemv_triton import RouteTopK
 from kernels.linear.quant import FORMATS, quantize
 
 # HF expert weight names (after "model."): Qwen's gate/up/down_proj, Mixtral's w1/w3/w2.
@@ -123,42 +116,19 @@ class SparseMoeBlock(nn.Module):
         if moe.shared_intermediate_size:
             self.shared_expert = SharedExpert(hidden, moe.shared_intermediate_size, ops)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        self._ticket: torch.Tensor | None = None  # the router top-k fold's (``_route_in_gemv``)
-
-    # the norm before may run in the router's GEMV, which keeps the normed rows for the experts
-    input_fold = NormFold(ROUTER_GEMV_CONFIG, keep_normed=True)
-
-    def _route_in_gemv(self, rows: torch.Tensor) -> RouteTopK | None:
-        """Where ``folds_topk``: the outputs of the top-k the router's GEMV runs after it, on
-        this block's ticket counter (made at the first such call, before any graph capture:
-        the engine runs each batch size once first)."""
-        if not folds_topk(rows, self.gate, ROUTER_GEMV_CONFIG):
-            return None
-        if self._ticket is None:
-            if rows.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("a router's ticket counter is made before graph capture")
-            self._ticket = torch.zeros(1, dtype=torch.int32, device=rows.device)
-        num_rows = rows.shape[0]
-        weights = torch.empty(num_rows, self.top_k, dtype=torch.float32, device=rows.device)
-        ids = torch.empty(num_rows, self.top_k, dtype=torch.int32, device=rows.device)
-        return RouteTopK(self.top_k, self.renormalize, weights, ids, self._ticket)
 
     @property
     def input_linear(self) -> nn.Module:
         """The first linear to read the block's input (the router)."""
         return self.gate
 
-    def forward(self, x: torch.Tensor | NormedRows) -> torch.Tensor | PartialSum:  # [T, hidden]
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:  # [T, hidden]
         # [T, E], in the model's dtype (as HF computes them): at a decode row the GEMV (its
         # launch shape from bench.gemv's table where it has one), else cuBLAS
-        route = self._route_in_gemv(x.x if isinstance(x, NormedRows) else x)
-        router_logits = input_linear(x, self.gate, default=ROUTER_GEMV_CONFIG, route=route)
-        if isinstance(x, NormedRows):  # the router's GEMV normed them, and kept them
-            x = x.normed()
+        router_logits = input_linear(x, self.gate, default=ROUTER_GEMV_CONFIG)
         out = self.ops.fused_moe(
             x, self.w13.weight, self.w2.weight, router_logits, self.top_k, self.renormalize,
             w13_scale=self.w13.scale, w2_scale=self.w2.scale,
-            routing=None if route is None else (route.weights, route.ids),
         )  # fmt: skip
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

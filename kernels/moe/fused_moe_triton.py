@@ -37,14 +37,12 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,  # [E, 2 * I] float32: w13 in float8 e4m3
     w2_scale: torch.Tensor | None = None,  # [E, H] float32: w2 in float8 e4m3
     direct_buffers: SplitSlotBuffers | None = None,  # kept scratch of a split-slot down tile
-    routing: tuple[torch.Tensor, torch.Tensor] | None = None,  # route_topk's, already run
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` over each token's ``top_k`` experts.
 
     ``direct_buffers``: where a config's direct down tile has ``split_slots``, its ticket
     counters and terms, kept by the caller across calls (``split_slot_buffers.py``); without
-    them each such call allocates and zeroes its own. ``routing``: the weights and ids
-    ``route_topk`` gives for ``router_logits``, computed already (a router GEMV's epilogue)."""
+    them each such call allocates and zeroes its own."""
     _check(x, w13, w2, router_logits, w13_scale is not None, w2_scale is not None)
     num_tokens = x.shape[0]
     out = torch.empty_like(x)
@@ -52,10 +50,7 @@ def fused_moe(
         return out
     if config is None:
         config = pick_config(moe_shape(w13, top_k, x.dtype), num_tokens, _device_name(x.device))
-    if routing is None:
-        topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
-    else:
-        topk_weights, topk_ids = routing
+    topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
     if config.block_m == DIRECT_BLOCK_M:  # a few pairs: a program each, nothing to sort
         act = gate_up_silu_direct(x, w13, topk_ids, config.gate_up, w13_scale)
         return down_sum_direct(

@@ -68,14 +68,9 @@ def fused_moe_ref(
     renormalize: bool,
     w13_scale: torch.Tensor | None = None,  # [E, 2 * I] float32: w13 in float8 e4m3
     w2_scale: torch.Tensor | None = None,  # [E, H] float32: w2 in float8 e4m3
-    routing: tuple[torch.Tensor, torch.Tensor] | None = None,  # the route, already run
 ) -> torch.Tensor:  # [T, H]
-    """The whole MoE MLP: route (unless ``routing`` holds its weights and ids), then run each
-    token through its ``top_k`` experts."""
-    if routing is None:
-        weights, expert_ids = route_topk_ref(router_logits, top_k, renormalize)
-    else:
-        weights, expert_ids = routing
+    """The whole MoE MLP: route, then run each token through its ``top_k`` experts."""
+    weights, expert_ids = route_topk_ref(router_logits, top_k, renormalize)
     return experts_ref(x, w13, w2, weights, expert_ids, w13_scale, w2_scale)
 
 

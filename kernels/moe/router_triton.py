@@ -20,50 +20,6 @@ BLOCK_T = 16  # tokens per program
 
 
 @triton.jit
-def route_rows(
-    logits,  # [BLOCK_T, E_PAD] float32, loaded as -inf past the experts
-    offs_t,  # [BLOCK_T]: the rows' token indices
-    mask_t,  # [BLOCK_T]: the rows that are tokens
-    weights_ptr,  # [T, TOP_K] float32
-    ids_ptr,  # [T, TOP_K] int32
-    num_experts,
-    E_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    """Softmax, top-k and renormalisation of rows of logits, stored: this file's kernel, and
-    a router GEMV's epilogue (``gemv_triton.RouteTopK``)."""
-    offs_e = tl.arange(0, E_PAD)
-    offs_k = tl.arange(0, K_PAD)
-    # 1. softmax over the experts, float32 (padding experts get probability 0)
-    # rows past the end, and NaN logits (a padding row of a captured batch may hold garbage):
-    # zeros, so that every token picks real, distinct experts and no garbage row can take
-    # another token's place in the sorted layout
-    logits = tl.where(mask_t[:, None] & (logits == logits), logits, 0.0)
-    exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    probs = exps / tl.sum(exps, axis=1)[:, None]
-    probs = tl.where(offs_e[None, :] < num_experts, probs, -1.0)
-    # 2. the TOP_K largest, one at a time; a chosen expert drops out of the running
-    top_w = tl.zeros((offs_t.shape[0], K_PAD), dtype=tl.float32)
-    top_i = tl.zeros((offs_t.shape[0], K_PAD), dtype=tl.int32)
-    for slot in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        best_id = tl.min(tl.where(probs == best[:, None], offs_e[None, :], E_PAD), axis=1)
-        best_id = tl.minimum(best_id, num_experts - 1)  # never out of range, whatever came in
-        top_w = tl.where(offs_k[None, :] == slot, best[:, None], top_w)
-        top_i = tl.where(offs_k[None, :] == slot, best_id[:, None], top_i)
-        probs = tl.where(offs_e[None, :] == best_id[:, None], -1.0, probs)
-    # 3. renormalised over the chosen ones where the model says so
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
-    out_offs = offs_t[:, None] * TOP_K + offs_k[None, :]
-    out_mask = mask_t[:, None] & (offs_k[None, :] < TOP_K)
-    tl.store(weights_ptr + out_offs, top_w, mask=out_mask)
-    tl.store(ids_ptr + out_offs, top_i, mask=out_mask)
-
-
-@triton.jit
 def _route_topk_kernel(
     logits_ptr,  # [T, E], last stride 1
     weights_ptr,  # [T, TOP_K] float32
@@ -81,12 +37,36 @@ def _route_topk_kernel(
     wait_for_producers(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, E_PAD)
+    offs_k = tl.arange(0, K_PAD)
     mask_t = offs_t < num_tokens
+    # 1. softmax over the experts, float32 (padding experts get probability 0)
     ptrs = logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :]
     mask = mask_t[:, None] & (offs_e[None, :] < NUM_EXPERTS)
     logits = tl.load(ptrs, mask=mask, other=-float("inf")).to(tl.float32)
-    route_rows(logits, offs_t, mask_t, weights_ptr, ids_ptr, NUM_EXPERTS, E_PAD, TOP_K, K_PAD,
-               RENORMALIZE)  # fmt: skip
+    # rows past the end, and NaN logits (a padding row of a captured batch may hold garbage):
+    # zeros, so that every token picks real, distinct experts and no garbage row can take
+    # another token's place in the sorted layout
+    logits = tl.where(mask_t[:, None] & (logits == logits), logits, 0.0)
+    exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = exps / tl.sum(exps, axis=1)[:, None]
+    probs = tl.where(offs_e[None, :] < NUM_EXPERTS, probs, -1.0)
+    # 2. the TOP_K largest, one at a time; a chosen expert drops out of the running
+    top_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    top_i = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        best_id = tl.min(tl.where(probs == best[:, None], offs_e[None, :], E_PAD), axis=1)
+        best_id = tl.minimum(best_id, NUM_EXPERTS - 1)  # never out of range, whatever came in
+        top_w = tl.where(offs_k[None, :] == slot, best[:, None], top_w)
+        top_i = tl.where(offs_k[None, :] == slot, best_id[:, None], top_i)
+        probs = tl.where(offs_e[None, :] == best_id[:, None], -1.0, probs)
+    # 3. renormalised over the chosen ones where the model says so
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    out_offs = offs_t[:, None] * TOP_K + offs_k[None, :]
+    out_mask = mask_t[:, None] & (offs_k[None, :] < TOP_K)
+    tl.store(weights_ptr + out_offs, top_w, mask=out_mask)
+    tl.store(ids_ptr + out_offs, top_i, mask=out_mask)
 
 
 def route_topk(
