@@ -3,14 +3,14 @@
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
-#                       moe_throughput|moe_latency|matrix_profile|prefill_sdpa|prefill_rows|
+#                       moe_throughput|moe_latency|moe_fp8|matrix_profile|prefill_sdpa|prefill_rows|
 #                       matrix_budget|first_process|gemv_table|cascade|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
 # first_process, gemv_table, cascade, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
 # two GPUs), and tp4 (four GPUs),
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, prefill_rows, matrix_budget, cascade, tp_vllm and
-# moe_throughput/moe_latency need vLLM importable (on the lent GPU:
+# moe_throughput/moe_latency/moe_fp8 need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
 # VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
 # MATRIX_ARGS picks a part of the matrix (e.g. "--models llama3-8b --workloads long-context");
@@ -360,6 +360,15 @@ moe_latency() {  # batch 1 and 64 against vLLM
     log latency qwen3-30b-a3b against vllm
     "${PS[@]}" bench latency --model dummy:qwen3-30b-a3b --batch-sizes 1,64 --max-model-len 4096 \
         --compare vllm --no-progress --output-json "$OUT/latency-qwen3-30b-a3b-vs-vllm.json"
+}
+
+moe_fp8() {  # fp8 experts (--quantization fp8) against vLLM's fp8, batch 1/8/64 and 256 prompts
+    log latency and throughput qwen3-30b-a3b fp8 against vllm
+    "${PS[@]}" bench latency --model dummy:qwen3-30b-a3b --quantization fp8 --batch-sizes 1,8,64 \
+        --max-model-len 4096 --compare vllm --no-progress \
+        --output-json "$OUT/latency-qwen3-30b-a3b-fp8-vs-vllm-$(card).json"
+    "${PS[@]}" bench throughput --model dummy:qwen3-30b-a3b --quantization fp8 --max-model-len 4096 \
+        --compare vllm --no-progress --output-json "$OUT/throughput-qwen3-30b-a3b-fp8-vs-vllm-$(card).json"
 }
 
 moe_mixtral() {  # two GPUs, vLLM with its MoE extension: mixtral-8x7b TP2, the table's large
