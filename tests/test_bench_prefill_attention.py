@@ -31,6 +31,7 @@ def test_flops_count_causal_pairs() -> None:
     assert SWEEP_SHAPE.table_key == "d=16,group=2,q=bfloat16,kv=bfloat16,page=16"
 
 
+@pytest.mark.interpreted
 def test_record_at_a_tiny_size(monkeypatch: pytest.MonkeyPatch) -> None:
     run = PrefillProblem.run
 

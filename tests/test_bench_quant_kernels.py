@@ -16,6 +16,7 @@ from kernels.linear.quant_matmul_triton import quant_matmul
 from tests.test_quant_kernels import random_planes
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("name", ["q4_0", "q4_k"])
 def test_each_row_count_gets_its_kernels_launch_shapes_and_the_dequant_path(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -63,6 +64,7 @@ def test_each_row_count_gets_its_kernels_launch_shapes_and_the_dequant_path(
     assert summary["dequant_of_limit"] == round(limit_us / timings["dequant_only"], 3)
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("name", ["q8_0", "q4_1", "q4_k", "q6_k"])  # each GEMV's code paths
 def test_every_gemv_launch_shape_of_the_sweep_multiplies_right(name: str) -> None:
     fmt = FORMATS[name]
@@ -86,6 +88,7 @@ def test_tensor_core_grid_tiles_the_rows() -> None:
     assert all(k.endswith("t") for k in keys)
 
 
+@pytest.mark.interpreted
 def test_defaults_only_times_the_default_launch_shape_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -97,6 +100,7 @@ def test_defaults_only_times_the_default_launch_shape_alone(
     assert set(decode["timings_us"]) == {"cublas_bf16", decode["summary"]["best"]}
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
 def test_dequant_grid_checks_and_times_every_blocked_launch_shape(
     name: str, monkeypatch: pytest.MonkeyPatch
