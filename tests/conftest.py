@@ -37,11 +37,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """``gpu`` tests skipped without CUDA; ``interpreted`` ones (Triton kernels on CPU tensors)
     skipped where the interpreter is off, as on a CUDA host, where their kernels compile for
     the GPU and a CPU tensor cannot reach them."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    has_cuda, interpreted = torch.cuda.is_available(), os.environ.get("TRITON_INTERPRET") == "1"
     needs_cuda = pytest.mark.skip(reason="needs a CUDA device")
     needs_interpreter = pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (set without CUDA)")
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if "gpu" in item.keywords and not has_cuda:
             item.add_marker(needs_cuda)
         if "interpreted" in item.keywords and not interpreted:
             item.add_marker(needs_interpreter)
