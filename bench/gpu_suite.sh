@@ -3,14 +3,14 @@
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
-#                       moe_throughput|moe_latency|moe_fp8|matrix_profile|prefill_sdpa|prefill_rows|
+#                       moe_throughput|moe_latency|moe_fp8|matrix_profile|matrix_moe|prefill_sdpa|prefill_rows|
 #                       matrix_budget|first_process|gemv_table|cascade|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
 # first_process, gemv_table, cascade, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
 # two GPUs), and tp4 (four GPUs),
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, prefill_rows, matrix_budget, cascade, tp_vllm and
-# moe_throughput/moe_latency/moe_fp8 need vLLM importable (on the lent GPU:
+# moe_throughput/moe_latency/moe_fp8/matrix_moe need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
 # VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
 # MATRIX_ARGS picks a part of the matrix (e.g. "--models llama3-8b --workloads long-context");
@@ -120,10 +120,25 @@ matrix() {  # every workload on qwen3-0.6b and llama3-8b against vLLM 0.26: $OUT
         ${MATRIX_ARGS:-}
 }
 
-matrix_profile() {  # where the rows below target spend their time, both sides: matrix-CARD-profile.json
+matrix_profile() {  # where the rows below target spend their time, both sides, and the ceiling
+    # vLLM's GEMM and attention kernels leave (kernel_ceiling): matrix-profile-rows-CARD.json.
+    # The rows below 1.10 on either card (2026-11-28); about 20 minutes on an H200, so split
+    # it with MATRIX_ARGS (--models M) over calls on one machine
     log profiled matrix against vllm
+    # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
     "${PS[@]}" bench matrix --compare vllm --resume --no-progress --profile-every 4 \
-        --workloads standard-256,prefill-heavy,long-context --output-json "$OUT" ${MATRIX_ARGS:-}
+        --workloads standard-64,standard-256,standard-1024,prefill-heavy,decode-heavy,long-context \
+        --output-json "$OUT/matrix-profile-rows-$(card).json" ${MATRIX_ARGS:-}
+}
+
+matrix_moe() {  # the matrix on qwen3-30b-a3b against vLLM (its MoE extension unpacked: the
+    # peer's third call): matrix-moe-CARD.json; split it over calls with MATRIX_ARGS
+    # (--workloads ...) and --resume finishes what is missing
+    moe_tuned
+    log matrix qwen3-30b-a3b against vllm ${MATRIX_ARGS:-}
+    # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
+    "${PS[@]}" bench matrix --models qwen3-30b-a3b --compare vllm --resume --no-progress \
+        --output-json "$OUT/matrix-moe-$(card).json" ${MATRIX_ARGS:-}
 }
 
 prefill_sdpa() {  # the cuDNN prefill path: its GPU tests, then per shape against the Triton kernel
