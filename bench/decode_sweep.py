@@ -7,9 +7,10 @@ Times the Triton decode kernel for every combination of split count, warps, pipe
 and K/V tile size, with each variant's output checked against the unsplit default's, and
 prints the best per shape beside the default (1 split, 4 warps, 3 stages, 16 KB tiles) and
 beside the split count the engine would choose (``default_num_kv_splits``). The cases are
-throughput-sized batches of 1k contexts, or with ``--long`` the long-context matrix row's
-decodes: 8-32 sequences of 16k-32k tokens, where the step reads tens of GB of KV and the
-bandwidth reached (against a device copy's, in the record) is what counts. CUDA only.
+throughput-sized batches of 1k contexts and qwen3-0.6b's small batches of mixed lengths, or
+with ``--long`` the long-context matrix row's decodes: 8-32 sequences of 16k-32k tokens, where
+the step reads tens of GB of KV and the bandwidth reached (against a device copy's, in the
+record) is what counts. CUDA only.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import kernels.attention.paged_attention_triton as decode
 
 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 32
 LLAMA_Q_HEADS, QWEN_Q_HEADS = 32, 16  # llama3-8b: groups of 4; qwen3-0.6b: groups of 2
-SPLITS, WARPS, STAGES, TILE_BYTES = (1, 2, 4), (4, 8), (2, 3, 4), (16384, 32768)
+SPLITS, WARPS, STAGES, TILE_BYTES = (1, 2, 4, 8), (4, 8), (2, 3, 4), (16384, 32768)
+SMALL_BATCHES = (16, 32, 48)
 LONG_SPLITS = (1, 2, 4, 8, 16)
 DEFAULT = (1, 4, 3, 16384)
 
@@ -70,12 +72,19 @@ def _cases(long: bool) -> dict[str, tuple[list[int], int]]:
             "qwen-b16-u32k": ([32768] * 16, QWEN_Q_HEADS),
             "qwen-b32-u32k": ([32768] * 32, QWEN_Q_HEADS),
         }
-    return {
+    cases = {
         "b64-u1000": ([1000] * 64, LLAMA_Q_HEADS),
         "b144-u1000": ([1000] * 144, LLAMA_Q_HEADS),
         "b256-u1000": ([1000] * 256, LLAMA_Q_HEADS),
         "b144-mixed": (torch.randint(100, 2048, (144,), generator=gen).tolist(), LLAMA_Q_HEADS),
     }
+    # qwen3-0.6b's standard-64 row: its decode steps hold 36 sequences on average (64 draining
+    # to 1) of 100-2,048 tokens, and there the decode kernel read at about 0.6 of the H200's
+    # bandwidth (2026-11-28): few programs per SM, so the split count matters most
+    for batch in SMALL_BATCHES:
+        lens = torch.randint(100, 2048, (batch,), generator=gen).tolist()
+        cases[f"qwen-b{batch}-mixed"] = (lens, QWEN_Q_HEADS)
+    return cases
 
 
 def sweep(device: torch.device, long: bool = False) -> list[dict[str, Any]]:
