@@ -8,8 +8,10 @@ session's turns (system + history + a new user turn, token ids), up to ``concurr
 flight across the fleet, a session going to the back of the line after each reply. The row of
 a run: the prefix hit rate (the prompt tokens the workers' caches served, from each ``done``
 event's usage, over all prompt tokens), TTFT p50/p90 from submit to the first token, output
-tokens/s over the run, the requests each worker finished, and (routed) how many turns went to
-a worker's own stream and why the others went to the shared one.
+tokens/s over the run, the requests each worker finished, each worker's event-loop lag (from
+its ``/metrics`` before and after the run: a routed turn waits for one worker's loop, a shared
+one for the first free), and (routed) how many turns went to a worker's own stream and why the
+others went to the shared one.
 """
 
 from __future__ import annotations
@@ -23,11 +25,18 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench import loop_lag_scrape
 from bench.fleet import WORKER_FLAGS, _memory_fractions, available_cores, worker_gpus
 from bench.multiturn import MultiTurnWorkload, Session, make_sessions
 from bench.records import machine_info, percentiles, utc_now
 from clients import AsyncClient, DoneEvent, TokenEvent
-from worker.local_stack import WorkerProcess, embedded_redis, engine_flags, running_workers
+from worker.local_stack import (
+    WorkerProcess,
+    embedded_redis,
+    engine_flags,
+    free_port,
+    running_workers,
+)
 
 ROUTING_MODES = ("shared", "routed")
 PREFIX = "mtfleet"
@@ -98,6 +107,8 @@ def _run_point(
     gpus = worker_gpus(placing, num_workers, device_type)
     fractions = _memory_fractions(placing, num_workers, device_type)
     threads = max(available_cores() // num_workers, 1) if device_type == "cpu" else None
+    names = [f"mt-{mode}-{index}" for index in range(num_workers)]
+    metrics_ports = [free_port() for _ in names]
     with embedded_redis() as redis_url:
         workers = []
         for index in range(num_workers):
@@ -113,17 +124,25 @@ def _run_point(
                 *WORKER_FLAGS,
                 "--routing",
                 "on" if routed else "off",
+                "--metrics-port",
+                str(metrics_ports[index]),
                 *engine_flags(flag_args),
             ]
-            workers.append(
-                WorkerProcess(redis_url, PREFIX, flags, name=f"mt-{mode}-{index}", env=env)
-            )
+            workers.append(WorkerProcess(redis_url, PREFIX, flags, name=names[index], env=env))
         sharing = device_type == "cuda" and (gpus is None or len(set(gpus)) < len(gpus))
         with running_workers(workers, one_at_a_time=sharing and num_workers > 1):
+            before = [loop_lag_scrape.scrape(port) for port in metrics_ports]
             results = asyncio.run(_drive(redis_url, system, sessions, workload, routed))
+            after = [loop_lag_scrape.scrape(port) for port in metrics_ports]
+    # each worker's event loop over the run: a late loop delays reads and first tokens
+    loop_lag = {
+        name: loop_lag_scrape.summary(start, end)
+        for name, start, end in zip(names, before, after, strict=True)
+        if start is not None and end is not None
+    }
     return {
         "mode": mode, "workers": num_workers, "threads_per_worker": threads, "worker_gpus": gpus,
-        "memory_fractions": fractions, **results,
+        "memory_fractions": fractions, **results, "loop_lag_by_worker": loop_lag,
     }  # fmt: skip
 
 

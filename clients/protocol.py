@@ -448,6 +448,7 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     num_pages_free: int = 0
     num_steps: int = 0  # engine steps since the worker started
     step_time_s: float = 0.0  # time spent in those steps, summed
+    loop_lag_max_ms: float = 0.0  # its event loop's worst lateness since the last heartbeat
     # The output formats its model's chat template teaches ("" = none found): the gateway's
     # --tool-call-parser / --reasoning-parser auto take these
     tool_call_parser: str = ""

@@ -49,6 +49,10 @@ def test_multiturn_fleet_record_and_routing_keeps_the_hit_rate(tmp_path: Path) -
         assert parts["submit"] > 0 and parts["queue"] >= 0
         assert parts["engine"] < 2 * row["ttft_s"]["p90"]
         assert list(row["ttft_p50_s_by_turn"]) == [str(turn) for turn in range(TURNS)]
+        # each worker's event loop over the run, from its /metrics before and after
+        lags = row["loop_lag_by_worker"]
+        assert sorted(lags) == sorted(w["worker"] for w in workers)
+        assert all(lag["probes"] > 0 and lag["mean_ms"] >= 0 for lag in lags.values())
         # every turn's choice counted: a session's first turn finds no holder
         assert sum(row["routing_choices"].values()) == row["num_requests"]
         assert row["routing_choices"]["no holder"] >= SESSIONS

@@ -34,7 +34,8 @@ def scrape(port: int) -> dict[str, float]:
             typed.add(line.split()[2])
         elif line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
-            assert key.split("{")[0] in typed, f"{key}: no # TYPE before it"
+            family = key.split("{")[0].removesuffix("_bucket").removesuffix("_sum")
+            assert family.removesuffix("_count") in typed, f"{key}: no # TYPE before it"
             samples[key] = float(value)
     return samples
 
@@ -105,12 +106,47 @@ def test_a_running_worker_serves_its_load_queue_and_token_counters(
     assert value(idle, "prompt_tokens_total") == sum(c.usage.prompt_tokens for c in done if c.usage)
     assert value(idle, "requests_running") == value(idle, "kv_pages_used") == 0
     assert value(idle, "engine_steps_total") > 0
+    # the event loop's probe ran all along: every lag counted, up to the +Inf bucket
+    probes = value(idle, "event_loop_lag_seconds_count")
+    assert probes > value(busy, "event_loop_lag_seconds_count") > 0
+    assert value(idle, "event_loop_lag_seconds_bucket", le="+Inf") == probes
     assert (
         idle['pagestream_worker_info{worker="w1",model="' + str(worker.engine.config.model) + '"}']
         == 1
     )
     other = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
     assert other.status_code == 404 and "/metrics" in other.text
+
+
+def test_the_heartbeat_carries_the_worst_loop_lag_since_the_last_one(
+    metered_worker: InProcessWorker, redis_server: RedisServer
+) -> None:
+    worker = metered_worker
+    loop = worker._loop
+    assert loop is not None
+    redis = redis_server.client()
+
+    def heartbeat() -> protocol.WorkerStatus:
+        raw = redis.get(KEYS.worker("w1"))
+        assert isinstance(raw, bytes)
+        status: protocol.WorkerStatus = protocol.decode_struct(raw, protocol.WorkerStatus)
+        return status
+
+    deadline_s = time.monotonic() + 30
+    while redis.get(KEYS.worker("w1")) is None and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    loop.call_soon_threadsafe(time.sleep, 0.3)  # the worker's loop held for 300 ms
+    worst_ms = 0.0
+    while worst_ms < 250 and time.monotonic() < deadline_s:
+        worst_ms = max(worst_ms, heartbeat().loop_lag_max_ms)
+        time.sleep(0.02)
+    assert 250 <= worst_ms < 5000
+    # heartbeats every 0.1 s: a later one's window is past the stall
+    calm_ms = worst_ms
+    while calm_ms >= 100 and time.monotonic() < deadline_s:
+        calm_ms = heartbeat().loop_lag_max_ms
+        time.sleep(0.05)
+    assert calm_ms < 100
 
 
 def test_the_queue_lag_is_the_depth_less_the_pending_entries() -> None:

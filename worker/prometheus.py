@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine import EngineStats
+from worker.loop_lag import LAG_BUCKETS_S, LoopLag
 
 PREFIX = "pagestream_worker"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -57,6 +58,7 @@ class WorkerReading:
     max_in_flight: int
     queue: QueueReading
     counters: WorkerCounters
+    loop_lag: LoopLag = field(default_factory=LoopLag)
 
 
 def queue_reading(depth: int, pending: int) -> QueueReading:
@@ -104,6 +106,10 @@ def render(reading: WorkerReading) -> str:
     lines += [f"# HELP {name} Requests finished here, by finish reason.", f"# TYPE {name} counter"]
     for reason, count in sorted(counters.finished.items()):
         lines.append(f'{name}{{{labels},finish_reason="{_escape(reason)}"}} {count}')
+    lines += _histogram(
+        "event_loop_lag_seconds", "How late the worker's event loop ran what was due.",
+        labels, reading.loop_lag,
+    )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -170,6 +176,19 @@ def _sample(name: str, kind: str, help_text: str, labels: str, value: float) -> 
     full = f"{PREFIX}_{name}"
     number = str(value) if isinstance(value, int) else repr(float(value))  # every digit kept
     return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full}{{{labels}}} {number}"]
+
+
+def _histogram(name: str, help_text: str, labels: str, lag: LoopLag) -> list[str]:
+    full = f"{PREFIX}_{name}"
+    bounds = [repr(bound) for bound in LAG_BUCKETS_S] + ["+Inf"]
+    lines = [f"# HELP {full} {help_text}", f"# TYPE {full} histogram"]
+    for bound, count in zip(bounds, lag.cumulative_counts(), strict=True):
+        lines.append(f'{full}_bucket{{{labels},le="{bound}"}} {count}')
+    return [
+        *lines,
+        f"{full}_sum{{{labels}}} {lag.sum_s!r}",
+        f"{full}_count{{{labels}}} {lag.count}",
+    ]
 
 
 def _escape(value: str) -> str:

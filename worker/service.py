@@ -32,6 +32,7 @@ from worker.delivery import REDIS_ERRORS, RequestStream, text
 from worker.engine_thread import EngineThread, StepBatch
 from worker.events import InFlight, wall_ms
 from worker.logs import get_logger
+from worker.loop_lag import LoopLag
 from worker.prometheus import (
     MetricsServer,
     QueueReading,
@@ -93,6 +94,7 @@ class WorkerService:
         self._started_at_ms = wall_ms()
         self._queue_depth = 0
         self.counters = WorkerCounters()
+        self.loop_lag = LoopLag()
         self.queue = QueueReading()
         self._metrics: MetricsServer | None = None
         if settings.metrics_port:
@@ -160,6 +162,7 @@ class WorkerService:
             self._spawn(self._renew_once),
             self._spawn(self._heartbeat_once),
             asyncio.create_task(self._tail_cancels(cancels_from)),
+            asyncio.create_task(self.loop_lag.probe()),
         ]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         await self._drain(intake, upkeep)
@@ -436,6 +439,7 @@ class WorkerService:
             num_pages_free=stats.num_pages_free,
             num_steps=stats.num_steps,
             step_time_s=stats.step_time_s,
+            loop_lag_max_ms=self.loop_lag.take_window_max_s() * 1000,
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
         )
@@ -467,6 +471,7 @@ class WorkerService:
                 max_in_flight=self.settings.max_in_flight,
                 queue=self.queue,
                 counters=self.counters,
+                loop_lag=self.loop_lag,
             )
         )
 
