@@ -539,3 +539,26 @@ def test_short_contexts_decode_unsplit_and_graphs_capture_both_variants() -> Non
     assert decode_graph_contexts(1, 2, cpu, 4096) == [UNSPLIT_MAX_CONTEXT, 4096]
     assert decode_graph_contexts(1, 2, cpu, UNSPLIT_MAX_CONTEXT) == [UNSPLIT_MAX_CONTEXT]
     assert decode_graph_contexts(64, 8, cpu, 4096) == [4096]  # enough programs unsplit
+
+
+def test_the_programs_per_sm_that_split_decodes_come_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kernels.attention import paged_attention_triton as module
+    from kernels.attention.paged_attention_common import num_sms
+
+    cpu = torch.device("cpu")
+    sms = num_sms(cpu)
+    # the default: two programs per SM; a launch of that many programs or more is unsplit
+    assert module.default_num_kv_splits(2 * sms, 1, cpu) == 1
+    assert module.default_num_kv_splits(sms, 1, cpu) == 2
+    monkeypatch.setenv(module.PROGRAMS_PER_SM_ENV, "16")
+    assert module.target_programs_per_sm() == 16
+    assert module.default_num_kv_splits(2 * sms, 1, cpu) == 8  # 16 SMs' worth of programs
+    assert module.default_num_kv_splits(16 * sms, 1, cpu) == 1
+    assert module.default_num_kv_splits(1, 1, cpu) == module.MAX_KV_SPLITS  # capped
+    assert module.default_num_kv_splits(1, 1, cpu, module.UNSPLIT_MAX_CONTEXT) == 1
+    for bad in ("0", "2.5", "many", str(module.MAX_PROGRAMS_PER_SM + 1)):
+        monkeypatch.setenv(module.PROGRAMS_PER_SM_ENV, bad)
+        with pytest.raises(ValueError, match=module.PROGRAMS_PER_SM_ENV):
+            module.default_num_kv_splits(1, 1, cpu)

@@ -21,6 +21,7 @@ The grids depend only on tensor shapes and host ints: the launch is CUDA-graph c
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -50,6 +51,12 @@ from kernels.pdl import pdl_launch, wait_for_producers
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the head group is padded to this
 MAX_KV_SPLITS = 64
 TARGET_PROGRAMS_PER_SM = 2  # default split count: enough programs to hide gather latency
+# Overrides TARGET_PROGRAMS_PER_SM, for measuring another split rule end to end without an
+# edit: on an H200, one layer of qwen3-0.6b's decode over 100-2,047-token contexts took 3-25%
+# less with more splits than this rule gives (bench/results/decode-splits-h200.json), while 64
+# sequences of 1,000 tokens took 9% more at two splits than at one.
+PROGRAMS_PER_SM_ENV = "PAGESTREAM_DECODE_PROGRAMS_PER_SM"
+MAX_PROGRAMS_PER_SM = 256
 # Decodes whose contexts all fit in this many tokens run unsplit: at batch 1 on an H100 a 1k
 # context took 8.6 us a layer unsplit against 9.1 split (the reduction's launch and the
 # partial sums cost more than the parallel gather saves); at 8k splitting wins (22 vs 25 us).
@@ -287,8 +294,8 @@ def paged_attention(
 def default_num_kv_splits(
     num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int | None = None
 ) -> int:
-    """Splits per (sequence, kv head): up to TARGET_PROGRAMS_PER_SM programs per SM, and none
-    when every context is known to fit in UNSPLIT_MAX_CONTEXT tokens.
+    """Splits per (sequence, kv head): up to ``target_programs_per_sm()`` programs per SM, and
+    none when every context is known to fit in UNSPLIT_MAX_CONTEXT tokens.
 
     Depends on shapes, the device and the bound ``max_seq_len`` only, never on the lengths
     themselves: a CUDA graph captured for a batch size and a bound stays valid for any
@@ -297,12 +304,29 @@ def default_num_kv_splits(
     if max_seq_len is not None and max_seq_len <= UNSPLIT_MAX_CONTEXT:
         return 1
     num_programs = max(num_seqs * num_kv_heads, 1)
-    if num_programs >= 2 * num_sms(device):
-        return 1  # already two waves: splitting only adds the reduction
-    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms(device), num_programs)
+    target = target_programs_per_sm() * num_sms(device)
+    if num_programs >= target:
+        return 1  # already as many programs as wanted: splitting only adds the reduction
+    wanted = triton.cdiv(target, num_programs)
     # A power of two: NUM_SPLITS is compiled in, and a mixed step's decode count is anything
     # from 1 up: seven variants to compile instead of one per count.
     return min(MAX_KV_SPLITS, 1 << (wanted.bit_length() - 1))
+
+
+def target_programs_per_sm() -> int:
+    """How many decode programs per SM the split count aims at: ``TARGET_PROGRAMS_PER_SM``, or
+    ``PAGESTREAM_DECODE_PROGRAMS_PER_SM`` where set (read at each call: a process keeps one
+    value, since its CUDA graphs were captured with the split counts it gave)."""
+    value = os.environ.get(PROGRAMS_PER_SM_ENV, "").strip()
+    if not value:
+        return TARGET_PROGRAMS_PER_SM
+    if not value.isdigit() or not 1 <= int(value) <= MAX_PROGRAMS_PER_SM:
+        raise ValueError(
+            f"{PROGRAMS_PER_SM_ENV}={value!r}: give the decode programs per SM that the split "
+            f"count aims at, a whole number 1..{MAX_PROGRAMS_PER_SM} (default "
+            f"{TARGET_PROGRAMS_PER_SM})"
+        )
+    return int(value)
 
 
 def decode_scratch_bytes(
