@@ -3,7 +3,7 @@
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
-#                       moe_throughput|moe_latency|moe_fp8|matrix_profile|matrix_moe|prefill_sdpa|prefill_rows|
+#                       moe_throughput|moe_latency|moe_fp8|matrix_profile|matrix_moe|decode_splits|prefill_sdpa|prefill_rows|
 #                       matrix_budget|first_process|gemv_table|cascade|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
 # first_process, gemv_table, cascade, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
@@ -129,6 +129,20 @@ matrix_profile() {  # where the rows below target spend their time, both sides, 
     "${PS[@]}" bench matrix --compare vllm --resume --no-progress --profile-every 4 \
         --workloads standard-64,standard-256,standard-1024,prefill-heavy,decode-heavy,long-context \
         --output-json "$OUT/matrix-profile-rows-$(card).json" ${MATRIX_ARGS:-}
+}
+
+decode_splits() {  # the decode split-KV rule end to end, engine alone: the programs per SM it
+    # aims at 2 (the default), 8 and 16, then 2 again (the pairs' noise), on qwen3-0.6b's rows
+    # that it moves most (about 4 minutes on an H200; MATRIX_ARGS adds or replaces flags)
+    local run=0 target
+    for target in 2 8 16 2; do
+        run=$((run + 1))
+        log matrix rows, PAGESTREAM_DECODE_PROGRAMS_PER_SM=$target
+        # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
+        PAGESTREAM_DECODE_PROGRAMS_PER_SM=$target "${PS[@]}" bench matrix --models qwen3-0.6b \
+            --workloads standard-64,standard-256,tpot-b64 --no-progress \
+            --output-json "$OUT/matrix-decode-splits-$run-$target-$(card).json" ${MATRIX_ARGS:-}
+    done
 }
 
 matrix_moe() {  # the matrix on qwen3-30b-a3b against vLLM (its MoE extension unpacked: the
