@@ -172,7 +172,7 @@ def calls(folders: list[Path], root: Path) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--kit", type=Path, required=True, help="the peer's folder")
     parser.add_argument("--moe", action="store_true", help="also vLLM's MoE extension")
     parser.add_argument("--dest", type=Path, default=Path(".peer"), help="default .peer")
