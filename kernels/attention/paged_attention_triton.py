@@ -57,6 +57,13 @@ TARGET_PROGRAMS_PER_SM = 2  # default split count: enough programs to hide gathe
 # sequences of 1,000 tokens took 9% more at two splits than at one.
 PROGRAMS_PER_SM_ENV = "PAGESTREAM_DECODE_PROGRAMS_PER_SM"
 MAX_PROGRAMS_PER_SM = 256
+# How a sequence's context is cut into its splits: "even" (each split 1/NUM_SPLITS of its own
+# context) or "balanced" (each split the batch's longest context over NUM_SPLITS, so a short
+# sequence takes fewer busy programs); mixed contexts are where they differ. Measured end to
+# end before it becomes the default (bench/gpu_suite.sh decode_splits).
+SPLITS_ENV = "PAGESTREAM_DECODE_SPLITS"
+SPLIT_MODES = ("even", "balanced")
+LENS_BLOCK = tl.constexpr(128)  # seq_lens a balanced split reads at once, for the longest
 # Decodes whose contexts all fit in this many tokens run unsplit: at batch 1 on an H100 a 1k
 # context took 8.6 us a layer unsplit against 9.1 split (the reduction's launch and the
 # partial sums cost more than the parallel gather saves); at 8k splitting wins (22 vs 25 us).
@@ -88,6 +95,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per page
     NUM_SPLITS: tl.constexpr,
     PART_STRIDE: tl.constexpr,  # partials per (sequence, head): NUM_SPLITS, + the prefix's
+    BALANCED: tl.constexpr,  # splits of one length for the whole batch (see below)
     CASCADE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -108,7 +116,19 @@ def _decode_kernel(
         lo = tl.maximum(seq_len - window, lo)
     first_tile = lo // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    if BALANCED and NUM_SPLITS > 1:
+        # Every sequence's splits are as long as the batch's longest context over NUM_SPLITS:
+        # a short sequence fills only its first splits (the others exit at once), so no
+        # program holds more than that and the SMs finish together. Even splits (below) give
+        # each program 1/NUM_SPLITS of its own sequence, as uneven as the contexts are.
+        longest = tl.full((), 0, tl.int32)
+        for start in range(0, tl.num_programs(0), LENS_BLOCK):  # the batch's decodes
+            offs = start + tl.arange(0, LENS_BLOCK)
+            lens = tl.load(seq_lens_ptr + offs, mask=offs < tl.num_programs(0), other=0)
+            longest = tl.maximum(longest, tl.max(lens, axis=0))
+        tiles_per_split = tl.cdiv(tl.cdiv(longest, BLOCK_N), NUM_SPLITS)
+    else:
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_begin = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, first_tile + num_tiles)
 
@@ -171,10 +191,10 @@ def _reduce_splits_kernel(
     lse = tl.load(part_lse_ptr + row0 + offs_s, mask=mask_s, other=NEG_BIG)
     weights = tl.exp2(lse - tl.max(lse, axis=0))
     weights = tl.where(mask_s, weights, 0.0)
-    # 2. weighted mean of the partial outputs
+    # 2. weighted mean of the partial outputs (columns past HEAD_DIM were never written)
     parts = tl.load(
         part_out_ptr + (row0 + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-        mask=mask_s[:, None],
+        mask=mask_s[:, None] & (offs_d < HEAD_DIM)[None, :],
         other=0.0,
     )
     result = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
@@ -329,6 +349,14 @@ def target_programs_per_sm() -> int:
     return int(value)
 
 
+def balanced_splits() -> bool:
+    """Whether ``PAGESTREAM_DECODE_SPLITS`` asks for balanced splits (default: even)."""
+    mode = os.environ.get(SPLITS_ENV, "").strip() or SPLIT_MODES[0]
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"{SPLITS_ENV}={mode!r}: give one of {', '.join(SPLIT_MODES)}")
+    return mode == "balanced"
+
+
 def decode_scratch_bytes(
     num_decodes: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
     max_seq_len: int, cascade: bool = False,
@@ -427,6 +455,7 @@ def _launch_decode(
         BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
         PART_STRIDE=part_stride,
+        BALANCED=balanced_splits(),
         CASCADE=prefix is not None,
         HAS_WINDOW=sliding_window is not None,
         **dot_args,
