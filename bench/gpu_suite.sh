@@ -131,17 +131,19 @@ matrix_profile() {  # where the rows below target spend their time, both sides, 
         --output-json "$OUT/matrix-profile-rows-$(card).json" ${MATRIX_ARGS:-}
 }
 
-decode_splits() {  # the decode split-KV rule end to end, engine alone: the programs per SM it
-    # aims at 2 (the default), 8 and 16, then 2 again (the pairs' noise), on qwen3-0.6b's rows
-    # that it moves most (about 4 minutes on an H200; MATRIX_ARGS adds or replaces flags)
-    local run=0 target
-    for target in 2 8 16 2; do
+decode_splits() {  # the decode split-KV rule end to end, engine alone, on qwen3-0.6b's rows it
+    # moves most: programs per SM 2 (the default) / 8 / 16, even or balanced splits
+    # (PAGESTREAM_DECODE_SPLITS), the default again last (the pairs' noise); about 6 minutes
+    # on an H200 (MATRIX_ARGS adds or replaces flags)
+    local run=0 variant
+    for variant in 2:even 8:even 16:even 8:balanced 16:balanced 2:even; do
         run=$((run + 1))
-        log matrix rows, PAGESTREAM_DECODE_PROGRAMS_PER_SM=$target
+        log matrix rows, programs per SM and splits ${variant}
         # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
-        PAGESTREAM_DECODE_PROGRAMS_PER_SM=$target "${PS[@]}" bench matrix --models qwen3-0.6b \
+        PAGESTREAM_DECODE_PROGRAMS_PER_SM=${variant%%:*} PAGESTREAM_DECODE_SPLITS=${variant##*:} \
+            "${PS[@]}" bench matrix --models qwen3-0.6b \
             --workloads standard-64,standard-256,tpot-b64 --no-progress \
-            --output-json "$OUT/matrix-decode-splits-$run-$target-$(card).json" ${MATRIX_ARGS:-}
+            --output-json "$OUT/matrix-decode-splits-$run-${variant/:/-}-$(card).json" ${MATRIX_ARGS:-}
     done
 }
 

@@ -562,3 +562,41 @@ def test_the_programs_per_sm_that_split_decodes_come_from_the_environment(
         monkeypatch.setenv(module.PROGRAMS_PER_SM_ENV, bad)
         with pytest.raises(ValueError, match=module.PROGRAMS_PER_SM_ENV):
             module.default_num_kv_splits(1, 1, cpu)
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 3, 8])
+@pytest.mark.parametrize("window", [None, 40])
+def test_balanced_splits_match_reference_over_uneven_contexts(
+    monkeypatch: pytest.MonkeyPatch, num_kv_splits: int, window: int | None
+) -> None:
+    """``PAGESTREAM_DECODE_SPLITS=balanced`` cuts every decode's context in runs of the batch's
+    longest over the split count (tiles of 128 tokens here): a 3-token context fills one
+    split, a 700-token one all of them, and the splits left empty drop out of the reduction;
+    a prefill follows the decodes."""
+    module = KERNELS["paged_attention_triton"]
+    monkeypatch.setenv(module.SPLITS_ENV, "balanced")
+    assert module.balanced_splits()
+    batch = make_batch(
+        [1, 1, 1, 1, 9], [700, 3, 260, 1, 300], block_size=16, num_heads=8, num_kv_heads=2,
+        dtype=torch.float32, seed=num_kv_splits,
+    )  # fmt: skip
+    assert_matches_reference(batch, window, num_kv_splits=num_kv_splits, num_decodes=4)
+
+
+def test_balanced_splits_of_a_cascade_decode_match_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(KERNELS["paged_attention_triton"].SPLITS_ENV, "balanced")
+    suffixes = [1, 2 * 16 + 5, 7, 16, 3]
+    batch = shared_prefix_batch(
+        5, 3, suffixes, ([5, 9], [40, 0]), block_size=16, num_heads=8, num_kv_heads=2,
+        dtype=torch.float32, seed=3,
+    )  # fmt: skip
+    assert_matches_reference(batch, num_kv_splits=3, **cascade(batch, [3 * 16] * 5))
+
+
+def test_an_unknown_split_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = KERNELS["paged_attention_triton"]
+    monkeypatch.setenv(module.SPLITS_ENV, "fair")
+    with pytest.raises(ValueError, match="even, balanced"):
+        module.balanced_splits()
