@@ -3,10 +3,12 @@
     python -m bench.decode_sweep --output-json bench/results/decode-attention-sweep-h100.json
     python -m bench.decode_sweep --long --output-json bench/results/decode-long-sweep-h100.json
 
-Times the Triton decode kernel for every combination of split count, warps, pipeline stages
-and K/V tile size, with each variant's output checked against the unsplit default's, and
-prints the best per shape beside the default (1 split, 4 warps, 3 stages, 16 KB tiles) and
-beside the split count the engine would choose (``default_num_kv_splits``). The cases are
+Times the Triton decode kernel, replayed from a CUDA graph, for every combination of split
+count, warps, pipeline stages and K/V tile size (and with ``--modes even,balanced`` each way
+of cutting contexts into splits), with each variant's output checked against the unsplit
+default's, and prints the best per shape beside the default (1 split, 4 warps, 3 stages,
+16 KB tiles) and beside the split count the engine would choose (``default_num_kv_splits``;
+older records, made before the graphs, timed eager launches). The cases are
 throughput-sized batches of 1k contexts and qwen3-0.6b's small batches of mixed lengths, or
 with ``--long`` the long-context matrix row's decodes: 8-32 sequences of 16k-32k tokens, where
 the step reads tens of GB of KV and the bandwidth reached (against a device copy's, in the
@@ -16,8 +18,10 @@ record) is what counts. CUDA only.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -87,24 +91,37 @@ def _cases(long: bool) -> dict[str, tuple[list[int], int]]:
     return cases
 
 
-def sweep(device: torch.device, long: bool = False) -> list[dict[str, Any]]:
+def sweep(
+    device: torch.device, long: bool = False, modes: tuple[str, ...] = ("even",)
+) -> list[dict[str, Any]]:
+    """Every variant on every case, each split mode (``PAGESTREAM_DECODE_SPLITS``) in turn."""
     cases = _cases(long)
     built = {name: _case(lens, device, heads) for name, (lens, heads) in cases.items()}
     expected = {name: run(1).float() for name, (run, _) in built.items()}
     rows = []
     splits_swept = LONG_SPLITS if long else SPLITS
-    for splits, warps, stages, tile in itertools.product(splits_swept, WARPS, STAGES, TILE_BYTES):
+    variants = itertools.product(modes, splits_swept, WARPS, STAGES, TILE_BYTES)
+    for mode, splits, warps, stages, tile in variants:
+        os.environ[decode.SPLITS_ENV] = mode  # read at each launch
         decode.DECODE_NUM_WARPS, decode.DECODE_NUM_STAGES = warps, stages
         decode.DECODE_TILE_BYTES = tile
         for name, (run, num_bytes) in built.items():
             error = (run(splits).float() - expected[name]).abs().max().item()
-            time_us = triton.testing.do_bench(lambda r=run, s=splits: r(s), warmup=20, rep=100)
-            time_us *= 1e3
+            time_us = _graph_time_us(functools.partial(run, splits))
             rows.append(
-                dict(case=name, splits=splits, warps=warps, stages=stages, tile_bytes=tile,
-                     time_us=time_us, bytes_per_s=num_bytes / time_us * 1e6, max_error=error)
+                dict(case=name, mode=mode, splits=splits, warps=warps, stages=stages,
+                     tile_bytes=tile, time_us=time_us, bytes_per_s=num_bytes / time_us * 1e6,
+                     max_error=error)
             )  # fmt: skip
     return rows
+
+
+def _graph_time_us(fn: Callable[[], torch.Tensor]) -> float:
+    """``fn``'s time replayed from a CUDA graph, as a decode step runs it: timed eagerly, a
+    small case measures the launch (tens of microseconds of Python) more than the kernel."""
+    fn()  # compiled before the capture
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=50)) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,12 +131,19 @@ def main(argv: list[str] | None = None) -> None:
         "--long", action="store_true",
         help="the long-context cases (8-32 sequences of 16k-32k tokens) and up to 16 splits",
     )  # fmt: skip
+    parser.add_argument(
+        "--modes", default="even",
+        help="split modes to sweep, comma-separated: even (the default's), balanced",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    if not modes or not set(modes) <= set(decode.SPLIT_MODES):
+        parser.error(f"--modes: give some of {', '.join(decode.SPLIT_MODES)}")
     from bench.kernels import measure_copy_bandwidth
     from bench.records import machine_info
 
     device = torch.device("cuda")
-    rows = sweep(device, args.long)
+    rows = sweep(device, args.long, modes)
     copy_bytes_per_s = measure_copy_bandwidth(device)
     cases = _cases(args.long)
     chosen = {}
@@ -130,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         engine_splits = decode.default_num_kv_splits(len(lens), NUM_KV_HEADS, device, max(lens))
         engine = next(
             row for row in mine
-            if (row["splits"], row["warps"], row["stages"], row["tile_bytes"])
-            == (engine_splits, *DEFAULT[1:])
+            if (row["mode"], row["splits"], row["warps"], row["stages"], row["tile_bytes"])
+            == (modes[0], engine_splits, *DEFAULT[1:])
         )  # fmt: skip
         chosen[name] = {"engine": engine, "best": best}
         print(
