@@ -564,8 +564,7 @@ def test_the_programs_per_sm_that_split_decodes_come_from_the_environment(
             module.default_num_kv_splits(1, 1, cpu)
 
 
-@pytest.mark.parametrize("num_kv_splits", [2, 3, 8])
-@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize(("num_kv_splits", "window"), [(2, None), (3, 40), (8, None)])
 def test_balanced_splits_match_reference_over_uneven_contexts(
     monkeypatch: pytest.MonkeyPatch, num_kv_splits: int, window: int | None
 ) -> None:
