@@ -102,7 +102,8 @@ def sweep(
     splits_swept = LONG_SPLITS if long else SPLITS
     variants = itertools.product(modes, splits_swept, WARPS, STAGES, TILE_BYTES)
     for mode, splits, warps, stages, tile in variants:
-        os.environ[decode.SPLITS_ENV] = mode  # read at each launch
+        os.environ[decode.SPLITS_ENV] = mode
+        decode.balanced_splits.cache_clear()  # read once per process otherwise
         decode.DECODE_NUM_WARPS, decode.DECODE_NUM_STAGES = warps, stages
         decode.DECODE_TILE_BYTES = tile
         for name, (run, num_bytes) in built.items():

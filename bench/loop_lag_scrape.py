@@ -7,6 +7,7 @@ so they are as fine as the buckets: 1, 2.5, 5, 10, 25, 50 ms and up.
 
 from __future__ import annotations
 
+import math
 import urllib.request
 from dataclasses import dataclass
 
@@ -26,16 +27,16 @@ class LagCounts:
 
 def parse(text: str) -> LagCounts | None:
     """The lag histogram in a ``/metrics`` page; None when the page has none (an old worker)."""
-    buckets: dict[str, int] = {}
+    buckets: dict[float, int] = {}  # bound (float("+Inf") for the last) -> count
     sum_s = None
     for line in text.splitlines():
         if line.startswith(f"{METRIC}_bucket{{"):
             labels, value = line.rsplit(" ", 1)
             bound = labels.split('le="', 1)[1].split('"', 1)[0]
-            buckets[bound] = int(float(value))
+            buckets[float(bound)] = int(float(value))
         elif line.startswith(f"{METRIC}_sum{{"):
             sum_s = float(line.rsplit(" ", 1)[1])
-    bounds = [repr(bound) for bound in LAG_BUCKETS_S] + ["+Inf"]
+    bounds = [*LAG_BUCKETS_S, math.inf]
     if sum_s is None or any(bound not in buckets for bound in bounds):
         return None
     return LagCounts(tuple(buckets[bound] for bound in bounds), sum_s)

@@ -6,7 +6,7 @@ TRITON_INTERPRET is set); ``gpu``-marked tests run real sizes and a CUDA-graph c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -541,9 +541,27 @@ def test_short_contexts_decode_unsplit_and_graphs_capture_both_variants() -> Non
     assert decode_graph_contexts(64, 8, cpu, 4096) == [4096]  # enough programs unsplit
 
 
+@pytest.fixture
+def split_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """The decode split settings read afresh from the environment this test sets (they are
+    read once per process), and forgotten after it."""
+    module = KERNELS["paged_attention_triton"]
+    readers = (module.target_programs_per_sm, module.balanced_splits)
+
+    def forget() -> None:
+        for reader in readers:
+            reader.cache_clear()
+
+    forget()
+    yield monkeypatch
+    monkeypatch.undo()
+    forget()
+
+
 def test_the_programs_per_sm_that_split_decodes_come_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch,
+    split_settings: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch = split_settings
     from kernels.attention import paged_attention_triton as module
     from kernels.attention.paged_attention_common import num_sms
 
@@ -553,6 +571,7 @@ def test_the_programs_per_sm_that_split_decodes_come_from_the_environment(
     assert module.default_num_kv_splits(2 * sms, 1, cpu) == 1
     assert module.default_num_kv_splits(sms, 1, cpu) == 2
     monkeypatch.setenv(module.PROGRAMS_PER_SM_ENV, "16")
+    module.target_programs_per_sm.cache_clear()
     assert module.target_programs_per_sm() == 16
     assert module.default_num_kv_splits(2 * sms, 1, cpu) == 8  # 16 SMs' worth of programs
     assert module.default_num_kv_splits(16 * sms, 1, cpu) == 1
@@ -560,20 +579,21 @@ def test_the_programs_per_sm_that_split_decodes_come_from_the_environment(
     assert module.default_num_kv_splits(1, 1, cpu, module.UNSPLIT_MAX_CONTEXT) == 1
     for bad in ("0", "2.5", "many", str(module.MAX_PROGRAMS_PER_SM + 1)):
         monkeypatch.setenv(module.PROGRAMS_PER_SM_ENV, bad)
+        module.target_programs_per_sm.cache_clear()
         with pytest.raises(ValueError, match=module.PROGRAMS_PER_SM_ENV):
             module.default_num_kv_splits(1, 1, cpu)
 
 
 @pytest.mark.parametrize(("num_kv_splits", "window"), [(2, None), (3, 40), (8, None)])
 def test_balanced_splits_match_reference_over_uneven_contexts(
-    monkeypatch: pytest.MonkeyPatch, num_kv_splits: int, window: int | None
+    split_settings: pytest.MonkeyPatch, num_kv_splits: int, window: int | None
 ) -> None:
     """``PAGESTREAM_DECODE_SPLITS=balanced`` cuts every decode's context in runs of the batch's
     longest over the split count (tiles of 128 tokens here): a 3-token context fills one
     split, a 700-token one all of them, and the splits left empty drop out of the reduction;
     a prefill follows the decodes."""
     module = KERNELS["paged_attention_triton"]
-    monkeypatch.setenv(module.SPLITS_ENV, "balanced")
+    split_settings.setenv(module.SPLITS_ENV, "balanced")
     assert module.balanced_splits()
     batch = make_batch(
         [1, 1, 1, 1, 9], [700, 3, 260, 1, 300], block_size=16, num_heads=8, num_kv_heads=2,
@@ -583,9 +603,9 @@ def test_balanced_splits_match_reference_over_uneven_contexts(
 
 
 def test_balanced_splits_of_a_cascade_decode_match_reference(
-    monkeypatch: pytest.MonkeyPatch,
+    split_settings: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(KERNELS["paged_attention_triton"].SPLITS_ENV, "balanced")
+    split_settings.setenv(KERNELS["paged_attention_triton"].SPLITS_ENV, "balanced")
     suffixes = [1, 2 * 16 + 5, 7, 16, 3]
     batch = shared_prefix_batch(
         5, 3, suffixes, ([5, 9], [40, 0]), block_size=16, num_heads=8, num_kv_heads=2,
@@ -594,8 +614,8 @@ def test_balanced_splits_of_a_cascade_decode_match_reference(
     assert_matches_reference(batch, num_kv_splits=3, **cascade(batch, [3 * 16] * 5))
 
 
-def test_an_unknown_split_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_split_mode_is_refused(split_settings: pytest.MonkeyPatch) -> None:
     module = KERNELS["paged_attention_triton"]
-    monkeypatch.setenv(module.SPLITS_ENV, "fair")
+    split_settings.setenv(module.SPLITS_ENV, "fair")
     with pytest.raises(ValueError, match="even, balanced"):
         module.balanced_splits()

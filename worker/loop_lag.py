@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -40,11 +41,7 @@ class LoopLag:
 
     def cumulative_counts(self) -> list[int]:
         """Observations at or under each bound of ``LAG_BUCKETS_S``, then all of them."""
-        out, running = [], 0
-        for count in self.bucket_counts:
-            running += count
-            out.append(running)
-        return out
+        return list(itertools.accumulate(self.bucket_counts))
 
     def take_window_max_s(self) -> float:
         """The worst lag since the last call (the heartbeat's figure); starts a new window."""

@@ -20,6 +20,7 @@ The grids depend only on tensor shapes and host ints: the launch is CUDA-graph c
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -333,10 +334,11 @@ def default_num_kv_splits(
     return min(MAX_KV_SPLITS, 1 << (wanted.bit_length() - 1))
 
 
+@functools.cache
 def target_programs_per_sm() -> int:
     """How many decode programs per SM the split count aims at: ``TARGET_PROGRAMS_PER_SM``, or
-    ``PAGESTREAM_DECODE_PROGRAMS_PER_SM`` where set (read at each call: a process keeps one
-    value, since its CUDA graphs were captured with the split counts it gave)."""
+    ``PAGESTREAM_DECODE_PROGRAMS_PER_SM`` where set. Read once per process (not at each of
+    an eager step's launches): its CUDA graphs were captured with the split counts it gave."""
     value = os.environ.get(PROGRAMS_PER_SM_ENV, "").strip()
     if not value:
         return TARGET_PROGRAMS_PER_SM
@@ -349,8 +351,10 @@ def target_programs_per_sm() -> int:
     return int(value)
 
 
+@functools.cache
 def balanced_splits() -> bool:
-    """Whether ``PAGESTREAM_DECODE_SPLITS`` asks for balanced splits (default: even)."""
+    """Whether ``PAGESTREAM_DECODE_SPLITS`` asks for balanced splits (default: even). Read
+    once per process, as ``target_programs_per_sm``."""
     mode = os.environ.get(SPLITS_ENV, "").strip() or SPLIT_MODES[0]
     if mode not in SPLIT_MODES:
         raise ValueError(f"{SPLITS_ENV}={mode!r}: give one of {', '.join(SPLIT_MODES)}")
