@@ -197,8 +197,13 @@ def _banner(
     cluster_flag = f" --redis-cluster on --shards {num_primaries}" if num_primaries else ""
     flags = url_flag + prefix_flag + cluster_flag
     health_flags = url_flag + prefix_flag + (" --redis-cluster on" if num_primaries else "")
-    client_args = f"cluster=True, shards={num_primaries}" if num_primaries else ""
-    client_call = f'Client("{redis_url}"{", " + client_args if client_args else ""})'
+    # (double quotes only: the line is run as python -c '...')
+    client_args = [f'"{redis_url}"']
+    if num_primaries:
+        client_args.append(f"cluster=True, shards={num_primaries}")
+    if args.prefix != DEFAULT_PREFIX:  # as the commands' --prefix: the client's keys are its
+        client_args.append(f'prefix="{args.prefix}"')
+    client_call = f"Client({', '.join(client_args)})"
     where = f"a {num_primaries}-primary cluster, data" if num_primaries else "data"
     http = []
     if gateway is not None:

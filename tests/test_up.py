@@ -139,13 +139,18 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 def test_up_serves_a_request_then_ctrl_c_leaves_nothing_behind(
     tmp_path: Path, text_model_dir: Path
 ) -> None:
-    up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING")
+    up = Up(tmp_path, "--model", str(text_model_dir), "--log-level", "WARNING", "--prefix", "upt")
     try:
         url = up.wait_for(BANNER, READY_TIMEOUT_S).group(1)
         gateway_url = up.wait_for(GATEWAY, READY_TIMEOUT_S).group(1)
         children = up.children()
         assert len(children) == 3  # redis-server, the worker and the gateway
-        with Client(url) as client:
+        # the banner's Python line, run as printed, reaches the worker under its prefix
+        banner_line = next(line for line in up.output if "from clients import Client" in line)
+        ran = subprocess.run(["bash", "-c", banner_line.strip()], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+        assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr[-2000:]
+        with Client(url, prefix="upt") as client:
             done = client.complete(token_ids=[5, 6, 7, 8], max_tokens=6, temperature=0)
         assert done.finish_reason is FinishReason.LENGTH and done.usage is not None
         assert done.usage.completion_tokens == 6
