@@ -239,14 +239,17 @@ def shard_tag(index: int, num_shards: int) -> str:
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One chat message. An assistant message may carry the ``tool_calls`` it made (OpenAI's
-    shape, ``function.arguments`` as an object or its JSON text), a ``tool`` message the
-    ``tool_call_id`` it answers (added in v1 with defaults: old clients never send them)."""
+    shape, ``function.arguments`` as an object or its JSON text) and the
+    ``reasoning_content`` it thought, a ``tool`` message the ``tool_call_id`` it answers, any
+    message a ``name`` (added in v1 with defaults: old clients never send them). The chat
+    template gets every field that is set."""
 
     role: str
     content: str
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -115,6 +115,23 @@ def test_tools_reach_the_template_except_with_none(client: openai.OpenAI) -> Non
     assert thinking_off > plain  # the template opened an empty <think></think>
 
 
+def test_message_names_and_reasoning_reach_the_template(client: openai.OpenAI) -> None:
+    """The template renders a message's ``name`` and an assistant's ``reasoning_content``
+    (this one as Qwen's does): each lengthens the prompt the worker built."""
+
+    def prompt_tokens(**fields: Any) -> int:
+        messages = [{"role": "user", "content": "Hi", **fields.get("user", {})},
+                    {"role": "assistant", "content": "Hello", **fields.get("assistant", {})},
+                    {"role": "user", "content": "Weather?"}]  # fmt: skip
+        response = client.chat.completions.create(model="", messages=messages, max_tokens=1)  # type: ignore[arg-type]
+        assert response.usage is not None
+        return response.usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(user={"name": "bob"}) > plain
+    assert prompt_tokens(assistant={"reasoning_content": "a greeting", "refusal": None}) > plain
+
+
 def test_n_samples_share_one_prompt(client: openai.OpenAI) -> None:
     greedy = client.chat.completions.create(model="", messages=ASK, max_tokens=5, n=3,
                                             temperature=0)  # fmt: skip

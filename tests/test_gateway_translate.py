@@ -75,12 +75,60 @@ def test_chat_messages_and_its_max_tokens() -> None:
         (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
         (b'{"messages": [{"role": "user"}]}', "messages"),
         (chat(temperature="hot"), "temperature"),
+        # a nested error names the top-level field it is in, not the nested one
+        (b'{"messages": [{"content": "x"}]}', "messages"),
+        (chat(response_format={}), "response_format"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),  # without stream
+        (chat(response_format={"type": "text", "json_schema": {"schema": {}}}), "response_format"),
+        (chat(max_tokens=2, max_completion_tokens=50), "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]}', "messages"),
     ],
 )
 def test_chat_refusals_name_the_field(body: bytes, param: str) -> None:
     with pytest.raises(OpenAIError) as exc:
         decode_chat(body, 100)
     assert exc.value.status == 400 and exc.value.body.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"messages": [{"role": "user", "content": "x", "foo": 1}]}', "messages"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x", '
+         b'"cache_control": {}}]}]}', "messages"),
+        (chat(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options"),
+        (chat(response_format={"type": "json_object", "strict": True}), "response_format"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}),
+         "response_format"),
+        (b'{"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}', "messages"),
+        (b'{"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]}',
+         "messages"),
+    ],
+)  # fmt: skip
+def test_nested_fields_not_honoured_are_refused(body: bytes, param: str) -> None:
+    """Inside a message, a content part, stream_options or response_format as at the top
+    level: a field the gateway does not honour is a 400 naming where it is, never dropped."""
+    with pytest.raises(OpenAIError) as exc:
+        decode_chat(body, 100)
+    assert exc.value.status == 400 and exc.value.body.param == param
+    assert exc.value.body.code == "unsupported_parameter"
+
+
+def test_message_names_and_reasoning_reach_the_template() -> None:
+    """``name`` on any role and an assistant's ``reasoning_content`` go on to the chat
+    template; what a client sends back of an assistant message unchanged is accepted."""
+    body = json.dumps({"messages": [
+        {"role": "system", "content": "s", "name": "rules"},
+        {"role": "user", "content": "hi", "name": "bob"},
+        {"role": "assistant", "content": "yo", "reasoning_content": "greet back", "refusal": None,
+         "annotations": [], "audio": None, "function_call": None, "tool_calls": None},
+    ], "max_tokens": 3, "max_completion_tokens": 3}).encode()  # fmt: skip
+    messages = decode_chat(body, 100).inputs["messages"]
+    assert messages == [
+        {"role": "system", "content": "s", "name": "rules"},
+        {"role": "user", "content": "hi", "name": "bob"},
+        {"role": "assistant", "content": "yo", "reasoning_content": "greet back"},
+    ]
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,9 @@ AUTO = ChatFormat(tools=ToolPlan("auto", [WEATHER, CLOCK], parser="hermes"))
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, len(TWO_CALLS)])
 def test_hermes_calls_whole_and_split_anywhere(size: int) -> None:
     joined, deltas, calls = read(AUTO, pieces(TWO_CALLS, size))
-    assert joined.content.strip() == "Let me check."
+    # the whitespace around the calls is not content: streamed, every delta holds it back
+    # until text follows (none does), so the stream's content is the whole response's
+    assert joined.content == "Let me check."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "extra": {"nested": [1, "}"]}}),
         ("time_now", {}),
@@ -78,6 +80,18 @@ def test_hermes_text_without_calls_and_broken_blocks_stay_content() -> None:
     for size in (1, 4, len(text)):
         joined, _, calls = read(AUTO, pieces(text, size))
         assert joined.content == text and calls == []
+
+
+def test_with_tools_whitespace_is_held_until_text_follows_or_the_end() -> None:
+    text = "  two  words \n\n"  # no call: all of it is content, the trailing space too
+    for size in (1, 3, len(text)):
+        joined, deltas, _ = read(AUTO, pieces(text, size))
+        assert joined.content == text
+        assert all(d.content == d.content.rstrip() for d in deltas[:-1])  # held back
+    call = '<tool_call>{"name": "time_now", "arguments": {}}</tool_call>'
+    for size in (1, 4, 100):  # text after a call is content; the trailing newline not
+        joined, _, calls = read(AUTO, pieces(f"Sure. {call}\n then done.\n", size))
+        assert joined.content == "Sure. \n then done." and len(calls) == 1
 
 
 def test_hermes_block_cut_off_by_max_tokens() -> None:

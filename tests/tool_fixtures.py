@@ -25,7 +25,10 @@ CONTEXT_LEN = 1024
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t | tojson }}{% endfor %}"
     '\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
-    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}"
+    "{% if m.name %} {{ m.name }}{% endif %}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
     "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from worker.gateway.reasoning import REASONING_PARSERS, ReasoningParser
-from worker.gateway.tool_parsers import ToolCall, ToolCallDelta, ToolOutput
+from worker.gateway.tool_parsers import ToolCall, ToolCallDelta, ToolDelta, ToolOutput
 from worker.gateway.tools import ToolPlan
 
 
@@ -57,6 +57,12 @@ class ChoiceReader:
             self._reasoning = REASONING_PARSERS[name]()
         plan = chat_format.tools
         self._tools: ToolOutput | None = None if plan is None else plan.output()
+        self._made_calls = False
+        # With tools, the content's trailing whitespace is held back until text follows it,
+        # and dropped at the end if the choice made calls: the newlines after and between
+        # calls are not content, streamed or whole (the rule depends on the text alone, not
+        # on how it was split into events).
+        self._held_space = ""
 
     def feed(self, text: str) -> ChatParts:
         parts = ChatParts()
@@ -95,8 +101,20 @@ class ChoiceReader:
             return
         delta = self._tools.feed(content) if content else None
         if delta is not None:
-            parts.content, parts.tool_calls = delta.content, delta.tool_calls
+            parts.content, parts.tool_calls = self._hold_space(delta), delta.tool_calls
         if final:
             end = self._tools.flush()
-            parts.content += end.content
+            parts.content += self._hold_space(end)
             parts.tool_calls += end.tool_calls
+            if not self._made_calls:  # plain text after all: its trailing whitespace is text
+                parts.content += self._held_space
+            self._held_space = ""
+
+    def _hold_space(self, delta: ToolDelta) -> str:
+        """The delta's content to show now: the held whitespace goes out before the next
+        text."""
+        self._made_calls = self._made_calls or bool(delta.tool_calls)
+        text = self._held_space + delta.content
+        shown = text.rstrip()
+        self._held_space = text[len(shown) :]
+        return shown

@@ -14,7 +14,10 @@ from clients.protocol import ErrorCode
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable"
-_FIELD_IN_ERROR = re.compile(r"`\$\.([A-Za-z_]\w*)|field `([A-Za-z_]\w*)`")
+# the top-level field a decode error is in: its path when it has one (a nested field's error
+# names the nested field first), else the field it names (a top-level one)
+_PATH_IN_ERROR = re.compile(r"`\$\.([A-Za-z_]\w*)")
+_FIELD_IN_ERROR = re.compile(r"field `([A-Za-z_]\w*)`")
 
 
 class ErrorBody(msgspec.Struct):
@@ -55,8 +58,11 @@ class OpenAIError(Exception):
 def invalid_body(exc: msgspec.DecodeError) -> OpenAIError:
     """A body that is not JSON, or not the request's shape: 400 naming the field."""
     if isinstance(exc, msgspec.ValidationError):
-        match = _FIELD_IN_ERROR.search(str(exc))
-        param = None if match is None else match.group(1) or match.group(2)
+        text = str(exc)
+        match = _PATH_IN_ERROR.search(text) or _FIELD_IN_ERROR.search(text)
+        param = None if match is None else match.group(1)
+        if text.startswith("Object contains unknown field"):  # in a nested body
+            return unsupported(param or "", f"not supported by this server: {text}")
         return OpenAIError(400, f"invalid request body: {exc}", param=param)
     return OpenAIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
 

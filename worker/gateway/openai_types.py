@@ -22,24 +22,44 @@ import msgspec
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
-class StreamOptions(msgspec.Struct):
+# The nested bodies refuse a field they do not declare (400 ``unsupported_parameter`` naming the
+# top-level field it is in, ``errors.invalid_body``), as ``fields`` refuses a top-level one.
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """A part of a message's content. Only ``text`` parts are honoured; the other types'
+    payloads are declared so that ``translate`` refuses the part by its type."""
+
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """A request's message. ``name`` (any role) and an assistant message's
+    ``reasoning_content`` go to the chat template, as ``tool_calls`` and ``tool_call_id`` do;
+    ``refusal``, ``annotations``, ``audio`` and ``function_call`` are declared because clients
+    send back the assistant messages they were given, and are refused unless empty."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls
     tool_call_id: str | None = None  # a tool message's answer to that call
+    reasoning_content: str | None = None  # a thinking model's reasoning (vLLM's name)
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
-class JsonSchemaFormat(msgspec.Struct):
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
     """``response_format.json_schema``: the schema and its name (``strict`` is always kept)."""
 
     name: str | None = None
@@ -48,7 +68,7 @@ class JsonSchemaFormat(msgspec.Struct):
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct):
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
     """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
 
     type: str

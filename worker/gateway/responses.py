@@ -297,7 +297,7 @@ class ResponseBuilder:
         if g.chat_format.reasoning_parser is not None:
             message.reasoning_content = parts.reasoning or None
         if reader.calls:
-            message.content = parts.content.strip() or None
+            message.content = parts.content or None  # without the whitespace after the calls
             message.tool_calls = [
                 ToolCallBody(call.id, "function", FunctionCall(call.name, call.arguments))
                 for call in reader.calls

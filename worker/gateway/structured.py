@@ -57,7 +57,12 @@ def structured_outputs_of(request: CompletionRequest | ChatRequest) -> dict[str,
 
 
 def _of_response_format(response_format: ResponseFormat | None) -> dict[str, Any] | None:
-    if response_format is None or response_format.type == "text":
+    if response_format is None:
+        return None
+    if response_format.type == "text":
+        if response_format.json_schema is not None:
+            raise OpenAIError(400, "response_format type 'text' takes no json_schema (use type "
+                              "'json_schema')", param="response_format")  # fmt: skip
         return None
     if response_format.type == "json_object":
         return {"json_object": True}

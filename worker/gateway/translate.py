@@ -112,7 +112,10 @@ def decode_chat(body: bytes, chat_max_tokens: int) -> Generation:
     plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
     logprobs = _chat_logprobs(request)
     sampling = _sampling(request, default_max_tokens=chat_max_tokens)
-    if request.max_completion_tokens is not None:  # the newer name wins; the user's own
+    if request.max_completion_tokens is not None:  # the newer name; the user's own
+        if request.max_tokens is not None and request.max_tokens != request.max_completion_tokens:
+            raise OpenAIError(400, "max_tokens and max_completion_tokens differ: send one "
+                              "(max_tokens is the older name)", param="max_tokens")  # fmt: skip
         sampling.update(max_tokens=request.max_completion_tokens, clamp_max_tokens=False)
     template = _template(request, plan)
     if "structured_outputs" in sampling and "structured_outputs" in template:
@@ -158,6 +161,9 @@ def _check_common(request: CompletionRequest | ChatRequest) -> None:
                           "only once all have ended", param="best_of")  # fmt: skip
     if request.logit_bias:
         raise unsupported("logit_bias", "`logit_bias` is not supported")
+    if request.stream_options is not None and not request.stream:
+        raise OpenAIError(400, "stream_options is only allowed when stream is true",
+                          param="stream_options")  # fmt: skip
 
 
 def _chat_logprobs(request: ChatRequest) -> int | None:
@@ -197,8 +203,16 @@ def _message(message: ChatMessage, role: str, index: int) -> dict[str, Any]:
         converted["tool_calls"] = template_messages_tool_calls(message.tool_calls, index)
     if message.tool_call_id is not None:
         converted["tool_call_id"] = message.tool_call_id
-    if message.name is not None and role == "tool":
+    if message.name is not None:  # the template's to use, as vLLM hands it on
         converted["name"] = message.name
+    if message.reasoning_content is not None:
+        if role != "assistant":
+            raise OpenAIError(400, f"messages[{index}]: only assistant messages carry "
+                              "reasoning_content", param="messages")  # fmt: skip
+        converted["reasoning_content"] = message.reasoning_content
+    for name in ("refusal", "annotations", "audio", "function_call"):
+        if getattr(message, name):  # null or empty: what a client sends back unchanged
+            raise unsupported("messages", f"messages[{index}].{name} is not supported")
     return converted
 
 
