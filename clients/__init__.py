@@ -7,6 +7,7 @@ imports torch. ``AsyncClient`` for asyncio code, ``Client`` for everything else.
 from clients.aio import (
     AsyncClient,
     Choice,
+    ClientClosedError,
     ClientError,
     Completion,
     RequestFailedError,
@@ -34,6 +35,7 @@ __all__ = [
     "BatchStatus",
     "Choice",
     "Client",
+    "ClientClosedError",
     "ClientError",
     "Completion",
     "DoneEvent",

@@ -48,6 +48,10 @@ class RequestFailedError(ClientError):
         self.field = event.field
 
 
+class ClientClosedError(ClientError):
+    """The client was closed while the call was waiting."""
+
+
 class RequestTimeoutError(ClientError, TimeoutError):
     """No terminal event arrived in time (no worker running, or the request is too slow)."""
 
@@ -167,7 +171,9 @@ class AsyncClient:
         self._reader = _reader(self.redis, self.keys)
 
     async def close(self) -> None:
-        await self._reader.close()
+        """Close the Redis connections; a call still reading a request raises
+        ``ClientClosedError``."""
+        await self._reader.close(ClientClosedError("the client was closed"))
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -275,15 +281,20 @@ class AsyncClient:
         """Submit a request and yield its ``token`` events as they arrive, then ``done``.
 
         A ``restart`` event means a worker died and the request runs again from the start:
-        drop the text received so far. An ``error`` event raises ``RequestFailedError``.
+        drop the text received so far. An ``error`` event raises ``RequestFailedError``; no
+        event in time raises ``RequestTimeoutError``, and the request is then cancelled.
         ``options``: ``submit``'s keyword arguments (sampling, priority, tenant, ...).
         """
         request_id = await self.submit(
             prompt, messages=messages, token_ids=token_ids, request_id=request_id,
             timeout_s=timeout_s, **options,
         )  # fmt: skip
-        async for event in self.resume(request_id, timeout_s=timeout_s):
-            yield event
+        try:
+            async for event in self.resume(request_id, timeout_s=timeout_s):
+                yield event
+        except RequestTimeoutError:  # as ``result``: nobody waits for it any more
+            await self.cancel(request_id)
+            raise
 
     async def resume(
         self, request_id: str, *, after: str = "0-0", timeout_s: float | None = None

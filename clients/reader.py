@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,12 +43,28 @@ BACKOFF_MAX_S = 2.0
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, *TRANSIENT_CLUSTER_ERRORS)
 
 Entry = tuple[str, bytes]  # (entry id, payload)
+_ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
 
 
 def stream_id(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a tuple that orders like Redis orders ids."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def checked_entry_id(entry_id: str) -> str:
+    """``entry_id`` if it is a stream entry id (``MS-SEQ`` or ``MS``), else ``ValueError``:
+    checked when a read starts, so that a bad one fails its own caller, not the read that
+    serves every stream of the client."""
+    if not isinstance(entry_id, str) or _ENTRY_ID.fullmatch(entry_id) is None:
+        raise ValueError(
+            f"after must be a stream entry id like '1700000000000-0', got {entry_id!r}"
+        )
+    return entry_id
+
+
+class ReaderClosedError(Exception):
+    """What a subscriber waiting when its reader is closed gets (unless the closer says)."""
 
 
 @dataclass(eq=False)
@@ -77,7 +94,7 @@ class StreamReader:
 
     async def subscribe(self, key: str, after: str) -> Subscription:
         """Start delivering ``key``'s entries after ``after``; ``unsubscribe`` when done."""
-        subscription = Subscription(key, after)
+        subscription = Subscription(key, checked_entry_id(after))
         self._subscriptions.setdefault(key, []).append(subscription)
         if self._task is None:  # the first read will include it
             self._task = asyncio.create_task(self._run(), name="pagestream-stream-reader")
@@ -95,15 +112,23 @@ class StreamReader:
         if not subscriptions:
             self._subscriptions.pop(subscription.key, None)
 
-    async def close(self) -> None:
-        """Stop reading and delete the wake stream."""
+    async def close(self, error: BaseException | None = None) -> None:
+        """Stop reading and delete the wake stream. Every subscriber still waiting gets
+        ``error`` (default: ``ReaderClosedError``) rather than waiting forever."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._fail_all(error)
         with contextlib.suppress(*REDIS_ERRORS):
             await self._redis.delete(self._wake_key)
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        for subscriptions in self._subscriptions.values():
+            for subscription in subscriptions:
+                subscription.queue.put_nowait(error or ReaderClosedError("the reader was closed"))
+        self._subscriptions.clear()
 
     async def _wake(self) -> None:
         pipe = self._redis.pipeline(transaction=False)
@@ -115,10 +140,7 @@ class StreamReader:
         try:
             await self._read_while_subscribed()
         except Exception as exc:  # unexpected: every reader gets it rather than waiting forever
-            for subscriptions in self._subscriptions.values():
-                for subscription in subscriptions:
-                    subscription.queue.put_nowait(exc)
-            self._subscriptions.clear()
+            self._fail_all(exc)
         finally:
             if self._task is asyncio.current_task():
                 self._task = None  # the next subscriber starts a new reader
@@ -202,17 +224,18 @@ class PerStreamReader(StreamReader):
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def subscribe(self, key: str, after: str) -> Subscription:
-        subscription = Subscription(key, after)
+        subscription = Subscription(key, checked_entry_id(after))
         self._subscriptions.setdefault(key, []).append(subscription)
         if key not in self._tasks:
             self._tasks[key] = asyncio.create_task(self._read_stream(key), name=f"read {key}")
         return subscription
 
-    async def close(self) -> None:
+    async def close(self, error: BaseException | None = None) -> None:
         tasks, self._tasks = list(self._tasks.values()), {}
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._fail_all(error)
 
     async def _read_stream(self, key: str) -> None:
         delay_s = BACKOFF_MIN_S
@@ -252,6 +275,7 @@ class ShardedReader:
 
     async def subscribe(self, key: str, after: str) -> Subscription:
         """Start delivering ``key``'s entries after ``after``; ``unsubscribe`` when done."""
+        checked_entry_id(after)
         tag = hash_tag(key)
         reader = self._readers.get(tag)
         if reader is None:
@@ -265,10 +289,11 @@ class ShardedReader:
         if reader is not None:
             reader.unsubscribe(subscription)
 
-    async def close(self) -> None:
-        """Stop every shard's read and delete the wake streams."""
+    async def close(self, error: BaseException | None = None) -> None:
+        """Stop every shard's read and delete the wake streams (waiting subscribers get
+        ``error``, as ``StreamReader.close``)."""
         readers, self._readers = list(self._readers.values()), {}
-        await asyncio.gather(*(reader.close() for reader in readers))
+        await asyncio.gather(*(reader.close(error) for reader in readers))
 
 
 Reader = StreamReader | ShardedReader

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from clients.aio import DEFAULT_REDIS_URL, AsyncClient, Completion
+from clients.aio import DEFAULT_REDIS_URL, AsyncClient, ClientClosedError, Completion
 from clients.batch import BatchResult, BatchStatus
 from clients.protocol import DEFAULT_PREFIX, DoneEvent, RestartEvent, TokenEvent
 
@@ -59,7 +59,15 @@ class Client:
         self._finalizer = weakref.finalize(self, _shut_down, self._loop, self._thread, self._client)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop is closed
+            coro.close()
+            raise ClientClosedError("the client is closed") from None
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:  # closed while it waited (``_shut_down``)
+            raise ClientClosedError("the client was closed") from None
 
     def _iterate(self, events: AsyncIterator[T]) -> Iterator[T]:
         try:
@@ -140,11 +148,25 @@ def _shut_down(
     if threading.current_thread() is thread:  # dropped by a callback on the loop itself
         loop.create_task(client.close()).add_done_callback(lambda _: loop.stop())
         return
-    future = asyncio.run_coroutine_threadsafe(client.close(), loop)
+    future = asyncio.run_coroutine_threadsafe(_close(client), loop)
     with contextlib.suppress(concurrent.futures.TimeoutError):  # Redis unreachable: stop anyway
         future.result(CLOSE_TIMEOUT_S)
     loop.call_soon_threadsafe(loop.stop)
     thread.join()
+
+
+async def _close(client: AsyncClient) -> None:
+    """Close ``client``, then end every call other threads still wait on (a call in a Redis
+    command, say): each raises ``ClientClosedError`` in its thread rather than blocking on a
+    stopped loop."""
+    try:
+        await client.close()
+    finally:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=CLOSE_TIMEOUT_S)
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 from redis.exceptions import ResponseError
 
-from clients import AsyncClient, ErrorCode, ErrorEvent, TokenEvent, protocol, reader
+from clients import (
+    AsyncClient,
+    Client,
+    ClientClosedError,
+    ErrorCode,
+    ErrorEvent,
+    RequestTimeoutError,
+    TokenEvent,
+    aio,
+    protocol,
+    reader,
+)
 from tests.redis_server import RedisServer
 
 
@@ -173,5 +186,71 @@ def test_an_unexpected_read_error_reaches_its_readers_and_the_next_read_recovers
             await client.redis.xadd(client.keys.out("second"), _token(0))
             await client.redis.xadd(client.keys.out("second"), _end())
             assert await asyncio.wait_for(_read_all(client, "second"), 10) == [0]
+
+    asyncio.run(scenario())
+
+
+def test_a_bad_after_fails_its_own_caller_not_the_other_readers(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            good = asyncio.create_task(_read_all(client, "good"))
+            await _blocked_clients(client)
+            for bad in ("not-an-id", "1-x", "-1", "", "1-2-3"):
+                with pytest.raises(ValueError, match="after must be a stream entry id"):
+                    await _read_all(client, "other", after=bad)
+            await client.redis.xadd(client.keys.out("good"), _token(0))
+            await client.redis.xadd(client.keys.out("good"), _end())
+            assert await asyncio.wait_for(good, 10) == [0]  # untouched by the bad ones
+
+    asyncio.run(scenario())
+
+
+def test_closing_the_client_ends_the_reads_waiting_on_it(redis_server: RedisServer) -> None:
+    """Closed while reads wait (no worker answers them): each raises ``ClientClosedError``
+    at once rather than waiting for ever, the async client's and the blocking client's."""
+
+    async def scenario() -> None:
+        client = AsyncClient(redis_server.url, prefix="closing")
+        waiting = [asyncio.create_task(_read_all(client, f"r{i}")) for i in range(3)]
+        await _blocked_clients(client)
+        await client.close()
+        results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 5)
+        assert all(isinstance(r, ClientClosedError) for r in results), results
+
+    asyncio.run(scenario())
+
+    blocking = Client(redis_server.url, prefix="closing", timeout_s=600)
+    outcome: list[BaseException | None] = []
+
+    def wait_for_an_answer() -> None:
+        try:
+            blocking.complete(prompt="nobody serves this", max_tokens=4)
+            outcome.append(None)
+        except BaseException as exc:  # the test reads which
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait_for_an_answer)
+    thread.start()
+    time.sleep(0.5)
+    blocking.close()
+    thread.join(timeout=15)
+    assert not thread.is_alive() and isinstance(outcome[0], ClientClosedError), outcome
+    with pytest.raises(ClientClosedError):
+        blocking.submit(prompt="after close", max_tokens=1)
+
+
+def test_a_stream_that_times_out_cancels_its_request(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``complete`` does: nobody reads the request any more, so no worker should run it."""
+    monkeypatch.setattr(aio, "DEADLINE_GRACE_S", 0.0)
+
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url, prefix="nobody") as client:
+            with pytest.raises(RequestTimeoutError):
+                async for _ in client.stream(prompt="x", max_tokens=2, timeout_s=0.3,
+                                             request_id="streamed"):  # fmt: skip
+                    pass
+            assert await client.redis.get(client.keys.cancel("streamed")) is not None
 
     asyncio.run(scenario())
