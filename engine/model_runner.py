@@ -157,10 +157,13 @@ class ModelRunner:
         self.grammar_masks.apply(
             launched.unsampled_logits, launched.sampling_entries, launched.draft_entries
         )
-        self._sample(launched)
+        self._sample(launched, after_advance=True)
 
-    def _sample(self, launched: LaunchedStep) -> None:
-        """Queue the sampling (and draft verification) of ``launched``'s logits."""
+    def _sample(self, launched: LaunchedStep, after_advance: bool = False) -> None:
+        """Queue the sampling (and draft verification) of ``launched``'s logits.
+        ``after_advance``: sampled late (a step with grammars), when each row's output
+        already ends with this step's placeholder for its pick; the penalties and
+        ``min_tokens`` count only the tokens before it."""
         logits, launched.unsampled_logits = launched.unsampled_logits, None
         assert logits is not None
         entries = launched.sampling_entries
@@ -169,8 +172,20 @@ class ModelRunner:
             logits = logits[: len(entries)]
         if not entries:
             return
-        if all([entry.seq.picks_argmax for entry in entries]):  # a list: cheaper than a genexpr
+        if after_advance:
+            before = [e.seq.known_output_token_ids() for e in entries]
+            argmax = all(
+                e.seq.sampling.is_plain_greedy and len(known) >= e.seq.sampling.min_tokens
+                for e, known in zip(entries, before, strict=True)
+            )
+        else:
+            argmax = all([entry.seq.picks_argmax for entry in entries])  # a list: cheaper
+        if argmax:
             sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
+        elif after_advance:
+            pairs = zip(entries, before, strict=True)
+            rows = [e.seq.sampling_row(known, len(known)) for e, known in pairs]
+            sample = self.sampler.sample_on_device(logits, rows)
         else:
             rows = [e.seq.sampling_row() for e in entries]
             sample = self.sampler.sample_on_device(logits, rows)

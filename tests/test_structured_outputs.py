@@ -116,6 +116,28 @@ def test_json_object_outputs_are_objects(llm: LLM) -> None:
     assert all(out.text.startswith("{") for out in outs)
 
 
+def test_penalties_under_a_grammar_count_the_tokens_before_the_step(llm: LLM) -> None:
+    """A row with a grammar is sampled late, when its output already holds the step's
+    placeholder: its penalties count the tokens before it, as an unconstrained row's do (a
+    grammar that allows anything then changes nothing; the placeholder once crashed it)."""
+    penalties: dict[str, Any] = dict(
+        max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=3.0,
+        presence_penalty=2.0, frequency_penalty=1.0,
+    )  # fmt: skip
+    prompts = ["hello", "x y z", "Reply."]
+    free = llm.generate(prompts, SamplingParams(**penalties), use_tqdm=False)
+    anything = structured(regex=r"[\s\S]{0,400}")
+    constrained = llm.generate(
+        prompts, SamplingParams(**penalties, structured=anything), use_tqdm=False
+    )
+    unpenalized = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                       ignore_eos=True), use_tqdm=False)  # fmt: skip
+    assert any(a.token_ids != b.token_ids for a, b in zip(free, unpenalized, strict=True))
+    for f, c in zip(free, constrained, strict=True):
+        # (the grammar may end the text at a token its regex accepts as the end)
+        assert len(c.token_ids) >= 8 and c.token_ids == f.token_ids[: len(c.token_ids)]
+
+
 def test_constrained_and_free_requests_share_a_batch(llm: LLM) -> None:
     free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone = llm.generate(PROMPTS[:2], free, use_tqdm=False)
