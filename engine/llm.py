@@ -195,11 +195,31 @@ class LLM:
             if sampling.structured is not None
             for _ in range(sampling.num_samples)
         )
-        outputs = []
-        for request, token_ids, sampling in zip(requests, encoded, params, strict=True):
-            request_id = self.engine.add_request(prompt_token_ids=token_ids, sampling=sampling)
-            outputs.append(RequestOutput(request_id, request.get("prompt"), token_ids))
+        outputs: list[RequestOutput] = []
+        try:
+            for index, (request, token_ids, sampling) in enumerate(
+                zip(requests, encoded, params, strict=True)
+            ):
+                try:
+                    request_id = self.engine.add_request(
+                        prompt_token_ids=token_ids, sampling=sampling
+                    )
+                except InvalidRequestError as exc:  # max_tokens past the context, n, ...
+                    raise InvalidRequestError(exc.field, f"request {index}: {exc.message}") from exc
+                outputs.append(RequestOutput(request_id, request.get("prompt"), token_ids))
+        except BaseException:
+            # none of the call's requests runs: the ones added are taken back, so that the
+            # engine is left as it was for the next call
+            for out in outputs:
+                self.engine.abort(out.request_id)
+            self._drain()
+            raise
         return outputs
+
+    def _drain(self) -> None:
+        """Step the engine until it holds nothing (aborted requests leave at a step)."""
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

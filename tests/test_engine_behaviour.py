@@ -537,3 +537,20 @@ def test_duplicate_in_flight_request_id_is_refused_until_it_finishes(llama_dir: 
     driver.add("dup", prompts[0], greedy(6))  # an aborted id is free again too
     driver.run()
     assert driver.tokens(["dup"]) == expected[:1]
+
+
+def test_a_call_with_a_bad_request_runs_none_and_leaves_the_llm_usable(llama_dir: Path) -> None:
+    """The request past the context is found only when the engine takes it: the requests
+    taken before it are taken back, and the next call runs as on a fresh engine."""
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=64)
+    prompt = random_prompts([8], VOCAB_SIZE, seed=3)[0]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    for bad in (SamplingParams(max_tokens=1000), SamplingParams(n=1000)):
+        with pytest.raises(InvalidRequestError, match="request 1"):
+            llm.generate([prompt, prompt], [greedy, bad], use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+    again = llm.generate([prompt], greedy, use_tqdm=False)
+    fresh = LLM(str(llama_dir), device="cpu", max_model_len=64).generate(
+        [prompt], greedy, use_tqdm=False
+    )
+    assert again[0].token_ids == fresh[0].token_ids and len(again[0].token_ids) == 4
