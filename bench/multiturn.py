@@ -19,7 +19,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -101,7 +101,7 @@ def run_multiturn(
     """Run the workload with the host tier off, then with ``config.kv_offload_mb``; the record."""
     if config.kv_offload_mb <= 0:
         raise ConfigError("give --kv-offload-mb N: the host tier to compare against none")
-    created_utc = datetime.now(timezone.utc)
+    created_utc = datetime.now(UTC)
     runs: dict[str, dict[str, Any]] = {}
     replies: dict[str, dict[str, list[int]]] = {}
     settings: dict[str, Any] = {}

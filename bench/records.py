@@ -11,7 +11,7 @@ import re
 import socket
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ def speculative_counts(before: EngineStats, after: EngineStats) -> dict[str, Any
 
 def utc_now() -> str:
     """A record's timestamp: UTC, to the second (``created_utc``)."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 ENV_PREFIX = "PAGESTREAM_"

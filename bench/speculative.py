@@ -17,7 +17,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -111,7 +111,7 @@ def run_speculative(
     plain_config = dataclasses.replace(
         config, speculative="off", speculative_model=None, num_speculative_tokens=None
     )
-    created_utc = datetime.now(timezone.utc)
+    created_utc = datetime.now(UTC)
     plain, plain_info = _run_engine(plain_config, workload, use_tqdm)
     spec, spec_info = _run_engine(spec_config, workload, use_tqdm)
     return {

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ def run_throughput(
     engine = llm_or_engine.engine if isinstance(llm_or_engine, LLM) else llm_or_engine
     _check_fits(engine, workload)
     prompts = make_random_prompts(workload, engine.loaded.arch.vocab_size)
-    created_utc = datetime.now(timezone.utc)
+    created_utc = datetime.now(UTC)
     sampler = KernelSampler(profile_every, engine.device) if profile_every else None
     results = _measure(engine, prompts, use_tqdm, workload.num_warmup_prompts, sampler=sampler)
     return {

@@ -265,7 +265,7 @@ class AsyncClient:
             return await subscription.queue.get()
         try:
             return await asyncio.wait_for(subscription.queue.get(), deadline_s - time.monotonic())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RequestTimeoutError(request_id, timeout_s or 0.0) from None
 
     async def stream(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +196,7 @@ def configure_kernels(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     import torch
 
@@ -212,7 +213,7 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
     )  # fmt: skip
     record = {
         "kind": "kernels",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(device),
         "settings": {
             **{k: v for k, v in vars(args).items() if k not in ("handler",)},

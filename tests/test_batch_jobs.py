@@ -7,6 +7,7 @@ module; the worker-death test runs workers as processes so that one can be SIGKI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pickle
 import signal
@@ -328,3 +329,32 @@ def test_job_of_a_killed_worker_is_retried_and_completes_once(
     assert [r["text"] for r in result.records] == expected
     file_ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]
     assert file_ids == list(range(1, 25)), "results missing or duplicated"
+
+
+def test_a_job_whose_engine_stops_mid_job_goes_back_on_the_queue(
+    text_model_dir: Path, redis_server: RedisServer
+) -> None:
+    """The engine's step raising (the thread then stops) is the worker's failure, not the
+    job's: the job is put back on the queue for a worker whose engine runs, not failed."""
+    server = redis_server
+    stopping = BatchWorker(text_model_dir, server.url)
+    real_step, num_steps = stopping.engine.step, 0
+
+    def fails_at_the_fifth(*args: Any, **kwargs: Any) -> Any:
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps == 5:
+            raise RuntimeError("a step that fails")
+        return real_step(*args, **kwargs)
+
+    stopping.engine.step = fails_at_the_fifth  # type: ignore[method-assign]
+    try:
+        with Client(server.url) as client:
+            prompts = random_prompts(6, seed=5)
+            job_id = client.submit_batch(prompts, max_tokens=20, ignore_eos=True)
+            seen = wait_status(client, job_id, lambda s: s.state is not BatchState.RUNNING
+                               and num_steps >= 5)  # fmt: skip
+            assert seen.state is BatchState.QUEUED, seen
+    finally:
+        with contextlib.suppress(RuntimeError):  # the worker ends with its engine's failure
+            stopping.stop()

@@ -169,9 +169,15 @@ class BatchJob:
         stored = {int(i) for i in keys}
         pending = iter([i for i in range(len(items)) if i not in stored])
         num_runners = min(self.settings.max_lines_in_flight, len(items) - len(stored))
-        async with asyncio.TaskGroup() as group:
-            for _ in range(num_runners):
-                group.create_task(self._run_lines(pending, items))
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(num_runners):
+                    group.create_task(self._run_lines(pending, items))
+        except BaseExceptionGroup as failed:  # the group wraps what its runners raised
+            stopped = failed.subgroup(EngineStoppedError)
+            if stopped is None:
+                raise
+            raise _first_leaf(stopped) from failed  # ``run`` puts the job back on the queue
         if self.spec.output_path:
             await self._write_output(self.spec.output_path)
         return await self._finish(BatchState.COMPLETE)
@@ -265,3 +271,11 @@ def _write_atomically(path: Path, records: list[str]) -> None:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The first exception of ``group`` that is not a group itself."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
