@@ -95,9 +95,14 @@ class PromptEncoder:
             raise InvalidRequestError("messages", f"model {self.model_name!r} has no chat template")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
-        for message in messages:
+        for index, message in enumerate(messages):
             if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
                 raise InvalidRequestError("messages", "each message needs a role and a content")
+            if not isinstance(message["content"], str):  # templates join content as text
+                raise InvalidRequestError(
+                    "messages", f"message {index}'s content must be a string (text only), "
+                    f"got {type(message['content']).__name__}",
+                )  # fmt: skip
         options = template or ChatTemplateOptions()
         try:
             text = self.tokenizer.apply_chat_template(

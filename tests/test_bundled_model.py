@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, FinishReason, SamplingParams
+from engine import LLM, FinishReason, InvalidRequestError, SamplingParams
 from engine.loader import resolve_model_dir
 from engine.loader.gguf import BUNDLED_INSTALL_COMMAND, COMPLETE_MARKER_NAME
 from tests.doc_examples import python_example
@@ -156,3 +156,14 @@ def test_the_readme_offline_example_runs(
     code = python_example("README.md", "from engine import LLM")
     exec(compile(code, "README.md", "exec"), {})
     assert "Paris" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [[{"type": "text", "text": "Hi"}], 5, None])
+def test_a_message_whose_content_is_not_text_is_refused_by_name(llm: LLM, content: Any) -> None:
+    """Not a template's TypeError (which ended a whole batch job): an error naming messages,
+    and the engine serves the next request."""
+    with pytest.raises(InvalidRequestError, match="content must be a string") as refused:
+        llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=2))
+    assert refused.value.field == "messages"
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2))
+    assert len(out[0].token_ids) == 2
