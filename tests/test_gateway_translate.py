@@ -93,13 +93,15 @@ def test_chat_refusals_name_the_field(body: bytes, param: str) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        (b'{"messages": [{"role": "user", "content": "x", "foo": 1}]}', "messages"),
+        # an unknown key is named itself, as a top-level one is
+        (b'{"messages": [{"role": "user", "content": "x", "foo": 1}]}', "foo"),
         (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x", '
-         b'"cache_control": {}}]}]}', "messages"),
-        (chat(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options"),
-        (chat(response_format={"type": "json_object", "strict": True}), "response_format"),
+         b'"cache_control": {}}]}]}', "cache_control"),
+        (chat(stream=True, stream_options={"continuous_usage_stats": True}),
+         "continuous_usage_stats"),
+        (chat(response_format={"type": "json_object", "strict": True}), "strict"),
         (chat(response_format={"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}),
-         "response_format"),
+         "x"),
         (b'{"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}', "messages"),
         (b'{"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]}',
          "messages"),
@@ -107,7 +109,7 @@ def test_chat_refusals_name_the_field(body: bytes, param: str) -> None:
 )  # fmt: skip
 def test_nested_fields_not_honoured_are_refused(body: bytes, param: str) -> None:
     """Inside a message, a content part, stream_options or response_format as at the top
-    level: a field the gateway does not honour is a 400 naming where it is, never dropped."""
+    level: a field the gateway does not honour is a 400 naming it, never dropped."""
     with pytest.raises(OpenAIError) as exc:
         decode_chat(body, 100)
     assert exc.value.status == 400 and exc.value.body.param == param

@@ -15,7 +15,8 @@ INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable"
 # the top-level field a decode error is in: its path when it has one (a nested field's error
-# names the nested field first), else the field it names (a top-level one)
+# names the nested field first), else the field it names (a top-level one); an unknown nested
+# field is named itself
 _PATH_IN_ERROR = re.compile(r"`\$\.([A-Za-z_]\w*)")
 _FIELD_IN_ERROR = re.compile(r"field `([A-Za-z_]\w*)`")
 
@@ -59,10 +60,12 @@ def invalid_body(exc: msgspec.DecodeError) -> OpenAIError:
     """A body that is not JSON, or not the request's shape: 400 naming the field."""
     if isinstance(exc, msgspec.ValidationError):
         text = str(exc)
+        if text.startswith("Object contains unknown field"):  # in a nested body: named, as a
+            unknown = _FIELD_IN_ERROR.search(text)  # top-level one is (``fields``)
+            param = None if unknown is None else unknown.group(1)
+            return unsupported(param or "", f"not supported by this server: {text}")
         match = _PATH_IN_ERROR.search(text) or _FIELD_IN_ERROR.search(text)
         param = None if match is None else match.group(1)
-        if text.startswith("Object contains unknown field"):  # in a nested body
-            return unsupported(param or "", f"not supported by this server: {text}")
         return OpenAIError(400, f"invalid request body: {exc}", param=param)
     return OpenAIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
 
