@@ -15,6 +15,8 @@ from commands.parser import EXIT_USAGE, CommandError, LazyParser, Subparsers
 from worker.arg_types import add_client_sampling_args, client_sampling
 from worker.settings import DEFAULT_REDIS_URL
 
+STDIO = "-"
+
 
 def register(subparsers: Subparsers) -> None:
     """Add ``batch`` and its verbs to the ``pagestream`` parser."""
@@ -73,23 +75,37 @@ def run_submit(args: argparse.Namespace) -> int:
     from clients import Client
 
     sampling = client_sampling(args)
+    # read before connecting: a bad file is the user's error, whether or not Redis is up
+    lines = None if args.input is None else read_input_lines(args.input)
     with Client(args.redis_url, prefix=args.prefix) as client:
         job_id = client.submit_batch(
-            args.prompt, lines=_read_lines(args.input), input_path=args.input_on_worker,
+            args.prompt, lines=lines, input_path=args.input_on_worker,
             output_path=args.output_on_worker, job_id=args.id, chat=args.chat, **sampling,
         )  # fmt: skip
     print(job_id)
     return 0
 
 
-def _read_lines(source: str | None) -> list[str] | None:
-    if source is None:
-        return None
+def read_input_lines(source: str) -> list[str]:
+    """The non-blank lines of a JSONL ``--input`` (a path, or - for stdin), read as UTF-8.
+
+    ``pagestream generate --input`` reads its file here too, so that a line's default ``id``
+    (its number among these lines) is the one a batch job gives it. A file that cannot be
+    read or is not UTF-8 is a one-line usage error.
+    """
     try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+        data = sys.stdin.read() if source == STDIO else Path(source).read_bytes().decode()
     except OSError as exc:
         raise CommandError(f"--input {source}: {exc.strerror or exc}", EXIT_USAGE) from exc
-    return [line for line in text.splitlines() if line.strip()]
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"--input {source}: {_not_utf8(exc)}", EXIT_USAGE) from exc
+    return [line for line in data.splitlines() if line.strip()]
+
+
+def _not_utf8(exc: UnicodeDecodeError) -> str:
+    line_no = exc.object[: exc.start].count(b"\n") + 1
+    byte = exc.object[exc.start]
+    return f"not UTF-8: byte 0x{byte:02x} at offset {exc.start} (line {line_no})"
 
 
 # -- status, result, abort -----------------------------------------------------------------------
@@ -126,11 +142,18 @@ def run_result(args: argparse.Namespace) -> int:
     )
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        _write_output(args.output, text)
     else:
         sys.stdout.write(text)
     _print_status(result.status, as_json=False, out=sys.stderr)
     return 0
+
+
+def _write_output(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:  # no such folder, a folder, no permission, disk full
+        raise CommandError(f"--output {path}: {exc.strerror or exc}") from exc
 
 
 def _configure_abort(parser: argparse.ArgumentParser) -> None:

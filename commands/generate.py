@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from commands.batch import STDIO, read_input_lines
 from commands.parser import EXIT_USAGE, CommandError
 from engine import (
     InvalidRequestError,
@@ -47,7 +48,6 @@ SAMPLING_FLAG_FIELDS = (
     "structured_outputs",
 )  # fmt: skip
 FLAG_OF_FIELD = {"stop_token_ids": "--stop-token-id"}  # ... except for these
-STDIO = "-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,8 +145,7 @@ def user_errors() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``pagestream generate``; returns the exit code."""
-    if args.output and not args.input:
-        raise CommandError("--output needs --input (one prompt streams to stdout)", EXIT_USAGE)
+    check_source(args)
     defaults = sampling_defaults(args)
     items = read_requests(args.input, defaults, chat=args.chat) if args.input else None
     with user_errors():
@@ -160,6 +159,19 @@ def run(args: argparse.Namespace) -> int:
             return run_file(engine, items, out, show_progress=not args.no_progress)
     finally:
         engine.shutdown()  # the other tensor-parallel ranks, if any
+
+
+def check_source(args: argparse.Namespace) -> None:
+    """The flags that apply to ``--input`` only are refused with one prompt, which streams
+    plain text: there is nowhere to put its logprobs."""
+    if args.input:
+        return
+    if args.output:
+        raise CommandError("--output needs --input (one prompt streams to stdout)", EXIT_USAGE)
+    if args.logprobs is not None:
+        raise CommandError(
+            "--logprobs applies to --input results (one prompt streams text only)", EXIT_USAGE
+        )
 
 
 # -- one prompt, streamed --------------------------------------------------------------------
@@ -194,13 +206,10 @@ def stream_one(engine: LLMEngine, request: Request, sampling: SamplingParams) ->
 
 
 def read_requests(source: str, defaults: dict[str, Any], *, chat: bool) -> list[BatchItem]:
-    """Parse every non-blank line of ``source`` (a path, or - for stdin)."""
-    try:
-        text = sys.stdin.read() if source == STDIO else Path(source).read_text()
-    except OSError as exc:
-        raise CommandError(f"--input {source}: {exc.strerror or exc}", EXIT_USAGE) from exc
-    lines = enumerate(text.splitlines(), start=1)
-    return [parse_line(no, line, defaults, chat=chat) for no, line in lines if line.strip()]
+    """Parse every non-blank line of ``source`` (a path, or - for stdin), numbered among the
+    non-blank lines as a batch job numbers them (its default ``id``)."""
+    lines = read_input_lines(source)
+    return [parse_line(no, line, defaults, chat=chat) for no, line in enumerate(lines, start=1)]
 
 
 class OrderedWriter:

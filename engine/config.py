@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -24,6 +25,7 @@ DEFAULT_CPU_POOL_MB = 1024
 CUDA_GRAPHS_ENV = "PAGESTREAM_CUDA_GRAPHS"
 DEVICE_ENV = "PAGESTREAM_DEVICE"  # what device=auto means, e.g. cpu on a GPU host
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")  # cuda or cuda:N
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,7 @@ class EngineConfig:
                 "parallelism"
             )
         _choice("speculative", self.speculative, ("off", "ngram"))
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
-            raise ConfigError(f"device: {self.device!r} is not one of auto, cpu, cuda[:N]")
+        _check_device(self.device)
 
     def _check_budget(self) -> None:
         given = [
@@ -245,6 +246,28 @@ class EngineConfig:
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower() not in ("0", "off", "false")
+
+
+def _check_device(device: str) -> None:
+    """auto, cpu, or a CUDA device this host has: torch's own errors for a bad one are
+    tracebacks (an assertion when torch has no CUDA at all)."""
+    match = CUDA_DEVICE.fullmatch(device)
+    if device not in ("auto", "cpu") and match is None:
+        raise ConfigError(f"device: {device!r} is not one of auto, cpu, cuda[:N]")
+    if match is None:
+        return
+    import torch  # only here: a config naming no CUDA device must not need torch
+
+    # device_count() is 0 where torch has no CUDA build or sees no GPU
+    num_gpus = torch.cuda.device_count()
+    index = int(match.group(1) or 0)
+    if num_gpus == 0:
+        raise ConfigError(f"device: {device!r} but no CUDA device is visible; use --device cpu")
+    if index >= num_gpus:
+        raise ConfigError(
+            f"device: {device!r} but {num_gpus} CUDA devices are visible (cuda:0 to "
+            f"cuda:{num_gpus - 1})"
+        )
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

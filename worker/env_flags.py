@@ -6,6 +6,8 @@ name upper-cased with ``-`` as ``_``; a flag given on the command line wins over
 and an empty variable counts as unset. Switches (``on/off`` flags and flags without a value)
 take ``1/0``, ``true/false``, ``yes/no`` or ``on/off``; repeatable flags take a
 comma-separated list. A value the flag would refuse is a usage error that names the variable.
+A variable counts as given for a choice the command requires (``PAGESTREAM_INPUT`` for
+``generate``'s prompt or ``--input``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def apply_env_defaults(
         replaced[action.dest] = action.default
         action.default = value
     _check_exclusive_env(parser, replaced)
+    _satisfy_required_groups(parser, replaced)
     return replaced
 
 
@@ -81,6 +84,14 @@ def _check_exclusive_env(parser: argparse.ArgumentParser, replaced: Mapping[str,
         names = [env_var(a) for a in group._group_actions if a.dest in replaced]
         if len(names) > 1:
             parser.error(f"{' and '.join(names)} are mutually exclusive: set at most one")
+
+
+def _satisfy_required_groups(parser: argparse.ArgumentParser, replaced: Mapping[str, Any]) -> None:
+    # argparse checks a required group against the command line only, so a variable that sets
+    # one of its flags (PAGESTREAM_INPUT for generate's prompt or --input) must count as given
+    for group in parser._mutually_exclusive_groups:
+        if group.required and any(a.dest in replaced for a in group._group_actions):
+            group.required = False
 
 
 def _parse(parser: argparse.ArgumentParser, action: argparse.Action, text: str) -> Any:
