@@ -187,7 +187,9 @@ class LLM:
             try:
                 encoded.append(self.engine.encode_prompt(**request))
             except InvalidRequestError as exc:
-                raise InvalidRequestError(exc.field, f"request {index}: {exc.message}") from exc
+                if len(requests) == 1:
+                    raise
+                raise _of_request(exc, index) from exc
         # every sample's grammar matcher made at once on a pool of threads, not one by one below
         self.engine.grammars.prebuild(
             sampling.structured
@@ -205,7 +207,9 @@ class LLM:
                         prompt_token_ids=token_ids, sampling=sampling
                     )
                 except InvalidRequestError as exc:  # max_tokens past the context, n, ...
-                    raise InvalidRequestError(exc.field, f"request {index}: {exc.message}") from exc
+                    if len(requests) == 1:
+                        raise
+                    raise _of_request(exc, index) from exc
                 outputs.append(RequestOutput(request_id, request.get("prompt"), token_ids))
         except BaseException:
             # none of the call's requests runs: the ones added are taken back, so that the
@@ -220,6 +224,11 @@ class LLM:
         """Step the engine until it holds nothing (aborted requests leave at a step)."""
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def _of_request(exc: InvalidRequestError, index: int) -> InvalidRequestError:
+    """``exc`` saying which of the call's several requests it is about."""
+    return InvalidRequestError(exc.field, f"request {index}: {exc.message}")
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
