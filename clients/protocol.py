@@ -175,6 +175,11 @@ class Keys:
         """Which stream entry owns a request id (so a duplicate id is not run twice)."""
         return self._request_key("claim", request_id)
 
+    def restarts(self, request_id: str) -> str:
+        """A request's restarts (a hash: ``n``, how many; ``reason``, why the next one will
+        happen when a worker said so), numbering its ``restart`` events."""
+        return self._request_key("restarts", request_id)
+
     def worker(self, name: str) -> str:
         """A worker's heartbeat (a ``WorkerStatus``, with a TTL)."""
         return f"{self.prefix}:worker:{name}"
@@ -411,7 +416,7 @@ class RestartEvent(_Event, tag="restart"):
 
     attempt: int  # 1 for the first retry
     worker: str
-    reason: str = "lease expired"
+    reason: str = "lease expired"  # or "handed back" (its worker stopped and gave it back)
 
 
 Event = TokenEvent | DoneEvent | ErrorEvent | RestartEvent

@@ -380,3 +380,46 @@ def test_an_entry_dead_lettered_twice_has_one_letter(redis_server: RedisServer) 
         await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_restarts_are_numbered_and_say_why_across_hand_backs(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    """Handing back keeps the entry's delivery count (it is no failure), so the attempt is the
+    request's own count: two hand-backs are attempts 1 and 2, each saying it was handed back."""
+    first = start_worker("w1", grace_s=0.0)
+    slow_steps(first.engine)
+    with Client(redis_server.url) as client:
+        request_id = client.submit("w5", max_tokens=250, ignore_eos=True, temperature=0)
+        events = client.resume(request_id, timeout_s=60)
+        assert isinstance(next(events), TokenEvent)
+        first.stop()
+        second = start_worker("w2", grace_s=0.0)
+        slow_steps(second.engine)
+        next(e for e in events if isinstance(e, RestartEvent))  # w2 took it over
+        assert isinstance(next(events), TokenEvent)  # and runs it
+        second.stop()
+        start_worker("w3")
+        completion = client.result(request_id, timeout_s=60)
+        restarts = [e for e in client.resume(request_id) if isinstance(e, RestartEvent)]
+    assert len(completion.token_ids) == 250 and completion.num_restarts == 2
+    assert [(r.attempt, r.worker, r.reason) for r in restarts] == [
+        (1, "w2", "handed back"), (2, "w3", "handed back"),
+    ]  # fmt: skip
+
+
+def test_a_duplicate_of_an_answer_whose_events_expired_gets_an_error(
+    start_worker: Any, redis_server: RedisServer
+) -> None:
+    """Past the out stream's TTL (an hour) and within the claim's (a day), an id sent again
+    cannot be read back: its caller gets an error saying so, not a wait for ever."""
+    start_worker("w1")
+    with Client(redis_server.url) as client:
+        first = client.complete("w5 w6", request_id="once", **GOOD)
+        assert len(first.token_ids) == 6
+        r = redis_server.client()
+        r.delete(KEYS.out("once"))  # what the TTL does after an hour
+        r.close()
+        with pytest.raises(RequestFailedError) as error:
+            client.complete("w5 w6", request_id="once", timeout_s=30, **GOOD)
+    assert error.value.field == "id" and "expired" in error.value.message

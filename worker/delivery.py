@@ -163,6 +163,10 @@ return 1
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, *TRANSIENT_CLUSTER_ERRORS)
 
 
+# ``restart`` reasons: another worker took the request over, or its worker gave it back
+LEASE_EXPIRED, HANDED_BACK = "lease expired", "handed back"
+
+
 class Ownership(str, enum.Enum):
     NEW = "new"  # first time this request id is seen: run it
     RETRY = "retry"  # this entry ran before (its worker died): run it again after `restart`
@@ -303,18 +307,42 @@ class RequestStream:
         )
         return [text(entry_id) for entry_id in lost]
 
-    async def hand_back(self, entries: list[Entry], idle_ms: int) -> None:
-        """Make ``entries`` claimable by other workers at once (idle time set to ``idle_ms``).
+    async def hand_back(self, entries: list[tuple[str, Entry]], idle_ms: int) -> None:
+        """Make ``entries`` (request id, entry) claimable by other workers at once (idle time
+        set to ``idle_ms``).
 
-        The retry count is kept as it was, so handing back is not counted as a failure.
+        The retry count is kept as it was, so handing back is not counted as a failure; the
+        request's restarts record why its next one happens (``restart``'s ``reason``).
         """
         pipe = self.redis.pipeline(transaction=False)
-        for entry in entries:
+        for request_id, entry in entries:
+            pipe.hset(self.keys.restarts(request_id), "reason", HANDED_BACK)
+            pipe.expire(self.keys.restarts(request_id), protocol.CLAIM_TTL_S)
             pipe.xclaim(
                 self.key(entry.stream), self.keys.group, self.consumer, 0, [entry.entry_id],
                 idle=idle_ms, retrycount=max(entry.times_delivered - 1, 0), justid=True,
             )  # fmt: skip
         await pipe.execute()
+
+    async def next_restart(self, request_id: str) -> tuple[int, str]:
+        """Count a restart of ``request_id``: its number (1 for the first) and why."""
+        key = self.keys.restarts(request_id)
+        pipe = self.redis.pipeline(transaction=False)  # one key; only its owner restarts it
+        pipe.hincrby(key, "n", 1)
+        pipe.hget(key, "reason")
+        pipe.hdel(key, "reason")
+        pipe.expire(key, protocol.CLAIM_TTL_S)
+        attempt, reason, _, _ = await pipe.execute()
+        return int(attempt), text(reason) if reason else LEASE_EXPIRED
+
+    async def answer_expired(self, request_id: str) -> bool:
+        """Whether ``request_id`` was answered (its claim says so) and its out stream has
+        expired since: a duplicate of it would otherwise wait for events that are gone."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.keys.claim(request_id))
+        pipe.exists(self.keys.out(request_id))
+        claim, out_exists = await pipe.execute()
+        return claim is not None and text(claim).endswith(" done") and not out_exists
 
     async def own(self, request_id: str, entry: Entry) -> Ownership:
         """Claim ``request_id`` for ``entry``, or take the claim over from the consumer that

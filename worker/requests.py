@@ -121,6 +121,9 @@ class RequestHandler:
             return
         ownership = await service.stream.own(request.id, entry)
         if ownership is Ownership.DUPLICATE:
+            if await service.stream.answer_expired(request.id):
+                await self._answer_expired(request.id, entry)
+                return
             log.warning("duplicate request id; not run", request_id=request.id)
             await self._ack(entry)
             return
@@ -212,11 +215,31 @@ class RequestHandler:
         await self.service.retrying("write event", execute)
 
     async def _write_restart(self, request_id: str, entry: Entry) -> None:
-        event = RestartEvent(
-            attempt=max(entry.times_delivered - 1, 1), worker=self.service.settings.name
-        )
-        log.info("restarting", request_id=request_id, attempt=event.attempt)
+        # numbered by the request's own count: a hand-back keeps the entry's delivery count
+        attempt, reason = await self.service.stream.next_restart(request_id)
+        event = RestartEvent(attempt=attempt, worker=self.service.settings.name, reason=reason)
+        log.info("restarting", request_id=request_id, attempt=attempt, reason=reason)
         await self._write_event(request_id, entry, event)
+
+    async def _answer_expired(self, request_id: str, entry: Entry) -> None:
+        """A duplicate of a request answered so long ago that its events have expired: its
+        caller gets an error saying so, on the id's stream (which no worker writes to any
+        more), rather than waiting for events that are gone."""
+        service = self.service
+        message = (f"request id {request_id!r} was answered already and its events have "
+                   "expired: send the request again under a new id")  # fmt: skip
+        log.warning("duplicate of an expired answer", request_id=request_id)
+        error = ErrorEvent(code=ErrorCode.INVALID_REQUEST, message=message, field="id")
+        out, payload = service.keys.out(request_id), protocol.encode(error)
+
+        async def write() -> None:
+            pipe = service.redis.pipeline(transaction=False)
+            pipe.xadd(out, {protocol.PAYLOAD_FIELD: payload})
+            pipe.expire(out, protocol.OUT_STREAM_TTL_S)
+            await pipe.execute()
+
+        await service.retrying("write event", write)
+        await self._ack(entry)
 
     async def _reject(self, entry: Entry, exc: MalformedEntry) -> None:
         """Dead-letter ``entry``, with an error event when its id is readable and this entry

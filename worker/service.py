@@ -208,7 +208,7 @@ class WorkerService:
             log.info("handing back", num_requests=len(flights))
             idle_ms = int(self.settings.lease_s * 1000 * HAND_BACK_IDLE_FACTOR)
             with contextlib.suppress(*REDIS_ERRORS):
-                await self.stream.hand_back([f.entry for f in flights], idle_ms)
+                await self.stream.hand_back([(f.request_id, f.entry) for f in flights], idle_ms)
 
     async def _flush_writes(self) -> None:
         while not self._batches.empty():
