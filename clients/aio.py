@@ -349,7 +349,10 @@ class AsyncClient:
         return completion
 
     async def cancel(self, request_id: str) -> None:
-        """Cancel a request, queued or running; its stream then ends with ``done``/``cancelled``."""
+        """Cancel a request, queued or running; its stream then ends with ``done``/``cancelled``.
+        An id no request can have is a ``ValueError``."""
+        if not protocol.is_valid_request_id(request_id):
+            raise ValueError(f"not a request id: {request_id!r}")
         # Two slots in a Redis Cluster, so not one transaction: the key first, which a worker
         # reads when it admits the request; the notice wakes the worker running it.
         pipe = self.redis.pipeline(transaction=False)

@@ -135,11 +135,15 @@ def test_what_no_worker_could_read_is_refused_before_it_is_sent(
                 await client.submit("w5", seed=2**64)
             with pytest.raises(ValueError, match=r"^token_ids: integers must fit 64 bits"):
                 await client.submit(token_ids=[5, -(2**63) - 1])
+            with pytest.raises(ValueError, match="not a request id"):
+                await client.cancel(bad_id)
 
     asyncio.run(submit())
     r = redis_server.client()
     assert r.xlen(protocol.Keys().requests) == 1  # only the good one
+    assert r.xlen(protocol.Keys().cancels) == 0  # and no cancel notice
     r.close()
+    assert main(["cancel", bad_id, "--redis-url", redis_server.url]) == 2  # a usage error
 
 
 @pytest.mark.parametrize(
