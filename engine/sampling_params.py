@@ -13,11 +13,16 @@ MAX_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 16  # when a request sets none (fewer where the context ends first)
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples as 0 does: the argmax
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. Penalties follow the usual definitions:
+    ``temperature == 0`` means greedy, and so does any temperature below ``GREEDY_BELOW``
+    (as in vLLM): dividing logits by less overflows float32, and a row of infinities has no
+    distribution to sample. Penalties follow the usual definitions:
     ``repetition_penalty`` divides positive logits (multiplies negative ones) of every token
     seen in the prompt or output; ``presence_penalty`` subtracts a constant from every token
     seen in the output; ``frequency_penalty`` subtracts once per occurrence in the output.
@@ -127,7 +132,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

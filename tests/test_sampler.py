@@ -319,6 +319,15 @@ def test_greedy_is_argmax_with_lowest_index_on_ties() -> None:
     assert Sampler(3).sample(tied, greedy[:1]).token_ids == [1]
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-44])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature: float) -> None:
+    """logits / 1e-38 overflow float32: the row would be infinities (NaN probabilities, and
+    token 0 picked); under 1e-5 a row samples as temperature 0 does."""
+    logits = torch.randn(6, 50) * 5
+    rows = [make_row(SamplingParams(temperature=temperature, seed=i)) for i in range(6)]
+    assert Sampler(50).sample(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+
+
 def test_greedy_rows_stay_argmax_in_a_mixed_batch() -> None:
     sampler = Sampler(vocab_size=50)
     logits = torch.randn(4, 50)
