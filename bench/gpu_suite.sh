@@ -3,14 +3,15 @@
 # with the project importable (installed, or PYTHONPATH=.). OUT is where records go.
 #   bench/gpu_suite.sh [benchmarks|fp8|speculative|peers|vllm|matrix|serve|gateway|fleet|offload|
 #                       quant|structured|tests|allreduce|tp|tp_vllm|data_parallel|routing|moe|moe_more|
-#                       moe_throughput|moe_latency|moe_fp8|matrix_profile|matrix_moe|decode_splits|prefill_sdpa|prefill_rows|
+#                       moe_throughput|moe_latency|moe_fp8|matrix_profile|matrix_moe|matrix_moe_profile|
+#                       decode_splits|prefill_sdpa|prefill_rows|
 #                       matrix_budget|first_process|gemv_table|cascade|moe_mixtral|tp4]...
 # (default: all but vllm, matrix, matrix_profile, prefill_sdpa, prefill_rows, matrix_budget,
 # first_process, gemv_table, cascade, allreduce, tp, tp_vllm, data_parallel, routing and the moe steps (moe_mixtral:
 # two GPUs), and tp4 (four GPUs),
 # which need vLLM, two GPUs or a call of their own)
 # vllm, matrix, matrix_profile, prefill_rows, matrix_budget, cascade, tp_vllm and
-# moe_throughput/moe_latency/moe_fp8/matrix_moe need vLLM importable (on the lent GPU:
+# moe_throughput/moe_latency/moe_fp8/matrix_moe/matrix_moe_profile need vLLM importable (on the lent GPU:
 # shared/peers/vllm-0.26's recipe, then PYTHONPATH=$PWD:/tmp/vsite
 # VLLM_USE_FLASHINFER_SAMPLER=0); structured compares with vLLM when it is importable.
 # MATRIX_ARGS picks a part of the matrix (e.g. "--models llama3-8b --workloads long-context");
@@ -128,6 +129,17 @@ matrix_profile() {  # where the rows below target spend their time, both sides, 
     # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
     "${PS[@]}" bench matrix --compare vllm --resume --no-progress --profile-every 4 \
         --workloads standard-64,standard-256,standard-1024,prefill-heavy,decode-heavy,long-context \
+        --output-json "$OUT/matrix-profile-rows-$(card).json" ${MATRIX_ARGS:-}
+}
+
+matrix_moe_profile() {  # qwen3-30b-a3b's rows below 1.10 in matrix-moe-CARD.json (2026-11-28:
+    # standard 64 / 256, prefill-heavy, long context), profiled on both sides as matrix_profile
+    # does, into matrix-profile-rows-CARD.json (vLLM's MoE extension unpacked)
+    moe_tuned
+    log profiled matrix qwen3-30b-a3b against vllm
+    # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
+    "${PS[@]}" bench matrix --models qwen3-30b-a3b --compare vllm --resume --no-progress \
+        --profile-every 4 --workloads standard-64,standard-256,prefill-heavy,long-context \
         --output-json "$OUT/matrix-profile-rows-$(card).json" ${MATRIX_ARGS:-}
 }
 
