@@ -114,7 +114,12 @@ class OutputProcessor:
         seq.num_pending_tokens -= 1
         seq.output_logprobs.append(logprobs)
         text_delta = ""
-        if seq.detokenizer is not None:
+        # A stop token (EOS, stop_token_ids) ends the output without its text, as in vLLM,
+        # unless include_stop_str_in_output asks for it; its id stays in the token ids.
+        hidden = not seq.sampling.include_stop_str_in_output and self._is_stop_token(
+            seq, token_id, num_output=index + 1
+        )
+        if seq.detokenizer is not None and not hidden:
             delta = seq.detokenizer.add_tokens([token_id])
             text_delta = delta.text
             if delta.stopped:
@@ -127,6 +132,13 @@ class OutputProcessor:
         if ends_grammar and not seq.is_finished:
             text_delta += self._finish(seq, FinishReason.STOP)
         return text_delta
+
+    @staticmethod
+    def _is_stop_token(seq: Sequence, token_id: int, num_output: int) -> bool:
+        """Whether ``token_id``, ``seq``'s ``num_output``-th output token, ends it by itself."""
+        if num_output < seq.sampling.min_tokens:
+            return False
+        return token_id in seq.sampling.stop_token_ids or token_id in seq.eos_token_ids
 
     def _stop_reason(self, seq: Sequence, token_id: int, num_output: int) -> FinishReason | None:
         """Why ``seq`` ends with ``token_id``, its ``num_output``-th output token, if it does."""

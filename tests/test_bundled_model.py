@@ -167,3 +167,21 @@ def test_a_message_whose_content_is_not_text_is_refused_by_name(llm: LLM, conten
     assert refused.value.field == "messages"
     out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2))
     assert len(out[0].token_ids) == 2
+
+
+def test_a_stop_token_ends_the_ids_but_not_the_text_unless_asked(llm: LLM) -> None:
+    """As vLLM: the stop token's id ends ``token_ids``; its text is left out of the text
+    unless ``include_stop_str_in_output`` keeps it."""
+    prompt = "The capital of France is"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    ids = free[0].token_ids
+    at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # its first appearance
+    stop_id = ids[at]
+    tokenizer = llm.engine.tokenizer
+    stop = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_id,))
+    out = llm.generate([prompt], stop, use_tqdm=False)[0]
+    assert out.token_ids == ids[: at + 1] and out.stop_reason == stop_id
+    assert out.text == tokenizer.decode(ids[:at])
+    kept = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_id,),
+                          include_stop_str_in_output=True)  # fmt: skip
+    assert llm.generate([prompt], kept, use_tqdm=False)[0].text == tokenizer.decode(out.token_ids)
