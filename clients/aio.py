@@ -26,7 +26,14 @@ from clients.protocol import (
     TokenLogprob,
     Usage,
 )
-from clients.reader import PerStreamReader, Reader, ShardedReader, StreamReader, Subscription
+from clients.reader import (
+    PerStreamReader,
+    Reader,
+    ShardedReader,
+    StreamReader,
+    Subscription,
+    checked_entry_id,
+)
 from clients.router import Router, routing_from_env, shards_from_env
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -237,7 +244,8 @@ class AsyncClient:
         """
         timeout_s = self._wait_s(timeout_s)
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        subscription = await self._reader.subscribe(self.keys.out(request_id), after)
+        key = self.keys.out(request_id)
+        subscription = await self._reader.subscribe(key, checked_entry_id(after))
         try:
             while True:
                 try:  # an entry already delivered needs no timer (wait_for costs a task)

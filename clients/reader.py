@@ -54,8 +54,8 @@ def stream_id(entry_id: str) -> tuple[int, int]:
 
 def checked_entry_id(entry_id: str) -> str:
     """``entry_id`` if it is a stream entry id (``MS-SEQ`` or ``MS``), else ``ValueError``:
-    checked when a read starts, so that a bad one fails its own caller, not the read that
-    serves every stream of the client."""
+    the client checks it before subscribing, since a bad one in the read that serves every
+    stream of the client would fail them all."""
     if not isinstance(entry_id, str) or _ENTRY_ID.fullmatch(entry_id) is None:
         raise ValueError(
             f"after must be a stream entry id like '1700000000000-0', got {entry_id!r}"
@@ -94,7 +94,7 @@ class StreamReader:
 
     async def subscribe(self, key: str, after: str) -> Subscription:
         """Start delivering ``key``'s entries after ``after``; ``unsubscribe`` when done."""
-        subscription = Subscription(key, checked_entry_id(after))
+        subscription = Subscription(key, after)
         self._subscriptions.setdefault(key, []).append(subscription)
         if self._task is None:  # the first read will include it
             self._task = asyncio.create_task(self._run(), name="pagestream-stream-reader")
@@ -224,7 +224,7 @@ class PerStreamReader(StreamReader):
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def subscribe(self, key: str, after: str) -> Subscription:
-        subscription = Subscription(key, checked_entry_id(after))
+        subscription = Subscription(key, after)
         self._subscriptions.setdefault(key, []).append(subscription)
         if key not in self._tasks:
             self._tasks[key] = asyncio.create_task(self._read_stream(key), name=f"read {key}")
@@ -275,7 +275,6 @@ class ShardedReader:
 
     async def subscribe(self, key: str, after: str) -> Subscription:
         """Start delivering ``key``'s entries after ``after``; ``unsubscribe`` when done."""
-        checked_entry_id(after)
         tag = hash_tag(key)
         reader = self._readers.get(tag)
         if reader is None:

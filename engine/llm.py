@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,12 +186,8 @@ class LLM:
         # Encode and validate every request before any runs, so a bad one costs nothing.
         encoded = []
         for index, request in enumerate(requests):
-            try:
+            with _naming_request(index, len(requests)):
                 encoded.append(self.engine.encode_prompt(**request))
-            except InvalidRequestError as exc:
-                if len(requests) == 1:
-                    raise
-                raise _of_request(exc, index) from exc
         # every sample's grammar matcher made at once on a pool of threads, not one by one below
         self.engine.grammars.prebuild(
             sampling.structured
@@ -202,14 +200,10 @@ class LLM:
             for index, (request, token_ids, sampling) in enumerate(
                 zip(requests, encoded, params, strict=True)
             ):
-                try:
+                with _naming_request(index, len(requests)):  # max_tokens past the context, n
                     request_id = self.engine.add_request(
                         prompt_token_ids=token_ids, sampling=sampling
                     )
-                except InvalidRequestError as exc:  # max_tokens past the context, n, ...
-                    if len(requests) == 1:
-                        raise
-                    raise _of_request(exc, index) from exc
                 outputs.append(RequestOutput(request_id, request.get("prompt"), token_ids))
         except BaseException:
             # none of the call's requests runs: the ones added are taken back, so that the
@@ -226,9 +220,15 @@ class LLM:
             self.engine.step()
 
 
-def _of_request(exc: InvalidRequestError, index: int) -> InvalidRequestError:
-    """``exc`` saying which of the call's several requests it is about."""
-    return InvalidRequestError(exc.field, f"request {index}: {exc.message}")
+@contextlib.contextmanager
+def _naming_request(index: int, num_requests: int) -> Iterator[None]:
+    """A refusal inside says which of the call's requests it is about (when it has several)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if num_requests == 1:
+            raise
+        raise InvalidRequestError(exc.field, f"request {index}: {exc.message}") from exc
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

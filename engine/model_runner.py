@@ -172,22 +172,16 @@ class ModelRunner:
             logits = logits[: len(entries)]
         if not entries:
             return
-        if after_advance:
-            before = [e.seq.known_output_token_ids() for e in entries]
-            argmax = all(
-                e.seq.sampling.is_plain_greedy and len(known) >= e.seq.sampling.min_tokens
-                for e, known in zip(entries, before, strict=True)
-            )
+        rows = None
+        if after_advance:  # grammar steps only: the rows are needed to know
+            rows = [e.seq.known_sampling_row() for e in entries]
+            argmax = all(r.params.is_plain_greedy and not r.suppressed_token_ids for r in rows)
         else:
             argmax = all([entry.seq.picks_argmax for entry in entries])  # a list: cheaper
         if argmax:
             sample = self.sampler.greedy_on_device(logits)  # the rows would only say "argmax"
-        elif after_advance:
-            pairs = zip(entries, before, strict=True)
-            rows = [e.seq.sampling_row(known, len(known)) for e, known in pairs]
-            sample = self.sampler.sample_on_device(logits, rows)
         else:
-            rows = [e.seq.sampling_row() for e in entries]
+            rows = rows or [e.seq.sampling_row() for e in entries]
             sample = self.sampler.sample_on_device(logits, rows)
         sample.start_copy()
         launched.sample = sample

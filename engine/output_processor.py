@@ -114,11 +114,11 @@ class OutputProcessor:
         seq.num_pending_tokens -= 1
         seq.output_logprobs.append(logprobs)
         text_delta = ""
+        num_output = index + 1
+        stop_token = self._is_stop_token(seq, token_id, num_output)
         # A stop token (EOS, stop_token_ids) ends the output without its text, as in vLLM,
         # unless include_stop_str_in_output asks for it; its id stays in the token ids.
-        hidden = not seq.sampling.include_stop_str_in_output and self._is_stop_token(
-            seq, token_id, num_output=index + 1
-        )
+        hidden = stop_token and not seq.sampling.include_stop_str_in_output
         if seq.detokenizer is not None and not hidden:
             delta = seq.detokenizer.add_tokens([token_id])
             text_delta = delta.text
@@ -126,7 +126,7 @@ class OutputProcessor:
                 seq.stop_reason = delta.stop_reason
                 self._finish(seq, FinishReason.STOP)
         if not seq.is_finished:
-            reason = self._stop_reason(seq, token_id, num_output=index + 1)
+            reason = self._stop_reason(seq, token_id, num_output, stop_token)
             if reason is not None:
                 text_delta += self._finish(seq, reason)
         if ends_grammar and not seq.is_finished:
@@ -140,15 +140,16 @@ class OutputProcessor:
             return False
         return token_id in seq.sampling.stop_token_ids or token_id in seq.eos_token_ids
 
-    def _stop_reason(self, seq: Sequence, token_id: int, num_output: int) -> FinishReason | None:
-        """Why ``seq`` ends with ``token_id``, its ``num_output``-th output token, if it does."""
-        params = seq.sampling
-        if num_output >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+    @staticmethod
+    def _stop_reason(
+        seq: Sequence, token_id: int, num_output: int, stop_token: bool
+    ) -> FinishReason | None:
+        """Why ``seq`` ends with ``token_id``, its ``num_output``-th output token
+        (``stop_token``: one that ends it by itself), if it does."""
+        if stop_token:
+            if token_id in seq.sampling.stop_token_ids:
                 seq.stop_reason = token_id
-                return FinishReason.STOP
-            if token_id in seq.eos_token_ids:
-                return FinishReason.STOP
+            return FinishReason.STOP
         if len(seq.prompt_token_ids) + num_output >= seq.length_limit:  # max_tokens reached
             return FinishReason.LENGTH
         return None

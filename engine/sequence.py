@@ -125,10 +125,11 @@ class Sequence:
         output = self.output_token_ids if output_token_ids is None else output_token_ids
         return SamplingRow(params, self.prompt_token_ids, output, self.generator, suppressed)
 
-    def known_output_token_ids(self) -> list[int]:
-        """Its output tokens whose ids the host has: without the trailing placeholders of
-        the steps in flight."""
-        return self.output_token_ids[: len(self.output_token_ids) - self.num_pending_tokens]
+    def known_sampling_row(self) -> SamplingRow:
+        """``sampling_row`` over the output tokens the host has, without the trailing
+        placeholders of the steps in flight (a row sampled after its step's was appended)."""
+        known = self.output_token_ids[: len(self.output_token_ids) - self.num_pending_tokens]
+        return self.sampling_row(known, len(known))
 
     @property
     def num_tokens(self) -> int:

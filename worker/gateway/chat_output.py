@@ -57,7 +57,6 @@ class ChoiceReader:
             self._reasoning = REASONING_PARSERS[name]()
         plan = chat_format.tools
         self._tools: ToolOutput | None = None if plan is None else plan.output()
-        self._made_calls = False
         # With tools, the content's trailing whitespace is held back until text follows it,
         # and dropped at the end if the choice made calls: the newlines after and between
         # calls are not content, streamed or whole (the rule depends on the text alone, not
@@ -106,14 +105,13 @@ class ChoiceReader:
             end = self._tools.flush()
             parts.content += self._hold_space(end)
             parts.tool_calls += end.tool_calls
-            if not self._made_calls:  # plain text after all: its trailing whitespace is text
+            if not self.calls:  # plain text after all: its trailing whitespace is text
                 parts.content += self._held_space
             self._held_space = ""
 
     def _hold_space(self, delta: ToolDelta) -> str:
         """The delta's content to show now: the held whitespace goes out before the next
         text."""
-        self._made_calls = self._made_calls or bool(delta.tool_calls)
         text = self._held_space + delta.content
         shown = text.rstrip()
         self._held_space = text[len(shown) :]
