@@ -32,16 +32,20 @@ TOP_KERNELS = 15
 
 # (category, lower-case name fragments), first match wins: flash attention's kernels are also
 # cutlass kernels, vLLM's KV write (reshape_and_cache_flash) is no attention, inductor's fused
-# kernels (triton_poi_fused__to_copy_...) are no copies, and the fused norm + all-reduce is
-# communication before it is a norm.
+# kernels (triton_poi_fused__to_copy_...) are no copies, the fused norm + all-reduce is
+# communication before it is a norm, and an expert kernel is MoE work whatever it fuses (the
+# project's MoE kernels are named ``_moe_...``: SiLU or top-k in a name does not make them
+# elementwise or sampling).
 # fmt: off
 CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "all_reduce", "allreduce", "one_shot", "two_shot", "multimem")),
-    ("elementwise", ("reshape_and_cache", "triton_poi", "triton_red", "triton_per")),
-    ("attention", ("_prefill_kernel", "_decode_kernel", "flash", "fmha", "attention", "attn")),
+    ("elementwise", ("reshape_and_cache", "write_kv", "triton_poi", "triton_red", "triton_per")),
     ("moe", ("moe", "expert")),
-    ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "splitkreduce", "_gemv", "matmul",
-              "triton_tem", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+    ("attention", ("_prefill_kernel", "_decode_kernel", "_prefix_kernel", "reduce_splits",
+                   "merge_states", "flash", "fmha", "attention", "attn")),
+    ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "splitkreduce", "_gemv", "_mma", "add_planes",
+              "quant", "matmul", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm",
+              "aten::linear")),
     ("sampling", ("argmax", "softmax", "topk", "top_k", "sort", "bitmask", "sampl", "multinomial")),
     ("copy", ("memcpy", "memset", "copy", "aten::cat", "index", "gather", "scatter", "fill")),
     ("elementwise", ("norm", "rotary", "rope", "silu", "act_and_mul", "gelu", "elementwise",

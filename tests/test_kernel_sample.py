@@ -3,6 +3,9 @@ and one step in N profiled and scaled up to the run."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,6 +43,14 @@ from bench.kernel_sample import (
         ("void (anonymous namespace)::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>", "communication"),
         ("_fused_allreduce_rms_norm_kernel", "communication"),
         ("_fused_moe_kernel", "moe"),
+        ("_moe_gate_up_silu_kernel", "moe"),
+        ("_moe_sum_topk_kernel", "moe"),
+        ("void vllm::moe::topkGatingSoftmax<8, 128, 4, 16, 32, int>", "moe"),
+        ("_fp8_mma_kernel", "gemm"),
+        ("_add_planes_kernel", "gemm"),
+        ("_reduce_splits_kernel", "attention"),
+        ("_merge_states_kernel", "attention"),
+        ("_write_kv_kernel", "elementwise"),
         ("Memcpy HtoD (Pinned -> Device)", "copy"),
         ("aten::mm", "gemm"),
         ("aten::add", "elementwise"),
@@ -49,6 +60,29 @@ from bench.kernel_sample import (
 def test_kernels_sort_by_kind(name: str, kind: str) -> None:
     assert category(name) == kind
     assert kind in CATEGORIES
+
+
+def project_kernels() -> list[tuple[str, str]]:
+    """(file under kernels/, name) of every Triton kernel the project launches."""
+    root = Path(__file__).resolve().parents[1] / "kernels"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for name in re.findall(r"^@triton\.jit[^\n]*\ndef (\w+_kernel)\(", path.read_text(), re.M):
+            found.append((str(path.relative_to(root)), name))
+    return found
+
+
+def test_every_kernel_of_the_project_has_a_kind() -> None:
+    """A profile puts each of the project's kernels under the work it does: none is "other",
+    and every one under kernels/moe/ is MoE work (the grouped GEMMs fuse SiLU and the top-k
+    sum, which their names would otherwise file under elementwise and sampling)."""
+    kernels = project_kernels()
+    assert len(kernels) > 30  # the scan found the kernels
+    kinds = {(where, name): category(name) for where, name in kernels}
+    assert [k for k, kind in kinds.items() if kind == "other"] == []
+    moe = {k: kind for k, kind in kinds.items() if k[0].startswith("moe/")}
+    assert len(moe) >= 8
+    assert set(moe.values()) == {"moe"}, moe
 
 
 def test_about_one_step_in_n_is_profiled_and_scaled_up_to_the_run() -> None:

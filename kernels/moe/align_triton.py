@@ -6,14 +6,14 @@ Pair ``p = t * top_k + j`` is token ``t``'s ``j``-th expert. The grouped GEMMs w
 expert's pairs side by side, in runs that are whole ``BLOCK_M`` blocks, so that a program
 multiplies one block by one expert's weight. Three launches, no host sync:
 
-1. ``_count_kernel`` (a program per ``CHUNK`` pairs): how many pairs of each expert its
+1. ``_moe_count_kernel`` (a program per ``CHUNK`` pairs): how many pairs of each expert its
    chunk holds, ``counts [num_chunks, E]``;
-2. ``_offsets_kernel`` (one program): in place, the number of pairs of each expert in the
+2. ``_moe_offsets_kernel`` (one program): in place, the number of pairs of each expert in the
    chunks before (a running sum down the chunks); each expert's run padded to ``BLOCK_M``
    and laid end to end; the expert of every block (-1 past the end) and the padding slots'
    sentinel (``num_pairs``, a row the GEMMs skip; at most ``BLOCK_M - 1`` an expert, so one
    ``[E, BLOCK_M]`` tile writes them all);
-3. ``_scatter_kernel`` (a program per chunk): each pair to ``run start + pairs of its
+3. ``_moe_scatter_kernel`` (a program per chunk): each pair to ``run start + pairs of its
    expert before it``: within an expert, pairs keep their order (a stable sort), so the
    layout depends on the routing only, never on timing.
 
@@ -51,7 +51,7 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _count_kernel(
+def _moe_count_kernel(
     ids_ptr, counts_ptr, num_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr
 ):
     wait_for_producers(PDL)
@@ -63,7 +63,7 @@ def _count_kernel(
 
 
 @triton.jit
-def _offsets_kernel(
+def _moe_offsets_kernel(
     counts_ptr,  # [num_chunks, E_PAD]: counts in, pairs of the expert in earlier chunks out
     run_starts_ptr,  # [E_PAD] int32: first slot of each expert's run
     sorted_ptr,
@@ -109,7 +109,7 @@ def _offsets_kernel(
 
 
 @triton.jit
-def _scatter_kernel(
+def _moe_scatter_kernel(
     ids_ptr,
     counts_ptr,  # [num_chunks, E_PAD]: pairs of each expert in the chunks before
     run_starts_ptr,
@@ -156,12 +156,12 @@ def align_pairs(
     block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     pdl = pdl_launch(topk_ids)
-    _count_kernel[(num_chunks,)](topk_ids, counts, num_pairs, E_PAD=e_pad, CHUNK=chunk, **pdl)
-    _offsets_kernel[(1,)](
+    _moe_count_kernel[(num_chunks,)](topk_ids, counts, num_pairs, E_PAD=e_pad, CHUNK=chunk, **pdl)
+    _moe_offsets_kernel[(1,)](
         counts, run_starts, sorted_pairs, block_experts, num_padded, num_chunks, num_pairs,
         block_experts.numel(), E_PAD=e_pad, BLOCK_M=block_m, BLOCK_C=OFFSETS_BLOCK_C, num_warps=8, **pdl,
     )  # fmt: skip
-    _scatter_kernel[(num_chunks,)](
+    _moe_scatter_kernel[(num_chunks,)](
         topk_ids, counts, run_starts, sorted_pairs, num_pairs, E_PAD=e_pad, CHUNK=chunk, **pdl
     )
     return MoeAlignment(sorted_pairs, block_experts, num_padded, block_m)

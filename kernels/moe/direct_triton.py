@@ -33,7 +33,7 @@ from kernels.pdl import pdl_launch, wait_for_producers
 
 
 @triton.jit
-def _gate_up_silu_direct_kernel(
+def _moe_gate_up_silu_direct_kernel(
     x_ptr,  # [T, K], last stride 1
     w_ptr,  # [E, 2 * N, K], last stride 1
     w_scale_ptr,  # [E, 2 * N] float32 with W_SCALED
@@ -130,7 +130,7 @@ def _weighted_term(dot, weight, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _down_sum_direct_kernel(
+def _moe_down_sum_direct_kernel(
     act_ptr,  # [T * TOP_K, K], last stride 1
     w_ptr,  # [E, N, K], last stride 1
     w_scale_ptr,  # [E, N] float32 with W_SCALED
@@ -166,7 +166,7 @@ def _down_sum_direct_kernel(
 
 
 @triton.jit
-def _down_sum_split_slots_kernel(
+def _moe_down_sum_split_slots_kernel(
     act_ptr,  # [T * TOP_K, K], last stride 1
     w_ptr,  # [E, N, K], last stride 1
     w_scale_ptr,  # [E, N] float32 with W_SCALED
@@ -194,7 +194,7 @@ def _down_sum_split_slots_kernel(
     offs_n, mask_n = tile_offsets(pid_n, BLOCK_N, N)
     pair = token * TOP_K + slot
     # 1. this pair's product before its weight, parked for the token's last program, which
-    # weighs and adds it as _down_sum_direct_kernel does (the weight applied here and the
+    # weighs and adds it as _moe_down_sum_direct_kernel does (the weight applied here and the
     # product stored would keep a float32 product from fusing into the add, as it does there)
     dot = _down_dot(
         act_ptr, w_ptr, w_scale_ptr, ids_ptr, pair, offs_n, mask_n, K, stride_ap, stride_we,
@@ -232,7 +232,7 @@ def gate_up_silu_direct(
     num_pairs, inter = topk_ids.numel(), w13.shape[1] // 2
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     scale, stride_se = (w13, 0) if w13_scale is None else (w13_scale, w13_scale.stride(0))
-    _gate_up_silu_direct_kernel[(num_pairs, triton.cdiv(inter, tile.block_n))](
+    _moe_gate_up_silu_direct_kernel[(num_pairs, triton.cdiv(inter, tile.block_n))](
         x, w13, scale, act, topk_ids, inter, x.shape[1], x.stride(0), w13.stride(0),
         w13.stride(1), stride_se, act.stride(0), TOP_K=topk_ids.shape[1],
         W_SCALED=w13_scale is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -262,11 +262,11 @@ def down_sum_direct(
     scale, stride_se = (w2, 0) if w2_scale is None else (w2_scale, w2_scale.stride(0))
     grid: tuple[int, ...] = (num_tokens, triton.cdiv(hidden, tile.block_n))
     scratch: tuple[torch.Tensor, ...] = ()  # split_slots: the products and ticket counters
-    kernel = _down_sum_direct_kernel
+    kernel = _moe_down_sum_direct_kernel
     if tile.split_slots:
         shape = (num_tokens, top_k, hidden, act.device)
         slot_terms = SlotTerms.allocate(*shape) if buffers is None else buffers.take(*shape)
-        grid, kernel = (*grid, top_k), _down_sum_split_slots_kernel
+        grid, kernel = (*grid, top_k), _moe_down_sum_split_slots_kernel
         scratch = (slot_terms.terms, slot_terms.tickets)
     kernel[grid](
         act, w2, scale, topk_weights, out, topk_ids, *scratch, hidden, act.shape[1],

@@ -46,7 +46,7 @@ def _block_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_silu_kernel(
+def _moe_gate_up_silu_kernel(
     x_ptr,  # [T, K], last stride 1
     w_ptr,  # [E, 2 * N, K]: gate rows, then up rows; last stride 1
     w_scale_ptr,  # [E, 2 * N] float32 with W_SCALED (fp8 weights), else unused
@@ -110,7 +110,7 @@ def _gate_up_silu_kernel(
 
 
 @triton.jit
-def _down_weighted_kernel(
+def _moe_down_weighted_kernel(
     act_ptr,  # [P, K], last stride 1
     w_ptr,  # [E, N, K], last stride 1
     w_scale_ptr,  # [E, N] float32 with W_SCALED (fp8 weights), else unused
@@ -165,7 +165,7 @@ def _down_weighted_kernel(
 
 
 @triton.jit
-def _sum_topk_kernel(
+def _moe_sum_topk_kernel(
     terms_ptr,  # [T * TOP_K, H], contiguous
     out_ptr,  # [T, H], last stride 1
     H,
@@ -207,7 +207,7 @@ def gate_up_silu(
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     grid = (align.block_experts.numel(), triton.cdiv(inter, tile.block_n))
     scale, stride_se = _scale_args(w13, w13_scale)
-    _gate_up_silu_kernel[grid](
+    _moe_gate_up_silu_kernel[grid](
         x, w13, scale, act, align.sorted_pairs, align.block_experts, num_pairs, inter,
         x.shape[1], x.stride(0), w13.stride(0), w13.stride(1), stride_se, act.stride(0),
         TOP_K=top_k, W_SCALED=w13_scale is not None, BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -230,7 +230,7 @@ def down_weighted(
     terms = torch.empty(num_pairs, hidden, dtype=act.dtype, device=act.device)
     grid = (align.block_experts.numel(), triton.cdiv(hidden, tile.block_n))
     scale, stride_se = _scale_args(w2, w2_scale)
-    _down_weighted_kernel[grid](
+    _moe_down_weighted_kernel[grid](
         act, w2, scale, topk_weights, terms, align.sorted_pairs, align.block_experts,
         num_pairs, hidden, act.shape[1], act.stride(0), w2.stride(0), w2.stride(1), stride_se,
         terms.stride(0), W_SCALED=w2_scale is not None, BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -257,7 +257,7 @@ def sum_topk(terms: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor
     """``out [T, H] = terms.view(T, top_k, H).sum(1)`` in slot order, rounded once."""
     num_tokens, hidden = out.shape
     if num_tokens:
-        _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK_H))](
+        _moe_sum_topk_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK_H))](
             terms, out, hidden, out.stride(0), TOP_K=top_k, BLOCK_H=SUM_BLOCK_H, DTYPE=TL_FLOAT_DTYPES[out.dtype],
             num_warps=4,
             **pdl_launch(out),

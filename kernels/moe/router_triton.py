@@ -20,7 +20,7 @@ BLOCK_T = 16  # tokens per program
 
 
 @triton.jit
-def _route_topk_kernel(
+def _moe_route_topk_kernel(
     logits_ptr,  # [T, E], last stride 1
     weights_ptr,  # [T, TOP_K] float32
     ids_ptr,  # [T, TOP_K] int32
@@ -85,7 +85,7 @@ def route_topk(
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     if num_tokens == 0:
         return weights, ids
-    _route_topk_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
+    _moe_route_topk_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
         router_logits, weights, ids, num_tokens, router_logits.stride(0),
         NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=BLOCK_T,
