@@ -150,9 +150,10 @@ def run_result(args: argparse.Namespace) -> int:
 
 
 def _write_output(path: str, text: str) -> None:
-    try:
+    try:  # its folder made as generate's --output makes it
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:  # no such folder, a folder, no permission, disk full
+    except OSError as exc:  # a file where a folder should be, a folder, no permission, disk full
         raise CommandError(f"--output {path}: {exc.strerror or exc}") from exc
 
 

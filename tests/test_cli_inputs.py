@@ -76,19 +76,35 @@ def test_a_file_that_is_not_utf8_is_one_line_naming_file_and_byte(
 # -- batch result --output ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
+@pytest.mark.parametrize("where", ["under-a-file", "a-folder"])
 def test_batch_result_to_an_unwritable_output_is_one_line(
     where: str, server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     common = ["--redis-url", server.url]
     assert main(["batch", "submit", "--prompt", "hi", "--id", "job-1", *common]) == 0
     capsys.readouterr()
-    output = tmp_path / "no" / "out.jsonl" if where == "missing-folder" else tmp_path
+    (tmp_path / "file").write_text("")
+    output = tmp_path / "file" / "out.jsonl" if where == "under-a-file" else tmp_path
     code, _, err = run_cli(
         ["batch", "result", "job-1", "--no-wait", "--output", str(output), *common], capsys
     )
     assert code == 1
     assert_one_line(err, f"--output {output}:")
+
+
+def test_batch_result_makes_its_output_folder(
+    server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As generate's --output does: a results folder that does not exist yet is made."""
+    common = ["--redis-url", server.url]
+    assert main(["batch", "submit", "--prompt", "hi", "--id", "job-1", *common]) == 0
+    capsys.readouterr()
+    output = tmp_path / "results" / "day-1" / "out.jsonl"
+    code, _, err = run_cli(
+        ["batch", "result", "job-1", "--no-wait", "--output", str(output), *common], capsys
+    )
+    assert code == 0, err
+    assert output.is_file()
 
 
 # -- --device --------------------------------------------------------------------------------------
