@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,11 +93,15 @@ class SamplingParams:
             "min_tokens",
             f"must not exceed max_tokens ({DEFAULT_MAX_TOKENS} when not set)",
         )
-        _check(self.temperature >= 0, "temperature", "must be >= 0")
+        _check(0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0")
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", "must be >= 1, or 0/-1 for off")
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 = off)")
+        _check(
+            0 < self.repetition_penalty < math.inf,
+            "repetition_penalty",
+            "must be finite and > 0 (1 = off)",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             _check(-2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]")
         _check(

@@ -89,6 +89,12 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], dict[str, Any]], str, str]] = {
     ),
     "max_tokens 0": (with_sampling(max_tokens=0), "max_tokens", ">= 1"),
     "negative temperature": (with_sampling(temperature=-0.5), "temperature", ">= 0"),
+    "infinite temperature": (with_sampling(temperature=float("inf")), "temperature", "finite"),
+    "infinite repetition penalty": (
+        with_sampling(repetition_penalty=float("inf")),
+        "repetition_penalty",
+        "finite",
+    ),
     "top_p 0": (with_sampling(top_p=0.0), "top_p", "(0, 1]"),
     "top_p 1.5": (with_sampling(top_p=1.5), "top_p", "(0, 1]"),
     "top_k -2": (with_sampling(top_k=-2), "top_k", "0/-1 for off"),

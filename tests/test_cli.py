@@ -302,7 +302,7 @@ def test_a_wrong_kernel_switch_is_one_clear_line(
     ("args", "exit_code", "message"),
     [
         (["generate"], 2, "usage: pagestream generate"),
-        (["generate", "hi", "--temperature", "-1"], 2, "--temperature: must be >= 0"),
+        (["generate", "hi", "--temperature", "-1"], 2, "--temperature: must be finite and >= 0"),
         (["generate", "--input", "/no/such/prompts.jsonl"], 2, "/no/such/prompts.jsonl"),
         (["generate", "hi", "--output", "out.jsonl"], 2, "--output needs --input"),
         (["generate", "hi", "--model", "/no/such/model"], 1, "'/no/such/model' not found"),
