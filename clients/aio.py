@@ -40,6 +40,12 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEADLINE_GRACE_S = 5.0  # after a request's deadline, wait this long for its `timeout` event
 
 
+BATCH_NEEDS_STANDALONE = (
+    "batch jobs need a single Redis (arq's transactions span keys of several slots); give "
+    "the batch client a standalone Redis's URL"
+)
+
+
 class ClientError(Exception):
     """Base class of the errors the client raises."""
 
@@ -384,10 +390,7 @@ class AsyncClient:
     def batches(self) -> BatchClient:
         """The batch jobs' client; ``ClientError`` on a Redis Cluster."""
         if self._batches is None:
-            raise ClientError(
-                "batch jobs need a single Redis, not a Redis Cluster (arq's transactions span "
-                "keys of several slots): give the batch client a standalone Redis's URL"
-            )
+            raise ClientError(f"not on a Redis Cluster: {BATCH_NEEDS_STANDALONE}")
         return self._batches
 
     async def submit_batch(

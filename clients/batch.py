@@ -241,11 +241,11 @@ class BatchClient:
             "created_at_ms": str(_now_ms()),
         }  # fmt: skip
         status_key = self.keys.status(spec.job_id)
-        pipe = self.redis.pipeline(transaction=True)
-        for name, value in status.items():  # a second submit of the same id changes nothing
-            pipe.hsetnx(status_key, name, value)
-        pipe.expire(status_key, BATCH_TTL_S)
-        await pipe.execute()
+        async with self.redis.pipeline(transaction=True) as pipe:  # its connection released
+            for name, value in status.items():  # a second submit of the same id changes nothing
+                pipe.hsetnx(status_key, name, value)
+            pipe.expire(status_key, BATCH_TTL_S)
+            await pipe.execute()
         await self._arq.enqueue_job(
             BATCH_FUNCTION, msgspec.to_builtins(spec), _job_id=spec.job_id,
             _expires=BATCH_TTL_S,
@@ -295,10 +295,10 @@ class BatchClient:
     ) -> BatchStatus:
         """Abort a queued or running job; lines already done keep their records."""
         await self.status(job_id)  # BatchNotFoundError for an unknown id
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(self.keys.abort(job_id), 1, ex=BATCH_TTL_S)
-        pipe.zadd(abort_jobs_ss, {job_id: _now_ms()})  # arq cancels the running task
-        await pipe.execute()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.abort(job_id), 1, ex=BATCH_TTL_S)
+            pipe.zadd(abort_jobs_ss, {job_id: _now_ms()})  # arq cancels the running task
+            await pipe.execute()
         return await (self.wait(job_id, timeout_s=timeout_s) if wait else self.status(job_id))
 
 

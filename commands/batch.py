@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from commands.parser import EXIT_USAGE, CommandError, LazyParser, Subparsers
+from commands.parser import (
+    EXIT_USAGE,
+    CommandError,
+    LazyParser,
+    Subparsers,
+    answered_moved,
+    redact_url,
+)
 from worker.arg_types import add_client_sampling_args, client_sampling
 from worker.settings import DEFAULT_REDIS_URL
 
@@ -72,16 +79,13 @@ def _configure_submit(parser: argparse.ArgumentParser) -> None:
 
 def run_submit(args: argparse.Namespace) -> int:
     """Handler of ``pagestream batch submit``: prints the job id."""
-    from clients import Client
-
     sampling = client_sampling(args)
     # read before connecting: a bad file is the user's error, whether or not Redis is up
     lines = None if args.input is None else read_input_lines(args.input)
-    with Client(args.redis_url, prefix=args.prefix) as client:
-        job_id = client.submit_batch(
-            args.prompt, lines=lines, input_path=args.input_on_worker,
-            output_path=args.output_on_worker, job_id=args.id, chat=args.chat, **sampling,
-        )  # fmt: skip
+    job_id = _call(args, lambda client: client.submit_batch(
+        args.prompt, lines=lines, input_path=args.input_on_worker,
+        output_path=args.output_on_worker, job_id=args.id, chat=args.chat, **sampling,
+    ))  # fmt: skip
     print(job_id)
     return 0
 
@@ -171,14 +175,26 @@ def run_abort(args: argparse.Namespace) -> int:
 
 
 def _call(args: argparse.Namespace, operation: Any) -> Any:
-    from clients import Client
+    """``operation(client)``; what the user can fix as one line. Batch jobs take no
+    ``--redis-cluster``: a cluster's node is refused as a cluster is."""
+    from redis.exceptions import ResponseError
+
+    from clients import Client, ClientError
+    from clients.aio import BATCH_NEEDS_STANDALONE
     from clients.batch import BatchNotFoundError, BatchTimeoutError
 
-    with Client(args.redis_url, prefix=args.prefix) as client:
-        try:
+    try:
+        with Client(args.redis_url, prefix=args.prefix) as client:
             return operation(client)
-        except (BatchNotFoundError, BatchTimeoutError) as exc:
-            raise CommandError(str(exc)) from exc
+    except (BatchNotFoundError, BatchTimeoutError, ClientError) as exc:
+        raise CommandError(str(exc)) from exc
+    except ResponseError as exc:
+        if not answered_moved(exc):
+            raise
+        raise CommandError(
+            f"the Redis at {redact_url(args.redis_url)} is a node of a Redis Cluster: "
+            f"{BATCH_NEEDS_STANDALONE}"
+        ) from exc
 
 
 def _print_status(status: Any, *, as_json: bool, out: Any = None) -> None:

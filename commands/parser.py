@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -95,7 +96,6 @@ def redis_failure(exc: BaseException, redis_url: str | None) -> str | None:
             ConnectionError,
             NoPermissionError,
             RedisClusterException,
-            ResponseError,
             TimeoutError,
         )
 
@@ -107,8 +107,7 @@ def redis_failure(exc: BaseException, redis_url: str | None) -> str | None:
         return f"redis unreachable{where}: {exc}"
     if isinstance(exc, NoPermissionError):
         return f"redis refused a command{where} (ACL): {exc}"
-    # A cluster node answers a plain client's command on another node's slot with MOVED.
-    if isinstance(exc, ResponseError) and str(exc).startswith("MOVED "):
+    if answered_moved(exc):
         return (
             f"the Redis{where} is a node of a Redis Cluster: pass --redis-cluster on "
             f"(or {CLUSTER_ENV}=1)"
@@ -116,6 +115,18 @@ def redis_failure(exc: BaseException, redis_url: str | None) -> str | None:
     if isinstance(exc, RedisClusterException) and NOT_A_CLUSTER in str(exc):
         return f"the Redis{where} is not a Redis Cluster: leave --redis-cluster off"
     return None
+
+
+def answered_moved(exc: BaseException) -> bool:
+    """Whether a Redis Cluster's node answered a plain client's command on another node's slot
+    (``MOVED``), alone or inside a pipeline's error (``Command # 1 (...) of pipeline caused
+    error: ('MOVED ...',)``)."""
+    from redis.exceptions import ResponseError
+
+    return (
+        isinstance(exc, ResponseError)
+        and re.search(r"(^|\('|\(\")MOVED \d+ ", str(exc)) is not None
+    )
 
 
 def redact_url(url: str) -> str:
