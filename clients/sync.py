@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from clients.aio import DEFAULT_REDIS_URL, AsyncClient, ClientClosedError, Completion
 from clients.batch import BatchResult, BatchStatus
-from clients.protocol import DEFAULT_PREFIX, DoneEvent, RestartEvent, TokenEvent
+from clients.protocol import DEFAULT_PREFIX, DoneEvent, Event, RestartEvent, TokenEvent
 
 T = TypeVar("T")
 CLOSE_TIMEOUT_S = 10.0  # closing waits this long for Redis before stopping the loop anyway
@@ -105,6 +105,12 @@ class Client:
     ) -> Iterator[TokenEvent | RestartEvent | DoneEvent]:
         """See ``AsyncClient.resume``."""
         return self._iterate(self._client.resume(request_id, after=after, timeout_s=timeout_s))
+
+    def events(
+        self, request_id: str, *, after: str = "0-0", timeout_s: float | None = None
+    ) -> Iterator[Event]:
+        """See ``AsyncClient.events``: every event, ``error`` included."""
+        return self._iterate(self._client.events(request_id, after=after, timeout_s=timeout_s))
 
     def complete(self, prompt: str | None = None, **options: Any) -> Completion:
         """See ``AsyncClient.complete``."""

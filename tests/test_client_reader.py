@@ -254,3 +254,21 @@ def test_a_stream_that_times_out_cancels_its_request(
             assert await client.redis.get(client.keys.cancel("streamed")) is not None
 
     asyncio.run(scenario())
+
+
+def test_the_sync_client_reads_every_event_as_the_async_one_does(
+    redis_server: RedisServer,
+) -> None:
+    """``Client.events`` yields tokens and the terminal event, ``error`` included, and resumes
+    after an ``event_id`` as ``AsyncClient.events`` does."""
+    with Client(redis_server.url) as client:
+        keys, redis = protocol.Keys(protocol.DEFAULT_PREFIX), redis_server.client()
+        for seq in range(3):
+            redis.xadd(keys.out("sync"), _token(seq))
+        redis.xadd(keys.out("sync"), _end())
+        redis.close()
+        events = list(client.events("sync", timeout_s=30))
+        assert [type(e).__name__ for e in events] == [*["TokenEvent"] * 3, "ErrorEvent"]
+        assert isinstance(events[-1], ErrorEvent) and events[-1].message == "end of test stream"
+        resumed = list(client.events("sync", after=events[0].event_id, timeout_s=30))
+        assert [e.seq for e in resumed if isinstance(e, TokenEvent)] == [1, 2]
