@@ -434,3 +434,28 @@ def test_shutdown_flushes_to_an_otlp_endpoint(clean_otel_env: pytest.MonkeyPatch
         for m in scope.metrics
     }
     assert "gen_ai.server.request.duration" in metric_names
+
+
+def test_a_requests_span_carries_its_sampling_settings() -> None:
+    """The worker's request span names the model, the operation and the settings the request
+    sampled with, as OpenTelemetry's GenAI conventions call them."""
+    from clients.protocol import Message, Request
+    from worker.requests import span_attributes
+
+    chat = Request(
+        id="r1", messages=[Message(role="user", content="hi")], temperature=0.5, top_p=0.9, top_k=40,
+        max_tokens=32, tenant="team-a", priority=2,
+    )  # fmt: skip
+    assert span_attributes(chat, "smollm2-135m") == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": "smollm2-135m",
+        "gen_ai.request.temperature": 0.5,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.top_k": 40,
+        "gen_ai.request.max_tokens": 32,
+        "pagestream.tenant": "team-a",
+        "pagestream.priority": 2,
+    }
+    plain = span_attributes(Request(id="r2", prompt="hi", top_k=-1), "smollm2-135m")
+    assert plain["gen_ai.operation.name"] == "text_completion"
+    assert "gen_ai.request.top_k" not in plain and "gen_ai.request.max_tokens" not in plain

@@ -181,15 +181,7 @@ class RequestHandler:
             service.routing.note_served_soon(request)
 
     def _attributes(self, request: Request) -> dict[str, str | int | float]:
-        attributes: dict[str, str | int | float] = {
-            "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
-            "gen_ai.request.model": self.service.engine_thread.engine.config.model,
-            "pagestream.tenant": request.tenant,
-            "pagestream.priority": request.priority,
-        }
-        if request.max_tokens is not None:  # none: the engine's default, within the context
-            attributes["gen_ai.request.max_tokens"] = request.max_tokens
-        return attributes
+        return span_attributes(request, self.service.engine_thread.engine.config.model)
 
     # -- writes outside the engine -------------------------------------------------------------
 
@@ -372,6 +364,24 @@ class RequestHandler:
                 completion_tokens=flight.num_tokens,
             )
             self.service.release(flight)
+
+
+def span_attributes(request: Request, model: str) -> dict[str, str | int | float]:
+    """The request span's attributes from the request (OpenTelemetry's GenAI conventions, and
+    the service's own under ``pagestream.``)."""
+    attributes: dict[str, str | int | float] = {
+        "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
+        "gen_ai.request.model": model,
+        "gen_ai.request.temperature": request.temperature,
+        "gen_ai.request.top_p": request.top_p,
+        "pagestream.tenant": request.tenant,
+        "pagestream.priority": request.priority,
+    }
+    if request.top_k > 0:  # 0 and -1: off
+        attributes["gen_ai.request.top_k"] = request.top_k
+    if request.max_tokens is not None:  # none: the engine's default, within the context
+        attributes["gen_ai.request.max_tokens"] = request.max_tokens
+    return attributes
 
 
 def _kept_payload(payload: bytes | None, max_entry_bytes: int) -> bytes | None:
