@@ -18,10 +18,8 @@ from typing import Any
 from clients.aio import DEFAULT_REDIS_URL
 from clients.protocol import DEFAULT_PREFIX
 from commands.parser import CommandError, Subparsers
-from worker.arg_types import on_off, positive_int
+from worker.arg_types import LOG_LEVELS, on_off, positive_int
 from worker.gateway import config
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def register(subparsers: Subparsers) -> None:

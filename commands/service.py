@@ -15,6 +15,7 @@ from typing import Any
 
 from commands.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
 from worker.arg_types import (
+    LOG_LEVELS,
     add_client_sampling_args,
     client_sampling,
     non_negative_int,
@@ -157,7 +158,8 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
         "idler workers and take them only once they waited (0: never; default 1 on a CPU, "
         "max(4, max-in-flight / 16) on a GPU)",
     )
-    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    g.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="DEBUG, INFO, WARNING, ERROR")  # fmt: skip
     add_batch_args(parser)
     add_engine_args(parser)
     parser.set_defaults(handler=run_worker, command_prog=parser.prog)  # fmt: skip

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from clients.protocol import DEFAULT_PREFIX
 from commands.parser import CommandError, Subparsers, invocation
-from worker.arg_types import non_negative_int
+from worker.arg_types import LOG_LEVELS, non_negative_int
 from worker.settings import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:  # imported when the command runs, so `pagestream --help` stays cheap
@@ -76,7 +76,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the deployment")
     g.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                    help=f"on stop, let in-flight requests finish this long (default {DEFAULT_GRACE_S:g})")  # fmt: skip
-    g.add_argument("--log-level", default="INFO", help="the worker's: DEBUG, INFO, WARNING, ERROR")
+    g.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="the worker's: DEBUG, INFO, WARNING, ERROR")  # fmt: skip
     g.add_argument("--gateway-port", type=int, default=DEFAULT_GATEWAY_PORT,
                    help=f"the gateway's HTTP port on 127.0.0.1; 0 = any free port (default {DEFAULT_GATEWAY_PORT})")  # fmt: skip
     g.add_argument("--no-gateway", action="store_true", help="run no gateway")

@@ -309,10 +309,16 @@ def test_a_wrong_kernel_switch_is_one_clear_line(
         (["generate", "hi", "--model", "dummy:tiny", *SMALL_POOL], 2, "has no tokenizer"),
         (["bench", "throughput", "--input-len", "30-10"], 2, "--input-len"),
         ([*BENCH_ARGS, "--input-len", "200"], 1, "exceeds the context of 128 tokens"),
+        (["worker", "--log-level", "verbose"], 2, "--log-level: invalid choice: 'VERBOSE'"),
+        (["up", "--log-level", "verbose"], 2, "--log-level: invalid choice: 'VERBOSE'"),
+        (["worker", "--batch-jobs", "-1"], 2, "--batch-jobs: expected an integer of 0 or more"),
+        (["worker", "--model", "dummy:tiny", "--device", "cpu", "--grace-s", "inf"], 2,
+         "grace_s must be finite and >= 0"),
     ],
     ids=[
         "no-prompt", "bad-sampling", "no-input-file", "output-without-input", "unknown-model",
-        "text-to-dummy", "bad-range", "too-long-for-context",
+        "text-to-dummy", "bad-range", "too-long-for-context", "worker-log-level", "up-log-level",
+        "negative-batch-jobs", "endless-grace",
     ],
 )  # fmt: skip
 def test_user_errors_exit_with_one_clear_line(

@@ -23,6 +23,9 @@ STRUCTURED_OUTPUTS_HELP = (
 )
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def on_off(text: str) -> bool:
     """``on``/``off``; ``1/0``, ``true/false`` and ``yes/no`` too (for environment variables).
 

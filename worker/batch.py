@@ -41,7 +41,7 @@ from clients.batch import (
     serialize_job,
 )
 from engine import InvalidRequestError, RequestOutput, SamplingParams
-from worker.arg_types import positive_int
+from worker.arg_types import non_negative_int, positive_int
 from worker.defaults import DEFAULT_TEMPERATURE
 from worker.delivery import REDIS_ERRORS
 from worker.engine_thread import EngineStoppedError, EngineThread
@@ -106,7 +106,7 @@ class BatchSettings:
 def add_batch_args(parser: argparse.ArgumentParser) -> None:
     """``pagestream worker``'s batch flags."""
     g = parser.add_argument_group("batch jobs (arq)")
-    g.add_argument("--batch-jobs", type=int, default=DEFAULT_MAX_JOBS,
+    g.add_argument("--batch-jobs", type=non_negative_int, default=DEFAULT_MAX_JOBS,
                    help=f"batch jobs run at once; 0 = none (default {DEFAULT_MAX_JOBS})")  # fmt: skip
     g.add_argument("--batch-lines-in-flight", type=positive_int, default=DEFAULT_LINES_IN_FLIGHT,
                    help=f"lines of one job in the engine at once (default {DEFAULT_LINES_IN_FLIGHT})")  # fmt: skip

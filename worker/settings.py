@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ class WorkerSettings:
             (self.max_deliveries >= 1, "max_deliveries must be >= 1"),
             (self.lease_s > 0, "lease_s must be > 0"),
             (self.max_in_flight >= 1, "max_in_flight must be >= 1"),
-            (self.grace_s >= 0, "grace_s must be >= 0"),
+            (0 <= self.grace_s < math.inf, "grace_s must be finite and >= 0"),
             (self.read_block_ms >= 1, "read_block_ms must be >= 1"),
             (self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0"),
             (
