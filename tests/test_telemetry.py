@@ -225,6 +225,22 @@ def test_single_output_token_records_no_time_per_output_token(harness: Harness) 
         harness.metric("gen_ai.server.time_per_output_token")
 
 
+def test_a_cancelled_request_records_no_time_per_output_token(harness: Harness) -> None:
+    """TPOT is the decode speed of requests that ran to their end: a cancel cuts the decode
+    short wherever the caller chose (and a timeout is an error, which records none either)."""
+    run_request(harness)  # one complete request: one TPOT point
+    trace = harness.telemetry.start_request(
+        "req-4", traceparent=None, enqueued_at_s=None, attributes=ATTRIBUTES
+    )
+    trace.first_token()
+    harness.clock.advance(1.0)
+    trace.finish(finish_reason="cancelled", prompt_tokens=3, completion_tokens=5)
+    [tpot] = harness.histogram_points("gen_ai.server.time_per_output_token")
+    assert tpot.count == 1
+    request = harness.finished_spans()[f"text_completion {MODEL}"]
+    assert request.status.status_code is StatusCode.UNSET  # a cancel is no failure
+
+
 def test_second_finish_is_ignored(harness: Harness) -> None:
     trace = run_request(harness)
     harness.clock.advance(5.0)

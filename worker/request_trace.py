@@ -32,6 +32,8 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
 TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 REQUEST_DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)  # fmt: skip
 TOKEN_USAGE_BUCKETS = tuple(float(4**i) for i in range(14))  # 1, 4, 16, ... 4**13
+# the finish reasons of a request that ran to its end: its decode time says what a token took
+COMPLETED_REASONS = frozenset({"stop", "length"})
 
 Clock = Callable[[], float]  # wall-clock seconds since the epoch, like time.time
 
@@ -165,8 +167,9 @@ class RequestTrace:
 
         `error` is a short, low-cardinality error class ("timeout", "ValueError"): it becomes
         `error.type` on the spans and on gen_ai.server.request.duration, and the span status
-        is ERROR. Time per output token is recorded only for successful requests with more
-        than one output token. A second call is ignored.
+        is ERROR. Time per output token is recorded only for requests that ended by a stop or
+        their length (not failed, timed out or cancelled) with more than one output token. A
+        second call is ignored.
         """
         with self._lock:
             if self._phase is _Phase.FINISHED:
@@ -175,7 +178,8 @@ class RequestTrace:
             self._end_phase_span(now_s, error)
             self._phase = _Phase.FINISHED
             self._end_request_span(now_s, finish_reason, prompt_tokens, completion_tokens, error)
-            self._record_finish(now_s, prompt_tokens, completion_tokens, error)
+            completed = error is None and finish_reason in COMPLETED_REASONS
+            self._record_finish(now_s, prompt_tokens, completion_tokens, error, completed)
 
     def _admit(self, now_s: float) -> None:
         if self._phase is not _Phase.QUEUED:
@@ -213,12 +217,17 @@ class RequestTrace:
         span.end(end_time=to_ns(now_s))
 
     def _record_finish(
-        self, now_s: float, prompt_tokens: int, completion_tokens: int, error: str | None
+        self,
+        now_s: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+        error: str | None,
+        completed: bool,
     ) -> None:
         histograms, attributes = self._histograms, self._metric_attributes
         duration_attributes = attributes if error is None else {**attributes, "error.type": error}
         histograms.request_duration.record(now_s - self._received_at_s, duration_attributes)
-        if error is None and self._first_token_at_s is not None and completion_tokens > 1:
+        if completed and self._first_token_at_s is not None and completion_tokens > 1:
             decode_s = now_s - self._first_token_at_s
             histograms.time_per_output_token.record(decode_s / (completion_tokens - 1), attributes)
         histograms.token_usage.record(prompt_tokens, {**attributes, "gen_ai.token.type": "input"})
