@@ -64,9 +64,21 @@ class ClusterClient(RedisCluster):
         return self
 
 
+def env_switch(name: str) -> bool:
+    """An on/off environment variable as the worker's flags read it: on/1/true/yes or
+    off/0/false/no; unset or empty is off, and another word a ``ValueError`` naming it."""
+    raw = os.environ.get(name, "")
+    word = raw.strip().lower()
+    if word in ("", "off", "0", "false", "no"):
+        return False
+    if word in ("on", "1", "true", "yes"):
+        return True
+    raise ValueError(f"{name}={raw!r}: expected on or off")
+
+
 def cluster_from_env() -> bool:
-    """``PAGESTREAM_REDIS_CLUSTER``: 1/true/yes/on means the URL names a Redis Cluster node."""
-    return os.environ.get(CLUSTER_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    """``PAGESTREAM_REDIS_CLUSTER``: on means the URL names a Redis Cluster node."""
+    return env_switch(CLUSTER_ENV)
 
 
 def connect(redis_url: str, *, cluster: bool = False) -> Any:

@@ -19,7 +19,7 @@ from collections import Counter
 from typing import Any
 
 from clients import protocol
-from clients.connect import get_many
+from clients.connect import env_switch, get_many
 from clients.protocol import Keys, Request, WorkerStatus
 from clients.routing import (
     WorkerLoad,
@@ -44,8 +44,8 @@ return false
 
 
 def routing_from_env() -> bool:
-    """``PAGESTREAM_ROUTING``: 1/true/yes/on turns routing on where the caller does not say."""
-    return os.environ.get(ROUTING_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    """``PAGESTREAM_ROUTING``: on turns routing on where the caller does not say."""
+    return env_switch(ROUTING_ENV)
 
 
 def shards_from_env() -> int:

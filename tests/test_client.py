@@ -177,3 +177,32 @@ def test_a_sync_client_left_open_exits_cleanly(
         assert len(run.stdout.split()) == 5
         for complaint in ("Task was destroyed", "RuntimeError", "Exception ignored"):
             assert complaint not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("PAGESTREAM_ROUTING", "on", True),
+        ("PAGESTREAM_ROUTING", " YES ", True),
+        ("PAGESTREAM_ROUTING", "0", False),
+        ("PAGESTREAM_ROUTING", "", False),
+        ("PAGESTREAM_ROUTING", "maybe", None),
+        ("PAGESTREAM_REDIS_CLUSTER", "1", True),
+        ("PAGESTREAM_REDIS_CLUSTER", "enabled", None),
+    ],
+)
+def test_the_clients_switches_read_the_environment_as_the_worker_does(
+    variable: str, value: str, expected: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """on/1/true/yes and off/0/false/no, empty as unset; another word names the variable (the
+    client read "maybe" as off where the worker refused it)."""
+    from clients.connect import cluster_from_env
+    from clients.router import routing_from_env
+
+    read = routing_from_env if variable == "PAGESTREAM_ROUTING" else cluster_from_env
+    monkeypatch.setenv(variable, value)
+    if expected is None:
+        with pytest.raises(ValueError, match=f"{variable}='{value}': expected on or off"):
+            read()
+    else:
+        assert read() is expected
