@@ -117,6 +117,18 @@ def redis_failure(exc: BaseException, redis_url: str | None) -> str | None:
     return None
 
 
+def naming_the_flag(message: str, args: argparse.Namespace) -> str:
+    """A settings check's message with its field named as the user set it: ``max_seqs must be
+    >= 1`` -> ``--max-seqs (PAGESTREAM_MAX_SEQS) must be >= 1``, when a flag of the command
+    sets ``max_seqs``; any other message unchanged."""
+    match = re.match(r"(\w+) (must|cannot|needs) ", message)
+    if match is None or not hasattr(args, match[1]):
+        return message
+    field = match[1]
+    flag = f"--{field.replace('_', '-')} (PAGESTREAM_{field.upper()})"
+    return flag + message[len(field) :]
+
+
 def answered_moved(exc: BaseException) -> bool:
     """Whether a Redis Cluster's node answered a plain client's command on another node's slot
     (``MOVED``), alone or inside a pipeline's error (``Command # 1 (...) of pipeline caused

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from commands.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers
+from commands.parser import EXIT_ERROR, EXIT_USAGE, CommandError, Subparsers, naming_the_flag
 from worker.arg_types import (
     LOG_LEVELS,
     add_client_sampling_args,
@@ -186,7 +186,8 @@ def run_worker(args: argparse.Namespace) -> int:
         engine = LLMEngine(config)
     except (PagestreamError, ValueError) as exc:
         raise CommandError(
-            str(exc), EXIT_USAGE if isinstance(exc, ValueError) else EXIT_ERROR
+            naming_the_flag(str(exc), args),
+            EXIT_USAGE if isinstance(exc, ValueError) else EXIT_ERROR,
         ) from exc
 
     async def serve() -> None:

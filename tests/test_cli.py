@@ -313,12 +313,14 @@ def test_a_wrong_kernel_switch_is_one_clear_line(
         (["up", "--log-level", "verbose"], 2, "--log-level: invalid choice: 'VERBOSE'"),
         (["worker", "--batch-jobs", "-1"], 2, "--batch-jobs: expected an integer of 0 or more"),
         (["worker", "--model", "dummy:tiny", "--device", "cpu", "--grace-s", "inf"], 2,
-         "grace_s must be finite and >= 0"),
+         "--grace-s (PAGESTREAM_GRACE_S) must be finite and >= 0"),
+        (["worker", "--model", "dummy:tiny", "--device", "cpu", "--pa-memory-fraction", "2"], 2,
+         "error: --pa-memory-fraction (PAGESTREAM_PA_MEMORY_FRACTION) must be in (0, 1]"),
     ],
     ids=[
         "no-prompt", "bad-sampling", "no-input-file", "output-without-input", "unknown-model",
         "text-to-dummy", "bad-range", "too-long-for-context", "worker-log-level", "up-log-level",
-        "negative-batch-jobs", "endless-grace",
+        "negative-batch-jobs", "endless-grace", "engine-setting-named-as-its-flag",
     ],
 )  # fmt: skip
 def test_user_errors_exit_with_one_clear_line(
