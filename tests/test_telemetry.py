@@ -475,3 +475,17 @@ def test_a_requests_span_carries_its_sampling_settings() -> None:
     plain = span_attributes(Request(id="r2", prompt="hi", top_k=-1), "smollm2-135m")
     assert plain["gen_ai.operation.name"] == "text_completion"
     assert "gen_ai.request.top_k" not in plain and "gen_ai.request.max_tokens" not in plain
+
+
+def test_shutdown_flushes_spans_and_metrics_at_once(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against an unreachable collector each provider's flush waits out the export timeout:
+    they wait together, not one after the other (each fake flush here returns only once the
+    other has started)."""
+    both_flushing = threading.Barrier(2, timeout=10)
+    telemetry = harness.telemetry
+    for provider in (telemetry.tracer_provider, telemetry.meter_provider):
+        monkeypatch.setattr(provider, "shutdown", both_flushing.wait)
+    telemetry.shutdown()  # one after the other: the first flush's barrier breaks
+    assert not both_flushing.broken
