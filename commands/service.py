@@ -165,6 +165,14 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run_worker, command_prog=parser.prog)  # fmt: skip
 
 
+class StoppedStartingError(Exception):
+    """SIGTERM reached a worker that was still starting."""
+
+
+def _stop_starting(signum: int, frame: object) -> None:
+    raise StoppedStartingError
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """Handler of ``pagestream worker``: serve until SIGTERM/SIGINT, then drain and exit 0."""
     from engine import LLMEngine, PagestreamError
@@ -173,17 +181,25 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.batch import BatchSettings
     from worker.batch_runner import BatchRunner, serve_with_batches
     from worker.engine_thread import EngineThread
-    from worker.logs import configure_logging
+    from worker.logs import configure_logging, get_logger
     from worker.prometheus import MetricsPortError
     from worker.service import WorkerService
     from worker.settings import WorkerSettings
 
     configure_logging(level=args.log_level)
+    log = get_logger("pagestream.worker")
+    # Until serve() installs the loop's handlers, SIGTERM ends the start-up (a model can take
+    # minutes to load): nothing was read from Redis yet, so there is nothing to hand back.
+    signal.signal(signal.SIGTERM, _stop_starting)
     try:  # every setting is checked before the model loads
         config = engine_config_from_args(args)
         settings = WorkerSettings.from_args(args, max_seqs=config.max_seqs)
         batch_settings = BatchSettings.from_args(args, settings)
+        log.info("loading the model", model=config.model)
         engine = LLMEngine(config)
+    except StoppedStartingError:
+        log.info("stopped during start-up")
+        return 0
     except (PagestreamError, ValueError) as exc:
         raise CommandError(
             naming_the_flag(str(exc), args),
@@ -209,6 +225,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve())
+    except StoppedStartingError:  # SIGTERM after the load, before the loop's handlers
+        log.info("stopped during start-up")
     except EngineDeadError as exc:  # a tensor-parallel rank died: its requests go elsewhere
         raise CommandError(str(exc), EXIT_ERROR) from exc
     except MetricsPortError as exc:  # nothing was read yet: a one-line error, no traceback

@@ -206,3 +206,28 @@ def test_a_worker_that_cannot_reach_redis_stops_at_once_on_sigterm(
         process.kill()
         process.wait()
     assert b"stopped before redis answered" in log_path.read_bytes()
+
+
+def test_a_worker_stopped_while_its_model_loads_exits_0(tmp_path: Path) -> None:
+    """SIGTERM during start-up (a model can take minutes to load) ends the worker cleanly, as
+    operations.md says a stopped worker does: nothing was read yet, so nothing is handed back
+    (it was killed by the signal, exit 143, without a word)."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    log_path = tmp_path / "worker.log"
+    # a model of 135M random parameters: seconds to build on the CPU, the window to stop in
+    command = [sys.executable, "-m", "commands", "worker", "--redis-url", url, "--device", "cpu",
+               "--model", "dummy:smollm2-135m", "--batch-jobs", "0"]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(
+            lambda: b"loading the model" in log_path.read_bytes(), START_TIMEOUT_S, "the load"
+        )
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log_path.read_text()
+    finally:
+        process.kill()
+        process.wait()
+    logged = log_path.read_bytes()
+    assert b"stopped during start-up" in logged and b"engine ready" not in logged
+    assert b"Traceback" not in logged
