@@ -185,6 +185,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.prometheus import MetricsPortError
     from worker.service import WorkerService
     from worker.settings import WorkerSettings
+    from worker.telemetry import check_export_env
 
     configure_logging(level=args.log_level)
     log = get_logger("pagestream.worker")
@@ -192,6 +193,7 @@ def run_worker(args: argparse.Namespace) -> int:
     # minutes to load): nothing was read from Redis yet, so there is nothing to hand back.
     signal.signal(signal.SIGTERM, _stop_starting)
     try:  # every setting is checked before the model loads
+        check_export_env()
         config = engine_config_from_args(args)
         settings = WorkerSettings.from_args(args, max_seqs=config.max_seqs)
         batch_settings = BatchSettings.from_args(args, settings)

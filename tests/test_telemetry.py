@@ -489,3 +489,28 @@ def test_shutdown_flushes_spans_and_metrics_at_once(
         monkeypatch.setattr(provider, "shutdown", both_flushing.wait)
     telemetry.shutdown()  # one after the other: the first flush's barrier breaks
     assert not both_flushing.broken
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "refused"),
+    [
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc", "exports OTLP over HTTP only"),
+        ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json", "exports OTLP over HTTP only"),
+        ("OTEL_TRACES_EXPORTER", "console", "expected otlp or none"),
+        ("OTEL_METRICS_EXPORTER", "prometheus", "expected otlp or none"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", None),
+        ("OTEL_TRACES_EXPORTER", "none", None),
+    ],
+)
+def test_export_settings_not_honoured_are_refused(
+    variable: str, value: str, refused: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gRPC or console export asked for is refused at start, not replaced by OTLP/HTTP."""
+    from worker.telemetry import check_export_env
+
+    monkeypatch.setenv(variable, value)
+    if refused is None:
+        check_export_env()
+    else:
+        with pytest.raises(ValueError, match=f"{variable}='{value}': .*{refused}"):
+            check_export_env()

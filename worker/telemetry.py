@@ -309,6 +309,24 @@ def _resource(service_name: str, worker_name: str) -> Resource:
     )
 
 
+def check_export_env() -> None:
+    """Refuse the ``OTEL_*`` choices this service does not honour, rather than export
+    otherwise than asked: OTLP goes over HTTP (``http/protobuf``) only, and a signal's
+    exporter is ``otlp`` or ``none``."""
+    for scope in ("", "TRACES_", "METRICS_"):
+        name = f"OTEL_EXPORTER_OTLP_{scope}PROTOCOL"
+        value = os.environ.get(name, "").strip()
+        if value and value.lower() != "http/protobuf":
+            raise ValueError(
+                f"{name}={value!r}: pagestream exports OTLP over HTTP only (http/protobuf)"
+            )
+    for signal in ("TRACES", "METRICS"):
+        name = f"OTEL_{signal}_EXPORTER"
+        value = os.environ.get(name, "").strip()
+        if value and value.lower() not in ("otlp", "none"):
+            raise ValueError(f"{name}={value!r}: expected otlp or none")
+
+
 def _export_setup_from_env() -> ExportSetup:
     """OTLP/http exporters for the signals whose endpoint variables are set."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
