@@ -182,7 +182,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.batch_runner import BatchRunner, serve_with_batches
     from worker.engine_thread import EngineThread
     from worker.logs import configure_logging, get_logger
-    from worker.prometheus import MetricsPortError
+    from worker.prometheus import MetricsPortError, check_listenable
     from worker.service import WorkerService
     from worker.settings import WorkerSettings
     from worker.telemetry import check_export_env
@@ -197,11 +197,15 @@ def run_worker(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         settings = WorkerSettings.from_args(args, max_seqs=config.max_seqs)
         batch_settings = BatchSettings.from_args(args, settings)
+        if settings.metrics_port:
+            check_listenable(settings.metrics_host, settings.metrics_port)
         log.info("loading the model", model=config.model)
         engine = LLMEngine(config)
     except StoppedStartingError:
         log.info("stopped during start-up")
         return 0
+    except MetricsPortError as exc:
+        raise CommandError(str(exc), EXIT_ERROR) from exc
     except (PagestreamError, ValueError) as exc:
         raise CommandError(
             naming_the_flag(str(exc), args),

@@ -187,3 +187,20 @@ def test_a_taken_port_stops_the_worker_with_a_clear_error(
         with pytest.raises(MetricsPortError, match=f"--metrics-port {port} on 127.0.0.1"):
             worker.stop()
     assert worker.service is not None and not worker.service.engine_thread.is_running
+
+
+def test_a_taken_port_is_told_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    """``pagestream worker --metrics-port`` on a taken port (or an unknown host) is a one-line
+    error before the model loads (minutes on a GPU), not after it."""
+    from commands import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        common = ["worker", "--model", "dummy:tiny", "--device", "cpu", "--metrics-port", str(port)]
+        assert main([*common, "--metrics-host", "127.0.0.1"]) == 1
+        err = capsys.readouterr().err
+        assert f"--metrics-port {port} on 127.0.0.1:" in err and "loading the model" not in err
+        assert main([*common, "--metrics-host", "no-such-host.invalid"]) == 1
+        assert "on no-such-host.invalid:" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,6 +116,23 @@ def render(reading: WorkerReading) -> str:
 
 class MetricsPortError(RuntimeError):
     """``--metrics-port`` cannot be listened on (taken, or not allowed)."""
+
+
+def check_listenable(host: str, port: int) -> None:
+    """Raise ``MetricsPortError`` at once when ``port`` on ``host`` cannot be listened on (taken,
+    not allowed, an unknown host): the worker checks before its model loads, minutes on a GPU,
+    rather than failing after. The server binds as ``asyncio.start_server`` does."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        ):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
+    except OSError as exc:  # socket.gaierror included
+        raise MetricsPortError(f"--metrics-port {port} on {host}: {exc.strerror or exc}") from exc
 
 
 class MetricsServer:
