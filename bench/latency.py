@@ -46,6 +46,12 @@ class LatencyWorkload:
         rng = np.random.default_rng(self.seed + batch)
         return rng.integers(0, vocab_size, (batch, self.input_len)).tolist()
 
+    def warmup_prompts(self, vocab_size: int) -> list[list[int]]:
+        """The untimed run's prompt: the batch-1 prompt reversed. Its shape, but no prefix
+        in common with a measured prompt, so the prefix cache cannot shorten a timed prefill
+        (as ``bench.workloads.warmup_prompts``)."""
+        return [prompt[::-1] for prompt in self.prompts(1, vocab_size)]
+
 
 def run_latency(
     engine: LLMEngine,
@@ -58,13 +64,18 @@ def run_latency(
     if max(workload.batch_sizes) > engine.config.max_seqs:
         raise ConfigError(f"batch sizes above --max-seqs {engine.config.max_seqs}")
     vocab_size = engine.loaded.arch.vocab_size
-    _run_batch(engine, workload.prompts(1, vocab_size), workload.output_len)  # warm-up
+    _run_batch(engine, workload.warmup_prompts(vocab_size), workload.output_len)
     results = []
     for batch in tqdm(workload.batch_sizes, desc="latency", unit="batch", disable=not use_tqdm):
         stats_before = engine.stats()
         timings = _run_batch(engine, workload.prompts(batch, vocab_size), workload.output_len)
+        stats_after = engine.stats()
         result = _summarize(engine, workload, batch, timings, copy_bytes_per_s)
-        result["speculative"] = speculative_counts(stats_before, engine.stats())
+        result["speculative"] = speculative_counts(stats_before, stats_after)
+        # prompt tokens the prefix cache served: 0 unless a batch repeats a prompt
+        result["device_hit_tokens"] = (
+            stats_after.num_device_hit_tokens - stats_before.num_device_hit_tokens
+        )
         results.append(result)
     return {
         "kind": "latency",
