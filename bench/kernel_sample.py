@@ -35,7 +35,8 @@ TOP_KERNELS = 15
 # kernels (triton_poi_fused__to_copy_...) are no copies, the fused norm + all-reduce is
 # communication before it is a norm, and an expert kernel is MoE work whatever it fuses (the
 # project's MoE kernels are named ``_moe_...``: SiLU or top-k in a name does not make them
-# elementwise or sampling).
+# elementwise or sampling). vLLM's ``_bias_kernel`` applies logit bias, allowed tokens and
+# min-tokens to the logits: sampling work.
 # fmt: off
 CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "all_reduce", "allreduce", "one_shot", "two_shot", "multimem")),
@@ -46,7 +47,8 @@ CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "splitkreduce", "_gemv", "_mma", "add_planes",
               "quant", "matmul", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::linear")),
-    ("sampling", ("argmax", "softmax", "topk", "top_k", "sort", "bitmask", "sampl", "multinomial")),
+    ("sampling", ("argmax", "softmax", "topk", "top_k", "sort", "bitmask", "sampl", "multinomial",
+                  "_bias_kernel")),
     ("copy", ("memcpy", "memset", "copy", "aten::cat", "index", "gather", "scatter", "fill")),
     ("elementwise", ("norm", "rotary", "rope", "silu", "act_and_mul", "gelu", "elementwise",
                      "aten::")),

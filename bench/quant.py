@@ -25,13 +25,14 @@ import torch
 
 from bench.kv_quality import greedy_agreement, logit_error, quality_prompts
 from bench.latency import LatencyWorkload, run_latency
-from bench.records import machine_info, save, utc_now
+from bench.records import check_output_json, machine_info, save, utc_now
 from bench.throughput import run_throughput
 from bench.workloads import ThroughputWorkload
 from engine.llm import LLM
 from engine.memory import release_device_memory
 from engine.quant.linear import QuantizedLinear
 from engine.sampling_params import SamplingParams
+from worker.arg_types import non_negative_int, positive_int
 
 REFERENCE = "none"
 
@@ -174,13 +175,16 @@ def add_quant_args(parser: argparse.ArgumentParser) -> None:
                         help="--quantization values to compare with none "
                         "(default q8_0,q4_0,q4_1,fp8; gguf for a quantized GGUF)")  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    parser.add_argument("--num-prompts", type=int, default=8, help="quality prompts (default 8)")
-    parser.add_argument("--input-len", type=int, default=128, help="random prompts (default 128)")
-    parser.add_argument("--output-len", type=int, default=64, help="default 64")
-    parser.add_argument("--throughput-prompts", type=int, default=256,
+    # refused here, not after minutes of loading models
+    parser.add_argument("--num-prompts", type=positive_int, default=8,
+                        help="quality prompts (default 8)")  # fmt: skip
+    parser.add_argument("--input-len", type=positive_int, default=128,
+                        help="random prompts (default 128)")  # fmt: skip
+    parser.add_argument("--output-len", type=positive_int, default=64, help="default 64")
+    parser.add_argument("--throughput-prompts", type=non_negative_int, default=256,
                         help="prompts of the throughput run (input and output 128..512); "
                         "0 = skip (default 256)")  # fmt: skip
-    parser.add_argument("--max-model-len", type=int, default=2048, help="default 2048")
+    parser.add_argument("--max-model-len", type=positive_int, default=2048, help="default 2048")
     parser.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
 
 
@@ -200,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     add_quant_args(parser)
     args = parser.parse_args(argv)
+    check_output_json(args.output_json)
     save(run_from_args(args), args.output_json)
 
 

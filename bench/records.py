@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.llm_engine import EngineStats
+from worker.errors import CommandError
 
 RESULTS_DIR = Path("bench/results")
 
@@ -121,12 +122,48 @@ def write_record(record: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(record, indent=2) + "\n")
 
 
+def check_writable(path: Path) -> None:
+    """Refuse a record path that cannot be written (a folder, a path under a file, a
+    read-only place) with one line: said before a benchmark runs, not after it.
+
+    Its folders are made and the file opened for appending, as writing it will; a file this
+    check created is removed again."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except FileExistsError as exc:  # mkdir's word for a file where a folder should be
+        blocker = next(folder for folder in path.parents if folder.exists())
+        raise CommandError(
+            f"cannot write the record to {path}: {blocker} is a file, not a folder"
+        ) from exc
+    except OSError as exc:
+        raise CommandError(_cannot_write(path, exc)) from exc
+    if not existed:
+        path.unlink()
+
+
+def check_output_json(output_json: str | None) -> None:
+    """``check_writable`` for a benchmark's ``--output-json`` (unset: the default path under
+    ``bench/results``, whose name needs the record)."""
+    if output_json is not None:
+        check_writable(Path(output_json))
+
+
+def _cannot_write(path: Path, exc: OSError) -> str:
+    return f"cannot write the record to {path}: {exc.strerror or exc}"
+
+
 def save(record: dict[str, Any], output_json: str | None) -> None:
     """Write the JSON record (and its plot when matplotlib is there); say where."""
     from bench.plots import plot_record
 
     path = Path(output_json) if output_json else default_record_path(record)
-    write_record(record, path)
+    try:
+        write_record(record, path)
+    except OSError as exc:  # e.g. the disk filled up during the run
+        raise CommandError(_cannot_write(path, exc)) from exc
     print(f"wrote {path}", file=sys.stderr)
     png = plot_record(record, path.with_suffix(".png"))
     if png is not None:

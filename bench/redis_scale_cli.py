@@ -49,10 +49,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Measure both setups, print them, save the record (and its plot)."""
-    from bench.records import save
+    from bench.records import check_writable, save
     from bench.redis_scale import ScaleSettings, run_scale
     from bench.redis_scale_report import format_ratio
 
+    path = record_path(args.output_json)
+    check_writable(path)
     settings = ScaleSettings(
         num_primaries=args.primaries, num_producers=args.producers, num_readers=args.readers,
         streams_per_producer=args.streams_per_producer, output_len=args.output_len,
@@ -61,7 +63,7 @@ def run_command(args: argparse.Namespace) -> int:
     )  # fmt: skip
     record = run_scale(settings)
     print(format_ratio(record), flush=True)
-    save(record, str(record_path(args.output_json)))
+    save(record, str(path))
     return 0
 
 

@@ -17,6 +17,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import math
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,19 +58,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--warmup-runs", type=int, default=0,
                    help="run the whole workload this many times untimed first, offline and "
                    "through Redis (small runs are dominated by first-shape costs otherwise)")  # fmt: skip
-    w.add_argument("--timeout-s", type=float, default=3600.0, help="per request (default 3600)")
+    w.add_argument("--timeout-s", type=positive_seconds, default=3600.0,
+                   help="per request (default 3600)")  # fmt: skip
     w.add_argument("--output-json", metavar="PATH", help="where to write the JSON record")
     add_gateway_arguments(w)
     add_engine_args(parser)
     parser.set_defaults(handler=run, command_prog=parser.prog)
 
 
+def positive_seconds(text: str) -> float:
+    """A time limit: a finite number of seconds above 0 (0 or less would time out every
+    request, and the run would measure nothing)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return seconds
+
+
 def run(args: argparse.Namespace) -> int:
     """Handler of ``pagestream bench serve``."""
-    from bench.records import save
+    from bench.records import check_output_json, save
     from bench.workloads import ThroughputWorkload
     from engine import PagestreamError
 
+    check_output_json(args.output_json)
     if args.redis_url is None:
         args.spawn_worker = True  # embedded Redis has no workers of its own
     is_fleet = args.workers != (1,)
@@ -91,7 +107,24 @@ def run(args: argparse.Namespace) -> int:
             record = _run_one(args, redis_url, workload, vocab_size, offline)
             print(format_serve(record))
     save(record, args.output_json)
+    _refuse_failed_requests(record)
     return 0
+
+
+def _refuse_failed_requests(record: dict[str, Any]) -> None:
+    """A run whose requests failed is no measurement of the service: say so and exit 1 (the
+    record, already written, has the figures of the requests that finished)."""
+    results = record["results"]
+    runs = results if isinstance(results, list) else [results, results.get("client_path", {})]
+    failures: Counter[str] = Counter()
+    for run in runs:
+        failures.update(run.get("failures", {}))
+    if failures:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(failures.items()))
+        raise CommandError(
+            f"{failures.total()} requests failed ({reasons}): the figures cover only the "
+            "requests that finished"
+        )
 
 
 def _run_one(
@@ -209,7 +242,9 @@ def _record(
 def format_serve(record: dict[str, Any]) -> str:
     """The headline numbers, one per line."""
     r = record["results"]
-    lines = [f"{r['num_requests']} requests at concurrency {record['settings']['concurrency']}: "
+    failed = f" (and {r['num_failed']} failed)" if r.get("num_failed") else ""
+    lines = [f"{r['num_requests']} requests{failed} at concurrency "
+             f"{record['settings']['concurrency']}: "
              f"{r['output_tok_s']:.1f} output tok/s in {r['elapsed_s']:.2f} s"]  # fmt: skip
     for name in ("ttft_s", "tpot_s"):
         cells = ", ".join(

@@ -12,14 +12,16 @@ from typing import Any
 
 @dataclasses.dataclass
 class StreamTiming:
-    """One request seen by its client: seconds from submit to first and last token, and the
-    worker that finished it (when the stream names one)."""
+    """One request seen by its client: seconds from submit to first and last token, the
+    worker that finished it (when the stream names one), and why it did not finish with the
+    tokens it asked for (None when it did)."""
 
     ttft_s: float
     last_s: float
     num_tokens: int
     worker: str = ""
     num_token_events: int = 0  # fewer than num_tokens when ready tokens went out together
+    failure: str | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -27,18 +29,23 @@ class StreamTiming:
 
 
 def summarize(timings: list[StreamTiming], elapsed_s: float) -> dict[str, Any]:
-    """Throughput and TTFT/TPOT percentiles of a run."""
+    """Throughput and TTFT/TPOT percentiles of the requests that finished; the failed ones
+    only counted, by reason (a timed-out stream's few tokens would flatter every figure)."""
     from bench.records import percentiles
 
-    num_tokens = sum(t.num_tokens for t in timings)
-    tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
+    finished = [t for t in timings if t.failure is None]
+    failures = Counter(t.failure for t in timings if t.failure is not None)
+    num_tokens = sum(t.num_tokens for t in finished)
+    tpots = [t.tpot_s for t in finished if t.tpot_s is not None]
     return {
         "elapsed_s": elapsed_s,
-        "num_requests": len(timings),
-        "requests_per_s": len(timings) / elapsed_s,
+        "num_requests": len(finished),
+        "num_failed": failures.total(),
+        "failures": dict(sorted(failures.items())),
+        "requests_per_s": len(finished) / elapsed_s,
         "output_tokens": num_tokens,
         "output_tok_s": num_tokens / elapsed_s,
-        "ttft_s": percentiles([t.ttft_s for t in timings]),
+        "ttft_s": percentiles([t.ttft_s for t in finished]),
         "tpot_s": percentiles(tpots),
     }
 
@@ -77,15 +84,16 @@ async def run_load(
         cpu_after = read_cpu_times(cpu_groups or {})
         after = await _engine_counters(client, time.time())
     results = summarize(timings, elapsed_s)
-    results["requests_by_worker"] = dict(sorted(Counter(t.worker for t in timings).items()))
+    finished = [t for t in timings if t.failure is None]
+    results["requests_by_worker"] = dict(sorted(Counter(t.worker for t in finished).items()))
     group_cpu_s = None
     if cpu_groups is not None:
         results["busy_cores"] = busy_cores(cpu_before, cpu_after)
         if cpu_before is not None and cpu_after is not None:
             group_cpu_s = {name: cpu_after.groups_s[name] - cpu_before.groups_s[name]
                            for name in cpu_groups}  # fmt: skip
-    results["cost"] = per_token(
-        redis_before, redis_after, num_tokens=results["output_tokens"],
+    results["cost"] = per_token(  # of every token streamed: failed requests' cost Redis too
+        redis_before, redis_after, num_tokens=sum(t.num_tokens for t in timings),
         num_token_events=sum(t.num_token_events for t in timings), group_cpu_s=group_cpu_s,
     )  # fmt: skip
     if before is not None and after is not None:
@@ -129,19 +137,42 @@ async def _stream_all(client: Any, prompts: list[Any], concurrency: int) -> list
 
 
 async def _one(client: Any, prompt: Any) -> StreamTiming:
-    from clients import DoneEvent, TokenEvent
+    from clients import DoneEvent, RequestFailedError, RequestTimeoutError, TokenEvent
 
     start_s = time.perf_counter()
     first_s = last_s = 0.0
     num_tokens = num_events = 0
-    worker = ""
-    async for event in client.stream(token_ids=prompt.token_ids, max_tokens=prompt.output_len,
-                                     temperature=0, ignore_eos=True):  # fmt: skip
-        if isinstance(event, TokenEvent) and event.token_ids:
-            last_s = time.perf_counter() - start_s
-            first_s = first_s or last_s
-            num_tokens += len(event.token_ids)
-            num_events += 1
-        elif isinstance(event, DoneEvent):
-            worker = event.worker
-    return StreamTiming(first_s, last_s, num_tokens, worker, num_events)
+    done = None
+    failure = None
+    try:
+        async for event in client.stream(token_ids=prompt.token_ids, max_tokens=prompt.output_len,
+                                         temperature=0, ignore_eos=True):  # fmt: skip
+            if isinstance(event, TokenEvent) and event.token_ids:
+                last_s = time.perf_counter() - start_s
+                first_s = first_s or last_s
+                num_tokens += len(event.token_ids)
+                num_events += 1
+            elif isinstance(event, DoneEvent):
+                done = event
+    except RequestFailedError as exc:
+        failure = f"error: {exc.code.value}"
+    except RequestTimeoutError:
+        failure = "no result in time"
+    if failure is None:
+        failure = _failure(done, prompt.output_len)
+    worker = done.worker if done is not None else ""
+    return StreamTiming(first_s, last_s, num_tokens, worker, num_events, failure)
+
+
+def _failure(done: Any, output_len: int) -> str | None:
+    """Why a stream that ended did not finish its request: greedy with EOS ignored, it must
+    end in a ``done`` event with every token it asked for (None when it did)."""
+    from clients.protocol import FinishReason
+
+    if done is None:
+        return "no done event"
+    if done.finish_reason is not FinishReason.LENGTH:  # the worker's deadline, or a cancel
+        return f"finish reason {done.finish_reason.value}"
+    if done.usage.completion_tokens < output_len:
+        return "fewer tokens than asked"
+    return None

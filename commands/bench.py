@@ -211,10 +211,11 @@ def _routing_modes(text: str) -> tuple[str, ...]:
 
 def _run_bench_multiturn(args: argparse.Namespace) -> int:
     from bench.multiturn import MultiTurnWorkload, format_results, run_multiturn
-    from bench.records import save
+    from bench.records import check_output_json, save
     from engine import PagestreamError
     from engine.config_flags import engine_config_from_args
 
+    check_output_json(args.output_json)
     try:
         workload = MultiTurnWorkload(
             args.num_sessions, args.num_turns, args.system_len, args.user_len, args.output_len,
@@ -250,7 +251,7 @@ def _baselines(text: str) -> tuple[str, ...]:
 
 def _run_bench_throughput(args: argparse.Namespace) -> int:
     from bench.compare import run_with_baselines
-    from bench.records import save
+    from bench.records import check_output_json, save
     from bench.throughput import format_results
     from bench.vllm_peer import PeerError, check_vllm_importable
     from bench.workloads import ThroughputWorkload
@@ -260,6 +261,7 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
     sweep = len(args.num_prompts) > 1
     if sweep and set(args.compare) - {"vllm"}:
         raise CommandError("a sweep of several --num-prompts compares with vllm only")
+    check_output_json(args.output_json)
     try:
         if "vllm" in args.compare:
             check_vllm_importable()  # before minutes of work, not after

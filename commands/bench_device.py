@@ -12,7 +12,7 @@ from datetime import UTC
 from pathlib import Path
 from typing import Any
 
-from bench.records import save
+from bench.records import check_output_json, save
 from commands.parser import CommandError
 from worker.arg_types import int_list, positive_int
 
@@ -61,6 +61,7 @@ def _run_bench_latency(args: argparse.Namespace) -> int:
     from engine.config_flags import engine_config_from_args
     from engine.memory import release_device_memory
 
+    check_output_json(args.output_json)
     try:
         workload = LatencyWorkload(args.batch_sizes, args.input_len, args.output_len, args.seed)
         config = engine_config_from_args(args)
@@ -153,6 +154,7 @@ def _run_bench_speculative(args: argparse.Namespace) -> int:
     from engine import PagestreamError
     from engine.config_flags import engine_config_from_args
 
+    check_output_json(args.output_json)
     try:
         workload = SpeculativeWorkload(args.batch_sizes, args.output_len, args.seed)
         # --num-speculative-tokens alone means prompt lookup here
@@ -205,6 +207,7 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise CommandError("the kernel benchmark needs a CUDA device")
+    check_output_json(args.output_json)
     device = torch.device("cuda")
     cache_dtype = torch.float8_e4m3fn if args.cache_type == "fp8_e4m3" else None
     points = bench_paged_attention(
@@ -253,6 +256,7 @@ def _run_bench_kv_quality(args: argparse.Namespace) -> int:
     from bench.kv_quality import measure_kv_quality
     from engine import PagestreamError
 
+    check_output_json(args.output_json)
     try:
         record = measure_kv_quality(
             args.model, num_prompts=args.num_prompts, input_len=args.input_len,
@@ -281,6 +285,7 @@ def _run_bench_quant(args: argparse.Namespace) -> int:
     from bench.quant import run_from_args
     from engine import PagestreamError
 
+    check_output_json(args.output_json)
     try:
         record = run_from_args(args)
     except PagestreamError as exc:
@@ -309,9 +314,21 @@ def _run_bench_plot(args: argparse.Namespace) -> int:
             record = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise CommandError(f"cannot read benchmark record {name}: {exc}") from exc
+        if not isinstance(record, dict):
+            raise CommandError(f"{name}: not a benchmark record (a JSON object with a kind)")
         try:
             png = plot_record(record, path.with_suffix(".png"), required=True)
         except ConfigError as exc:  # no matplotlib, or a kind that has no plot
             raise CommandError(f"{name}: {exc}") from exc
+        except (KeyError, IndexError, TypeError) as exc:  # a field the plot reads is missing
+            raise CommandError(f"{name}: {_incomplete(record, exc)}") from exc
         print(f"wrote {png}", file=sys.stderr)
     return 0
+
+
+def _incomplete(record: dict[str, Any], exc: Exception) -> str:
+    """What a record of a kind with a plot lacks (a file cut short, or edited by hand)."""
+    kind = record.get("kind") or record.get("benchmark")
+    if isinstance(exc, KeyError):
+        return f"a {kind} record without {exc.args[0]!r}, which its plot needs"
+    return f"a malformed {kind} record: {exc}"

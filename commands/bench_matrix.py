@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -109,7 +110,7 @@ def _run_bench_matrix(args: argparse.Namespace) -> int:
     from bench.matrix import plan_groups, run_matrix
     from bench.matrix_record import default_path, format_matrix
     from bench.matrix_workloads import select_workloads
-    from bench.records import RESULTS_DIR
+    from bench.records import RESULTS_DIR, check_writable
     from bench.vllm_peer import PeerError, check_vllm_importable
     from engine import PagestreamError
     from engine.config_flags import engine_config_from_args
@@ -125,8 +126,9 @@ def _run_bench_matrix(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args, model=args.models[0])
         workloads = select_workloads(args.workloads, seed=config.seed, scale=args.scale)
         groups = plan_groups(list(args.models), workloads, config)
-        if args.output_json is None or path.is_dir():  # matrix-<card>.json in that folder
+        if _names_a_folder(args.output_json):  # matrix-<card>.json in that folder
             path = default_path(path, config, args.scale, args.profile_every)
+        check_writable(path)  # before the first row, not after it
         record = run_matrix(
             config, groups, peer=args.compare, scale=args.scale, path=path,
             resume=args.resume, use_tqdm=not args.no_progress, profile_every=args.profile_every,
@@ -143,6 +145,14 @@ def _run_bench_matrix(args: argparse.Namespace) -> int:
     png = path.with_suffix(".png")
     print(f"wrote {path}" + (f" and {png}" if png.exists() else ""), file=sys.stderr)
     return 0
+
+
+def _names_a_folder(output_json: str | None) -> bool:
+    """Whether ``--output-json`` is a folder to write matrix-<card>.json into: unset (the
+    results folder), an existing folder, or one to make, spelled with a trailing slash."""
+    if output_json is None:
+        return True
+    return output_json.endswith(("/", os.sep)) or Path(output_json).is_dir()
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli import BENCH_ARGS, SMALL_POOL, run_cli
+from tests.test_cli_inputs import assert_one_line
 
 
 def test_latency_record_has_every_batch_size_and_no_limit_on_cpu(
@@ -123,6 +124,23 @@ def test_plot_of_a_record_kind_without_a_plot_is_a_clear_error(
     path.write_text(json.dumps({"kind": "kv_quality", "machine": {}, "settings": {}}))
     code, _, err = run_cli(["bench", "plot", str(path)], capsys)
     assert code == 1 and "no plot for a record of kind 'kv_quality'" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1, 2]", "not a benchmark record (a JSON object with a kind)"),
+        ('{"kind": "throughput"}', "a throughput record without 'results', which its plot needs"),
+    ],
+)
+def test_plot_of_a_malformed_record_names_the_file_and_what_it_lacks(
+    text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "record.json"
+    path.write_text(text)
+    code, _, err = run_cli(["bench", "plot", str(path)], capsys)
+    assert code == 1
+    assert_one_line(err, f"{path}: {message}")
 
 
 @pytest.mark.parametrize("name", ["quant-smollm2-135m-h100", "speculative-ngram-smollm2-135m-h100"])

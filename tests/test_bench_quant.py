@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.quant import measure_quant
+from tests.test_cli import run_cli
 
 
 def test_quant_record_compares_each_format_with_the_float_model() -> None:
@@ -25,3 +28,17 @@ def test_quant_record_compares_each_format_with_the_float_model() -> None:
         assert batch_1["streamed_step_bytes"] == batch_1["decode_step_bytes"] - embedding_bytes
         assert "throughput" not in results[name]  # (bench throughput's own tests cover it)
     assert results["q8_0"]["logit_mean_abs_error"] < results["q4_0"]["logit_mean_abs_error"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--num-prompts", "0"), ("--output-len", "0"), ("--input-len", "-1"),
+     ("--throughput-prompts", "-2"), ("--max-model-len", "0")],
+)  # fmt: skip
+def test_counts_out_of_range_are_usage_errors_before_any_model_loads(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a model that cannot load: had the flag passed, the error would be the model's
+    args = ["bench", "quant", "--model", "dummy:no-such-shape", flag, value]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and f"argument {flag}: expected" in err

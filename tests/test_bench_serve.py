@@ -6,11 +6,20 @@ No timing assertions: the record's shape and counts are checked, not its speed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
-from bench.streams import StreamTiming, summarize
+import pytest
+
+from bench.streams import StreamTiming, _one, summarize
+from bench.workloads import BenchPrompt
+from clients import DoneEvent, TokenEvent
+from clients.protocol import FinishReason, Usage
 from commands import main as cli_main
+from tests.test_cli import run_cli
 from worker.local_stack import engine_flags
 
 NUM_PROMPTS = 12
@@ -53,6 +62,81 @@ def test_summarize_percentiles_and_tpot() -> None:
     assert summary["output_tokens"] == 21 and summary["output_tok_s"] == 10.5
     assert abs(summary["tpot_s"]["p50"] - 0.1) < 1e-9
     assert abs(summary["ttft_s"]["p50"] - 0.2) < 1e-9
+
+
+class _FakeClient:
+    """A client whose every stream is the given events (the worker's side of ``_one``)."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    async def stream(self, **request: Any) -> AsyncIterator[Any]:
+        for event in self.events:
+            yield event
+
+
+def _done(reason: FinishReason, num_tokens: int) -> DoneEvent:
+    usage = Usage(prompt_tokens=4, completion_tokens=num_tokens)
+    return DoneEvent(finish_reason=reason, usage=usage, worker="w")
+
+
+@pytest.mark.parametrize(
+    ("end", "failure"),
+    [
+        (_done(FinishReason.TIMEOUT, 1), "finish reason timeout"),
+        (_done(FinishReason.LENGTH, 1), "fewer tokens than asked"),
+        (None, "no done event"),
+    ],
+)
+def test_a_stream_that_ends_short_is_failed_and_left_out_of_the_figures(
+    end: DoneEvent | None, failure: str
+) -> None:
+    token = TokenEvent(seq=0, text="", token_ids=[7])
+    events = [token] if end is None else [token, end]
+    timing = asyncio.run(_one(_FakeClient(events), BenchPrompt([1, 2, 3, 4], output_len=8)))
+    assert timing.failure == failure and timing.num_tokens == 1
+    finished = StreamTiming(ttft_s=0.1, last_s=0.8, num_tokens=8)
+    summary = summarize([finished, timing], elapsed_s=1.0)
+    assert summary["num_requests"] == 1 and summary["num_failed"] == 1
+    assert summary["failures"] == {failure: 1}
+    assert summary["output_tokens"] == 8 and summary["ttft_s"]["p50"] == pytest.approx(0.1)
+
+
+def test_a_stream_with_every_token_finishes() -> None:
+    events = [TokenEvent(seq=0, text="", token_ids=[7, 8]), _done(FinishReason.LENGTH, 2)]
+    timing = asyncio.run(_one(_FakeClient(events), BenchPrompt([1, 2], output_len=2)))
+    assert timing.failure is None and timing.worker == "w" and timing.num_tokens == 2
+
+
+@pytest.mark.parametrize("timeout_s", ["0", "-1", "nan", "inf", "soon"])
+def test_a_timeout_of_no_time_is_a_usage_error(
+    timeout_s: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a tiny load: should the flag pass, the run stays short
+    args = ["bench", "serve", "--model", "dummy:tiny", "--device", "cpu", "--num-prompts", "1",
+            "--input-len", "4", "--output-len", "2", "--no-offline", "--vocab-size", "100",
+            "--timeout-s", timeout_s]  # fmt: skip
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "--timeout-s: expected a number of seconds above 0" in err
+
+
+def test_bench_serve_whose_requests_time_out_fails_after_writing_the_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 1 ms: the worker's deadline passes before a request's first step
+    out = tmp_path / "serve.json"
+    code, _, err = run_cli([
+        "bench", "serve", "--model", "dummy:tiny", "--device", "cpu", "--concurrency", "2",
+        "--num-prompts", "2", "--input-len", "4", "--output-len", "8", "--max-seqs", "4",
+        "--no-offline", "--vocab-size", "100", "--timeout-s", "0.001", "--output-json", str(out),
+    ], capsys)  # fmt: skip
+    assert code == 1
+    last_line = err.strip().splitlines()[-1]
+    assert last_line.endswith("error: 2 requests failed (2 finish reason timeout): the figures "
+                              "cover only the requests that finished")  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    assert results["num_requests"] == 0 and results["num_failed"] == 2
+    assert results["output_tokens"] == 0 and results["ttft_s"]["p50"] is None
 
 
 def test_engine_flags_round_trip_through_the_worker_parser() -> None:

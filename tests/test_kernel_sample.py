@@ -39,6 +39,7 @@ from bench.kernel_sample import (
         ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, "
          "at::native::ArgMaxOps<float>>>", "sampling"),
         ("_apply_token_bitmask_kernel", "sampling"),
+        ("_bias_kernel", "sampling"),  # vLLM's logit bias, allowed tokens and min-tokens
         ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
         ("void (anonymous namespace)::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>", "communication"),
         ("_fused_allreduce_rms_norm_kernel", "communication"),
