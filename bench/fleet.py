@@ -109,7 +109,8 @@ def _run_point(
                   "redis": _local_redis_pids(redis_url)}  # fmt: skip
         results = asyncio.run(run_load(redis_url, args.prefix, prompts, warmup=warmup,
                                        concurrency=concurrency, warmup_runs=args.warmup_runs,
-                                       timeout_s=args.timeout_s, cpu_groups=groups))  # fmt: skip
+                                       timeout_s=args.timeout_s, cpu_groups=groups,
+                                       progress=not args.no_progress))  # fmt: skip
     return {
         "num_workers": num_workers,
         "concurrency": concurrency,

@@ -25,6 +25,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
 from bench import loop_lag_scrape
 from bench.fleet import WORKER_FLAGS, _memory_fractions, available_cores, worker_gpus
 from bench.multiturn import MultiTurnWorkload, Session, make_sessions
@@ -132,7 +134,9 @@ def _run_point(
         sharing = device_type == "cuda" and (gpus is None or len(set(gpus)) < len(gpus))
         with running_workers(workers, one_at_a_time=sharing and num_workers > 1):
             before = [loop_lag_scrape.scrape(port) for port in metrics_ports]
-            results = asyncio.run(_drive(redis_url, system, sessions, workload, routed))
+            results = asyncio.run(
+                _drive(redis_url, system, sessions, workload, routed, not args.no_progress)
+            )
             after = [loop_lag_scrape.scrape(port) for port in metrics_ports]
     # each worker's event loop over the run: a late loop delays reads and first tokens
     loop_lag = {
@@ -152,8 +156,12 @@ async def _drive(
     sessions: list[Session],
     workload: MultiTurnWorkload,
     routed: bool,
+    progress: bool = False,
 ) -> dict[str, Any]:
     waiting = deque(range(len(sessions)))
+    bar = tqdm(
+        total=len(sessions) * workload.num_turns, desc="turns", unit="turn", disable=not progress
+    )
     ttfts_s: list[float] = []
     # each turn's TTFT split by the done event's timings: "submit", the client's route and
     # enqueue; "queue", then until a worker read it (Redis, the worker's reader); "engine",
@@ -196,12 +204,14 @@ async def _drive(
                 _split(ttft_s, submit_s, done, parts_s)
                 by_worker.setdefault(done.worker, WorkerTally()).add(ttft_s, done)
             session.add_reply(reply)
+            bar.update(1)
             if session.num_done < workload.num_turns:
                 waiting.append(index)
 
     async with AsyncClient(redis_url, prefix=PREFIX, routing=routed) as client:
         started_s = time.perf_counter()
-        await asyncio.gather(*(lane(client) for _ in range(workload.concurrency)))
+        with bar:
+            await asyncio.gather(*(lane(client) for _ in range(workload.concurrency)))
         elapsed_s = time.perf_counter() - started_s
         choices = dict(client.router.choices) if client.router is not None else {}
     ttft = percentiles(ttfts_s)

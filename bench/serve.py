@@ -38,6 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     w = parser.add_argument_group("workload")
     w.add_argument("--concurrency", type=positive_int, default=256, help="streams at once (256)")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.add_argument("--num-prompts", type=positive_int, default=512, help="default 512")
     w.add_argument("--input-len", type=int_range, default=(100, 1024), metavar="MIN-MAX")
     w.add_argument("--output-len", type=int_range, default=(100, 1024), metavar="MIN-MAX")
@@ -141,7 +142,8 @@ def _run_one(
     with _worker(args, redis_url):
         results = asyncio.run(run_load(redis_url, args.prefix, prompts, warmup=warmup_prompts(prompts),
                                        concurrency=args.concurrency, warmup_runs=args.warmup_runs,
-                                       timeout_s=args.timeout_s))  # fmt: skip
+                                       timeout_s=args.timeout_s,
+                                       progress=not args.no_progress))  # fmt: skip
         if args.through == "gateway":
             from bench.gateway import run_through_gateway
 

@@ -7,7 +7,10 @@ import asyncio
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
+
+from tqdm import tqdm
 
 
 @dataclasses.dataclass
@@ -60,12 +63,14 @@ async def run_load(
     warmup_runs: int = 0,
     timeout_s: float = 3600.0,
     cpu_groups: dict[str, list[int]] | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """``prompts`` streamed by ``concurrency`` client tasks, after the ``warmup`` prompts (all
     at once) and ``warmup_runs`` untimed runs of the whole list: the summary, the requests
     each worker finished, and the workers' engine steps from their heartbeats; with
     ``cpu_groups`` (name: pids of local processes), the cores each group, this client and
-    the rest of the host used during the timed run."""
+    the rest of the host used during the timed run. ``progress``: a bar over the timed
+    run's requests."""
     from bench.host_cpu import busy_cores, read_cpu_times
     from bench.redis_cost import per_token, read_redis_counters
     from clients import AsyncClient
@@ -78,7 +83,8 @@ async def run_load(
         cpu_before = read_cpu_times(cpu_groups or {})
         redis_before = await read_redis_counters(client.redis)
         start_s = time.perf_counter()
-        timings = await _stream_all(client, prompts, concurrency)
+        with tqdm(total=len(prompts), desc="streams", unit="req", disable=not progress) as bar:
+            timings = await _stream_all(client, prompts, concurrency, bar.update)
         elapsed_s = time.perf_counter() - start_s
         redis_after = await read_redis_counters(client.redis)
         cpu_after = read_cpu_times(cpu_groups or {})
@@ -123,14 +129,21 @@ async def _engine_counters(client: Any, since_s: float) -> tuple[int, float] | N
     return None
 
 
-async def _stream_all(client: Any, prompts: list[Any], concurrency: int) -> list[StreamTiming]:
-    """``concurrency`` client tasks, each streaming one prompt after another."""
+async def _stream_all(
+    client: Any,
+    prompts: list[Any],
+    concurrency: int,
+    finished: Callable[[int], object] = lambda n: None,
+) -> list[StreamTiming]:
+    """``concurrency`` client tasks, each streaming one prompt after another; ``finished(1)``
+    after each request."""
     pending = iter(prompts)
     timings: list[StreamTiming] = []
 
     async def stream_forever() -> None:
         for prompt in pending:  # shared: each prompt is taken by one client task
             timings.append(await _one(client, prompt))
+            finished(1)
 
     await asyncio.gather(*(stream_forever() for _ in range(concurrency)))
     return timings

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench.streams import StreamTiming, _one, summarize
+from bench.streams import StreamTiming, _one, _stream_all, summarize
 from bench.workloads import BenchPrompt
 from clients import DoneEvent, TokenEvent
 from clients.protocol import FinishReason, Usage
@@ -174,3 +174,12 @@ def test_bench_serve_through_the_gateway_records_both_paths(tmp_path: Path) -> N
     ratio = results["output_tok_s"] / client_path["output_tok_s"]
     assert gateway["ratio_to_client_path"] == ratio and gateway["target_ratio_at_least"] == 0.9
     assert gateway["added_tpot_p50_ms"] is not None
+
+
+def test_the_timed_streams_report_each_finished_request() -> None:
+    """The progress bar's feed: one call per request streamed, whichever client task took it."""
+    events = [TokenEvent(seq=0, text="", token_ids=[7]), _done(FinishReason.LENGTH, 1)]
+    finished: list[int] = []
+    prompts = [BenchPrompt([1, 2], output_len=1) for _ in range(5)]
+    timings = asyncio.run(_stream_all(_FakeClient(events), prompts, 2, finished.append))
+    assert len(timings) == 5 and finished == [1] * 5
