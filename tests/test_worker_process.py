@@ -186,48 +186,41 @@ def test_two_workers_share_survive_sigkill_and_drain_on_sigterm(
     assert not (tmp_path / "B.log").read_text().count("Traceback")
 
 
+def sigterm_once_logged(model: str, batch_jobs: str, marker: bytes, log_path: Path) -> bytes:
+    """A worker on an address where no Redis listens, sent SIGTERM once ``marker`` is in its
+    log: it must exit 0 within 30 s. Its log."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    command = [sys.executable, "-m", "commands", "worker", "--redis-url", url, "--device", "cpu",
+               "--model", model, "--batch-jobs", batch_jobs]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: marker in log_path.read_bytes(), START_TIMEOUT_S, repr(marker))
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log_path.read_text()
+    finally:
+        process.kill()
+        process.wait()
+    return log_path.read_bytes()
+
+
 @pytest.mark.parametrize("batch_jobs", ["0", "2"])
 def test_a_worker_that_cannot_reach_redis_stops_at_once_on_sigterm(
     text_model_dir: Path, tmp_path: Path, batch_jobs: str
 ) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    log_path = tmp_path / "worker.log"
-    command = [sys.executable, "-m", "commands", "worker", "--redis-url", url, "--device", "cpu",
-               "--model", str(text_model_dir), "--batch-jobs", batch_jobs]  # fmt: skip
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(
-            lambda: b"redis unavailable" in log_path.read_bytes(), START_TIMEOUT_S, "a retry"
-        )
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=20) == 0, log_path.read_text()
-    finally:
-        process.kill()
-        process.wait()
-    assert b"stopped before redis answered" in log_path.read_bytes()
+    logged = sigterm_once_logged(
+        str(text_model_dir), batch_jobs, b"redis unavailable", tmp_path / "worker.log"
+    )
+    assert b"stopped before redis answered" in logged
 
 
 def test_a_worker_stopped_while_its_model_loads_exits_0(tmp_path: Path) -> None:
     """SIGTERM during start-up (a model can take minutes to load) ends the worker cleanly, as
     operations.md says a stopped worker does: nothing was read yet, so nothing is handed back
     (it was killed by the signal, exit 143, without a word)."""
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    log_path = tmp_path / "worker.log"
     # a model of 135M random parameters: seconds to build on the CPU, the window to stop in
-    command = [sys.executable, "-m", "commands", "worker", "--redis-url", url, "--device", "cpu",
-               "--model", "dummy:smollm2-135m", "--batch-jobs", "0"]  # fmt: skip
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(
-            lambda: b"loading the model" in log_path.read_bytes(), START_TIMEOUT_S, "the load"
-        )
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0, log_path.read_text()
-    finally:
-        process.kill()
-        process.wait()
-    logged = log_path.read_bytes()
+    logged = sigterm_once_logged(
+        "dummy:smollm2-135m", "0", b"loading the model", tmp_path / "worker.log"
+    )
     assert b"stopped during start-up" in logged and b"engine ready" not in logged
     assert b"Traceback" not in logged
