@@ -156,6 +156,7 @@ async def _one(connection: Any, prompt: Any) -> StreamTiming:
     start_s = time.perf_counter()
     first_s = last_s = 0.0
     num_tokens = 0
+    finish_reason = None
     try:
         async for data in connection.post_events("/completions", body):
             if data == b"[DONE]":
@@ -166,8 +167,24 @@ async def _one(connection: Any, prompt: Any) -> StreamTiming:
             if chunk.choices and chunk.choices[0].finish_reason is None:  # a token chunk
                 last_s = time.perf_counter() - start_s
                 first_s = first_s or last_s
+            elif chunk.choices:
+                finish_reason = chunk.choices[0].finish_reason
             if chunk.usage is not None:
                 num_tokens = chunk.usage.completion_tokens
     except HttpError as exc:
         raise CommandError(f"the gateway answered: {exc}") from None
-    return StreamTiming(first_s, last_s, num_tokens)
+    return StreamTiming(
+        first_s, last_s, num_tokens, failure=stream_failure(finish_reason, num_tokens, prompt)
+    )
+
+
+def stream_failure(finish_reason: str | None, num_tokens: int, prompt: Any) -> str | None:
+    """Why a gateway stream did not finish as asked (``ignore_eos``: every token, ending by
+    length), as the client path judges its streams; None when it did."""
+    if finish_reason is None:
+        return "no finish reason"
+    if finish_reason != "length":  # the worker's deadline, or a cancel
+        return f"finish reason {finish_reason}"
+    if num_tokens < prompt.output_len:
+        return "fewer tokens than asked"
+    return None

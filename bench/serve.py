@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from bench.streams import run_load
-from worker.arg_types import int_list, int_range, positive_int
+from worker.arg_types import int_list, int_range, non_negative_int, positive_int
 from worker.errors import EXIT_USAGE, CommandError
 from worker.local_stack import embedded_redis, engine_flags, spawned_worker
 
@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--no-offline", action="store_true", help="skip the offline engine's run")
     w.add_argument("--vocab-size", type=positive_int,
                    help="token ids to draw from when the model is not loaded here (--no-offline)")  # fmt: skip
-    w.add_argument("--warmup-runs", type=int, default=0,
+    w.add_argument("--warmup-runs", type=non_negative_int, default=0,
                    help="run the whole workload this many times untimed first, offline and "
                    "through Redis (small runs are dominated by first-shape costs otherwise)")  # fmt: skip
     w.add_argument("--timeout-s", type=positive_seconds, default=3600.0,

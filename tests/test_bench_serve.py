@@ -108,6 +108,16 @@ def test_a_stream_with_every_token_finishes() -> None:
     assert timing.failure is None and timing.worker == "w" and timing.num_tokens == 2
 
 
+def test_a_negative_count_of_warm_up_runs_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["bench", "serve", "--model", "dummy:tiny", "--device", "cpu", "--num-prompts", "1",
+            "--input-len", "4", "--output-len", "2", "--no-offline", "--vocab-size", "100",
+            "--warmup-runs", "-1"]  # fmt: skip
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "--warmup-runs: expected an integer of 0 or more, got '-1'" in err
+
+
 @pytest.mark.parametrize("timeout_s", ["0", "-1", "nan", "inf", "soon"])
 def test_a_timeout_of_no_time_is_a_usage_error(
     timeout_s: str, capsys: pytest.CaptureFixture[str]
@@ -183,3 +193,22 @@ def test_the_timed_streams_report_each_finished_request() -> None:
     prompts = [BenchPrompt([1, 2], output_len=1) for _ in range(5)]
     timings = asyncio.run(_stream_all(_FakeClient(events), prompts, 2, finished.append))
     assert len(timings) == 5 and finished == [1] * 5
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "num_tokens", "failure"),
+    [
+        ("length", 4, None),
+        ("timeout", 1, "finish reason timeout"),
+        ("length", 3, "fewer tokens than asked"),
+        (None, 0, "no finish reason"),
+    ],
+)
+def test_a_gateway_stream_is_judged_as_a_client_stream_is(
+    finish_reason: str | None, num_tokens: int, failure: str | None
+) -> None:
+    """The gateway path counts a stream that ended by its deadline, short, or without a finish
+    as failed, as the client path does (it counted every stream as finished)."""
+    from bench.gateway import stream_failure
+
+    assert stream_failure(finish_reason, num_tokens, BenchPrompt([1], output_len=4)) == failure
