@@ -98,11 +98,15 @@ TINY_MOE_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
+def build_tiny_model(
+    kind: str, directory: Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """A tiny random model of ``kind`` (``overrides``: config fields changed) saved in
+    ``directory``."""
     import transformers
 
     config_name, extra = {**TINY_ARCHS, **TINY_MOE_ARCHS}[kind]
-    config = getattr(transformers, config_name)(**{**TINY_COMMON, **extra})
+    config = getattr(transformers, config_name)(**{**TINY_COMMON, **extra, **(overrides or {})})
     model_class = getattr(transformers, config_name.replace("Config", "ForCausalLM"))
     config.architectures = [model_class.__name__]
     torch.manual_seed(seed)

@@ -22,7 +22,7 @@ from engine.models.arch import ModelArch
 from engine.models.moe import Fp8StackedExperts, SparseMoeBlock
 from engine.quant.linear import QuantizedLinear
 from kernels.linear.quant import FORMATS, quantize
-from tests.conftest import TINY_MOE_ARCHS, hf_greedy, random_prompts
+from tests.conftest import TINY_MOE_ARCHS, build_tiny_model, hf_greedy, random_prompts
 
 CUDA = torch.cuda.is_available()
 NUM_NEW_TOKENS = 16
@@ -53,6 +53,46 @@ def test_moe_greedy_matches_transformers(
     llm = LLM(str(tiny_moe_dirs[kind]), **SETTINGS[setting])
     outputs = llm.generate(random_prompts(PROMPT_LENGTHS, 320, seed=1), GREEDY, use_tqdm=False)
     assert [out.token_ids for out in outputs] == references[kind]
+
+
+def test_qwen2_moe_without_qkv_biases_matches_transformers(tmp_path: Path) -> None:
+    """Qwen2-MoE's config says whether q, k and v have biases: without them the model loads and
+    answers as transformers' does (the engine assumed dense Qwen2's biases, and refused the
+    checkpoint for lacking them)."""
+    model_dir = build_tiny_model("qwen2_moe", tmp_path / "m", overrides=dict(qkv_bias=False))
+    prompts = random_prompts(PROMPT_LENGTHS, 320, seed=1)
+    outputs = LLM(str(model_dir), pa_block_size=16).generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == hf_greedy(model_dir, prompts, NUM_NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("config_name", "extra"),
+    [
+        ("LlamaConfig", {}),
+        ("Qwen2Config", {}),
+        ("Qwen3MoeConfig", TINY_MOE_ARCHS["qwen3_moe"][1]),
+        ("MixtralConfig", TINY_MOE_ARCHS["mixtral"][1]),
+    ],
+)
+def test_an_activation_other_than_silu_is_refused(config_name: str, extra: dict[str, Any]) -> None:
+    """The MLPs and experts compute SiLU: a model made with GELU loaded and gave other tokens
+    than transformers'. "swish" is SiLU's other name."""
+    import transformers
+
+    from engine.errors import UnsupportedModelError
+    from tests.conftest import TINY_COMMON
+
+    def config(activation: str) -> Any:
+        made = getattr(transformers, config_name)(
+            **{**TINY_COMMON, **extra, "hidden_act": activation}
+        )
+        made.architectures = [config_name.replace("Config", "ForCausalLM")]
+        return made
+
+    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu' is not supported"):
+        ModelArch.from_hf_config(config("gelu"))
+    for silu in ("silu", "swish"):
+        ModelArch.from_hf_config(config(silu))
 
 
 def test_moe_prefix_cache_hits_keep_outputs_exact(tiny_moe_dirs: dict[str, Path]) -> None:

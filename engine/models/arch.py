@@ -100,8 +100,11 @@ class ModelArch:
                 + ", ".join(SUPPORTED_ARCHITECTURES)
             )
         family, qkv_bias_always, qk_norm = SUPPORTED_ARCHITECTURES[architecture]
+        _check_activation(config, family)
         num_heads = config.num_attention_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
+        # Qwen2-MoE's config says whether q, k and v have biases (dense Qwen2's always do)
+        qkv_bias = bool(getattr(config, "qkv_bias", qkv_bias_always))
         return cls(
             architecture=architecture,
             vocab_size=config.vocab_size,
@@ -116,7 +119,7 @@ class ModelArch:
             rope_scaling=_rope_scaling(config),
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias_always or attention_bias,
+            qkv_bias=qkv_bias or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=qk_norm,
@@ -165,6 +168,20 @@ def _rope_scaling(config: Any) -> dict[str, Any] | None:
     if rope_type == "default":
         return None
     return {**params, "rope_type": rope_type}
+
+
+SILU_ACTIVATIONS = ("silu", "swish")  # one function, two names in HF configs
+
+
+def _check_activation(config: Any, family: str) -> None:
+    """The MLPs and experts compute SiLU (gated): a model made with another activation would
+    load and answer wrongly, so it is refused."""
+    activation = getattr(config, "hidden_act", "silu")
+    if activation not in SILU_ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{family} with hidden_act={activation!r} is not supported: the MLPs compute SiLU "
+            "(hidden_act silu or swish)"
+        )
 
 
 def _sliding_window(config: Any, family: str) -> int | None:
