@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import TINY_ARCHS, hf_greedy, random_prompts
+from tests.conftest import TINY_ARCHS, build_tiny_model, hf_greedy, random_prompts
 
 NUM_NEW_TOKENS = 24
 PROMPT_LENGTHS = [5, 37, 70, 16, 101]
@@ -111,3 +111,30 @@ def test_whole_prompt_cached_still_computes_last_token(tiny_model_dirs: dict[str
     again = [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2)]
     assert [out.token_ids for out in again] == expected * 2
     assert again[1].usage is not None and again[1].usage.cached_prompt_tokens == 48
+
+
+@pytest.mark.parametrize(
+    ("max_window_layers", "windowed"), [(2, "no layer"), (0, "every layer")]
+)  # the tiny models have 2 layers
+def test_qwen2_sliding_windows_on_no_layer_or_every_layer_match_transformers(
+    max_window_layers: int, windowed: str, tmp_path: Path
+) -> None:
+    """Qwen2's config windows the layers from ``max_window_layers`` on: none of them is full
+    attention, all of them one window for the model (both were refused); the prompts run past
+    the 16-token window."""
+    overrides = dict(
+        use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers
+    )
+    model_dir = build_tiny_model("qwen2", tmp_path / "m", overrides=overrides)
+    prompts = random_prompts(PROMPT_LENGTHS, 320, seed=3)
+    outputs = LLM(str(model_dir), pa_block_size=16).generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == hf_greedy(model_dir, prompts, NUM_NEW_TOKENS)
+
+
+def test_qwen2_sliding_windows_on_some_layers_are_refused(tmp_path: Path) -> None:
+    from engine.errors import UnsupportedModelError
+
+    overrides = dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    model_dir = build_tiny_model("qwen2", tmp_path / "m", overrides=overrides)
+    with pytest.raises(UnsupportedModelError, match="sliding windows on some layers only"):
+        LLM(str(model_dir))

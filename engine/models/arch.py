@@ -185,11 +185,24 @@ def _check_activation(config: Any, family: str) -> None:
 
 
 def _sliding_window(config: Any, family: str) -> int | None:
+    """The attention window of every layer, or None. Qwen's configs window the layers from
+    ``max_window_layers`` on (``layer_types`` says which): none or all of them is one rule for
+    the model, some of them is refused."""
     window = getattr(config, "sliding_window", None)
     if family in ("mistral", "mixtral"):
         return int(window) if window else None
-    if window and getattr(config, "use_sliding_window", False):
-        raise UnsupportedModelError(
-            f"{family} with use_sliding_window=true is not supported (per-layer windows)"
-        )
-    return None
+    if not (window and getattr(config, "use_sliding_window", False)):
+        return None
+    first_windowed = getattr(config, "max_window_layers", 0)
+    layer_types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if layer >= first_windowed else "full_attention"
+        for layer in range(config.num_hidden_layers)
+    ]
+    if set(layer_types) == {"full_attention"}:
+        return None
+    if set(layer_types) == {"sliding_attention"}:
+        return int(window)
+    raise UnsupportedModelError(
+        f"{family} with sliding windows on some layers only (use_sliding_window with "
+        f"max_window_layers={first_windowed}) is not supported"
+    )
