@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from bench.streams import StreamTiming, summarize
+from bench.streams import StreamTiming, finish_failure, summarize
 from worker.arg_types import positive_int
 from worker.errors import CommandError
 
@@ -179,12 +179,7 @@ async def _one(connection: Any, prompt: Any) -> StreamTiming:
 
 
 def stream_failure(finish_reason: str | None, num_tokens: int, prompt: Any) -> str | None:
-    """Why a gateway stream did not finish as asked (``ignore_eos``: every token, ending by
-    length), as the client path judges its streams; None when it did."""
+    """Why a gateway stream did not finish as asked (``finish_failure``); None when it did."""
     if finish_reason is None:
         return "no finish reason"
-    if finish_reason != "length":  # the worker's deadline, or a cancel
-        return f"finish reason {finish_reason}"
-    if num_tokens < prompt.output_len:
-        return "fewer tokens than asked"
-    return None
+    return finish_failure(finish_reason, num_tokens, prompt.output_len)

@@ -178,14 +178,19 @@ async def _one(client: Any, prompt: Any) -> StreamTiming:
 
 
 def _failure(done: Any, output_len: int) -> str | None:
-    """Why a stream that ended did not finish its request: greedy with EOS ignored, it must
-    end in a ``done`` event with every token it asked for (None when it did)."""
-    from clients.protocol import FinishReason
-
+    """Why a stream that ended did not finish its request: it must end in a ``done`` event
+    that ``finish_failure`` passes (None when it did)."""
     if done is None:
         return "no done event"
-    if done.finish_reason is not FinishReason.LENGTH:  # the worker's deadline, or a cancel
-        return f"finish reason {done.finish_reason.value}"
-    if done.usage.completion_tokens < output_len:
+    return finish_failure(done.finish_reason.value, done.usage.completion_tokens, output_len)
+
+
+def finish_failure(finish_reason: str, num_tokens: int, output_len: int) -> str | None:
+    """Why a benchmark request that ended did not finish as asked: greedy with EOS ignored, it
+    must end by its length with every token (None when it did). The client path's and the
+    gateway's streams are judged alike."""
+    if finish_reason != "length":  # the worker's deadline, or a cancel
+        return f"finish reason {finish_reason}"
+    if num_tokens < output_len:
         return "fewer tokens than asked"
     return None

@@ -579,6 +579,17 @@ def is_valid_request_id(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_CHARS and value.isprintable()
 
 
+def check_request_id(value: object) -> None:
+    """``ValueError`` for an id no request can have (a worker could not answer on a stream it
+    names)."""
+    if not is_valid_request_id(value):
+        shown = repr(value) if len(repr(value)) <= 80 else f"{len(str(value))} characters"
+        raise ValueError(
+            f"not a request id: request_id must be 1..{MAX_REQUEST_ID_CHARS} printable "
+            f"characters, got {shown}"
+        )
+
+
 def decode_struct(data: bytes, struct_type: type[msgspec.Struct]) -> Any:
     """Decode a payload as ``struct_type`` (heartbeats, cancel notices, dead letters)."""
     return msgspec.msgpack.decode(data, type=struct_type)

@@ -302,14 +302,12 @@ def _configure_cancel(parser: argparse.ArgumentParser) -> None:
 def run_cancel(args: argparse.Namespace) -> int:
     """Handler of ``pagestream cancel``."""
     from clients import Client
-    from clients.protocol import MAX_REQUEST_ID_CHARS, is_valid_request_id
+    from clients.protocol import check_request_id
 
-    if not is_valid_request_id(args.request_id):  # no request can have it: nothing to cancel
-        raise CommandError(
-            f"request_id must be 1..{MAX_REQUEST_ID_CHARS} printable characters, "
-            f"got {args.request_id!r}",
-            EXIT_USAGE,
-        )
+    try:  # no request can have it: nothing to cancel, checked before connecting
+        check_request_id(args.request_id)
+    except ValueError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from exc
     with Client(args.redis_url, prefix=args.prefix, cluster=args.redis_cluster) as client:
         client.cancel(args.request_id)
     print(f"cancel sent for {args.request_id}", file=sys.stderr)

@@ -241,6 +241,22 @@ def test_a_cancelled_request_records_no_time_per_output_token(harness: Harness) 
     assert request.status.status_code is StatusCode.UNSET  # a cancel is no failure
 
 
+def test_a_request_past_its_deadline_has_failed(harness: Harness) -> None:
+    """The worker finishes a timed-out request with its finish reason alone: the trace marks
+    it an error and keeps its decode time out of the time per output token."""
+    trace = harness.telemetry.start_request(
+        "req-5", traceparent=None, enqueued_at_s=None, attributes=ATTRIBUTES
+    )
+    trace.first_token()
+    harness.clock.advance(1.0)
+    trace.finish(finish_reason="timeout", prompt_tokens=3, completion_tokens=5)
+    request = harness.finished_spans()[f"text_completion {MODEL}"]
+    assert request.status.status_code is StatusCode.ERROR
+    assert request.attributes is not None and request.attributes["error.type"] == "timeout"
+    with pytest.raises(AssertionError, match="not recorded"):
+        harness.metric("gen_ai.server.time_per_output_token")
+
+
 def test_second_finish_is_ignored(harness: Harness) -> None:
     trace = run_request(harness)
     harness.clock.advance(5.0)

@@ -117,6 +117,10 @@ def render(reading: WorkerReading) -> str:
 class MetricsPortError(RuntimeError):
     """``--metrics-port`` cannot be listened on (taken, or not allowed)."""
 
+    @classmethod
+    def of(cls, host: str, port: int, exc: OSError) -> MetricsPortError:
+        return cls(f"--metrics-port {port} on {host}: {exc.strerror or exc}")
+
 
 def check_listenable(host: str, port: int) -> None:
     """Raise ``MetricsPortError`` at once when ``port`` on ``host`` cannot be listened on (taken,
@@ -132,7 +136,7 @@ def check_listenable(host: str, port: int) -> None:
                     probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 probe.bind(address)
     except OSError as exc:  # socket.gaierror included
-        raise MetricsPortError(f"--metrics-port {port} on {host}: {exc.strerror or exc}") from exc
+        raise MetricsPortError.of(host, port, exc) from exc
 
 
 class MetricsServer:
@@ -148,9 +152,7 @@ class MetricsServer:
         try:
             self._server = await asyncio.start_server(self._answer, self.host, self.port)
         except OSError as exc:
-            raise MetricsPortError(
-                f"--metrics-port {self.port} on {self.host}: {exc.strerror or exc}"
-            ) from exc
+            raise MetricsPortError.of(self.host, self.port, exc) from exc
 
     async def close(self) -> None:
         if self._server is not None:

@@ -34,6 +34,7 @@ REQUEST_DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.
 TOKEN_USAGE_BUCKETS = tuple(float(4**i) for i in range(14))  # 1, 4, 16, ... 4**13
 # the finish reasons of a request that ran to its end: its decode time says what a token took
 COMPLETED_REASONS = frozenset({"stop", "length"})
+FAILED_REASONS = frozenset({"timeout"})  # a deadline that passed: the request failed
 
 Clock = Callable[[], float]  # wall-clock seconds since the epoch, like time.time
 
@@ -167,10 +168,13 @@ class RequestTrace:
 
         `error` is a short, low-cardinality error class ("timeout", "ValueError"): it becomes
         `error.type` on the spans and on gen_ai.server.request.duration, and the span status
-        is ERROR. Time per output token is recorded only for requests that ended by a stop or
-        their length (not failed, timed out or cancelled) with more than one output token. A
-        second call is ignored.
+        is ERROR; a request that ran past its deadline (``finish_reason`` "timeout") has failed
+        whether or not the caller says so. Time per output token is recorded only for requests
+        that ended by a stop or their length (not failed, timed out or cancelled) with more
+        than one output token. A second call is ignored.
         """
+        if error is None and finish_reason in FAILED_REASONS:
+            error = finish_reason
         with self._lock:
             if self._phase is _Phase.FINISHED:
                 return

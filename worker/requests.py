@@ -359,11 +359,10 @@ class RequestHandler:
             reason = out.finish_reason.value if out.finish_reason else "stop"
             counters.finished[reason] += 1
             counters.prompt_tokens += out.usage.prompt_tokens if out.usage else 0
-            flight.trace.finish(  # a deadline that passed is the request's failure, as documented
+            flight.trace.finish(
                 finish_reason=reason,
                 prompt_tokens=out.usage.prompt_tokens if out.usage else 0,
                 completion_tokens=flight.num_tokens,
-                error="timeout" if reason == protocol.FinishReason.TIMEOUT.value else None,
             )
             self.service.release(flight)
 
