@@ -25,7 +25,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from bench import loop_lag_scrape
 from bench.fleet import WORKER_FLAGS, _memory_fractions, available_cores, worker_gpus

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 
 @dataclasses.dataclass
