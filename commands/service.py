@@ -165,12 +165,24 @@ def _configure_worker(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run_worker, command_prog=parser.prog)  # fmt: skip
 
 
-class StoppedStartingError(Exception):
-    """SIGTERM reached a worker that was still starting."""
+class StoppedStartingError(BaseException):
+    """SIGTERM reached a worker that was still loading its model (a BaseException, as
+    KeyboardInterrupt is: a library's ``except Exception`` must not swallow it)."""
 
 
-def _stop_starting(signum: int, frame: object) -> None:
-    raise StoppedStartingError
+class _StartUp:
+    """SIGTERM before serve() installs the loop's handlers: during the load it ends the
+    start-up at once; after it, serve() stops as soon as it serves (raising inside the loop's
+    setup could be swallowed by a callback's exception handler)."""
+
+    def __init__(self) -> None:
+        self.loading = True
+        self.stop_requested = False
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        self.stop_requested = True
+        if self.loading:
+            raise StoppedStartingError
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -191,7 +203,8 @@ def run_worker(args: argparse.Namespace) -> int:
     log = get_logger("pagestream.worker")
     # Until serve() installs the loop's handlers, SIGTERM ends the start-up (a model can take
     # minutes to load): nothing was read from Redis yet, so there is nothing to hand back.
-    signal.signal(signal.SIGTERM, _stop_starting)
+    start_up = _StartUp()
+    signal.signal(signal.SIGTERM, start_up.on_sigterm)
     try:  # every setting is checked before the model loads
         check_export_env()
         config = engine_config_from_args(args)
@@ -201,6 +214,7 @@ def run_worker(args: argparse.Namespace) -> int:
             check_listenable(settings.metrics_host, settings.metrics_port)
         log.info("loading the model", model=config.model)
         engine = LLMEngine(config)
+        start_up.loading = False
     except StoppedStartingError:
         log.info("stopped during start-up")
         return 0
@@ -227,12 +241,12 @@ def run_worker(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, request_stop)
+        if start_up.stop_requested:  # SIGTERM between the load and the handlers above
+            request_stop()
         await serve_with_batches(service, batches)
 
     try:
         asyncio.run(serve())
-    except StoppedStartingError:  # SIGTERM after the load, before the loop's handlers
-        log.info("stopped during start-up")
     except EngineDeadError as exc:  # a tensor-parallel rank died: its requests go elsewhere
         raise CommandError(str(exc), EXIT_ERROR) from exc
     except MetricsPortError as exc:  # nothing was read yet: a one-line error, no traceback
